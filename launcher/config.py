@@ -1,0 +1,171 @@
+"""The run configuration: one typed tree (model, data, parallel, train, logging) loaded from YAML.
+
+A run YAML names a model preset (`model: {preset: gpt3-small, ffn: {kind: demix}}`) from
+`configs/model/`, overrides what it likes, and may be overridden again from the command line
+(`--set train.steps=10`). Every problem, per field and across components, is reported at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+from data.config import DataConfig
+from launcher.typed import ConfigError, build_lenient, deep_merge, set_path
+from model.config import ModelConfig
+from parallel.config import ParallelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+MODEL_PRESET_DIR = CONFIG_DIR / "model"
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+SCHEDULES: tuple[str, ...] = ("polynomial", "cosine", "constant")
+CHECKPOINTING: tuple[str, ...] = ("none", "full")
+WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's recipe by default (DEMix Tables 9-12): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1,
+    clip 0.1, polynomial decay with 8 % warm-up, 2 sequences per GPU x 8 accumulation steps."""
+
+    steps: int = 100
+    micro_batch: int = 2
+    grad_accum: int = 8
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    schedule: str = "polynomial"
+    warmup_fraction: float = 0.08
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 0.1
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    seed: int = 1234
+    eval_interval: int = 0  # 0 = only at the end
+    eval_batches: int = 4
+    save_interval: int = 0  # 0 = only at the end
+
+    def problems(self, prefix: str = "train") -> list[str]:
+        out = []
+        for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("eval_interval", "save_interval"):
+            if getattr(self, name) < 0:
+                out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(f"{prefix}: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            out.append(f"{prefix}.warmup_fraction={self.warmup_fraction}: must be in [0, 1)")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            out.append(f"{prefix}: betas ({self.beta1}, {self.beta2}) must be in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0 or self.eps <= 0:
+            out.append(f"{prefix}: clip_grad and weight_decay must be >= 0, eps > 0")
+        for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING)):
+            if getattr(self, name) not in allowed:
+                out.append(f"{prefix}.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        return out
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    out_dir: str = "runs/default"
+    log_interval: int = 1
+    progress_bar: bool = True
+    wandb_mode: str = "offline"  # never required; "online" only when configured
+    wandb_project: str = "demix"
+
+    def problems(self, prefix: str = "logging") -> list[str]:
+        out = []
+        if self.log_interval < 1:
+            out.append(f"{prefix}.log_interval={self.log_interval}: must be >= 1")
+        if self.wandb_mode not in WANDB_MODES:
+            out.append(f"{prefix}.wandb_mode={self.wandb_mode!r}: choose one of {', '.join(WANDB_MODES)}")
+        return out
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def problems(self) -> list[str]:
+        return (
+            self.model.problems()
+            + self.data.problems()
+            + self.parallel.problems()
+            + self.train.problems()
+            + self.logging.problems()
+        )
+
+
+def model_presets() -> list[str]:
+    """Names of the shipped model presets (configs/model/*.yaml)."""
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such file"], str(path))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML ({e})"], str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a mapping at the top level"], str(path))
+    return data
+
+
+def _expand_model_preset(raw: dict, problems: list[str]) -> dict:
+    model = raw.get("model")
+    if not isinstance(model, dict) or "preset" not in model:
+        return raw
+    model = dict(model)
+    name = model.pop("preset")
+    preset_path = MODEL_PRESET_DIR / f"{name}.yaml"
+    if not preset_path.is_file():
+        problems.append(f"model.preset={name!r}: no such preset; shipped presets: {', '.join(model_presets())}")
+        return {**raw, "model": model}
+    return {**raw, "model": deep_merge(_read_yaml(preset_path), model)}
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+    """['train.steps=10', 'model.ffn.kind=demix'] -> nested dict (values parsed as YAML scalars)."""
+    out: dict = {}
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError([f"override {o!r}: expected KEY=VALUE, e.g. train.steps=10" for o in bad], "overrides")
+    for o in overrides:
+        key, _, value = o.partition("=")
+        set_path(out, key.strip(), yaml.safe_load(value))
+    return out
+
+
+def load_run_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load, merge overrides, type-check and validate a run config; raise one ConfigError with every problem."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    raw = deep_merge(raw, parse_overrides(overrides))
+    problems: list[str] = []
+    raw = _expand_model_preset(raw, problems)
+    source = str(path) if path is not None else "config"
+    cfg, type_problems = build_lenient(RunConfig, raw)
+    problems += type_problems
+    if cfg is not None:
+        problems += cfg.problems()
+    if problems or cfg is None:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def with_ffn(cfg: RunConfig, kind: str, num_experts: Optional[int] = None) -> RunConfig:
+    """A copy of `cfg` with another feed-forward kind (and optionally expert count)."""
+    ffn = replace(cfg.model.ffn, kind=kind, num_experts=cfg.model.ffn.num_experts if num_experts is None else num_experts)
+    return replace(cfg, model=replace(cfg.model, ffn=ffn))

@@ -1,0 +1,157 @@
+"""Typed model configuration: the GPT shape and the feed-forward seam's kind.
+
+Every config is a frozen dataclass. `problems()` returns every problem found (never raises),
+so that the run-level validator can report all of them at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+FFN_KINDS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
+SECOND_EXPERT_POLICIES: tuple[str, ...] = ("sampling", "all", "random")
+
+
+@dataclass(frozen=True)
+class GShardConfig:
+    """Token-routed top-k MoE options (GShard; DEMix paper §A.5)."""
+
+    top_k: int = 2
+    moe_every: int = 2  # an MoE layer every `moe_every` layers (2 = every other layer, as in the paper)
+    experts_per_rank: int = 1  # total experts = expert-parallel ranks x experts_per_rank
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 2.0
+    min_capacity: int = 4
+    aux_loss_weight: float = 0.01
+    second_expert_policy: str = "sampling"
+
+    def problems(self, prefix: str = "model.ffn.gshard") -> list[str]:
+        out = []
+        if self.top_k not in (1, 2):
+            out.append(f"{prefix}.top_k={self.top_k}: must be 1 or 2")
+        if self.moe_every < 1:
+            out.append(f"{prefix}.moe_every={self.moe_every}: must be >= 1")
+        if self.experts_per_rank < 1:
+            out.append(f"{prefix}.experts_per_rank={self.experts_per_rank}: must be >= 1")
+        if self.capacity_factor <= 0 or self.eval_capacity_factor <= 0:
+            out.append(f"{prefix}: capacity factors must be > 0")
+        if self.aux_loss_weight < 0:
+            out.append(f"{prefix}.aux_loss_weight={self.aux_loss_weight}: must be >= 0")
+        if self.second_expert_policy not in SECOND_EXPERT_POLICIES:
+            out.append(
+                f"{prefix}.second_expert_policy={self.second_expert_policy!r}: "
+                f"choose one of {', '.join(SECOND_EXPERT_POLICIES)}"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class CSEConfig:
+    """Cluster-guided sparse experts options (CSE paper, Algorithm 1)."""
+
+    last_layers: int = 2  # experts in the last N layers only
+    warmup_fraction: float = 0.01
+    num_samples: int = 1024
+    projection_dim: int = 64
+    dbscan_eps: float = 0.5
+    dbscan_min_samples: int = 5
+    centre_momentum: float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
+    max_clusters: int = 16
+
+    def problems(self, prefix: str = "model.ffn.cse") -> list[str]:
+        out = []
+        if self.last_layers < 1:
+            out.append(f"{prefix}.last_layers={self.last_layers}: must be >= 1")
+        if not 0.0 <= self.warmup_fraction <= 1.0:
+            out.append(f"{prefix}.warmup_fraction={self.warmup_fraction}: must be in [0, 1]")
+        if not 0.0 <= self.centre_momentum < 1.0:
+            out.append(f"{prefix}.centre_momentum={self.centre_momentum}: must be in [0, 1)")
+        if self.projection_dim < 1 or self.num_samples < 1 or self.max_clusters < 1:
+            out.append(f"{prefix}: projection_dim, num_samples and max_clusters must be >= 1")
+        return out
+
+
+@dataclass(frozen=True)
+class FFNConfig:
+    """The feed-forward seam: which kind, and how many experts.
+
+    `num_experts = 0` means "derive it": the number of training domains for `demix`,
+    expert-parallel ranks x experts_per_rank for `gshard`. `dense` always has one.
+    """
+
+    kind: str = "dense"
+    num_experts: int = 0
+    gshard: GShardConfig = field(default_factory=GShardConfig)
+    cse: CSEConfig = field(default_factory=CSEConfig)
+
+    def problems(self, prefix: str = "model.ffn") -> list[str]:
+        out = []
+        if self.kind not in FFN_KINDS:
+            out.append(f"{prefix}.kind={self.kind!r}: unknown feed-forward kind; choose one of {', '.join(FFN_KINDS)}")
+        if self.num_experts < 0:
+            out.append(f"{prefix}.num_experts={self.num_experts}: must be >= 0 (0 = derive from domains / ranks)")
+        if self.kind == "dense" and self.num_experts > 1:
+            out.append(f"{prefix}.num_experts={self.num_experts}: a dense FFN has exactly one expert")
+        out += self.gshard.problems(prefix + ".gshard")
+        out += self.cse.problems(prefix + ".cse")
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-3-style decoder (pre-LN, learned positions, GELU MLP, tied embeddings)."""
+
+    name: str = "custom"
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    seq_len: int = 1024
+    vocab_size: int = 50264
+    ffn_mult: int = 4
+    dropout: float = 0.0
+    init_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_ffn(self) -> int:
+        return self.ffn_mult * self.d_model
+
+    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
+        """Vocabulary padded (Megatron-style) to a multiple of `make_vocab_size_divisible_by * tp`."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def problems(self, prefix: str = "model") -> list[str]:
+        out = []
+        for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append(
+                f"{prefix}.d_model={self.d_model} is not divisible by {prefix}.n_heads={self.n_heads}: "
+                "pick a head count that divides the hidden size"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"{prefix}.dropout={self.dropout}: must be in [0, 1)")
+        if self.init_std <= 0:
+            out.append(f"{prefix}.init_std={self.init_std}: must be > 0")
+        out += self.ffn.problems(prefix + ".ffn")
+        return out
+
+    def moe_layer_ids(self) -> list[int]:
+        """Indices of the layers whose FFN is an expert layer for this kind."""
+        kind = self.ffn.kind
+        if kind == "demix":
+            return list(range(self.n_layers))  # every layer (DEMix §3; interleaving hurt)
+        if kind == "gshard":
+            every = self.ffn.gshard.moe_every
+            return [i for i in range(self.n_layers) if i % every == every - 1]
+        if kind == "cse":
+            return list(range(max(0, self.n_layers - self.ffn.cse.last_layers), self.n_layers))
+        return []

@@ -1,0 +1,171 @@
+"""A GPT-3-style decoder in plain PyTorch: pre-LayerNorm, learned positions, GELU MLP of width 4d,
+tied input/output embeddings, dropout, SDPA attention, and a feed-forward seam (model/ffn.py).
+
+Shape legend: B batch (sequences), T tokens, D model dim, H heads (local to this rank under tensor
+parallelism), K head dim, V vocabulary (local shard under tensor parallelism).
+
+The model never looks up a process group. Tensor parallelism (parallel/) swaps the linear layers, the
+embedding, the LM head and the loss from outside; the attention infers its local head count from the
+width of its qkv projection, and the qkv output is laid out head-major ([H, 3, K]) so that a contiguous
+column split gives each tensor-parallel rank whole heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.ffn import FFNOutput, build_ffn
+
+
+@dataclass
+class GPTOutput:
+    """Named results of a forward pass."""
+
+    logits: Optional[torch.Tensor]  # B T V (V local under tensor parallelism); None when not requested
+    loss: Optional[torch.Tensor] = None  # mean LM loss over scored tokens
+    token_loss: Optional[torch.Tensor] = None  # B T, per-token negative log-likelihood (0 where unscored)
+    aux_loss: Optional[torch.Tensor] = None  # sum of the FFN layers' auxiliary losses (weighted)
+    ffn_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # output laid out as [H, 3, K]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj.is_residual_projection = True
+        self.dropout_p = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        qkv_BTH3K = self.qkv(x_BTD).view(B, T, -1, 3, self.head_dim)
+        q_BHTK, k_BHTK, v_BHTK = (qkv_BTH3K[:, :, :, i].transpose(1, 2) for i in range(3))
+        y_BHTK = F.scaled_dot_product_attention(
+            q_BHTK, k_BHTK, v_BHTK, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.proj(y_BTD))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ffn = build_ffn(cfg, layer_idx, expert_ids)
+
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor]) -> tuple[torch.Tensor, FFNOutput]:
+        x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
+        f = self.ffn(self.ln2(x_BTD), domain_ids_B)
+        return x_BTD + f.hidden, f
+
+
+class TiedLMHead(nn.Module):
+    """logits = h @ W_emb^T, sharing the token embedding's weight."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = [embedding]  # a list: do not register the embedding twice as a submodule
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_BTD, self.embedding[0].weight)
+
+
+class TokenCrossEntropy(nn.Module):
+    """Per-token cross-entropy (B T), float32 for stability. Tensor parallelism swaps in the vocab-parallel one."""
+
+    def forward(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        B, T, V = logits_BTV.shape
+        return F.cross_entropy(logits_BTV.float().view(B * T, V), targets_BT.reshape(-1), reduction="none").view(B, T)
+
+
+class GPT(nn.Module):
+    """The decoder. `expert_ids` are the global expert ids this instance holds in its expert layers
+    (default: all of them). `num_experts` is the resolved number of experts (domains for DEMix)."""
+
+    def __init__(self, cfg: ModelConfig, expert_ids: Optional[Sequence[int]] = None, tensor_parallel: int = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_exp = max(1, cfg.ffn.num_experts)
+        self.expert_ids = sorted(expert_ids) if expert_ids is not None else list(range(n_exp))
+        bad = [e for e in self.expert_ids if not 0 <= e < n_exp]
+        if bad:
+            raise ValueError(f"expert ids {bad} are out of range for {n_exp} experts")
+        self.vocab_size = cfg.padded_vocab_size(tensor_parallel)
+        self.wte = nn.Embedding(self.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i, self.expert_ids) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = TiedLMHead(self.wte)
+        self.loss_fn = TokenCrossEntropy()
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.cfg.init_std
+        if isinstance(module, nn.Linear):
+            if getattr(module, "is_residual_projection", False):
+                std = std / math.sqrt(2 * self.cfg.n_layers)  # GPT-2: scale residual projections
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        domain_ids_B: Optional[torch.Tensor] = None,
+        targets_BT: Optional[torch.Tensor] = None,
+        loss_mask_BT: Optional[torch.Tensor] = None,
+        return_logits: bool = True,
+    ) -> GPTOutput:
+        """Run the decoder. With `targets_BT`, also the LM loss (mean over tokens where `loss_mask_BT`
+        is 1, e.g. excluding a prepended domain token) and per-token losses."""
+        B, T = tokens_BT.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds the model's context of {self.cfg.seq_len}")
+        pos_T = torch.arange(T, device=tokens_BT.device)
+        x_BTD = self.drop(self.wte(tokens_BT) + self.wpe(pos_T))
+        aux, stats = None, {}
+        for i, block in enumerate(self.blocks):
+            x_BTD, f = block(x_BTD, domain_ids_B)
+            if f.aux_loss is not None:
+                aux = f.aux_loss if aux is None else aux + f.aux_loss
+            stats.update({f"layer{i}/{k}": v for k, v in f.stats.items()})
+        logits_BTV = self.lm_head(self.ln_f(x_BTD))
+        out = GPTOutput(logits=logits_BTV if return_logits else None, aux_loss=aux, ffn_stats=stats)
+        if targets_BT is not None:
+            tok_BT = self.loss_fn(logits_BTV, targets_BT)
+            if loss_mask_BT is None:
+                out.loss = tok_BT.mean()
+            else:
+                mask_BT = loss_mask_BT.to(tok_BT.dtype)
+                tok_BT = tok_BT * mask_BT
+                out.loss = tok_BT.sum() / mask_BT.sum().clamp_min(1.0)
+            out.token_loss = tok_BT
+        return out
+
+    def expert_parameters(self) -> dict[int, list[nn.Parameter]]:
+        """Parameters of each global expert id held here (empty for dense)."""
+        by_expert: dict[int, list[nn.Parameter]] = {}
+        for block in self.blocks:
+            experts = getattr(block.ffn, "experts", None)
+            if isinstance(experts, nn.ModuleDict):
+                for key, mod in experts.items():
+                    by_expert.setdefault(int(key), []).extend(mod.parameters())
+        return by_expert
+
+    def num_parameters(self) -> int:
+        """Parameters held by this instance (tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
