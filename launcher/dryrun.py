@@ -1,0 +1,189 @@
+"""Dry run: check a run's config and parallel layout for N GPUs with no GPU and no process started.
+
+    python -m launcher.dryrun [CONFIG.yaml] --world-size 128 --set model.preset=gpt3-xl model.ffn.kind=demix \
+        --set parallel.tensor_parallel=2 [--domains 8] [--out runs/dryrun/summary.json]
+
+It (a) validates the config and the layout, reporting every problem at once; (b) builds the topology and
+prints its description; (c) builds the model of rank 0 and of the last rank on the meta device and prints
+their parameter counts; (d) writes a JSON summary. The DeepSpeed config belongs to the trainer: a caller
+may pass `deepspeed_config(cfg, topology) -> dict` to `main`, and the dry run writes it beside the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from launcher.config import ConfigError, RunConfig, load_run_config
+from model.gpt import GPT
+from parallel.topology import (
+    Topology,
+    build_topology,
+    deepspeed_equivalent,
+    model_sharding_problems,
+    topology_problems,
+)
+
+DEFAULT_DOMAINS = 8
+DEFAULT_OUT = "runs/dryrun/summary.json"
+DeepSpeedConfigFn = Callable[[RunConfig, Topology], dict]
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launcher.dryrun", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="run YAML (default: the built-in defaults plus --set overrides)")
+    p.add_argument("--world-size", type=int, required=True, help="number of GPUs to lay out")
+    p.add_argument("--domains", type=int, default=None,
+                   help=f"number of training domains (default: len(data.domains), else {DEFAULT_DOMAINS})")
+    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides, e.g. model.preset=gpt3-xl model.ffn.kind=demix")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON summary path (default {DEFAULT_OUT})")
+    return p.parse_args(argv)
+
+
+def resolve_domains(cfg: RunConfig, domains: Optional[int]) -> tuple[list[str], list[str]]:
+    """Domain names (from data.domains, else domain0..N-1) and any disagreement between the two sources."""
+    named = cfg.data.domains
+    if named is not None and domains is not None and len(named) != domains:
+        return list(named), [f"--domains {domains} disagrees with data.domains ({len(named)} names: {named}): "
+                             "drop one or match them"]
+    if named is not None:
+        return list(named), []
+    n = DEFAULT_DOMAINS if domains is None else domains
+    return [f"domain{g}" for g in range(n)], []
+
+
+def layout_problems(cfg: RunConfig, world_size: int, domain_names: list[str]) -> list[str]:
+    """Cross-component checks (world size vs domains vs tensor parallel vs model shape), all at once."""
+    tp, kind = cfg.parallel.tensor_parallel, cfg.model.ffn.kind
+    out = model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, tp)
+    if kind == "demix":
+        n = cfg.model.ffn.num_experts
+        if n not in (0, len(domain_names)):
+            out.append(f"model.ffn.num_experts={n} but there are {len(domain_names)} domains: DEMix has one expert per "
+                       "domain; set num_experts=0 (derive) or match the domain count")
+        out += [f"parallel: {p}" for p in topology_problems(world_size, tp, len(domain_names), cfg.parallel.allocation,
+                                                            domain_names)]
+    else:
+        if cfg.parallel.allocation is not None:
+            out.append(f"parallel.allocation={cfg.parallel.allocation} is only used with model.ffn.kind=demix (got {kind!r})")
+        out += [f"parallel: {p}" for p in topology_problems(world_size, tp, 1)]
+    return out
+
+
+def resolve_model(cfg: RunConfig, num_domains: int) -> RunConfig:
+    """DEMix: num_experts=0 means one expert per domain."""
+    if cfg.model.ffn.kind != "demix" or cfg.model.ffn.num_experts:
+        return cfg
+    return replace(cfg, model=replace(cfg.model, ffn=replace(cfg.model.ffn, num_experts=num_domains)))
+
+
+def param_counts(model: GPT, tp: int) -> dict:
+    """Full-layer counts (TP is not applied on meta) and the per-tensor-parallel-rank share, computed
+    Megatron-style: column-parallel linears (qkv, fc1) split weight and bias, row-parallel ones (proj, fc2;
+    the residual projections) split the weight only, the token embedding is vocab-parallel, the rest
+    (positions, layer norms, row-parallel biases) is replicated."""
+    sharded = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            sharded += module.weight.numel()
+            if module.bias is not None and not getattr(module, "is_residual_projection", False):
+                sharded += module.bias.numel()
+    sharded += model.wte.weight.numel()
+    total = model.num_parameters()
+    by_expert = model.expert_parameters()
+    expert = sum(p.numel() for ps in by_expert.values() for p in ps)
+    return {"total": total, "shared": total - expert, "expert": expert, "per_expert": expert // max(1, len(by_expert)),
+            "per_tp_rank": (total - sharded) + sharded // tp, "tp_sharded": sharded}
+
+
+class _SkipMetaNormal(TorchFunctionMode):
+    """Random init of a meta tensor does nothing, yet torch routes `normal_` on meta through a Python
+    reference that first imports torch._dynamo (seconds on a busy machine); skip the call instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def rank_summaries(cfg: RunConfig, topo: Topology, ranks: Sequence[int]) -> list[dict]:
+    """Build each listed rank's model on the meta device (no memory, no process) and count parameters."""
+    demix, out = cfg.model.ffn.kind == "demix", []
+    for rank in ranks:
+        info = topo.rank_info(rank)
+        expert_ids = list(info.domains) if demix else None
+        with torch.device("meta"), _SkipMetaNormal():
+            model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=topo.tensor_parallel)
+        out.append({
+            "rank": rank, "tp_rank": info.tp_rank, "dp_rank": info.dp_rank,
+            "domains": list(info.domains), "domain_names": [topo.domain_names[g] for g in info.domains],
+            "shard_index": info.shard_index, "num_shards": info.num_shards,
+            "expert_ids": model.expert_ids if demix else [],
+            "expert_groups": {str(g): list(r) for g, r in topo.expert_groups_of_rank(rank).items()} if demix else {},
+            "params": param_counts(model, topo.tensor_parallel),
+        })
+    return out
+
+
+def _print_report(cfg: RunConfig, topo: Topology, ranks: list[dict], elapsed: float) -> None:
+    m = cfg.model
+    print(f"dry run: {m.name} ({m.n_layers} x {m.d_model}, ffn={m.ffn.kind}, experts={max(1, m.ffn.num_experts)}) "
+          f"on {topo.world_size} GPUs")
+    print(topo.describe_text())
+    for r in ranks:
+        p = r["params"]
+        print(f"rank {r['rank']} (tp {r['tp_rank']}, dp {r['dp_rank']}): domains {r['domain_names']} "
+              f"shard {r['shard_index']}/{r['num_shards']}, experts {r['expert_ids']}; params {p['total']:,} "
+              f"(shared {p['shared']:,}, experts {p['expert']:,}); per tp rank ~{p['per_tp_rank']:,} "
+              f"(sharded layers / {topo.tensor_parallel})")
+    print(f"built in {elapsed:.2f} s")
+
+
+def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSpeedConfigFn] = None) -> int:
+    """Returns 0 on success, 2 (after printing every problem to stderr) when the config or layout is impossible."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        names, problems = resolve_domains(cfg, args.domains)
+        problems += layout_problems(cfg, args.world_size, names)
+        if problems:
+            raise ConfigError(problems, f"the layout for {args.world_size} GPUs")
+        demix = cfg.model.ffn.kind == "demix"
+        cfg = resolve_model(cfg, len(names))
+        topo = build_topology(args.world_size, cfg.parallel.tensor_parallel, len(names) if demix else 1,
+                              cfg.parallel.allocation if demix else None, names if demix else ["all"])
+        ranks = rank_summaries(cfg, topo, sorted({0, topo.world_size - 1}))
+    except (ConfigError, ValueError) as e:  # ValueError: a model that cannot be built (e.g. an unregistered kind)
+        print(f"dry run failed: {e}", file=sys.stderr)
+        return 2
+    _print_report(cfg, topo, ranks, time.perf_counter() - start)
+    summary = {"model": {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)},
+               "domains": names, "topology": topo.describe(),
+               "deepspeed_equivalent": deepspeed_equivalent(topo) if demix else None, "ranks": ranks}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if deepspeed_config is not None:  # the trainer's generator; the dry run only records its output
+        ds_path = out.parent / "deepspeed_config.json"
+        ds_path.write_text(json.dumps(deepspeed_config(cfg, topo), indent=2) + "\n")
+        summary["deepspeed_config"] = str(ds_path)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Run a function on N real processes over gloo, the way a launcher would, and collect results.
+
+    results = run_ranks(_my_check, world_size=4, args=(cfg_dict,))
+
+`fn(rank, world_size, *args)` runs in each child after `torch.distributed` is initialised on gloo with
+the standard environment variables set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
+DeepSpeed and megatron-core find them as they would under `deepspeed` or `torchrun`. Its return value
+(picklable) comes back in rank order. An exception in any rank fails the call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Plain pickle (not the multiprocessing one): tensors travel as bytes, not as shared-memory handles
+        # that would vanish when this process exits.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report every failure, including SystemExit from libraries
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0, init_pg: bool = True
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+            if failures:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if failures else 60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        rank = min(failures)
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise AssertionError(f"ranks {missing} of {world_size} returned nothing (crashed or hung)")
+    return [results[r] for r in range(world_size)]

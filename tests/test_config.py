@@ -1,0 +1,64 @@
+"""Typed configs: every shipped YAML loads; bad configs list every problem at once."""
+
+from pathlib import Path
+
+import pytest
+
+from launcher.config import CONFIG_DIR, ConfigError, load_run_config, model_presets
+from model.config import FFN_KINDS
+
+RUN_CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_presets_are_shipped():
+    assert {"tiny", "gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl"} <= set(model_presets())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl"])
+@pytest.mark.parametrize("kind", ["dense", "demix", "gshard"])
+def test_every_preset_loads_as_every_kind(preset, kind):
+    cfg = load_run_config(None, [f"model.preset={preset}", f"model.ffn.kind={kind}"])
+    assert cfg.model.name == preset and cfg.model.ffn.kind == kind
+
+
+def test_paper_shapes():
+    shapes = {p: load_run_config(None, [f"model.preset={p}"]).model for p in ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl")}
+    assert [(m.n_layers, m.d_model, m.seq_len) for m in shapes.values()] == [
+        (12, 768, 1024), (24, 1024, 1024), (24, 1536, 1024), (24, 2048, 1024)
+    ]
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_run_config_loads(path: Path):
+    cfg = load_run_config(path)
+    assert cfg.model.ffn.kind in FFN_KINDS
+
+
+def test_bad_config_lists_every_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "model: {preset: tiny, n_heads: 5, bogus: 1, ffn: {kind: moe}}\n"
+        "train: {lr: fast, precision: fp8}\n"
+        "parallel: {zero_stage: 3}\n"
+        "nonsense: 1\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_run_config(bad)
+    text = str(e.value)
+    for needle in ("n_heads=5", "bogus", "kind='moe'", "lr='fast'", "precision='fp8'", "zero_stage=3", "nonsense"):
+        assert needle in text, (needle, text)
+    assert len(e.value.problems) == 7
+
+
+def test_unknown_preset_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such preset"):
+        load_run_config(None, ["model.preset=gpt5"])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_run_config(tmp_path / "missing.yaml")
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = load_run_config(None, ["model.preset=tiny", "train.lr=3e-4", "train.steps=7", "parallel.allocation=[1, 3]"])
+    assert cfg.train.lr == 3e-4 and cfg.train.steps == 7 and cfg.parallel.allocation == [1, 3]
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_run_config(None, ["train.steps"])
