@@ -75,7 +75,8 @@ def layout_problems(cfg: RunConfig, world_size: int, domain_names: list[str]) ->
                                                             domain_names)]
     else:
         if cfg.parallel.allocation is not None:
-            out.append(f"parallel.allocation={cfg.parallel.allocation} is only used with model.ffn.kind=demix (got {kind!r})")
+            out.append(f"parallel.allocation={cfg.parallel.allocation} is only used with model.ffn.kind=demix "
+                       f"(got {kind!r})")
         out += [f"parallel: {p}" for p in topology_problems(world_size, tp, 1)]
     return out
 
@@ -102,7 +103,9 @@ def param_counts(model: GPT, tp: int) -> dict:
     total = model.num_parameters()
     by_expert = model.expert_parameters()
     expert = sum(p.numel() for ps in by_expert.values() for p in ps)
-    return {"total": total, "shared": total - expert, "expert": expert, "per_expert": expert // max(1, len(by_expert)),
+    per_expert = expert // max(1, len(by_expert))
+    return {"total": total, "shared": total - expert, "expert": expert, "per_expert": per_expert,
+            "model_all_experts": total - expert + per_expert * model.cfg.ffn.num_experts if by_expert else total,
             "per_tp_rank": (total - sharded) + sharded // tp, "tp_sharded": sharded}
 
 
@@ -171,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         print(f"dry run failed: {e}", file=sys.stderr)
         return 2
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
-    summary = {"model": {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)},
+    model = {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)}
+    summary = {"model": model,
                "domains": names, "topology": topo.describe(),
                "deepspeed_equivalent": deepspeed_equivalent(topo) if demix else None, "ranks": ranks}
     out = Path(args.out)

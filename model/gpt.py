@@ -13,6 +13,7 @@ column split gives each tensor-parallel rank whole heads.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -93,8 +94,16 @@ class GPT(nn.Module):
     """The decoder. `expert_ids` are the global expert ids this instance holds in its expert layers
     (default: all of them). `num_experts` is the resolved number of experts (domains for DEMix)."""
 
-    def __init__(self, cfg: ModelConfig, expert_ids: Optional[Sequence[int]] = None, tensor_parallel: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        expert_ids: Optional[Sequence[int]] = None,
+        tensor_parallel: int = 1,
+        init_seed: Optional[int] = None,
+    ) -> None:
         super().__init__()
+        if init_seed is None:  # follows torch.manual_seed; drawn before module construction consumes the RNG
+            init_seed = int(torch.randint(0, 2**31 - 1, (), device="cpu").item())
         self.cfg = cfg
         n_exp = max(1, cfg.ffn.num_experts)
         self.expert_ids = sorted(expert_ids) if expert_ids is not None else list(range(n_exp))
@@ -109,18 +118,25 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = TiedLMHead(self.wte)
         self.loss_fn = TokenCrossEntropy()
-        self.apply(self._init_weights)
+        self.reset_parameters(init_seed)
 
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.cfg.init_std
-        if isinstance(module, nn.Linear):
-            if getattr(module, "is_residual_projection", False):
-                std = std / math.sqrt(2 * self.cfg.n_layers)  # GPT-2: scale residual projections
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 initialisation, N(0, 0.02) with residual projections scaled by 1/sqrt(2L), where every
+        tensor's values are a pure function of (seed, its name). A rank that builds only its own experts
+        therefore gets exactly the weights the full model would have (DEMix: experts start equal-seeded
+        per layer and domain, independent of the parallel layout)."""
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:
+                std = self.cfg.init_std
+                if getattr(module, "is_residual_projection", False):
+                    std = std / math.sqrt(2 * self.cfg.n_layers)
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm) and not module.weight.is_meta:
+                module.reset_parameters()
 
     def forward(
         self,

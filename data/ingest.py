@@ -1,0 +1,248 @@
+"""Ingest a user's corpus into the normalised per-domain JSONL format, reporting every bad line.
+
+Accepted sources:
+- a JSONL file, or a directory of `*.jsonl` files, one JSON object per line; the text and domain fields are
+  configurable (`text_field`, `domain_field`, `id_field`); a missing id becomes `<file>:<line>`;
+- a directory with one sub-directory per domain, holding `.txt` files (searched recursively); one file is one
+  document, its id is its path relative to the domain directory.
+
+Output (the format the demo fetcher writes too, and the input of `data.prepare`):
+
+    <out>/<domain>.jsonl     one {"id", "domain", "text"} object per line, UTF-8
+    <out>/manifest.json      source, fields, per-domain counts, and problem counts per reason
+
+Every rejected line is a `Problem` with file and line number and one reason of `REASONS`. `on_error="fail"`
+scans everything first and raises one `CorpusError` listing the first problems (nothing is written);
+`on_error="skip"` drops the bad lines, counts them per reason and records the counts (and the first problems)
+in the manifest. Nothing is dropped silently: documents in == documents out + problems.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+REASONS: tuple[str, ...] = (
+    "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
+    "missing_domain", "unknown_domain",
+)
+ON_ERROR: tuple[str, ...] = ("skip", "fail")
+MANIFEST_FORMAT = "demix-corpus/1"
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    domain: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    line: int  # 1-based; for a .txt document, the first offending line
+    reason: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class ProblemLog:
+    """Counts per reason plus the first `keep` problems in full (file:line)."""
+
+    keep: int = 20
+    counts: Counter = field(default_factory=Counter)
+    first: list[Problem] = field(default_factory=list)
+
+    def add(self, p: Problem) -> None:
+        self.counts[p.reason] += 1
+        if len(self.first) < self.keep:
+            self.first.append(p)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_json(self) -> dict:
+        return {"total": self.total, "counts": dict(sorted(self.counts.items())), "first": [str(p) for p in self.first]}
+
+
+class CorpusError(ValueError):
+    """Raised by `on_error="fail"`: one message listing the first problems with file:line."""
+
+    def __init__(self, log: ProblemLog, source: str):
+        self.log = log
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(log.counts.items()))
+        lines = "\n".join(f"  {p}" for p in log.first)
+        more = log.total - len(log.first)
+        super().__init__(
+            f"{source}: {log.total} bad line(s) ({counts}); first {len(log.first)}:\n{lines}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+            + "\n(use on_error='skip' to drop them and record the counts in the manifest)"
+        )
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r}: choose one of {', '.join(ON_ERROR)}")
+
+
+def _parse_line(
+    raw: bytes, path: str, lineno: int, text_field: str, domain_field: str, id_field: str,
+    domains: Optional[frozenset[str]], default_domain: Optional[str],
+) -> Union[Document, Problem]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Problem(path, lineno, "non_utf8", f"byte {e.start}: {raw[e.start:e.start + 4]!r}")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Problem(path, lineno, "invalid_json", e.msg + f" at column {e.colno}")
+    if not isinstance(obj, dict):
+        return Problem(path, lineno, "not_an_object", type(obj).__name__)
+    if text_field not in obj or obj[text_field] is None:
+        return Problem(path, lineno, "missing_text", f"no field {text_field!r}")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        return Problem(path, lineno, "text_not_string", type(text).__name__)
+    if not text.strip():
+        return Problem(path, lineno, "empty_text")
+    try:
+        text.encode("utf-8")  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
+    except UnicodeEncodeError as e:
+        return Problem(path, lineno, "non_utf8", f"unpaired surrogate at character {e.start}")
+    domain = obj.get(domain_field, default_domain)
+    if domain is None or domain == "":
+        return Problem(path, lineno, "missing_domain", f"no field {domain_field!r}")
+    domain = str(domain)
+    if domains is not None and domain not in domains:
+        return Problem(path, lineno, "unknown_domain", f"{domain!r} not in {sorted(domains)}")
+    doc_id = obj.get(id_field)
+    return Document(str(doc_id) if doc_id is not None else f"{Path(path).name}:{lineno}", domain, text)
+
+
+def read_jsonl(
+    path: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain", id_field: str = "id",
+    domains: Optional[Iterable[str]] = None, default_domain: Optional[str] = None,
+) -> Iterator[Union[Document, Problem]]:
+    """Yield a `Document` or a `Problem` for each non-blank line of a JSONL file (read as bytes, so non-UTF-8
+    lines are reported with their number instead of aborting the file)."""
+    allowed = frozenset(domains) if domains is not None else None
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue  # blank lines carry nothing: not a document, not a problem
+            yield _parse_line(raw, str(path), lineno, text_field, domain_field, id_field, allowed, default_domain)
+
+
+def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = None) -> Iterator[Union[Document, Problem]]:
+    """Yield documents from `root/<domain>/**/*.txt` (one file = one document)."""
+    root = Path(root)
+    allowed = frozenset(domains) if domains is not None else None
+    for ddir in sorted(p for p in root.iterdir() if p.is_dir()):
+        for path in sorted(ddir.rglob("*.txt")):
+            data = path.read_bytes()
+            if allowed is not None and ddir.name not in allowed:
+                yield Problem(str(path), 1, "unknown_domain", f"{ddir.name!r} not in {sorted(allowed)}")
+                continue
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Problem(str(path), data.count(b"\n", 0, e.start) + 1, "non_utf8", f"byte offset {e.start}")
+                continue
+            if not text.strip():
+                yield Problem(str(path), 1, "empty_text")
+                continue
+            yield Document(str(path.relative_to(ddir)), ddir.name, text)
+
+
+def iter_source(
+    source: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain", id_field: str = "id",
+    domains: Optional[Sequence[str]] = None,
+) -> Iterator[Union[Document, Problem]]:
+    """Documents and problems from a JSONL file, a directory of JSONL files, or a directory of domain folders."""
+    source = Path(source)
+    if source.is_file():
+        files = [source]
+    elif source.is_dir():
+        files = sorted(source.glob("*.jsonl"))
+        if not files:
+            yield from read_text_dir(source, domains)
+            return
+    else:
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    for f in files:
+        yield from read_jsonl(f, text_field=text_field, domain_field=domain_field, id_field=id_field, domains=domains)
+
+
+@dataclass
+class IngestReport:
+    out_dir: str
+    documents: dict[str, int]  # per domain
+    problems: ProblemLog
+
+    def to_json(self) -> dict:
+        return {"documents": self.documents, "problems": self.problems.to_json()}
+
+
+def scan(records: Iterable[Union[Document, Problem]], keep: int = 20) -> ProblemLog:
+    """Validate only (the cheap pass `on_error="fail"` runs before anything is written)."""
+    log = ProblemLog(keep)
+    for r in records:
+        if isinstance(r, Problem):
+            log.add(r)
+    return log
+
+
+def ingest(
+    source: Union[str, Path], out_dir: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain",
+    id_field: str = "id", domains: Optional[Sequence[str]] = None, on_error: str = "skip", max_report: int = 20,
+) -> IngestReport:
+    """Normalise `source` into `<out_dir>/<domain>.jsonl` + `manifest.json`; see the module docstring."""
+    check_on_error(on_error)
+    kw = dict(text_field=text_field, domain_field=domain_field, id_field=id_field, domains=domains)
+    if on_error == "fail":
+        log = scan(iter_source(source, **kw), max_report)
+        if log.total:
+            raise CorpusError(log, str(source))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ingest-", dir=out_dir))
+    log, counts, handles = ProblemLog(max_report), Counter(), {}
+    try:
+        for r in iter_source(source, **kw):
+            if isinstance(r, Problem):
+                log.add(r)
+                continue
+            if r.domain not in handles:
+                handles[r.domain] = open(tmp / f"{r.domain}.jsonl", "w", encoding="utf-8")
+            handles[r.domain].write(json.dumps({"id": r.id, "domain": r.domain, "text": r.text}, ensure_ascii=False) + "\n")
+            counts[r.domain] += 1
+        for h in handles.values():
+            h.close()
+        for name in handles:
+            os.replace(tmp / f"{name}.jsonl", out_dir / f"{name}.jsonl")
+    finally:
+        for h in handles.values():
+            h.close()
+        for p in tmp.iterdir():
+            p.unlink()
+        tmp.rmdir()
+    report = IngestReport(str(out_dir), dict(sorted(counts.items())), log)
+    manifest = {
+        "format": MANIFEST_FORMAT, "source": str(source), "on_error": on_error,
+        "fields": {"text": text_field, "domain": domain_field, "id": id_field},
+        "domains": {d: {"documents": n, "file": f"{d}.jsonl"} for d, n in report.documents.items()},
+        "problems": log.to_json(),
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    return report

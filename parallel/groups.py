@@ -1,0 +1,117 @@
+"""Process groups, made once from the pure topology and passed in (never looked up from inside the model).
+
+`ProcessGroups.create(topo)` calls `torch.distributed.new_group` for every tensor-parallel group, every
+data-parallel group and every domain's expert group, on every rank and in the same order (a requirement of
+`new_group`), and keeps the ones this rank belongs to. `register_with_deepspeed` then makes DeepSpeed's
+expert-data-parallel machinery use *our* domain groups: all of a rank's expert parameters carry the group
+name `EXPERT_GROUP_NAME`, bound on each rank to that rank's own domain group. Every rank therefore has the
+same optimizer param-group structure (which ZeRO's collective norm computation needs), whatever the
+allocation (even, uneven, or several domains per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from parallel.topology import Group, Topology
+
+EXPERT_GROUP_NAME = "demix_domain"
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's groups and their rank lists."""
+
+    topo: Topology
+    rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    tp_ranks: Group
+    dp_group: Optional[dist.ProcessGroup]
+    dp_ranks: Group
+    expert_group: Optional[dist.ProcessGroup]  # the ranks that share this rank's experts (same domain(s), same tp rank)
+    expert_ranks: Group
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_ranks.index(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_ranks.index(self.rank)
+
+    @classmethod
+    def create(cls, topo: Topology, rank: Optional[int] = None) -> "ProcessGroups":
+        """Make every group (collective: all ranks must call this with the same topology)."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first")
+        rank = dist.get_rank() if rank is None else rank
+        if dist.get_world_size() != topo.world_size:
+            raise ValueError(
+                f"the topology is for {topo.world_size} ranks but {dist.get_world_size()} processes were started"
+            )
+        mine: dict[str, tuple[Optional[dist.ProcessGroup], Group]] = {}
+
+        def make(kind: str, groups: list[Group]) -> None:
+            for ranks in groups:
+                pg = dist.new_group(list(ranks))
+                if rank in ranks:
+                    mine[kind] = (pg, ranks)
+
+        make("tp", list(topo.tp_groups))
+        make("dp", list(topo.dp_groups))
+        # One expert group per distinct rank set (several domains on one rank share one group).
+        expert_sets = sorted({grp for per_domain in topo.expert_groups for grp in per_domain})
+        make("expert", expert_sets)
+        return cls(topo, rank, *mine["tp"], *mine["dp"], *mine["expert"])
+
+
+class DeepSpeedMPU:
+    """The `mpu` object DeepSpeed asks for: model(=tensor)-parallel and data-parallel groups."""
+
+    def __init__(self, groups: ProcessGroups) -> None:
+        self.g = groups
+
+    def get_model_parallel_rank(self) -> int:
+        return self.g.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self.g.tp_ranks)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.g.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.g.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.g.dp_ranks)
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.g.dp_group
+
+    # DeepSpeed also asks under the tensor-parallel names.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def register_with_deepspeed(groups: ProcessGroups) -> None:
+    """Bind DeepSpeed's expert-data-parallel group name to this rank's domain group.
+
+    DeepSpeed reduces a parameter tagged `allreduce=False, group_name=N` over
+    `deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP[N]`, at ZeRO 0 (engine) and 1/2 (optimizer).
+    """
+    from deepspeed.utils import groups as ds_groups
+
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[EXPERT_GROUP_NAME] = groups.expert_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(groups.expert_ranks)
+    # ZeRO only checks that an expert-parallel group exists; DEMix has no all-to-all, the closest meaning is
+    # the data-parallel group (the ranks that hold the other domains' experts).
+    ds_groups._EXPERT_PARALLEL_GROUP[EXPERT_GROUP_NAME] = groups.dp_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(groups.dp_ranks)

@@ -1,0 +1,408 @@
+"""Megatron-style tensor parallelism (Shoeybi et al. 2019, §3), applied to the plain GPT from outside.
+
+Shape legend: B batch, T tokens, D model dim, F ffn dim, H heads, K head dim, V vocabulary;
+a trailing `l` marks the local shard of a tensor-parallel rank (Vl = V / tp, Fl = F / tp, Hl = H / tp).
+
+`apply_tensor_parallel(model, tp_group)` takes a GPT built normally (full weights, the same seed on every
+rank of the group) and swaps, in place, each layer for megatron-core's tensor-parallel one, initialised by
+copying this rank's shard of the full weight, so that a TP=tp model computes what the TP=1 model computes:
+
+    attention   qkv  -> ColumnParallelLinear  W_qkv [3D, D] split by rows; the qkv output is laid out
+                                              head-major [H, 3, K], so a contiguous split gives whole heads
+                proj -> RowParallelLinear     W_o [D, D] split by columns (input_is_parallel)
+    every MLP   fc1  -> ColumnParallelLinear  W_1 [F, D] split by rows, with its bias
+    (dense and  fc2  -> RowParallelLinear     W_2 [D, F] split by columns
+     experts)
+    wte              -> VocabParallelEmbedding      rows [V, D] split: rank r holds ids [r Vl, (r+1) Vl)
+    lm_head          -> VocabParallelTiedLMHead     logits_BTVl = copy_to_tp_region(h_BTD) @ W_emb_local^T
+    loss_fn          -> VocabParallelTokenCrossEntropy (per-token loss B T, like TokenCrossEntropy)
+
+The attention and the MLP are the f/g conjugate pairs of the Megatron paper: a column-parallel layer
+(identity forward, all-reduce of dX backward) then a row-parallel one (all-reduce forward, identity
+backward), so each block costs one all-reduce forward and one backward per sub-layer. The row-parallel
+bias is added once, after the all-reduce (megatron-core does this when skip_bias_add=False).
+
+Vocab-parallel cross-entropy (one rank's logits z_Vl, target y, softmax over the whole V):
+
+    m = max_allreduce(max_v z_v);   S = sum_allreduce(sum_v exp(z_v - m));   z_y = sum_allreduce(z_y if y local)
+    loss = log S - (z_y - m);       dloss/dz_v = softmax_v - 1[v = y]   (local columns only)
+
+Parameters, and what each TP rank holds:
+  * sharded (`tensor_model_parallel=True`, `partition_dim` 0 or 1): qkv/fc1 weight and bias, proj/fc2
+    weight, wte weight (hence also the tied head);
+  * replicated (`tensor_model_parallel=False`): every LayerNorm (ln1, ln2, ln_f), the position embedding
+    wpe, and the row-parallel biases (proj.bias, fc2.bias). Their inputs and output gradients are identical
+    on every TP rank, so their gradients are too (tests check this); a gradient-norm computation must count
+    them once per TP group (DeepSpeed / megatron skip params without `tensor_model_parallel` on TP ranks
+    other than 0). Every parameter gets the megatron defaults for these attributes.
+
+megatron-core global state (`parallel_state`) and RNG:
+  * Every megatron layer gets `tp_group=` explicitly; nothing here initialises or reads `parallel_state`,
+    so a rank may hold several unrelated TP groups and the layout (which ranks form a group) is decided
+    by parallel/ alone.
+  * megatron-core 0.16's `tensor_parallel.vocab_parallel_cross_entropy` reads the group, rank and size
+    from `parallel_state` (its fused variant takes a group but casts the gradient to bf16). Rather than
+    initialising the globals, `_VocabParallelCrossEntropy` below is megatron's own autograd function
+    re-assembled from its public `VocabParallelCrossEntropy` building blocks with the group passed in
+    (label smoothing left out); the tests check it against `vocab_parallel_cross_entropy` with
+    `parallel_state` initialised to the same layout.
+  * Layers are built with `use_cpu_initialization=True, perform_initialization=False`: the weights are
+    copied from the full model, so no RNG is consumed and megatron's CUDA RNG tracker is never touched
+    (`model_parallel_cuda_manual_seed` needs CUDA; none of the layers used here needs a tracker in forward
+    or backward).
+  * Dropout: dropout on replicated activations (embeddings, after row-parallel layers) must draw the same
+    mask on every TP rank; it does, because every TP rank consumes the default generator identically (same
+    seed, same ops). Attention-probability dropout inside SDPA acts on each rank's local heads with the
+    same generator state, so head h on rank 0 and head h + H/tp on rank 1 get the same mask: correct in
+    expectation but correlated. Megatron forks a per-TP-rank RNG stream there; the plain model would need
+    an RNG seam in its attention for that. Parity with TP=1 holds exactly only with dropout 0.
+
+Other things a caller should know:
+  * CPU bf16 autocast (DeepSpeed `torch_autocast` on CPU) needs the operand cast in
+    `_cpu_autocast_operands`: megatron's linear autograd function only honours CUDA autocast.
+  * Modules hold their ProcessGroup, which cannot be pickled or deep-copied (megatron's layers are the
+    same): copy a TP model with `copy.deepcopy(model, {id(tp_group): tp_group})`, save it through
+    `state_dict()` (its megatron layers add `..._extra_state: None` entries) or `gather_full_state_dict`.
+  * Every rank of a TP group must see the same batch and call forward/backward the same number of times:
+    the layers communicate inside forward and backward. `gather_*` are collectives over the group too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig, tensor_parallel
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.layers import (
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.utils import VocabUtility
+from torch.distributed import ProcessGroup
+
+from model.config import ModelConfig
+from model.ffn import MLP
+from model.gpt import GPT
+
+# Attributes megatron-core uses to describe a parameter's tensor-parallel sharding.
+TP_ATTRIBUTES: tuple[str, ...] = ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_tp", "is_qkv")
+IGNORE_INDEX = -100  # as F.cross_entropy: targets equal to it score 0 (TokenCrossEntropy inherits this)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layout checks (pure)
+# ----------------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_problems(cfg: ModelConfig, tp: int, vocab_size: Optional[int] = None) -> list[str]:
+    """Every reason a model of shape `cfg` (padded vocabulary `vocab_size`, default the one GPT(cfg,
+    tensor_parallel=tp) pads to) cannot be split over `tp` tensor-parallel ranks. Never raises."""
+    if tp < 1:
+        return [f"tensor_parallel={tp}: must be >= 1"]
+    out = []
+    if cfg.n_heads % tp:
+        out.append(
+            f"model.n_heads={cfg.n_heads} is not divisible by tensor_parallel={tp}: "
+            "each tensor-parallel rank must hold whole attention heads"
+        )
+    if cfg.d_ffn % tp:
+        out.append(
+            f"d_ffn={cfg.d_ffn} (model.ffn_mult={cfg.ffn_mult} x model.d_model={cfg.d_model}) "
+            f"is not divisible by tensor_parallel={tp}"
+        )
+    vocab = cfg.padded_vocab_size(tp) if vocab_size is None else vocab_size
+    if vocab % tp:
+        out.append(
+            f"padded vocabulary {vocab} is not divisible by tensor_parallel={tp}: build the model with "
+            f"GPT(cfg, tensor_parallel={tp}), which pads model.vocab_size={cfg.vocab_size} to a multiple of "
+            f"model.make_vocab_size_divisible_by x tp = {cfg.make_vocab_size_divisible_by * tp}"
+        )
+    return out
+
+
+def check_tensor_parallel_layout(cfg: ModelConfig, tp: int, vocab_size: Optional[int] = None) -> None:
+    """Raise one ValueError naming every problem of `tensor_parallel_problems`."""
+    problems = tensor_parallel_problems(cfg, tp, vocab_size)
+    if problems:
+        raise ValueError("cannot apply tensor parallelism:\n  - " + "\n  - ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layers: megatron-core's, returning a tensor as nn.Linear does (the bias is added inside)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cpu_autocast_operands(input_: torch.Tensor, weight: torch.Tensor, kwargs: dict) -> tuple:
+    """Under CPU autocast, cast the matmul operands as autocast would for F.linear.
+
+    megatron's linear autograd function is decorated for CUDA autocast only: on CPU its forward matmul is
+    autocast to bf16 but its backward multiplies the bf16 output gradient by the saved fp32 weight and fails
+    ("expected m1 and m2 to have the same dtype"). Casting outside the function keeps the cast in the graph
+    (fp32 master gradients) and gives the function consistent operands."""
+    if input_.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return input_, weight, kwargs
+    dtype = torch.get_autocast_dtype("cpu")
+    if kwargs.get("bias") is not None:
+        kwargs = {**kwargs, "bias": kwargs["bias"].to(dtype)}
+    return input_.to(dtype), weight.to(dtype), kwargs
+
+
+class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+    """Y_l = X W_l^T + b_l: output columns split over the TP group (gather_output=False)."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's signature)
+        input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, _ = super().forward(input_)
+        return out
+
+
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """Y = all_reduce(X_l W_l^T) + b: input already split over the TP group; bias added once, after the sum."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's signature)
+        input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, _ = super().forward(input_)
+        return out
+
+
+class VocabParallelTiedLMHead(nn.Module):
+    """Local-vocabulary logits from the vocab-parallel embedding's weight (Megatron's tied output layer):
+    logits_BTVl = h_BTD @ W_emb_local^T, with h passed through copy_to_tensor_model_parallel_region so that
+    dL/dh (a sum over the whole vocabulary) is all-reduced over the TP group in backward."""
+
+    def __init__(self, embedding: tensor_parallel.VocabParallelEmbedding, tp_group: ProcessGroup) -> None:
+        super().__init__()
+        self.embedding = [embedding]  # a list: do not register the embedding twice as a submodule
+        self.tp_group = tp_group
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTD = copy_to_tensor_model_parallel_region(h_BTD, group=self.tp_group)
+        return F.linear(h_BTD, self.embedding[0].weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """megatron-core's `_VocabParallelCrossEntropy` (no label smoothing) with an explicit group."""
+
+    @staticmethod
+    def forward(ctx, logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        # megatron's helpers work in place on float32 logits; copy so the caller's logits stay intact.
+        logits_BTVl = logits_BTVl.detach().to(torch.float32, copy=True)
+        logits_BTVl, max_BT = VocabParallelCrossEntropy.calculate_logits_max(logits_BTVl)
+        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits_BTVl.size(-1), group.rank(), group.size()
+        )
+        mask_BT, target_N, picked_BT, sum_exp_BT, exp_BTVl = VocabParallelCrossEntropy.calculate_predicted_logits(
+            logits_BTVl, targets_BT, max_BT, start, end
+        )
+        both_2BT = torch.stack([picked_BT, sum_exp_BT])  # one all-reduce for both sums
+        dist.all_reduce(both_2BT, op=dist.ReduceOp.SUM, group=group)
+        softmax_BTVl, loss_BT = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+            exp_BTVl, both_2BT[0], both_2BT[1]
+        )
+        ctx.save_for_backward(softmax_BTVl, mask_BT, target_N)
+        return loss_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax_BTVl, mask_BT, target_N = ctx.saved_tensors
+        grad_2d, arange_N, update_N, grad_BTVl = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
+            softmax_BTVl, mask_BT
+        )
+        grad_BTVl = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_N, target_N, update_N, grad_BTVl, grad_BT.contiguous()
+        )
+        return grad_BTVl, None, None
+
+
+def vocab_parallel_cross_entropy(logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Per-token cross-entropy (float32, shape of `targets_BT`) from vocab-sharded logits."""
+    return _VocabParallelCrossEntropy.apply(logits_BTVl, targets_BT, group)
+
+
+class VocabParallelTokenCrossEntropy(nn.Module):
+    """The vocab-parallel stand-in for model.gpt.TokenCrossEntropy: per-token loss B T, float32, 0 where
+    the target is IGNORE_INDEX (as F.cross_entropy's default)."""
+
+    def __init__(self, tp_group: ProcessGroup) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+
+    def forward(self, logits_BTVl: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        loss_BT = vocab_parallel_cross_entropy(logits_BTVl, targets_BT, self.tp_group)
+        return loss_BT.masked_fill(targets_BT == IGNORE_INDEX, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Swapping layers in
+# ----------------------------------------------------------------------------------------------------
+
+
+def megatron_config(tp: int, params_dtype: torch.dtype = torch.float32) -> ModelParallelConfig:
+    """The ModelParallelConfig for layers whose weights are copied in (no init, no RNG, CPU allocation)."""
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=params_dtype,
+    )
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """megatron's init_method slot: unused (perform_initialization=False), the weights are copied in."""
+
+
+def _shard(full: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return full.chunk(group.size(), dim=dim)[group.rank()]
+
+
+def _copy_in(new: nn.Parameter, full: torch.Tensor, dim: Optional[int], group: ProcessGroup) -> None:
+    """Copy this rank's shard of `full` along `dim` (None: the whole tensor) into `new`, and carry over
+    the old parameter's own attributes (e.g. expert tags set by parallel/) and requires_grad."""
+    with torch.no_grad():
+        new.copy_(full if dim is None else _shard(full, dim, group))
+    for key, value in vars(full).items():
+        if key not in TP_ATTRIBUTES:
+            setattr(new, key, value)
+    new.requires_grad_(full.requires_grad)
+
+
+def _column_parallel(linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLinear:
+    new = ColumnParallelLinear(
+        linear.in_features, linear.out_features, config=megatron_config(group.size(), linear.weight.dtype),
+        init_method=_no_init, bias=linear.bias is not None, gather_output=False, skip_bias_add=False,
+        tp_group=group,
+    )
+    set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=0, stride=1)  # bias: set by megatron
+    _copy_in(new.weight, linear.weight, 0, group)
+    if linear.bias is not None:
+        _copy_in(new.bias, linear.bias, 0, group)
+    return _finish(linear, new)
+
+
+def _row_parallel(linear: nn.Linear, group: ProcessGroup) -> RowParallelLinear:
+    new = RowParallelLinear(
+        linear.in_features, linear.out_features, config=megatron_config(group.size(), linear.weight.dtype),
+        init_method=_no_init, bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False,
+        tp_group=group,
+    )
+    set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=1, stride=1)
+    _copy_in(new.weight, linear.weight, 1, group)
+    if linear.bias is not None:
+        _copy_in(new.bias, linear.bias, None, group)  # replicated, added after the all-reduce
+    return _finish(linear, new)
+
+
+def _finish(old: nn.Module, new: nn.Module) -> nn.Module:
+    """Carry module-level markers (e.g. is_residual_projection) and the device over."""
+    for key in ("is_residual_projection",):
+        if hasattr(old, key):
+            setattr(new, key, getattr(old, key))
+    return new.to(device=next(old.parameters()).device)
+
+
+def _vocab_parallel_embedding(emb: nn.Embedding, group: ProcessGroup) -> tensor_parallel.VocabParallelEmbedding:
+    new = tensor_parallel.VocabParallelEmbedding(
+        emb.num_embeddings, emb.embedding_dim, init_method=_no_init,
+        config=megatron_config(group.size(), emb.weight.dtype), tp_group=group,
+    )
+    set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=0, stride=1)
+    _copy_in(new.weight, emb.weight, 0, group)
+    return new.to(device=emb.weight.device)
+
+
+def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup) -> GPT:
+    """Shard `model` (full weights, identical on every rank of `tp_group`) over `tp_group`, in place.
+
+    Every rank of the group must then see the same batch (tokens, domain ids, targets). Returns the model,
+    whose logits are the local vocabulary shard (B T V/tp) and whose loss is the full-vocabulary loss."""
+    tp = tp_group.size()
+    check_tensor_parallel_layout(model.cfg, tp, model.vocab_size)
+    if any(hasattr(p, "tensor_model_parallel") for p in model.parameters()):
+        raise ValueError("this model already carries tensor-parallel attributes: apply_tensor_parallel twice?")
+    for block in model.blocks:
+        block.attn.qkv = _column_parallel(block.attn.qkv, tp_group)
+        block.attn.proj = _row_parallel(block.attn.proj, tp_group)
+    for module in list(model.modules()):
+        if isinstance(module, MLP):  # the dense FFN and every DEMix expert
+            module.fc1 = _column_parallel(module.fc1, tp_group)
+            module.fc2 = _row_parallel(module.fc2, tp_group)
+    model.wte = _vocab_parallel_embedding(model.wte, tp_group)
+    model.lm_head = VocabParallelTiedLMHead(model.wte, tp_group)
+    model.loss_fn = VocabParallelTokenCrossEntropy(tp_group)
+    for p in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)  # replicated: tensor_model_parallel=False
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Full (TP=1-shaped) tensors from shards, and back
+# ----------------------------------------------------------------------------------------------------
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a parameter sharded over the TP group (False for replicated ones)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def replicated_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters every TP rank holds whole (their gradients must agree across the group)."""
+    return [n for n, p in model.named_parameters() if not is_tensor_parallel(p)]
+
+
+def _gather(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if not is_tensor_parallel(param) or group.size() == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _gather_named(
+    items: list[tuple[str, torch.Tensor]], pick: Callable[[torch.Tensor], Optional[torch.Tensor]], group: ProcessGroup
+) -> dict[str, Optional[torch.Tensor]]:
+    out: dict[str, Optional[torch.Tensor]] = {}
+    for name, param in items:  # the same order on every rank: collectives line up
+        t = pick(param)
+        out[name] = None if t is None else _gather(t, param, group)
+    return out
+
+
+def gather_full_state_dict(model: nn.Module, tp_group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (same names, full TP=1 shapes), on every rank of `tp_group`.
+    A collective: every rank of the group must call it. Loads into a plain GPT with strict=True."""
+    items = [(k, v) for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")]
+    return _gather_named(items, lambda t: t, tp_group)  # type: ignore[return-value]
+
+
+def gather_full_grads(model: nn.Module, tp_group: ProcessGroup) -> dict[str, Optional[torch.Tensor]]:
+    """Each parameter's gradient at full (TP=1) shape, by parameter name (None where there is none).
+    A collective: every rank of the group must call it."""
+    return _gather_named(list(model.named_parameters()), lambda p: p.grad, tp_group)
+
+
+def shard_full_state_dict(
+    model: nn.Module, full_state: dict[str, torch.Tensor], tp_group: ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """This rank's shards of a consolidated (plain GPT) state dict, ready for `model.load_state_dict`
+    on a tensor-parallel `model`. No communication."""
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        if name not in full_state:
+            raise KeyError(f"consolidated state dict has no {name!r}")
+        full = full_state[name]
+        out[name] = _shard(full, t.partition_dim, tp_group) if is_tensor_parallel(t) else full
+    return out

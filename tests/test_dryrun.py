@@ -1,0 +1,106 @@
+"""The dry run: config + layout + meta-device model for 128 GPUs, in-process, with no GPU and no process group."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from launcher.dryrun import main
+
+XL_DEMIX = ["--set", "model.preset=gpt3-xl", "model.ffn.kind=demix", "parallel.tensor_parallel=2"]
+
+
+def _run(tmp_path, *argv, **kw):
+    out = tmp_path / "summary.json"
+    rc = main([*argv, "--out", str(out)], **kw)
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_gpt3_xl_demix_128_gpus_tp2(tmp_path, capsys):
+    start = time.perf_counter()
+    rc, s = _run(tmp_path, "--world-size", "128", "--domains", "8", *XL_DEMIX)
+    elapsed = time.perf_counter() - start
+    assert rc == 0 and elapsed < 5.0, elapsed
+    assert s["model"] == {"name": "gpt3-xl", "ffn": "demix", "num_experts": 8}  # num_experts=0 -> 8 domains
+    topo = s["topology"]
+    assert (topo["world_size"], topo["tensor_parallel"], topo["data_parallel"]) == (128, 2, 64)
+    assert topo["allocation"] == [8] * 8 and topo["domains"][7]["global_ranks"] == "112-127"
+    first, last = s["ranks"]
+    assert (first["rank"], first["expert_ids"], first["shard_index"], first["num_shards"]) == (0, [0], 0, 8)
+    assert (last["rank"], last["expert_ids"], last["tp_rank"], last["shard_index"]) == (127, [7], 1, 7)
+    assert first["expert_groups"] == {"0": list(range(0, 16, 2))}
+    assert last["expert_groups"] == {"7": list(range(113, 128, 2))}
+    p = first["params"]
+    assert p["shared"] + p["expert"] == p["total"] and p["per_expert"] == 24 * (2 * 2048 * 8192 + 8192 + 2048)
+    assert p["model_all_experts"] == p["shared"] + 8 * p["per_expert"]
+    assert p["total"] // 2 < p["per_tp_rank"] < p["total"]
+    assert s["deepspeed_equivalent"]["ep_size"] == 8
+    printed = capsys.readouterr().out
+    assert "tp 2 x dp 64" in printed and "rank 127" in printed and "sharded layers / 2" in printed
+
+
+def test_gpt3_xl_dense_128_gpus(tmp_path):
+    rc, s = _run(tmp_path, "--world-size", "128", "--set", "model.preset=gpt3-xl", "parallel.tensor_parallel=2")
+    assert rc == 0
+    first, last = s["ranks"]
+    assert first["expert_ids"] == last["expert_ids"] == [] and s["deepspeed_equivalent"] is None
+    assert first["params"]["total"] == first["params"]["shared"] == last["params"]["total"]
+    assert (last["shard_index"], last["num_shards"]) == (63, 64)  # dense: every rank reads its own shard of the mix
+
+
+def test_more_domains_than_ranks_and_named_uneven_domains(tmp_path):
+    rc, s = _run(tmp_path, "--world-size", "3", "--set", "model.preset=tiny", "model.ffn.kind=demix")
+    assert rc == 0 and [r["expert_ids"] for r in s["ranks"]] == [[0, 1, 2], [6, 7]]
+    rc, s = _run(tmp_path, "--world-size", "16", "--set", "model.preset=tiny", "model.ffn.kind=demix",
+                 "data.domains=[web,news,code]", "parallel.allocation=[8,4,4]")
+    assert rc == 0 and s["model"]["num_experts"] == 3
+    last = s["ranks"][-1]
+    assert last["domain_names"] == ["code"] and (last["shard_index"], last["num_shards"]) == (3, 4)
+
+
+def test_deepspeed_config_seam(tmp_path):
+    seen = {}
+
+    def fake_generator(cfg, topo):
+        seen["world"] = topo.world_size
+        return {"train_micro_batch_size_per_gpu": cfg.train.micro_batch}
+
+    rc, s = _run(tmp_path, "--world-size", "8", "--set", "model.preset=tiny", deepspeed_config=fake_generator)
+    assert rc == 0 and seen == {"world": 8}
+    assert json.loads((tmp_path / "deepspeed_config.json").read_text()) == {"train_micro_batch_size_per_gpu": 2}
+
+
+def test_default_out_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--world-size", "4", "--set", "model.preset=tiny"]) == 0
+    assert (tmp_path / "runs" / "dryrun" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--world-size", "100", "--domains", "8", *XL_DEMIX[:3]],
+         ["1 problem(s)", "100 data-parallel ranks", "8 domains", "100 % 8 = 4", "parallel.allocation", "96 or 104"]),
+        (["--world-size", "128", "--set", "model.preset=gpt3-medium", "model.ffn.kind=demix",
+          "parallel.tensor_parallel=3"],
+         ["3 problem(s)", "model.n_heads=16 is not divisible by tensor_parallel=3", "ffn width 4096",
+          "world_size=128 is not divisible by tensor_parallel=3"]),
+        (["--world-size", "16", "--domains", "4", "--set", "model.preset=tiny", "model.ffn.kind=demix",
+          "data.domains=[a,b]", "model.ffn.num_experts=5", "parallel.allocation=[4,4,4]"],
+         ["--domains 4 disagrees with data.domains", "num_experts=5 but there are 2 domains",
+          "allocation=[4, 4, 4] has 3 entries but needs 2"]),
+        (["--world-size", "8", "--set", "model.preset=tiny", "parallel.allocation=[4,4]"],
+         ["only used with model.ffn.kind=demix"]),
+        (["--world-size", "8", "--set", "model.preset=nope", "train.steps=0"],
+         ["model.preset='nope'", "train.steps=0"]),
+    ],
+    ids=["world100-8domains", "tp3-16heads", "domain-mismatch", "dense-allocation", "bad-config"],
+)
+def test_bad_layouts_list_every_problem(tmp_path, capsys, argv, needles):
+    rc, s = _run(tmp_path, *argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and s is None
+    for needle in needles:
+        assert needle in err, (needle, err)

@@ -1,0 +1,140 @@
+"""prepare_corpus on a small real-looking multi-domain corpus: layout, manifest, exact decode, idempotence."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data.anonymise import anonymise
+from data.blocks import SPLITS, BlockDataset, open_indexed
+from data.ingest import CorpusError
+from data.prepare import main, prepare_corpus, split_documents
+from data.tokenizer import load_prepared_tokenizer
+
+NEWS = [
+    "The city council voted 7-2 on Tuesday to approve a $1.2 million budget for road repairs, officials said.",
+    "Shares of the carmaker fell 4.5% after the company warned that supply shortages would hit 2021 deliveries.",
+    "Readers can reach the newsroom at tips@examplenews.com or call (555) 123-4567 with information.",
+    "Heavy rain is expected across the region through Friday, with flood warnings issued for low-lying areas.",
+    "The minister said the new rules, effective 2022-01-01, would cut paperwork for small businesses.",
+]
+CODE = [
+    "def mean(xs):\n\t\"\"\"Average of a list.\"\"\"\n\treturn sum(xs) / len(xs)\n",
+    "class Stack:\n    def __init__(self):\n        self._items = []\n\n    def push(self, x):\n        self._items.append(x)\n",
+    "@property\ndef name(self):\n    # contact: dev@example.org\n    return self._name  \n",
+    "for i in range(10):\n    if i % 2:\n        print(i, end=' ')\n",
+]
+LEGAL = [
+    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.",
+    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.",
+    "Redistributions of source code must retain the above copyright notice, this list of conditions.",
+]
+
+
+def _docs(base, n):
+    return [f"{base[i % len(base)]}\n\nParagraph {i}: " + " ".join(base[(i + k) % len(base)] for k in range(1, 4))
+            for i in range(n)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    docs = {"news": _docs(NEWS, 14), "code": _docs(CODE, 12), "legal": _docs(LEGAL, 9)}
+    for name, texts in docs.items():
+        lines = [json.dumps({"id": f"{name}-{i}", "domain": name, "text": t}) for i, t in enumerate(texts)]
+        if name == "news":
+            lines.insert(3, '{"id": "broken", "domain": "news", "text": ')  # a bad line, reported and skipped
+        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    (d / "manifest.json").write_text(json.dumps({"sources": {"news": "synthetic"}}))
+    return d, docs
+
+
+def _decoded_split(tok_dir, tok, domain, split):
+    ds = open_indexed(tok_dir / domain / split)
+    out = []
+    for i in range(len(ds)):
+        ids = ds[i]
+        assert ids[0] == tok.bos_id and ids.dtype == np.uint16
+        out.append(tok.decode(ids[1:].tolist()))
+    return out
+
+
+def test_prepare_gpt2_layout_exact_decode_and_idempotence(corpus, tmp_path, capsys):
+    corpus_dir, docs = corpus
+    out = tmp_path / "tokens"
+    policy = {"code": False}
+    r = prepare_corpus(corpus_dir, out, tokenizer="gpt2", workers=2, seed=3, valid_fraction=0.1, test_fraction=0.1,
+                       anonymise=policy)
+    assert not r.skipped
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and "MB/s" in printed and "news" in printed
+    tok_dir = out / "gpt2"
+    m = json.loads((tok_dir / "manifest.json").read_text())
+    assert m["tokenizer"]["name"] == "gpt2" and m["tokenizer"]["vocab_size"] == 50257 and m["dtype"] == "uint16"
+    assert m["domains"] == ["code", "legal", "news"] and m["split"]["seed"] == 3
+    assert m["corpus"]["manifest_sha256"] and set(m["corpus"]["files"]) == {"code.jsonl", "legal.jsonl", "news.jsonl"}
+    assert m["problems"]["counts"] == {"invalid_json": 1} and "news.jsonl:4: invalid_json" in m["problems"]["first"][0]
+    assert m["anonymise"]["policy"] == {"code": False, "legal": True, "news": True}
+    assert m["anonymise"]["counts"]["news"]["EMAIL"] > 0 and "code" not in m["anonymise"]["counts"]
+    tok = load_prepared_tokenizer(out, "gpt2")
+    for domain, texts in docs.items():
+        expected = [anonymise(t).text if policy.get(domain, True) else t for t in texts]
+        split = split_documents(len(texts), domain, 3, 0.1, 0.1)
+        assert sum(m["counts"][domain][s]["documents"] for s in SPLITS) == len(texts)  # nothing valid lost
+        for code, s in enumerate(SPLITS):
+            want = [t for t, c in zip(expected, split) if c == code]
+            assert len(want) >= 1
+            assert _decoded_split(tok_dir, tok, domain, s) == want
+            assert m["counts"][domain][s]["tokens"] == sum(len(tok.encode(t)) + 1 for t in want)
+    assert any("@" in t for t in _decoded_split(tok_dir, tok, "code", "train") + _decoded_split(tok_dir, tok, "code", "valid")
+               + _decoded_split(tok_dir, tok, "code", "test"))  # code left as is
+    blocks = BlockDataset.from_prepared(out, "gpt2", "news", "train", seq_len=32)
+    raw = open_indexed(tok_dir / "news" / "train")  # keep it alive: its arrays are views into its mmap
+    stream = np.concatenate([raw[i] for i in range(blocks.num_documents)])
+    assert len(blocks) == (len(stream) - 1) // 32 and blocks[1].tolist() == stream[32:65].tolist()
+
+    mtime = os.stat(tok_dir / "news" / "train.bin").st_mtime_ns
+    again = prepare_corpus(corpus_dir, out, tokenizer="gpt2", workers=2, seed=3, valid_fraction=0.1, test_fraction=0.1,
+                           anonymise=policy)
+    assert again.skipped and os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime
+    assert main(["--corpus", str(corpus_dir), "--out", str(out), "--seed", "3", "--valid-fraction", "0.1",
+                 "--test-fraction", "0.1", "--anonymise-off", "code", "--quiet"]) == 0
+    assert os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime  # the CLI saw the same inputs: skipped
+    with open(corpus_dir / "legal.jsonl", "a") as f:
+        f.write(json.dumps({"id": "new", "domain": "legal", "text": "A new licence clause."}) + "\n")
+    changed = prepare_corpus(corpus_dir, out, tokenizer="gpt2", workers=1, seed=3, valid_fraction=0.1,
+                             test_fraction=0.1, anonymise=policy, progress=False)
+    assert not changed.skipped and sum(changed.manifest["counts"]["legal"][s]["documents"] for s in SPLITS) == 10
+
+
+def test_prepare_sentencepiece_keeps_code_exact(corpus, tmp_path):
+    corpus_dir, docs = corpus
+    out = tmp_path / "tokens"
+    r = prepare_corpus(corpus_dir, out, tokenizer="sentencepiece", workers=1, seed=5, valid_fraction=0.0,
+                       test_fraction=0.0, anonymise=False, sp_vocab_size=600, domains=["code", "legal"], progress=False)
+    m = r.manifest
+    assert (out / "sentencepiece" / "tokenizer.model").is_file() and m["tokenizer"]["model_file"] == "tokenizer.model"
+    assert m["counts"]["code"]["valid"] == {"documents": 0, "tokens": 0, "bin": None, "idx": None}
+    tok = load_prepared_tokenizer(out, "sentencepiece")
+    assert m["tokenizer"]["vocab_size"] == tok.vocab_size <= 600
+    assert _decoded_split(out / "sentencepiece", tok, "code", "train") == docs["code"]
+    assert prepare_corpus(corpus_dir, out, tokenizer="sentencepiece", workers=1, seed=5, valid_fraction=0.0,
+                          test_fraction=0.0, anonymise=False, sp_vocab_size=600, domains=["code", "legal"],
+                          progress=False).skipped
+
+
+def test_fail_mode_raises_before_any_work(corpus, tmp_path):
+    corpus_dir, _ = corpus
+    with pytest.raises(CorpusError, match=r"news\.jsonl:4: invalid_json"):
+        prepare_corpus(corpus_dir, tmp_path / "tokens", on_error="fail", workers=2, progress=False)
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_split_is_deterministic_and_document_level():
+    a = split_documents(100, "news", 1, 0.1, 0.05)
+    assert (a == split_documents(100, "news", 1, 0.1, 0.05)).all()
+    assert (a != split_documents(100, "news", 2, 0.1, 0.05)).any()
+    assert np.bincount(a, minlength=3).tolist() == [85, 10, 5]
+    assert np.bincount(split_documents(3, "x", 0, 0.05, 0.05), minlength=3).tolist() == [1, 1, 1]
