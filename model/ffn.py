@@ -117,6 +117,13 @@ def _build_demix(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) ->
     return DemixFFN(cfg, expert_ids)
 
 
+@register_ffn("gshard")
+def _build_gshard(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> nn.Module:
+    from model.gshard import GShardFFN  # imported here: model/gshard.py builds on this module's MLP
+
+    return GShardFFN(cfg, expert_ids)
+
+
 def build_ffn(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> nn.Module:
     """The FFN of layer `layer_idx`: the kind's expert layer where the kind puts one, else dense."""
     if layer_idx not in cfg.moe_layer_ids():

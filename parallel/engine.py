@@ -182,6 +182,10 @@ def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBun
         from parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, groups.tp_group)
+    if cfg.model.ffn.kind == "gshard":
+        from parallel.gshard import apply_gshard  # swaps the plain top-k layers for DeepSpeed's MoE layer
+
+        apply_gshard(model, cfg, groups)
     if cfg.model.ffn.kind == "demix":
         register_with_deepspeed(groups)
         tag_expert_parameters(model, groups, cfg.parallel.expert_grad_scaling)
@@ -195,29 +199,3 @@ def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBun
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg), mpu=DeepSpeedMPU(groups)
     )
     return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler)
-
-
-def train_step_ds(bundle: EngineBundle, cfg: RunConfig, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """One optimizer update over `grad_accum` micro-batches: forward, backward, (clip), step.
-
-    Returns the mean loss over micro-batches, the global grad norm and per-domain loss sums.
-    """
-    engine = bundle.engine
-    losses = []
-    for mb in micro_batches:
-        out = engine(mb["tokens"], mb["domain_ids"], targets_BT=mb["targets"], loss_mask_BT=mb.get("loss_mask"))
-        loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-        engine.backward(loss)
-        losses.append(out.loss.detach())
-        if not engine.is_gradient_accumulation_boundary():
-            engine.step()  # DeepSpeed counts micro-steps; only the boundary call updates
-    norm: Optional[torch.Tensor] = None
-    if cfg.parallel.zero_stage == 0:
-        norm = global_grad_norm(engine.module, bundle.groups)
-        if cfg.train.clip_grad > 0:
-            clip_grads_(engine.module, cfg.train.clip_grad, norm)
-    engine.step()
-    if norm is None:
-        gn = engine.get_global_grad_norm()
-        norm = torch.tensor(float(gn) if gn is not None else float("nan"))
-    return {"loss": torch.stack(losses).mean(), "grad_norm": norm}

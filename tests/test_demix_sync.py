@@ -31,12 +31,14 @@ def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain
 def _batch(dp_rank: int, step: int, micro: int, domain: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * dp_rank + 100 * step + micro)
     tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.full((MB,), domain)}
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.full((MB,), domain),
+            "loss_mask": torch.ones(MB, SEQ)}
 
 
 def _worker(rank: int, world: int, kind: str, domains: int, zero: int, tp: int, scaling: str):
     from model.gpt import GPT
-    from parallel.engine import build_engine, train_step_ds
+    from launcher.train import train_step
+    from parallel.engine import build_engine
     from parallel.groups import ProcessGroups
     from parallel.tensor_parallel import gather_full_state_dict
     from parallel.topology import build_topology
@@ -51,7 +53,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zero: int, tp: int, 
     norms = []
     for step in range(STEPS):
         dom = info.domains[0] if kind == "demix" else 0
-        out = train_step_ds(bundle, cfg, [_batch(info.dp_rank, step, m, dom) for m in range(GAS)])
+        out = train_step(bundle, cfg, [_batch(info.dp_rank, step, m, dom) for m in range(GAS)], domains)
         norms.append(float(out["grad_norm"]))
     sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms}

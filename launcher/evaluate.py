@@ -1,0 +1,356 @@
+"""Per-domain test perplexity of a consolidated checkpoint, with inference-time expert mixing (DEMix §4-5).
+
+    python -m launcher.evaluate CKPT_DIR --data artifacts/demo/tokens [--tokenizer gpt2] [--split test]
+        [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk] [--topk 2] [--out DIR]
+    torchrun --nproc-per-node 2 -m launcher.evaluate CKPT_DIR ...     # blocks sharded over ranks (gloo)
+
+Domains: the checkpoint's training domains (`role: train`) and every other domain of the data manifest
+(`role: novel`). One process holds all experts; the E experts' token log-likelihoods ll[j, b, t] of each block
+come from one batched pass (model/batched.py), the mixtures from model/mixture.py:
+
+* naive    - expert of the known domain (training domains); the best single expert on that test set (novel).
+* average  - uniform average of the experts' probabilities at every token.
+* uniform / updating / cached - the posterior mixture (eqs. 6-8) with that prior (eq. 9 for updating, λ = 0.3,
+  over the test blocks in order; cached = the updating prior after `cached_blocks` blocks of the `dev_split`).
+* topk     - the posterior mixture restricted to the k experts with the highest cached prior (k of E experts run).
+
+Dense / GShard / CSE checkpoints get one number per domain (mode `ppl`). +Domain-Token checkpoints
+(`data.mixture = domain_token`) read blocks as the sampler does ([t_d] + x[:T-1] -> x[:T], the domain token is
+never a target); training domains use their own token, novel domains the best token (DEMix §5.3).
+
+Perplexity is exp(mean NLL over the scored tokens of a domain); averages over domains are plain means of the
+per-domain perplexities, as in the paper's Tables 3 and 5. With several ranks, rank r scores blocks r, r+W, ...;
+the E x N x T log-likelihoods are summed over ranks (all_reduce) so every mode sees the whole stream in order.
+
+Outputs under --out: eval.json (schema in `evaluate_model`), eval.md (Tables 3/4/5), cached_priors/<domain>.json,
+posteriors.png (Figure 4) and specialisation.png (Figure 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from data.blocks import BlockDataset
+from launcher.checkpoint import Consolidated, load_consolidated, write_json_atomic
+from model import mixture as mx
+from model.batched import demix_expert_ids, expert_log_likelihoods
+
+DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
+EVAL_FORMAT = "demix-eval/1"
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _say(progress: bool, *a: Any) -> None:
+    if progress and _dist()[0] == 0:
+        print(*a, file=sys.stderr, flush=True)
+
+
+def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
+                max_blocks: Optional[int]) -> np.ndarray:
+    """The first `max_blocks` blocks (N x (T+1) tokens, in stream order) of a domain's split; N may be 0."""
+    try:
+        ds = BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len)
+    except (ValueError, FileNotFoundError):
+        return np.zeros((0, seq_len + 1), dtype=np.int64)
+    n = len(ds) if max_blocks is None else min(len(ds), max_blocks)
+    return np.stack([ds[i] for i in range(n)]) if n else np.zeros((0, seq_len + 1), dtype=np.int64)
+
+
+def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """(tokens_NT, targets_NT, mask_NT) as the sampler builds them (data/sampler.py)."""
+    x = torch.from_numpy(blocks_NT1.astype(np.int64))
+    if domain_token is None:
+        tokens, targets = x[:, :-1], x[:, 1:]
+    else:
+        T = x.shape[1] - 1
+        tokens = torch.cat([torch.full((x.shape[0], 1), domain_token, dtype=torch.long), x[:, :T - 1]], dim=1)
+        targets = x[:, :T]
+    return tokens.contiguous(), targets.contiguous(), torch.ones(targets.shape, dtype=torch.float32)
+
+
+@torch.no_grad()
+def stream_log_likelihoods(
+    model: torch.nn.Module, tokens_NT: torch.Tensor, targets_NT: torch.Tensor,
+    expert_ids: Optional[Sequence[int]] = None, batch_size: int = 4,
+) -> torch.Tensor:
+    """ll E x N x T over a stream of N blocks; blocks are sharded over ranks and summed back (all_reduce)."""
+    rank, world = _dist()
+    N, T = tokens_NT.shape
+    mine = list(range(rank, N, world))
+    parts = {}
+    for s in range(0, len(mine), batch_size):
+        idx = mine[s:s + batch_size]
+        parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx], targets_NT[idx], expert_ids)
+    E = next(iter(parts.values())).shape[0] if parts else max(1, len(expert_ids or demix_expert_ids(model)))
+    full = torch.zeros(E, N, T, dtype=torch.float32)
+    for idx, ll in parts.items():
+        full[:, list(idx)] = ll.float()
+    if world > 1:
+        torch.distributed.all_reduce(full)
+    return full
+
+
+def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int) -> torch.Tensor:
+    """+Domain-Token: ll under each domain token d (the token plays the expert's part), G x N x T."""
+    out = []
+    for d in range(num_domains):
+        tokens, targets, _ = block_inputs(blocks, base + d)
+        out.append(stream_log_likelihoods(model, tokens, targets, None, batch_size)[0])
+    return torch.stack(out)
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return float(np.mean(values)) if values else None
+
+
+def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay) -> dict[str, Any]:
+    """Every mode's perplexity and the posterior statistics of one test domain."""
+    E = ll_EBT.shape[0]
+    uniform = mx.uniform_log_prior(E)
+    exp_ppl = mx.expert_perplexities(ll_EBT, mask_BT)
+    naive = mx.naive_expert(ll_EBT, own, mask_BT)
+    upd = mx.updating_priors(ll_EBT, mask_BT, decay)
+    res: dict[str, Any] = {
+        "expert_ppl": dict(zip(experts, exp_ppl)), "naive_expert": experts[naive], "ppl": {},
+        "posterior": {
+            "updating_mean_end_of_block": dict(zip(experts, upd.log_posterior_EB.exp().mean(dim=1).tolist())),
+            "updating_final_prior": dict(zip(experts, upd.final_log_prior_E.exp().tolist())),
+        },
+    }
+    for mode in modes:
+        if mode == "naive":
+            lp = ll_EBT[naive]
+        elif mode == "average":
+            lp = mx.average_log_probs(ll_EBT)
+        elif mode == "uniform":
+            lp = mx.posterior_mixture_log_probs(ll_EBT, uniform, mask_BT)
+        elif mode == "updating":
+            lp = mx.posterior_mixture_log_probs(ll_EBT, upd.log_prior_EB, mask_BT)
+        elif mode in ("cached", "topk"):
+            if cached_prior is None:
+                continue
+            lp_E = cached_prior.log_prior(experts)
+            if mode == "cached":
+                lp = mx.posterior_mixture_log_probs(ll_EBT, lp_E, mask_BT)
+            else:
+                top = mx.topk_mixture_log_probs(ll_EBT, lp_E, min(topk, E), mask_BT)
+                lp = top.log_probs_BT
+                res["topk"] = {"k": min(topk, E), "experts": [experts[j] for j in top.experts],
+                               "experts_evaluated": top.experts_evaluated, "of": E}
+        else:
+            raise ValueError(f"mode {mode!r}: choose from {', '.join(DEMIX_MODES)}")
+        res["ppl"][mode] = mx.perplexity(lp, mask_BT)
+    if cached_prior is not None:
+        res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)), "blocks": cached_prior.blocks}
+    return res
+
+
+def evaluate_model(
+    model: torch.nn.Module, cfg: Any, train_domains: Sequence[str], data_root: Union[str, Path], *,
+    tokenizer: Optional[str] = None, split: str = "test", dev_split: str = "valid", max_blocks: Optional[int] = None,
+    modes: Sequence[str] = DEMIX_MODES, domains: Optional[Sequence[str]] = None, batch_size: int = 4,
+    cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
+    seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
+    extra: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Evaluate an in-memory model (all experts held) on every domain of the prepared data. Returns
+
+        {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
+         DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
+         "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "seconds": s, **extra (evaluate_checkpoint:
+         "checkpoint": path|None, "step": int),
+         "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
+                            DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
+                            DEMix only: "posterior": {"updating_mean_end_of_block": {expert: p},
+                                                      "updating_final_prior": {expert: p}},
+                                        "cached_prior": {"probs": {expert: p}, "blocks": n},
+                                        "topk": {"k", "experts", "experts_evaluated", "of"}}},
+         "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
+                    "per_domain": {domain: {mode: ppl}}},
+         "files": {"json", "markdown", "posteriors", "specialisation"}  (when out_dir is given)}
+    """
+    t0 = time.perf_counter()
+    tokenizer = tokenizer or cfg.data.tokenizer
+    seq_len = seq_len or cfg.model.seq_len
+    manifest = json.loads((Path(data_root) / tokenizer / "manifest.json").read_text())
+    all_domains = list(domains) if domains is not None else list(manifest["domains"])
+    is_demix = bool(demix_expert_ids(model))
+    domain_token = cfg.data.mixture == "domain_token"
+    experts = list(train_domains) if is_demix else []
+    if is_demix and len(experts) != len(demix_expert_ids(model)):
+        raise ValueError(f"{len(experts)} domain names for {len(demix_expert_ids(model))} experts")
+    modes = [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"]
+    model.eval()
+    results: dict[str, Any] = {
+        "format": EVAL_FORMAT, "kind": cfg.model.ffn.kind, "data_mixture": cfg.data.mixture, "experts": experts,
+        "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
+        "max_blocks": max_blocks, "modes": modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
+        **(extra or {}), "domains": {},
+    }
+    for dom in all_domains:
+        role = "train" if dom in train_domains else "novel"
+        own = list(train_domains).index(dom) if role == "train" else None
+        blocks = load_blocks(data_root, tokenizer, dom, split, seq_len, max_blocks)
+        if not len(blocks):
+            _say(progress, f"[eval] {dom}/{split}: no blocks of {seq_len}+1 tokens, skipped")
+            continue
+        _say(progress, f"[eval] {dom} ({role}): {len(blocks)} blocks")
+        tokens, targets, mask = block_inputs(blocks)
+        entry: dict[str, Any] = {"role": role, "blocks": int(len(blocks)), "tokens": int(mask.sum())}
+        if is_demix:
+            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+            cached = None
+            if any(m in modes for m in ("cached", "topk")):
+                dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
+                if len(dev):
+                    dt, dg, dm = block_inputs(dev)
+                    cached = mx.estimate_cached_prior(stream_log_likelihoods(model, dt, dg, None, batch_size),
+                                                      experts, dm, cached_blocks, decay)
+                    if out_dir is not None and _dist()[0] == 0:
+                        cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
+            entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay))
+        elif domain_token:
+            base = int(manifest["tokenizer"]["vocab_size"])
+            ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size)
+            exp_ppl = mx.expert_perplexities(ll, mask)
+            best = mx.naive_expert(ll, own, mask)
+            entry.update({"expert_ppl": dict(zip(train_domains, exp_ppl)), "naive_expert": train_domains[best],
+                          "ppl": {"ppl": exp_ppl[best]}})
+        else:
+            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+            entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
+        results["domains"][dom] = entry
+    results["tables"] = summary_tables(results)
+    results["seconds"] = round(time.perf_counter() - t0, 3)
+    if out_dir is not None and _dist()[0] == 0:
+        results["files"] = write_outputs(results, out_dir)
+    return results
+
+
+def evaluate_checkpoint(
+    ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], **kwargs: Any,
+) -> dict[str, Any]:
+    """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
+    arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
+    seq_len, out_dir, progress). Returns the result dict documented there, plus "checkpoint" and "step"."""
+    c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
+    extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step}
+    return evaluate_model(c.build_model(), c.cfg, c.domains, data_root, extra=extra, **kwargs)
+
+
+def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
+    """Table 3 (mean over training domains), Table 4 (per domain), Table 5 (mean over novel domains)."""
+    doms = results["domains"]
+    per_domain = {d: r["ppl"] for d, r in doms.items()}
+    avg = {}
+    for role in ("train", "novel"):
+        avg[role] = {m: _mean([r["ppl"][m] for r in doms.values() if r["role"] == role and m in r["ppl"]])
+                     for m in results["modes"]}
+    return {"in_domain_average": avg["train"], "novel_average": avg["novel"], "per_domain": per_domain}
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.2f}"
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """The paper's tables as markdown (modes as rows)."""
+    modes, doms, t = results["modes"], results["domains"], results["tables"]
+    label = (lambda m: f"DEMix ({m})") if results["experts"] else (lambda m: results["kind"] + (
+        " +Domain-Token" if results["data_mixture"] == "domain_token" else ""))
+    lines = [f"# Evaluation ({results['split']} split, {results['seq_len']}-token blocks"
+             + (f", at most {results['max_blocks']} blocks per domain" if results["max_blocks"] else "") + ")", ""]
+    if results.get("checkpoint"):
+        lines += [f"checkpoint: `{results['checkpoint']}` (step {results.get('step')})", ""]
+    lines += ["## In-domain average perplexity (cf. Table 3)", "", "| model | avg ppl |", "|---|---|"]
+    lines += [f"| {label(m)} | {_fmt(t['in_domain_average'][m])} |" for m in modes]
+    for role, title in (("train", "Training domains (cf. Table 4)"), ("novel", "Novel domains")):
+        names = [d for d, r in doms.items() if r["role"] == role]
+        if not names:
+            continue
+        lines += ["", f"## {title}", "", "| model | " + " | ".join(names) + " | avg |", "|---" * (len(names) + 2) + "|"]
+        for m in modes:
+            cells = [_fmt(doms[d]["ppl"].get(m)) for d in names]
+            avg = t["in_domain_average" if role == "train" else "novel_average"][m]
+            lines.append(f"| {label(m)} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
+    lines += ["", "## Novel-domain average perplexity (cf. Table 5)", "", "| model | avg ppl |", "|---|---|"]
+    lines += [f"| {label(m)} | {_fmt(t['novel_average'][m])} |" for m in modes]
+    naive = {d: r["naive_expert"] for d, r in doms.items() if "naive_expert" in r}
+    if naive:
+        lines += ["", "naive expert per domain (own expert in-domain, best single expert on novel domains): "
+                  + ", ".join(f"{d} -> {e}" for d, e in naive.items())]
+    tk = {d: r["topk"] for d, r in doms.items() if "topk" in r}
+    if tk:
+        k = next(iter(tk.values()))
+        lines += [f"top-k: k = {k['k']} of {k['of']} experts evaluated per token (chosen by the cached prior): "
+                  + ", ".join(f"{d} -> {'+'.join(v['experts'])}" for d, v in tk.items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: dict[str, Any], out_dir: Union[str, Path]) -> dict[str, str]:
+    from launcher.report_figures import write_figures
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"json": str(out_dir / "eval.json"), "markdown": str(out_dir / "eval.md")}
+    files.update(write_figures(results, out_dir))
+    results["files"] = files
+    (out_dir / "eval.md").write_text(markdown_report(results))
+    write_json_atomic(out_dir / "eval.json", results)
+    return files
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", help="consolidated checkpoint directory (meta.json + model.pt)")
+    ap.add_argument("--data", default="artifacts/demo/tokens", help="prepared tokens root (data.prepare)")
+    ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--dev-split", default="valid", help="split the cached prior is estimated on")
+    ap.add_argument("--max-blocks", type=int, help="at most N blocks per domain")
+    ap.add_argument("--modes", default=",".join(DEMIX_MODES), help="comma-separated subset of " + ",".join(DEMIX_MODES))
+    ap.add_argument("--domains", help="comma-separated domains (default: all in the data manifest)")
+    ap.add_argument("--cached-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS)
+    ap.add_argument("--decay", type=float, default=mx.UPDATING_DECAY, help="λ of the updating prior (eq. 9)")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=4, help="blocks per batched pass (x E sequences)")
+    ap.add_argument("--seq-len", type=int, help="block length (default: the model's context)")
+    ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval)")
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in DEMIX_MODES]
+    if bad:
+        ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    res = evaluate_checkpoint(
+        args.checkpoint, args.data, tokenizer=args.tokenizer, split=args.split, dev_split=args.dev_split,
+        max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,
+        batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
+        seq_len=args.seq_len, out_dir=args.out or str(Path(args.checkpoint) / "eval"),
+    )
+    if _dist()[0] == 0:
+        print(markdown_report(res))
+        print("\n".join(f"{k}: {v}" for k, v in res.get("files", {}).items()))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""One metrics record per log interval: the source of the JSONL file, the progress bar and wandb.
+
+Only rank 0 writes. wandb is never required: offline by default (files under the run directory), online
+only when configured, and any failure to start it is reported once and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from launcher.config import RunConfig
+from launcher.typed import to_dict
+
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory on this rank, or the process's peak RSS on CPU, in GB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class MetricsLogger:
+    """Writes `metrics.jsonl` (one JSON object per line), drives a tqdm bar, mirrors to wandb."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, is_main: bool, total_steps: int, start_step: int = 0) -> None:
+        self.is_main = is_main
+        self.path = run_dir / "metrics.jsonl"
+        self.bar = None
+        self.wandb = None
+        if not is_main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a", buffering=1)
+        if cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+        if cfg.logging.wandb_mode != "disabled":
+            self.wandb = _start_wandb(run_dir, cfg)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = {k: _jsonable(v) for k, v in record.items()}
+        record.setdefault("time", time.time())
+        self.file.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            try:
+                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+            except Exception as e:  # never let logging kill a run
+                print(f"[metrics] wandb.log failed, disabling wandb: {e}", file=sys.stderr)
+                self.wandb = None
+
+    def progress(self, step: int, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        post = {"loss": f"{record.get('loss', float('nan')):.3f}"}
+        if record.get("tokens_per_s"):
+            post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+        if record.get("tflops_per_gpu"):
+            post["TFLOP/s/gpu"] = f"{record['tflops_per_gpu']:.3g}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:
+                pass
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _start_wandb(run_dir: Path, cfg: RunConfig) -> Optional[Any]:
+    try:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return wandb.init(
+            project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode, dir=str(run_dir),
+            config=to_dict(cfg), name=run_dir.name, reinit=True,
+        )
+    except Exception as e:
+        print(f"[metrics] wandb could not start ({e}); continuing without it", file=sys.stderr)
+        return None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,114 @@
+"""Heatmaps of an evaluation (launcher/evaluate.py): domain posteriors (DEMix Figure 4) and expert specialisation
+(DEMix Figure 2). matplotlib with the Agg backend: no display needed.
+
+    python -m launcher.report_figures runs/eval/eval.json [--out DIR]
+
+* posteriors.png: rows = test domains (training domains, then novel ones below a rule), columns = experts, cell =
+  mean over the test blocks of the domain posterior p(D = j | block) at the end of each block, under the updating
+  prior (eq. 9), the quantity the paper plots after 100 sequences.
+* specialisation.png: rows = training domains i, columns = experts j, cell = ppl(expert j on domain i) /
+  ppl(expert i on domain i); the diagonal is 1, cells > 1 mean expert j is worse than domain i's own expert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heatmap(
+    matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], path: Path, title: str, cbar: str,
+    fmt: str = "{:.2f}", cmap: str = "Blues", rule_after: Optional[int] = None,
+) -> Path:
+    """One annotated heatmap written to `path` (PNG)."""
+    plt = _pyplot()
+    n_r, n_c = matrix.shape
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n_c, 1.0 + 0.45 * n_r + 0.6), dpi=120)
+    im = ax.imshow(matrix, cmap=cmap, aspect="auto")
+    ax.set_xticks(range(n_c), labels=list(cols), rotation=45, ha="right")
+    ax.set_yticks(range(n_r), labels=list(rows))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("test domain")
+    finite = matrix[np.isfinite(matrix)]
+    mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
+    for i in range(n_r):
+        for j in range(n_c):
+            v = matrix[i, j]
+            ax.text(j, i, fmt.format(v) if np.isfinite(v) else "-", ha="center", va="center", fontsize=7,
+                    color="white" if np.isfinite(v) and v > mid else "black")
+    if rule_after is not None and 0 < rule_after < n_r:
+        ax.axhline(rule_after - 0.5, color="red", linewidth=1.5)
+    fig.colorbar(im, ax=ax, label=cbar)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def posterior_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], list[str], int]:
+    """(matrix, row domains, expert names, number of training-domain rows) for Figure 4."""
+    experts = results["experts"]
+    doms = [d for d, r in results["domains"].items() if r.get("posterior")]
+    train = [d for d in doms if results["domains"][d]["role"] == "train"]
+    rows = train + [d for d in doms if d not in train]
+    m = np.array([[results["domains"][d]["posterior"]["updating_mean_end_of_block"][e] for e in experts] for d in rows])
+    return m.reshape(len(rows), len(experts)), rows, experts, len(train)
+
+
+def specialisation_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], list[str]]:
+    """(ppl ratio matrix, training-domain rows, expert names) for Figure 2."""
+    experts = results["experts"]
+    rows = [d for d, r in results["domains"].items() if r["role"] == "train" and r.get("expert_ppl") and d in experts]
+    m = np.array([[results["domains"][d]["expert_ppl"][e] / results["domains"][d]["expert_ppl"][d] for e in experts]
+                  for d in rows])
+    return m.reshape(len(rows), len(experts)), rows, experts
+
+
+def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
+    """Write the heatmaps that `results` supports (DEMix evaluations only) and return {name: path}."""
+    out_dir, written = Path(out_dir), {}
+    if not results.get("experts"):
+        return written
+    m, rows, cols, n_train = posterior_matrix(results)
+    if len(rows):
+        written["posteriors"] = str(heatmap(
+            m, rows, cols, out_dir / "posteriors.png", cbar="p(D = expert | block)",
+            title=f"Domain posteriors, updating prior (λ={results['decay']}), mean at the end of "
+                  f"{results['split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
+            rule_after=n_train))
+    m, rows, cols = specialisation_matrix(results)
+    if len(rows):
+        written["specialisation"] = str(heatmap(
+            m, rows, cols, out_dir / "specialisation.png", cbar="ppl(expert) / ppl(own expert)", cmap="Reds",
+            title="Expert specialisation: ppl of expert j on domain i / ppl of domain i's expert (cf. DEMix Fig. 2)"))
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="eval.json written by launcher.evaluate")
+    ap.add_argument("--out", help="directory for the PNGs (default: next to the JSON)")
+    args = ap.parse_args(argv)
+    path = Path(args.results)
+    for name, p in write_figures(json.loads(path.read_text()), args.out or path.parent).items():
+        print(f"{name}: {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

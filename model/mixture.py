@@ -1,0 +1,287 @@
+"""Mixing domain experts at inference time (DEMix §5): the domain posterior, its priors, and the mixtures.
+
+Shape legend: E experts (= training domains), B sequence blocks (in stream order), T tokens per block, K top-k.
+
+Everything here is pure maths on per-expert token log-likelihoods
+
+    ll_EBT[j, b, t] = log p(x_t | x_<t, D = j)        (the DEMix LM with every layer routed to expert j)
+
+and a mask `mask_BT` (1 where a token is scored; a prepended domain token is not), so it is testable on fixed
+numbers. Computation is in float64 log space.
+
+Posterior over a prefix of block b (eqs. 7-8): the block is the model's whole context, so the history is the
+scored tokens of that block before t,
+
+    log p(x_<t | D = j)     = sum_{s < t} mask_s * ll[j, b, s]
+    log p(D = j | x_<t)     = log p(x_<t | D = j) + log p(D = j) - logsumexp_j' [ same for j' ]
+
+Mixture (eq. 6):  log p(x_t | x_<t) = logsumexp_j [ ll[j, b, t] + log p(D = j | x_<t) ].
+
+Priors p(D = j) (§5.1):
+* uniform:  1/E.
+* updating (eq. 9):  the prior of block k is an exponentially weighted average of the posteriors of earlier
+  blocks, each taken at the end of its block (conditioning on all its scored tokens, under the prior that block
+  used):  p_k(D = j) ∝ sum_{k' < k} λ^(k - k') π_k'(j),  π_k'(j) = p(D = j | x_block k'),  λ = 0.3.
+  Recursively, with S_0 = 0:  S_{k+1} = λ (S_k + π_k),  p_{k+1} = S_{k+1} / sum_j S_{k+1}(j); block 0 (empty
+  sum) uses the uniform prior.
+* cached:  the updating prior after n = 100 development blocks (the "posterior estimated on 100 sequences of
+  development data" that Figure 4 plots), then fixed for the whole test set.
+
+Baselines (§5.3): naive = one expert's likelihood (the known domain's expert in-domain; on a novel domain the
+best single expert on that test set, an oracle choice); average = fixed uniform weights 1/E at every token,
+log p = logsumexp_j ll[j] - log E (no posterior).
+
+Sparse top-k: keep the k experts with the highest posterior and renormalise. Restricting the posterior to a set
+S and renormalising equals computing it with the prior restricted to S, so with experts chosen by the cached
+prior (a posterior estimated on development data) only k experts need to run at all: cost k/E of the experts'
+compute. Choosing them per token by the full posterior (`select="posterior"`) needs every expert's likelihood of
+the prefix, so it evaluates all E.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+UPDATING_DECAY = 0.3  # λ in eq. 9 (the paper's grid {0.1, 0.3, 0.5, 1.0}; 0.3 "worked well for most settings")
+CACHED_PRIOR_BLOCKS = 100  # development blocks used to estimate the cached prior
+CACHED_PRIOR_FORMAT = "demix-cached-prior/1"
+
+
+def _mask(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor]) -> torch.Tensor:
+    if mask_BT is None:
+        return torch.ones(ll_EBT.shape[1:], dtype=torch.float64, device=ll_EBT.device)
+    return mask_BT.to(torch.float64)
+
+
+def _masked_ll(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor]) -> torch.Tensor:
+    """ll in float64 with unscored positions set to 0 (a masked -inf must not poison the sums)."""
+    m_BT = _mask(ll_EBT, mask_BT)
+    return torch.where(m_BT.bool(), ll_EBT.to(torch.float64), torch.zeros((), dtype=torch.float64))
+
+
+def _log_prior_EB(log_prior: torch.Tensor, E: int, B: int) -> torch.Tensor:
+    """Broadcast a prior given per expert (E) or per expert and block (E B) to E B."""
+    lp = log_prior.to(torch.float64)
+    if lp.dim() == 1:
+        lp = lp[:, None]
+    if lp.shape[0] != E:
+        raise ValueError(f"prior over {lp.shape[0]} experts for log-likelihoods of {E} experts")
+    return lp.expand(E, B)
+
+
+def uniform_log_prior(num_experts: int) -> torch.Tensor:
+    """log p(D = j) = -log E for every j (§5.1 "uniform")."""
+    return torch.full((num_experts,), -math.log(num_experts), dtype=torch.float64)
+
+
+def prefix_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log p(x_<t | D = j) = sum_{s < t} mask_s ll[j, b, s] (exclusive cumulative sum over the block), E B T."""
+    cum_EBT = torch.cumsum(_masked_ll(ll_EBT, mask_BT), dim=2)
+    return torch.cat([torch.zeros_like(cum_EBT[..., :1]), cum_EBT[..., :-1]], dim=2)
+
+
+def log_posterior(
+    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """log p(D = j | x_<t) (eqs. 7-8) at every position, E B T; `log_prior` is E or E B (one per block)."""
+    E, B, _ = ll_EBT.shape
+    joint_EBT = prefix_log_likelihood(ll_EBT, mask_BT) + _log_prior_EB(log_prior, E, B)[..., None]
+    return torch.log_softmax(joint_EBT, dim=0)
+
+
+def end_of_block_log_posterior(
+    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """log p(D = j | x_block b): the posterior after all scored tokens of each block, E B (eq. 8 at t = T)."""
+    E, B, _ = ll_EBT.shape
+    joint_EB = _masked_ll(ll_EBT, mask_BT).sum(dim=2) + _log_prior_EB(log_prior, E, B)
+    return torch.log_softmax(joint_EB, dim=0)
+
+
+def mixture_log_probs(ll_EBT: torch.Tensor, log_weights_EBT: torch.Tensor) -> torch.Tensor:
+    """log p(x_t | x_<t) = logsumexp_j [ ll[j] + log g_j ] (eq. 6), B T. Weights must be normalised over E."""
+    return torch.logsumexp(ll_EBT.to(torch.float64) + log_weights_EBT.to(torch.float64), dim=0)
+
+
+def posterior_mixture_log_probs(
+    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Eq. 6 with g_j = the posterior of eqs. 7-8 under `log_prior` (E or E B), B T."""
+    return mixture_log_probs(ll_EBT, log_posterior(ll_EBT, log_prior, mask_BT))
+
+
+def average_log_probs(ll_EBT: torch.Tensor) -> torch.Tensor:
+    """The "average" baseline: log (1/E) sum_j p(x_t | x_<t, D = j), fixed uniform weights, B T."""
+    return torch.logsumexp(ll_EBT.to(torch.float64), dim=0) - math.log(ll_EBT.shape[0])
+
+
+@dataclass
+class UpdatingPriors:
+    """Result of running the eq. 9 recursion over a stream of blocks."""
+
+    log_prior_EB: torch.Tensor  # the prior each block used
+    log_posterior_EB: torch.Tensor  # π_b: the posterior at the end of each block, under its prior
+    final_log_prior_E: torch.Tensor  # the prior the next block would use (the cached prior after B blocks)
+
+
+class UpdatingPrior:
+    """Streaming state of the updating prior (eq. 9): S_{k+1} = λ (S_k + π_k), kept as log S in float64 so that an
+    expert whose posterior underflows in probability space can still recover."""
+
+    def __init__(self, num_experts: int, decay: float = UPDATING_DECAY) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay λ={decay}: must be in (0, 1]")
+        self.num_experts, self.decay = num_experts, decay
+        self.log_s_E: Optional[torch.Tensor] = None  # None: no block seen yet (empty sum)
+        self.blocks = 0
+
+    def log_prior(self) -> torch.Tensor:
+        """log p_k(D = j): uniform before the first block, else S_k normalised."""
+        if self.log_s_E is None:
+            return uniform_log_prior(self.num_experts)
+        return self.log_s_E - torch.logsumexp(self.log_s_E, dim=0)
+
+    def update(self, log_posterior_E: torch.Tensor) -> None:
+        """Fold in π_k, the posterior at the end of block k."""
+        lp = log_posterior_E.to(torch.float64)
+        s = lp if self.log_s_E is None else torch.logaddexp(self.log_s_E, lp)
+        self.log_s_E = s + math.log(self.decay)
+        self.blocks += 1
+
+
+def updating_priors(
+    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, decay: float = UPDATING_DECAY,
+    state: Optional[UpdatingPrior] = None,
+) -> UpdatingPriors:
+    """Run eq. 9 over the blocks b = 0..B-1 in order (each block's posterior uses the prior from the blocks
+    before it). `state` continues an earlier stream (it is updated in place)."""
+    E, B, _ = ll_EBT.shape
+    state = state or UpdatingPrior(E, decay)
+    block_ll_EB = _masked_ll(ll_EBT, mask_BT).sum(dim=2)
+    priors, posts = [], []
+    for b in range(B):
+        lp_E = state.log_prior()
+        post_E = torch.log_softmax(block_ll_EB[:, b] + lp_E, dim=0)
+        priors.append(lp_E)
+        posts.append(post_E)
+        state.update(post_E)
+    empty = torch.empty(E, 0, dtype=torch.float64)
+    return UpdatingPriors(
+        log_prior_EB=torch.stack(priors, dim=1) if priors else empty,
+        log_posterior_EB=torch.stack(posts, dim=1) if posts else empty,
+        final_log_prior_E=state.log_prior(),
+    )
+
+
+@dataclass
+class CachedPrior:
+    """A prior estimated on development data (§5.1 "cached"), with the expert (domain) names it is over."""
+
+    domains: list[str]
+    probs: list[float]
+    blocks: int = 0  # development blocks it was estimated on
+    decay: float = UPDATING_DECAY
+
+    def log_prior(self, domains: Optional[Sequence[str]] = None) -> torch.Tensor:
+        """log p(D = j), E; in the order of `domains` if given (names must match)."""
+        order = list(domains) if domains is not None else self.domains
+        if sorted(order) != sorted(self.domains):
+            raise ValueError(f"cached prior over {self.domains}, asked for {order}")
+        by_name = dict(zip(self.domains, self.probs))
+        return torch.log(torch.tensor([by_name[d] for d in order], dtype=torch.float64))
+
+    def save(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": CACHED_PRIOR_FORMAT, "domains": self.domains, "probs": self.probs,
+                                    "blocks": self.blocks, "decay": self.decay}, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "CachedPrior":
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != CACHED_PRIOR_FORMAT:
+            raise ValueError(f"{path}: format {data.get('format')!r}, expected {CACHED_PRIOR_FORMAT!r}")
+        if len(data["domains"]) != len(data["probs"]):
+            raise ValueError(f"{path}: {len(data['domains'])} domains but {len(data['probs'])} probabilities")
+        return cls(list(data["domains"]), [float(p) for p in data["probs"]], int(data["blocks"]), float(data["decay"]))
+
+
+def estimate_cached_prior(
+    dev_ll_EBT: torch.Tensor, domains: Sequence[str], mask_BT: Optional[torch.Tensor] = None,
+    max_blocks: int = CACHED_PRIOR_BLOCKS, decay: float = UPDATING_DECAY,
+) -> CachedPrior:
+    """The cached prior: the updating prior (eq. 9) after the first `max_blocks` development blocks."""
+    if dev_ll_EBT.shape[0] != len(domains):
+        raise ValueError(f"{len(domains)} domain names for {dev_ll_EBT.shape[0]} experts")
+    n = min(max_blocks, dev_ll_EBT.shape[1])
+    mask = None if mask_BT is None else mask_BT[:n]
+    final = updating_priors(dev_ll_EBT[:, :n], mask, decay).final_log_prior_E
+    return CachedPrior(list(domains), [float(p) for p in final.exp()], blocks=n, decay=decay)
+
+
+def topk_experts(log_prior_E: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k experts with the highest prior (ties broken by index), sorted."""
+    if not 1 <= k <= log_prior_E.shape[0]:
+        raise ValueError(f"k={k}: need 1 <= k <= {log_prior_E.shape[0]} experts")
+    order = sorted(range(log_prior_E.shape[0]), key=lambda j: (-float(log_prior_E[j]), j))
+    return sorted(order[:k])
+
+
+@dataclass
+class TopKResult:
+    log_probs_BT: torch.Tensor
+    experts: Optional[list[int]]  # the experts kept for the whole stream (select="prior"); None per token
+    experts_evaluated: int  # experts whose forward pass is needed per token
+
+
+def topk_mixture_log_probs(
+    ll_EBT: torch.Tensor, log_prior_E: torch.Tensor, k: int, mask_BT: Optional[torch.Tensor] = None,
+    select: str = "prior",
+) -> TopKResult:
+    """Sparse eq. 6: keep the k experts with the highest posterior and renormalise their weights.
+
+    select="prior": the experts with the k highest (cached) prior, fixed for the stream; the posterior restricted
+    to them is eqs. 7-8 with the prior restricted to them, so only k experts run (experts_evaluated = k).
+    select="posterior": per token, the k highest of the full posterior (every expert must run: E).
+    """
+    E = ll_EBT.shape[0]
+    if select == "prior":
+        keep = topk_experts(log_prior_E, k)
+        lp_K = log_prior_E.to(torch.float64)[keep]
+        lp = posterior_mixture_log_probs(ll_EBT[keep], lp_K - torch.logsumexp(lp_K, 0), mask_BT)
+        return TopKResult(lp, keep, k)
+    if select == "posterior":
+        if not 1 <= k <= E:
+            raise ValueError(f"k={k}: need 1 <= k <= {E} experts")
+        post_EBT = log_posterior(ll_EBT, log_prior_E, mask_BT)
+        kth_BT = torch.topk(post_EBT, k, dim=0).values[-1]
+        kept_EBT = torch.where(post_EBT >= kth_BT, post_EBT, torch.full_like(post_EBT, -math.inf))
+        return TopKResult(mixture_log_probs(ll_EBT, torch.log_softmax(kept_EBT, dim=0)), None, E)
+    raise ValueError(f"select={select!r}: choose prior or posterior")
+
+
+def perplexity(log_probs_BT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> float:
+    """exp(- sum mask * log p / sum mask)."""
+    m = _mask(log_probs_BT[None], mask_BT)
+    lp = torch.where(m.bool(), log_probs_BT.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    return math.exp(-float(lp.sum()) / max(float(m.sum()), 1.0))
+
+
+def expert_perplexities(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> list[float]:
+    """Perplexity of each expert alone, E (the naive baseline's candidates; Figure 2's cells)."""
+    return [perplexity(ll_EBT[j], mask_BT) for j in range(ll_EBT.shape[0])]
+
+
+def naive_expert(ll_EBT: torch.Tensor, known: Optional[int] = None, mask_BT: Optional[torch.Tensor] = None) -> int:
+    """The naive baseline's expert: the known domain's expert if given, else the best single expert on this data."""
+    if known is not None:
+        return known
+    ppl = expert_perplexities(ll_EBT, mask_BT)
+    return min(range(len(ppl)), key=lambda j: (ppl[j], j))
