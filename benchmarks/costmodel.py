@@ -298,13 +298,14 @@ class Prediction:
     arch: str
     gpus: int
     d_model: int
-    tflops_per_update: float  # executed convention (recompute when recompute="full")
+    tflops_per_update: float  # recompute convention (the paper's), whatever is executed
     efficiency: float
     compute_s: float
     allreduce_s: float
     alltoall_s: float
     step_s: float
-    tflops_per_gpu: float
+    tflops_per_gpu: float  # recompute convention (the paper's Tables 2/9)
+    tflops_per_gpu_no_recompute: float  # forward + backward only (3 forwards)
     comm_share: float  # exposed communication / step time
     allreduce_bytes: float  # gradient bytes each rank all-reduces (over groups of > 1 rank)
     alltoall_bytes: float  # bytes each GPU hands to all-to-all per update (its own slice included)
@@ -359,9 +360,9 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     if problems:
         raise ConfigError(problems, "cost options")
     flops = acc.flops_per_update(cfg, gpus * opts.micro_batch * opts.grad_accum)
-    f = flops.get("recompute" if opts.recompute == "full" else "no_recompute")
+    executed = flops.get("recompute" if opts.recompute == "full" else "no_recompute")
     e = eff.at(cfg.d_model)
-    compute = f / (gpus * cluster.peak * 1e12 * e)
+    compute = executed / (gpus * cluster.peak * 1e12 * e)
     bucket = opts.bucket_mb * 2**20
     plan = allreduce_plan(cfg, gpus, DTYPE_BYTES[opts.grad_dtype])
     allreduce = sum(allreduce_seconds(nbytes, p, cluster, bucket) for nbytes, p in plan)
@@ -374,9 +375,10 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     internode = sum(allreduce_internode_bytes(nbytes, p, g) for nbytes, p in plan)
     internode += count * alltoall_internode_bytes(volume, ep_group, g)
     return Prediction(
-        arch=cfg.ffn.kind, gpus=gpus, d_model=cfg.d_model, tflops_per_update=f / 1e12, efficiency=e,
+        arch=cfg.ffn.kind, gpus=gpus, d_model=cfg.d_model, tflops_per_update=flops.recompute / 1e12, efficiency=e,
         compute_s=compute, allreduce_s=allreduce, alltoall_s=alltoall, step_s=step,
-        tflops_per_gpu=f / (gpus * step) / 1e12, comm_share=exposed / step,
+        tflops_per_gpu=flops.recompute / (gpus * step) / 1e12,
+        tflops_per_gpu_no_recompute=flops.no_recompute / (gpus * step) / 1e12, comm_share=exposed / step,
         allreduce_bytes=sum(nbytes for nbytes, p in plan if p > 1), alltoall_bytes=volume * count,
         internode_bytes=internode,
     )
@@ -427,7 +429,7 @@ def fit_efficiency(
     xs, ys = [], []
     for pt in dense:
         pred = predict(pt.cfg, pt.gpus, cluster, unit, opts)  # communication does not depend on e
-        measured_step = pred.tflops_per_update / (pt.gpus * pt.measured_tflops_per_gpu)
+        measured_step = pred.tflops_per_update / (pt.gpus * pt.measured_tflops_per_gpu)  # paper's convention
         compute = measured_step - (pred.step_s - pred.compute_s)
         if compute <= 0:
             raise ValueError(f"{pt.size} dense: modelled communication exceeds the measured step time")
@@ -516,13 +518,14 @@ def _fitted_line(fit: dict) -> str:
 def sensitivity(opts: CostOptions) -> list[dict]:
     """Mean |error| per arch under alternative assumptions (each refitted on Dense only)."""
     out = []
-    for cluster_name in ("v100-dgx1", "v100-dgx1-4ib"):
-        for form in EFFICIENCY_FORMS:
-            for overlap in (0.0, 1.0):
-                o = CostOptions(**{**asdict(opts), "overlap": overlap})
-                rep = paper_report(load_cluster(cluster_name), o, form)
-                out.append({"cluster": cluster_name, "efficiency_form": form, "overlap": overlap,
-                            **{f"{a}_mean_abs_err": rep["mean_abs_rel_err"][a] for a in ARCHS}})
+    variants = [(c, f, o, r) for c in ("v100-dgx1", "v100-dgx1-4ib") for f in EFFICIENCY_FORMS for o in (0.0, 1.0) for r in ("full",)]
+    variants += [(c, "saturating", 0.0, "none") for c in ("v100-dgx1", "v100-dgx1-4ib")]
+    for cluster_name, form, overlap, recompute in variants:
+        o = CostOptions(**{**asdict(opts), "overlap": overlap, "recompute": recompute})
+        rep = paper_report(load_cluster(cluster_name), o, form)
+        out.append({"cluster": cluster_name, "efficiency_form": form, "overlap": overlap, "recompute": recompute,
+                    **{f"{a}_mean_abs_err": rep["mean_abs_rel_err"][a] for a in ARCHS},
+                    **{f"{r['size']}_{r['arch']}_err": r["rel_err"] for r in rep["rows"] if r["arch"] != "dense"}})
     return out
 
 
@@ -541,10 +544,13 @@ def write_paper_report(report: dict, sens: list[dict], command: str, out_dir: Pa
         format_table(report["rows"], markdown=True), "",
         "Mean |error|: " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in report["mean_abs_rel_err"].items()), "",
         "## Sensitivity (each variant refitted on Dense only)", "",
-        "| cluster | e(h) form | overlap | dense | demix | gshard |", "|---|---|---|---|---|---|",
+        "Mean |error| per arch, then each GShard point's error.", "",
+        "| cluster | e(h) form | overlap | recompute | dense | demix | gshard | GShard 125M / 350M / 760M / 1.3B |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {s['cluster']} | {s['efficiency_form']} | {s['overlap']:.0%} | {100 * s['dense_mean_abs_err']:.1f}% | "
-              f"{100 * s['demix_mean_abs_err']:.1f}% | {100 * s['gshard_mean_abs_err']:.1f}% |" for s in sens]
+    lines += [f"| {s['cluster']} | {s['efficiency_form']} | {s['overlap']:.0%} | {s['recompute']} | "
+              + " | ".join(f"{100 * s[f'{a}_mean_abs_err']:.1f}%" for a in ARCHS) + " | "
+              + " / ".join(f"{100 * s[f'{z}_gshard_err']:+.0f}%" for z in ("125M", "350M", "760M", "1.3B")) + " |" for s in sens]
     md_path.write_text("\n".join(lines) + "\n\n" + REPORT_NOTES + "\n")
     return md_path, json_path
 

@@ -207,16 +207,12 @@ def report(manifest: dict, domains: list[str]) -> list[str]:
     return failures
 
 
-def run_prepare(corpus_dir: Path, out_dir: Path, force: bool = False) -> None:
-    """Tokenise and index the corpus with data.prepare.prepare_corpus when that module exists."""
-    try:
-        from data.prepare import prepare_corpus
-    except ImportError as err:
-        print(f"tokenisation skipped: data.prepare.prepare_corpus is not available ({err})")
-        return
-    params = inspect.signature(prepare_corpus).parameters
-    kwargs = {"force": True} if force and "force" in params else {}
-    prepare_corpus(corpus_dir, out_dir=out_dir, **kwargs)
+def run_prepare(corpus_dir: Path, out_dir: Path, force: bool = False, tokenizers: tuple[str, ...] = ("gpt2",)) -> None:
+    """Anonymise, tokenise and index the corpus once per tokenizer (data.prepare.prepare_corpus)."""
+    from data.prepare import prepare_corpus
+
+    for tok in tokenizers:
+        prepare_corpus(corpus_dir, out_dir=out_dir, tokenizer=tok, force=force)
 
 
 def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TRAIN_DOMAINS) -> Optional[str]:
@@ -247,6 +243,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="cap on JSONL megabytes per domain (default 8; 0 = no cap)")
     p.add_argument("--rebuild", action="store_true", help="ignore the manifest and rebuild every requested domain")
     p.add_argument("--corpus-only", action="store_true", help="stop after the JSONL corpus (no tokenisation)")
+    p.add_argument("--tokenizers", nargs="+", default=["gpt2", "sentencepiece"], choices=["gpt2", "sentencepiece"],
+                   help="tokenise with each (default: GPT-2 BPE, as the paper, and a corpus-trained sentencepiece "
+                        "8k vocabulary, which the CPU demo uses)")
     args = p.parse_args(argv)
     problems = []
     if args.max_docs_per_domain is not None and args.max_docs_per_domain <= 0:
@@ -272,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if failures:
         print(f"continuing with {len(manifest['train_domains'])} training domains.")
     if not args.corpus_only:
-        run_prepare(args.out / "corpus", args.out / "tokens", force=args.rebuild)
+        run_prepare(args.out / "corpus", args.out / "tokens", force=args.rebuild, tokenizers=tuple(args.tokenizers))
     return 0
 
 

@@ -1,0 +1,152 @@
+"""All-experts batched evaluation, the evaluation command end to end on a tiny prepared corpus, and generation."""
+
+import json
+
+import pytest
+import torch
+
+from launcher.checkpoint import load_consolidated, save_consolidated
+from launcher.config import load_run_config
+from model.batched import expert_log_likelihoods, next_token_log_probs, sequential_log_likelihoods
+from model.gpt import GPT
+
+WORDS = {
+    "news": "the council voted on tuesday to approve the budget for road repairs officials said shares fell".split(),
+    "code": "def return self class import for in range if else print lambda yield none true false".split(),
+    "legal": "permission is hereby granted free of charge to any person obtaining a copy warranty liability".split(),
+}
+SEQ = 32
+
+
+def _cfg(kind="demix", experts=2, mixture="by_domain", domains=("news", "code")):
+    return load_run_config(None, [
+        "model.preset=tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", f"model.seq_len={SEQ}",
+        f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts if kind == 'demix' else 0}",
+        f"data.mixture={mixture}", f"data.domains=[{', '.join(domains)}]",
+    ])
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    from data.prepare import prepare_corpus
+
+    root = tmp_path_factory.mktemp("evaldata")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for name, words in WORDS.items():
+        lines = []
+        for i in range(20):
+            idx = torch.randint(0, len(words), (40,), generator=g).tolist()
+            lines.append(json.dumps({"id": f"{name}-{i}", "domain": name, "text": " ".join(words[j] for j in idx)}))
+        (corpus / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_corpus(corpus, root / "tokens", workers=1, valid_fraction=0.2, test_fraction=0.2, anonymise=False,
+                   progress=False)
+    return root / "tokens"
+
+
+@pytest.fixture(scope="module")
+def demix_ckpt(tmp_path_factory):
+    cfg = _cfg()
+    model = GPT(cfg.model, init_seed=3)
+    return save_consolidated(tmp_path_factory.mktemp("ckpt") / "demix", model.state_dict(), cfg, ["news", "code"], 7)
+
+
+def test_batched_all_experts_equals_sequential_passes():
+    cfg = _cfg(experts=3, domains=("a", "b", "c"))
+    model = GPT(cfg.model, init_seed=1).eval()
+    x = torch.randint(0, 1000, (3, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    a = expert_log_likelihoods(model, x[:, :-1], x[:, 1:], logit_budget=50_000)  # several head chunks
+    b = sequential_log_likelihoods(model, x[:, :-1], x[:, 1:])
+    assert a.shape == (3, 3, SEQ)
+    assert torch.allclose(a, b, atol=1e-5)
+    assert (a[0] - a[1]).abs().max() > 1e-3  # the experts really differ
+    sub = expert_log_likelihoods(model, x[:, :-1], x[:, 1:], expert_ids=[2, 0])
+    assert torch.allclose(sub, b[[2, 0]], atol=1e-5)
+    last = next_token_log_probs(model, x[:, :-1])
+    full = model(x[:, :-1], torch.full((3,), 1)).logits[:, -1].log_softmax(-1)
+    assert torch.allclose(last[1], full, atol=1e-5)
+
+
+def test_batched_dense_is_one_expert():
+    model = GPT(_cfg("dense").model, init_seed=1).eval()
+    x = torch.randint(0, 1000, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    a = expert_log_likelihoods(model, x[:, :-1], x[:, 1:])
+    assert a.shape == (1, 2, SEQ)
+    assert torch.allclose(a, sequential_log_likelihoods(model, x[:, :-1], x[:, 1:]), atol=1e-5)
+
+
+def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix_ckpt, tmp_path):
+    from launcher.evaluate import DEMIX_MODES, evaluate_checkpoint
+
+    out = tmp_path / "eval"
+    res = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False)
+    assert res["experts"] == ["news", "code"] and res["step"] == 7 and res["modes"] == list(DEMIX_MODES)
+    doms = res["domains"]
+    assert {d: r["role"] for d, r in doms.items()} == {"code": "train", "legal": "novel", "news": "train"}
+    for d, r in doms.items():
+        assert set(r["ppl"]) == set(DEMIX_MODES)
+        assert all(1.0 < v < 1e6 for v in r["ppl"].values())
+        assert sum(r["posterior"]["updating_mean_end_of_block"].values()) == pytest.approx(1.0)
+        assert r["topk"]["experts_evaluated"] == 2 and r["blocks"] <= 4
+    assert doms["news"]["naive_expert"] == "news" and doms["code"]["naive_expert"] == "code"
+    best = min(doms["legal"]["expert_ppl"], key=doms["legal"]["expert_ppl"].get)
+    assert doms["legal"]["naive_expert"] == best
+    assert doms["legal"]["ppl"]["naive"] == pytest.approx(doms["legal"]["expert_ppl"][best])
+    assert doms["news"]["ppl"]["naive"] == pytest.approx(doms["news"]["expert_ppl"]["news"])
+    assert res["tables"]["novel_average"]["cached"] == pytest.approx(doms["legal"]["ppl"]["cached"])
+    mean = (doms["news"]["ppl"]["uniform"] + doms["code"]["ppl"]["uniform"]) / 2
+    assert res["tables"]["in_domain_average"]["uniform"] == pytest.approx(mean)
+    for name in ("eval.json", "eval.md", "posteriors.png", "specialisation.png", "cached_priors/legal.json"):
+        assert (out / name).is_file(), name
+    assert (out / "posteriors.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "eval.md").read_text()
+    assert "Table 3" in md and "Table 4" in md and "Table 5" in md and "DEMix (cached)" in md
+    assert json.loads((out / "eval.json").read_text())["tables"] == json.loads(json.dumps(res["tables"]))
+
+
+def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
+    from launcher.evaluate import evaluate_checkpoint
+
+    for mixture in ("natural", "domain_token"):
+        cfg = _cfg("dense", mixture=mixture)
+        path = save_consolidated(tmp_path / mixture, GPT(cfg.model, init_seed=2).state_dict(), cfg, ["news", "code"])
+        res = evaluate_checkpoint(path, data_root, max_blocks=2, out_dir=tmp_path / f"out-{mixture}", progress=False)
+        assert res["modes"] == ["ppl"] and res["experts"] == []
+        assert set(res["domains"]) == {"news", "code", "legal"}
+        assert res["tables"]["novel_average"]["ppl"] > 1.0
+        if mixture == "domain_token":
+            assert res["domains"]["news"]["naive_expert"] == "news"
+            assert set(res["domains"]["legal"]["expert_ppl"]) == {"news", "code"}
+        assert (tmp_path / f"out-{mixture}" / "eval.md").is_file()
+
+
+def test_generation_is_deterministic_given_a_seed(demix_ckpt):
+    from launcher.generate import generate
+
+    model = load_consolidated(demix_ckpt).build_model()
+    prompt = [50256, 464, 3139]
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9)
+    a = generate(model, prompt, expert=1, seed=5, **kw)
+    assert a.new_ids == generate(model, prompt, expert=1, seed=5, **kw).new_ids and len(a.new_ids) == 6
+    m = generate(model, prompt, mixture=True, seed=5, **kw)
+    assert m.new_ids == generate(model, prompt, mixture=True, seed=5, **kw).new_ids
+    assert len(m.posteriors) == 6 and all(sum(p) == pytest.approx(1.0) for p in m.posteriors)
+    outs = {tuple(generate(model, prompt, mixture=True, seed=s, **kw).new_ids) for s in range(4)}
+    assert len(outs) > 1  # the seed matters
+    greedy = generate(model, prompt, expert=0, temperature=0.0, max_new_tokens=3)
+    x = torch.tensor([prompt])
+    assert greedy.new_ids[0] == int(model(x, torch.zeros(1, dtype=torch.long)).logits[0, -1, :50264].argmax())
+    with pytest.raises(ValueError):
+        generate(model, prompt, max_new_tokens=1)
+
+
+def test_generate_command(demix_ckpt, capsys):
+    from launcher.generate import main
+
+    assert main([str(demix_ckpt), "--prompt", "The council", "--mixture", "--max-new-tokens", "4", "--seed", "1",
+                 "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert len(rec["new_ids"]) == 4 and rec["experts"] == ["news", "code"] and isinstance(rec["text"], str)
+    assert main([str(demix_ckpt), "--prompt", "def", "--expert", "code", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def")
