@@ -144,7 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     result = run(args)
-    result["command"] = "python -m benchmarks.mixing_throughput " + shlex.join(argv if argv is not None else sys.argv[1:])
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    result["command"] = "python -m benchmarks.mixing_throughput " + shlex.join(argv)
     result["machine"] = {
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

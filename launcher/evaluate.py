@@ -114,6 +114,26 @@ def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int
     return torch.stack(out)
 
 
+def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size) -> Optional[mx.CachedPrior]:
+    """The cached prior of one domain from its development blocks (None without any)."""
+    if not len(dev_blocks):
+        return None
+    tokens, targets, mask = block_inputs(dev_blocks)
+    ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+    return mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay)
+
+
+def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
+                        batch_size: int) -> dict[str, Any]:
+    """+Domain-Token: own token in-domain, the best token on a novel domain (DEMix §5.3)."""
+    ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size)
+    mask = torch.ones(ll.shape[1:])
+    exp_ppl = mx.expert_perplexities(ll, mask)
+    best = mx.naive_expert(ll, own, mask)
+    return {"expert_ppl": dict(zip(train_domains, exp_ppl)), "naive_expert": train_domains[best],
+            "ppl": {"ppl": exp_ppl[best]}}
+
+
 def _mean(values: list[float]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
@@ -156,7 +176,8 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
             raise ValueError(f"mode {mode!r}: choose from {', '.join(DEMIX_MODES)}")
         res["ppl"][mode] = mx.perplexity(lp, mask_BT)
     if cached_prior is not None:
-        res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)), "blocks": cached_prior.blocks}
+        res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)),
+                               "blocks": cached_prior.blocks}
     return res
 
 
@@ -166,9 +187,10 @@ def evaluate_model(
     modes: Sequence[str] = DEMIX_MODES, domains: Optional[Sequence[str]] = None, batch_size: int = 4,
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
     seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
-    extra: Optional[dict[str, Any]] = None,
+    extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
 ) -> dict[str, Any]:
-    """Evaluate an in-memory model (all experts held) on every domain of the prepared data. Returns
+    """Evaluate an in-memory model (all experts held) on every domain of the prepared data. `cached_priors` maps a
+    domain to a prior to use instead of estimating one on `dev_split`. Returns
 
         {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
          DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
@@ -215,22 +237,17 @@ def evaluate_model(
         if is_demix:
             ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
             cached = None
-            if any(m in modes for m in ("cached", "topk")):
+            if cached_priors and dom in cached_priors:  # given (e.g. loaded with CachedPrior.load): not re-estimated
+                cached = cached_priors[dom]
+            elif any(m in modes for m in ("cached", "topk")):
                 dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
-                if len(dev):
-                    dt, dg, dm = block_inputs(dev)
-                    cached = mx.estimate_cached_prior(stream_log_likelihoods(model, dt, dg, None, batch_size),
-                                                      experts, dm, cached_blocks, decay)
-                    if out_dir is not None and _dist()[0] == 0:
-                        cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
+                cached = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size)
+                if cached is not None and out_dir is not None and _dist()[0] == 0:
+                    cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
             entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay))
         elif domain_token:
             base = int(manifest["tokenizer"]["vocab_size"])
-            ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size)
-            exp_ppl = mx.expert_perplexities(ll, mask)
-            best = mx.naive_expert(ll, own, mask)
-            entry.update({"expert_ppl": dict(zip(train_domains, exp_ppl)), "naive_expert": train_domains[best],
-                          "ppl": {"ppl": exp_ppl[best]}})
+            entry.update(_domain_token_entry(model, blocks, base, list(train_domains), own, batch_size))
         else:
             ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
             entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
@@ -247,7 +264,8 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
-    seq_len, out_dir, progress). Returns the result dict documented there, plus "checkpoint" and "step"."""
+    seq_len, out_dir, progress, cached_priors). Returns the result dict documented there, plus "checkpoint" and
+    "step"."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step}
     return evaluate_model(c.build_model(), c.cfg, c.domains, data_root, extra=extra, **kwargs)

@@ -16,8 +16,9 @@ generated:
 with a uniform prior by default or a cached prior file (model/mixture.py CachedPrior). All experts' next-token
 distributions come from one batched pass (model/batched.py); there is no KV cache (the whole window is recomputed
 each step: fine for the small models this is for). When the text outgrows the context the model sees the last
-seq_len tokens; the posterior scores the prompt's last seq_len + 1 tokens and then every generated token. Sampling: temperature (0 = greedy), then top-k, then
-top-p (nucleus) on the mixture distribution; a seeded torch.Generator makes the output a function of the seed.
+seq_len tokens; the posterior scores the prompt's last seq_len + 1 tokens and then every generated token.
+Sampling: temperature (0 = greedy), then top-k, then top-p (nucleus) on the mixture distribution; a seeded
+torch.Generator makes the output a function of the seed.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,7 +37,8 @@ def heatmap(
     """One annotated heatmap written to `path` (PNG)."""
     plt = _pyplot()
     n_r, n_c = matrix.shape
-    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n_c, 1.0 + 0.45 * n_r + 0.6), dpi=120)
+    width = max(5.5, 2.0 + 0.7 * n_c)
+    fig, ax = plt.subplots(figsize=(width, 1.8 + 0.45 * n_r + 0.6), dpi=120)
     im = ax.imshow(matrix, cmap=cmap, aspect="auto")
     ax.set_xticks(range(n_c), labels=list(cols), rotation=45, ha="right")
     ax.set_yticks(range(n_r), labels=list(rows))
@@ -52,7 +54,7 @@ def heatmap(
     if rule_after is not None and 0 < rule_after < n_r:
         ax.axhline(rule_after - 0.5, color="red", linewidth=1.5)
     fig.colorbar(im, ax=ax, label=cbar)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, int(width * 11)), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

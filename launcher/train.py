@@ -76,6 +76,10 @@ def plan_problems(cfg: RunConfig, catalog: Catalog, world_size: int) -> list[str
         out.append(f"model.vocab_size={cfg.model.vocab_size} (padded {have}) is smaller than the {need} token ids the "
                    f"{catalog.tokenizer} data uses{' with domain tokens' if mixture == 'domain_token' else ''}")
     out += model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, cfg.parallel.tensor_parallel)
+    if kind == "gshard":
+        from parallel.gshard import gshard_layout_problems
+
+        out += gshard_layout_problems(cfg.model, world_size, cfg.parallel.tensor_parallel)
     if cfg.parallel.allocation is not None and kind != "demix":
         out.append("parallel.allocation applies to DEMix only (ranks per domain)")
     min_tokens = cfg.model.seq_len + 1
@@ -423,10 +427,11 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
         engine.backward(loss)
         sums += domain_loss_sums(out.token_loss.detach(), mb["loss_mask"], mb["domain_ids"], n_domains)
         if out.aux_loss is not None:
-            aux_total += float(out.aux_loss) / len(micro)
+            aux_total += float(out.aux_loss.detach()) / len(micro)
         for k, v in out.ffn_stats.items():
-            if v.numel() == 1:
-                stats[k] = stats.get(k, 0.0) + float(v) / len(micro)
+            if v.numel() == 1 or k.endswith("_E"):  # scalars and per-expert vectors (e.g. expert_load_E)
+                v = v.detach().double().cpu()
+                stats[k] = stats.get(k, 0.0) + (v if v.numel() > 1 else float(v)) / len(micro)
         if i < len(micro) - 1:
             engine.step()  # a no-op update: DeepSpeed counts micro-steps to find the accumulation boundary
     norm = None
@@ -455,7 +460,7 @@ def step_record(out: dict, bundle: Any, plan: Plan, sums: torch.Tensor, t0: floa
     if out.get("aux_loss") is not None:
         rec["aux_loss"] = float(out["aux_loss"])
     for k, v in out.get("stats", {}).items():
-        rec[k] = v
+        rec[k] = v.tolist() if isinstance(v, torch.Tensor) else v
     mem = torch.tensor([peak_memory_gb()])
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     rec["peak_mem_gb"] = float(mem)

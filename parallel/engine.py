@@ -77,7 +77,17 @@ def lr_lambda(cfg: RunConfig):
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
-    return getattr(p, "group_name", None) == EXPERT_GROUP_NAME and getattr(p, "allreduce", True) is False
+    """DEMix domain experts and DeepSpeed MoE experts (`ep_size_N` groups) alike."""
+    return getattr(p, "group_name", None) is not None and getattr(p, "allreduce", True) is False
+
+
+def expert_replicas(p: torch.Tensor, groups: ProcessGroups) -> int:
+    """How many data-parallel ranks hold (and after reduction agree on) this expert parameter's gradient."""
+    if p.group_name == EXPERT_GROUP_NAME:
+        return len(groups.expert_ranks)
+    from deepspeed.utils import groups as ds_groups
+
+    return dist.get_world_size(ds_groups._get_expert_data_parallel_group(p.group_name))
 
 
 def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> int:
@@ -150,10 +160,10 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
             continue
         sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(p):
-            expert += sq
+            expert += sq / expert_replicas(p, groups)
         else:
             shared += sq
-    total = shared / len(groups.dp_ranks) + expert / len(groups.expert_ranks)
+    total = shared / len(groups.dp_ranks) + expert
     dist.all_reduce(total)  # over the world: sums the tp shards, the dp replicas (/N_dp) and each domain once
     return total.sqrt().float()
 

@@ -150,3 +150,22 @@ def test_generate_command(demix_ckpt, capsys):
     assert len(rec["new_ids"]) == 4 and rec["experts"] == ["news", "code"] and isinstance(rec["text"], str)
     assert main([str(demix_ckpt), "--prompt", "def", "--expert", "code", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("def")
+
+
+def _eval_worker(rank, world, ckpt, data_root):
+    from launcher.evaluate import evaluate_checkpoint
+
+    res = evaluate_checkpoint(ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
+    return {d: r["ppl"] for d, r in res["domains"].items()}
+
+
+@pytest.mark.slow
+def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, data_root):
+    from launcher.evaluate import evaluate_checkpoint
+    from tests.multirank import run_ranks
+
+    single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
+    ranks = run_ranks(_eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300)
+    for res in ranks:
+        for d, ppl in res.items():
+            assert ppl == pytest.approx(single["domains"][d]["ppl"], rel=1e-5)

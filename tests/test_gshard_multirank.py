@@ -3,7 +3,7 @@
 One spawn per world size runs several layouts in turn (process start-up dominates on CPU). For each layout:
 the freshly built distributed model computes what the plain model computes on the same tokens (forward parity,
 all experts gathered back equal the plain weights); after a few optimizer steps through
-parallel.engine.build_engine + train_step_ds, non-expert parameters are identical on every rank, each expert is
+parallel.engine.build_engine + launcher.train.train_step, non-expert parameters are identical on every rank, each expert is
 identical within its expert-data-parallel group and differs across experts, the gathered state dict loads into
 a plain GPT that computes what the distributed model computes, and every parameter equals a single-process
 reference (mean over ranks of loss + aux loss, one global clip norm, the same AdamW).
@@ -19,6 +19,10 @@ import torch
 from tests.multirank import run_ranks
 
 STEPS, GAS, MB, SEQ, VOCAB = 2, 2, 2, 16, 256
+# Adam normalises each element's update to about lr (1e-2) whatever its gradient's size, so float noise in tiny
+# gradients (summed in another order across the all-to-all) shows up as ~1e-4; a wrong route or weight shows as
+# ~lr. The gradient scale itself is checked sharply by the global grad norm (rel 1e-4).
+ATOL = 3e-4
 
 
 def _cfg(experts: int, zero: int, policy: str = "all"):
@@ -36,7 +40,8 @@ def _cfg(experts: int, zero: int, policy: str = "all"):
 def _batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
     tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.zeros(MB, dtype=torch.long)}
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.zeros(MB, dtype=torch.long),
+            "loss_mask": torch.ones(MB, SEQ)}
 
 
 def _expert_id(name: str) -> int:
@@ -45,7 +50,8 @@ def _expert_id(name: str) -> int:
 
 def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str) -> dict:
     from model.gpt import GPT
-    from parallel.engine import build_engine, train_step_ds
+    from launcher.train import train_step
+    from parallel.engine import build_engine
     from parallel.groups import ProcessGroups
     from parallel.gshard import DistributedGShardFFN, gather_gshard_state_dict
     from parallel.topology import build_topology
@@ -66,13 +72,12 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str) -> 
         p = plain(b["tokens"], targets_BT=b["targets"])
     out["fwd"] = [(d.logits, p.logits), (d.aux_loss, p.aux_loss), (d.loss, p.loss)]
     out["dropped"] = float(d.ffn_stats["layer1/dropped_fraction"])
-    out["init_gathered_equal"] = all(
-        torch.equal(v, plain.state_dict()[k]) for k, v in gather_gshard_state_dict(model, groups).items()
-    ) and len(gather_gshard_state_dict(model, groups)) == len(plain.state_dict())
+    init, want = gather_gshard_state_dict(model, groups), plain.state_dict()
+    out["init_gathered_equal"] = init.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in init.items())
     out["losses"] = []
     for step in range(STEPS):
-        res = train_step_ds(bundle, cfg, [_batch(rank, step, m) for m in range(GAS)])
-        out["losses"].append(float(res["loss"]))
+        res = train_step(bundle, cfg, [_batch(rank, step, m) for m in range(GAS)], 1)
+        out["losses"].append(float(res["domain_sums"][0].sum() / res["domain_sums"][1].sum()))
     out["norm"] = float(res["grad_norm"])
     out["local"] = {}  # this rank's parameters under plain names (experts by global id)
     sd = gather_gshard_state_dict(model, groups)
@@ -139,13 +144,13 @@ def _check(results: list[dict], experts: int, world: int, policy: str) -> None:
             for r, res in enumerate(results):  # dense parameters (and the gate) identical on every rank
                 assert torch.equal(res["gathered"][k], v), f"{k} differs on rank {r}"
         if ref is not None:
-            torch.testing.assert_close(v, ref[k], rtol=1e-4, atol=2e-5, msg=f"{k} vs the single-process reference")
+            torch.testing.assert_close(v, ref[k], rtol=1e-3, atol=ATOL, msg=f"{k} vs the single-process reference")
     for r, res in enumerate(results):
         if ref is not None:
             assert res["norm"] == pytest.approx(ref_norm, rel=1e-4), f"rank {r} grad norm"
         for k, v in res["local"].items():
             if ref is not None:
-                torch.testing.assert_close(v, ref[k], rtol=1e-4, atol=2e-5, msg=f"rank {r} {k} vs reference")
+                torch.testing.assert_close(v, ref[k], rtol=1e-3, atol=ATOL, msg=f"rank {r} {k} vs reference")
             for q in res["edp_ranks"]:  # identical within the expert-data-parallel group
                 assert torch.equal(results[q]["local"][k], v), f"{k}: rank {q} != rank {r}"
     w = [first[f"blocks.1.ffn.experts.{e}.fc1.weight"] for e in range(experts)]

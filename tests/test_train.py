@@ -1,0 +1,99 @@
+"""The trainer end to end through the real launcher (deepspeed, gloo, separate processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _overrides(tokens: Path, kind: str = "demix", steps: int = 6, zero: int = 1) -> list[str]:
+    sets = [
+        "model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
+        f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2",
+        f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}", f"train.steps={steps}", "train.micro_batch=2",
+        "train.grad_accum=2", "train.lr=3e-3", "train.eval_batches=2", "train.save_interval=2", f"parallel.zero_stage={zero}",
+        "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
+    ]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _launch(args: list[str], env_extra: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    proc = subprocess.run([sys.executable, "-m", "launcher.launch", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launch failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"}
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_path):
+    """3 domains on 3 ranks, ZeRO 1: SIGKILL after step 3 (checkpoint at step 2), resume, compare losses."""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _launch(["--nproc", "3", "--run-dir", str(full), *_overrides(tiny_tokens)])
+    proc = _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)],
+                   env_extra={"DEMIX_TEST_KILL_AT_STEP": "3"}, check=False)
+    assert proc.returncode != 0
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not (killed / "model").exists()  # the run really died before the end
+    _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)])
+    a, b = _losses(full), _losses(killed)
+    assert sorted(a) == list(range(1, 7))
+    for step in range(3, 7):  # steps 3.. were recomputed after the resume from step 2
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, a, b)
+    assert a[6] < a[1]  # it learns
+    starts = [r for r in read_metrics(killed / "metrics.jsonl") if r.get("kind") == "start"]
+    assert starts[-1]["resumed_from"].endswith("step_00000002")
+    # the consolidated export holds every expert and names the domains
+    meta = json.loads((killed / "model" / "meta.json").read_text())
+    assert meta["domains"] == ["cooking", "finance", "sailing"] and meta["experts"]["2"] == "sailing"
+
+
+@pytest.mark.slow
+def test_consolidated_export_evaluates_on_one_process(tiny_tokens, tmp_path):
+    """A 2-rank dense run (natural mix): every record has throughput fields; the export loads in one process."""
+    import torch
+
+    from launcher.checkpoint import load_consolidated
+
+    run = tmp_path / "dense"
+    _launch(["--nproc", "2", "--run-dir", str(run), *_overrides(tiny_tokens, kind="dense", steps=3, zero=0)])
+    rec = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"][-1]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu_recompute", "tflops_per_gpu_no_recompute",
+                "peak_mem_gb"):
+        assert key in rec, key
+    per_domain = [k for k in rec if k.startswith("loss/")]  # the domains this interval's batches held
+    assert per_domain and set(per_domain) <= {"loss/cooking", "loss/finance", "loss/sailing"}
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "eval"][-1]
+    assert {"val_ppl/cooking", "val_ppl/finance", "val_ppl/sailing"} <= set(evals)
+    assert rec["tflops_per_gpu_no_recompute"] == pytest.approx(0.75 * rec["tflops_per_gpu_recompute"], rel=0.3)
+    ckpt = load_consolidated(run / "model")
+    model = ckpt.build_model()
+    x = torch.randint(0, 1000, (1, 8))
+    assert torch.isfinite(model(x).logits).all()
+    ds_cfg = json.loads((run / "deepspeed_config.json").read_text())
+    assert ds_cfg["train_micro_batch_size_per_gpu"] == 2 and ds_cfg["gradient_accumulation_steps"] == 2
+    assert "launcher.train" in (run / "command.sh").read_text()
+
+
+def test_bad_layout_and_missing_data_fail_before_launch(tiny_tokens, tmp_path):
+    proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "x"), *_overrides(tiny_tokens),
+                    "--set", "model.n_heads=3", "--set", "parallel.tensor_parallel=2"], check=False)
+    assert proc.returncode == 2
+    assert "n_heads=3" in proc.stderr and "tensor_parallel" in proc.stderr
+    proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "y"), *_overrides(tmp_path / "nowhere")], check=False)
+    assert proc.returncode == 2 and "prepare the data first" in proc.stderr
+    proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "z"), *_overrides(tiny_tokens)], check=True)
+    assert (tmp_path / "z" / "deepspeed_config.json").is_file() and (tmp_path / "z" / "command.sh").is_file()
