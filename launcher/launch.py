@@ -106,7 +106,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     from launcher.train import check_resumable, latest_checkpoint, make_plan
     from parallel.engine import deepspeed_config
 
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, check=False)
     world = world_size(args)
     plan = make_plan(cfg, world)
     run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)

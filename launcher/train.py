@@ -91,11 +91,18 @@ def plan_problems(cfg: RunConfig, catalog: Catalog, world_size: int) -> list[str
 
 
 def make_plan(cfg: RunConfig, world_size: int) -> Plan:
-    """Resolve and validate a run for `world_size` ranks; raise ConfigError listing every problem."""
+    """Resolve and validate a run for `world_size` ranks; raise ConfigError listing every problem
+    (the config's own, the data's and the layout's, together)."""
+    problems = cfg.problems()
     try:
         catalog = load_catalog(cfg.data.path, cfg.data.tokenizer, cfg.data.domains)
     except DataError as e:
-        raise ConfigError([str(e)], "data") from None
+        problems.append(str(e))
+        problems += model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, cfg.parallel.tensor_parallel)
+        raise ConfigError(problems, "run") from None
+    if problems:  # a broken config would make the data/layout checks below misleading
+        problems += model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, cfg.parallel.tensor_parallel)
+        raise ConfigError(problems, "run")
     cfg = resolve(cfg, catalog, world_size)
     problems = plan_problems(cfg, catalog, world_size)
     num_domains = len(catalog.train_domains) if cfg.model.ffn.kind == "demix" else 1
@@ -485,7 +492,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides, check=False)
         plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

