@@ -24,6 +24,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 SCHEDULES: tuple[str, ...] = ("polynomial", "cosine", "constant")
 CHECKPOINTING: tuple[str, ...] = ("none", "full")
 WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")
+TRAINABLE: tuple[str, ...] = ("all", "experts")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class TrainConfig:
     precision: str = "fp32"
     activation_checkpointing: str = "none"
     seed: int = 1234
+    init_from: Optional[str] = None  # a consolidated checkpoint to start from (DAPT, continued training)
+    trainable: str = "all"  # "all", or "experts": freeze everything but the experts (DEMix-DAPT, §6)
     eval_interval: int = 0  # 0 = only at the end
     eval_batches: int = 4
     save_interval: int = 0  # 0 = only at the end
@@ -66,7 +69,8 @@ class TrainConfig:
             out.append(f"{prefix}: betas ({self.beta1}, {self.beta2}) must be in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0 or self.eps <= 0:
             out.append(f"{prefix}: clip_grad and weight_decay must be >= 0, eps > 0")
-        for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING)):
+        for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
+                              ("trainable", TRAINABLE)):
             if getattr(self, name) not in allowed:
                 out.append(f"{prefix}.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         return out

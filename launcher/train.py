@@ -43,33 +43,65 @@ class Plan:
     cfg: RunConfig  # resolved: expert count, vocabulary
     catalog: Catalog
     topo: Topology
+    expert_domains: tuple[str, ...] = ()  # expert id -> domain name (DEMix); from train.init_from when given
+
+    @property
+    def expert_of_domain(self) -> list[int]:
+        """Data domain id (position in catalog.train_domains) -> expert id of the model."""
+        if not self.expert_domains:
+            return list(range(len(self.catalog.train_domains)))
+        return [self.expert_domains.index(d) for d in self.catalog.train_domains]
 
 
-def resolve(cfg: RunConfig, catalog: Catalog, world_size: int) -> RunConfig:
-    """Fill what the config leaves to the data and the layout: DEMix experts = training domains,
-    GShard experts = data-parallel ranks x experts per rank."""
+def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str], tuple[str, ...]]:
+    """Checks of `train.init_from` against this run (reads only its meta.json); returns (problems, expert domains)."""
+    path = Path(cfg.train.init_from)
+    if not (path / "meta.json").is_file():
+        return [f"train.init_from={str(path)!r}: not a consolidated checkpoint (no meta.json)"], ()
+    meta = json.loads((path / "meta.json").read_text())
+    m = meta["config"]["model"]
+    out = []
+    for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult"):
+        if m.get(key) != getattr(cfg.model, key):
+            out.append(f"train.init_from: model.{key} is {m.get(key)} in the checkpoint, {getattr(cfg.model, key)} here")
+    if m["ffn"]["kind"] != cfg.model.ffn.kind:
+        out.append(f"train.init_from: a {m['ffn']['kind']!r} checkpoint cannot start a {cfg.model.ffn.kind!r} run")
+    domains = tuple(meta["domains"]) if cfg.model.ffn.kind == "demix" else ()
+    missing = [d for d in catalog.train_domains if domains and d not in domains]
+    if missing:
+        out.append(f"train.init_from has no expert for {missing} (experts: {', '.join(domains)}); add one first with "
+                   "`python -m launcher.experts add`")
+    return out, domains
+
+
+def resolve(cfg: RunConfig, catalog: Catalog, world_size: int, expert_domains: Sequence[str] = ()) -> RunConfig:
+    """Fill what the config leaves to the data and the layout: DEMix experts = training domains (or the
+    init checkpoint's experts), GShard experts = data-parallel ranks x experts per rank."""
     ffn = cfg.model.ffn
     if ffn.kind == "demix" and ffn.num_experts == 0:
-        ffn = replace(ffn, num_experts=len(catalog.train_domains))
+        ffn = replace(ffn, num_experts=len(expert_domains or catalog.train_domains))
     if ffn.kind == "gshard" and ffn.num_experts == 0:
         dp = max(1, world_size // cfg.parallel.tensor_parallel)
         ffn = replace(ffn, num_experts=dp * ffn.gshard.experts_per_rank)
     return replace(cfg, model=replace(cfg.model, ffn=ffn))
 
 
-def plan_problems(cfg: RunConfig, catalog: Catalog, world_size: int) -> list[str]:
+def plan_problems(cfg: RunConfig, catalog: Catalog, world_size: int, expert_domains: Sequence[str] = ()) -> list[str]:
     """Cross-component checks, all reported at once."""
     out = []
+    n_experts_wanted = len(expert_domains or catalog.train_domains)
     kind, mixture = cfg.model.ffn.kind, cfg.data.mixture
     if kind == "demix" and mixture != "by_domain":
         out.append(f"model.ffn.kind=demix trains each expert on its own domain: set data.mixture=by_domain (not {mixture!r})")
     if kind != "demix" and mixture == "by_domain" and len(catalog.train_domains) > 1:
         out.append(f"data.mixture=by_domain gives each rank one domain; for kind={kind!r} use natural, balanced or domain_token")
-    if kind == "demix" and cfg.model.ffn.num_experts != len(catalog.train_domains):
+    if kind == "demix" and cfg.model.ffn.num_experts != n_experts_wanted:
         out.append(
-            f"model.ffn.num_experts={cfg.model.ffn.num_experts} but the data has {len(catalog.train_domains)} training "
-            f"domains ({', '.join(catalog.train_domains)}); set it to 0 to derive it"
+            f"model.ffn.num_experts={cfg.model.ffn.num_experts} but the run needs {n_experts_wanted} experts "
+            f"({', '.join(expert_domains or catalog.train_domains)}); set it to 0 to derive it"
         )
+    if cfg.train.trainable == "experts" and kind not in ("demix", "gshard", "cse"):
+        out.append(f"train.trainable=experts needs an expert model, not {kind!r}")
     need = catalog.total_vocab_size(mixture == "domain_token")
     have = cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel)
     if need > have:
@@ -103,8 +135,11 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
     if problems:  # a broken config would make the data/layout checks below misleading
         problems += model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, cfg.parallel.tensor_parallel)
         raise ConfigError(problems, "run")
-    cfg = resolve(cfg, catalog, world_size)
-    problems = plan_problems(cfg, catalog, world_size)
+    expert_domains: tuple[str, ...] = ()
+    if cfg.train.init_from:
+        problems, expert_domains = init_checkpoint_problems(cfg, catalog)
+    cfg = resolve(cfg, catalog, world_size, expert_domains)
+    problems += plan_problems(cfg, catalog, world_size, expert_domains)
     num_domains = len(catalog.train_domains) if cfg.model.ffn.kind == "demix" else 1
     try:
         topo = build_topology(world_size, cfg.parallel.tensor_parallel, num_domains, cfg.parallel.allocation,
@@ -114,7 +149,7 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
         topo = None
     if problems:
         raise ConfigError(problems, "run")
-    return Plan(cfg, catalog, topo)
+    return Plan(cfg, catalog, topo, expert_domains)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -170,9 +205,13 @@ def build_rank_sampler(plan: Plan, rank: int, split: str = "train"):
                          cfg.train.grad_accum, domain_token_base=cat.vocab_size)
 
 
-def to_model_batch(b: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {"tokens": b["tokens_BT"].to(device), "targets": b["targets_BT"].to(device),
-            "domain_ids": b["domain_ids_B"].to(device), "loss_mask": b["loss_mask_BT"].to(device)}
+def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan) -> dict[str, torch.Tensor]:
+    """Sampler batch -> model inputs. `domain_ids` index the data's domains (metrics); `expert_ids` what the
+    model routes by (the same unless the experts come from an init checkpoint with another order)."""
+    dom = b["domain_ids_B"]
+    return {"tokens": b["tokens_BT"].to(device), "targets": b["targets_BT"].to(device), "domain_ids": dom.to(device),
+            "expert_ids": torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom].to(device),
+            "loss_mask": b["loss_mask_BT"].to(device)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -293,8 +332,8 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     n = len(plan.catalog.train_domains)
     sums = torch.zeros(2, n, dtype=torch.float64)
     for i in range(cfg.train.eval_batches):
-        b = to_model_batch(sampler.batch(i // cfg.train.grad_accum, i % cfg.train.grad_accum), device)
-        out = model(b["tokens"], b["domain_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"], return_logits=False)
+        b = to_model_batch(sampler.batch(i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan)
+        out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"], return_logits=False)
         sums += domain_loss_sums(out.token_loss, b["loss_mask"], b["domain_ids"], n)
     model.train(was_training)
     sums = reduce_domain_sums(sums, bundle)
@@ -307,7 +346,28 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     return out
 
 
-def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int) -> Optional[Path]:
+def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Copy the weights this (plain, not yet parallelised) model holds from `train.init_from`."""
+    from launcher.checkpoint import load_consolidated
+
+    state = load_consolidated(cfg.train.init_from).state_dict
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    if missing:
+        raise CheckpointError(f"{cfg.train.init_from} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
+    model.load_state_dict({k: state[k] for k in own})
+    return state
+
+
+def freeze_all_but_experts(model: torch.nn.Module) -> None:
+    """requires_grad only on expert parameters (DEMix-DAPT trains the new expert alone, DEMix §6)."""
+    experts = {id(p) for ps in model.expert_parameters().values() for p in ps}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in experts)
+
+
+def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int,
+                        init_state: Optional[dict[str, torch.Tensor]] = None) -> Optional[Path]:
     """The plain, single-process model with all experts (tensor-parallel shards gathered, each domain's
     expert taken from its group's first rank); written by rank 0. Assumes a filesystem shared by all ranks."""
     import torch.distributed as dist
@@ -332,11 +392,12 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
     objs = [None] * plan.topo.world_size
     dist.all_gather_object(objs, experts if (kind == "demix" and leader) else {})
     if rank == 0:
-        merged = dict(shared) if kind == "demix" else dict(full)
+        merged = {k: v for k, v in (init_state or {}).items()}  # experts not trained here keep their weights
+        merged.update(shared if kind == "demix" else full)
         if kind == "demix":
             for part in objs:
                 merged.update(part or {})
-        save_consolidated(out, merged, plan.cfg, list(plan.catalog.train_domains), step,
+        save_consolidated(out, merged, plan.cfg, list(plan.expert_domains or plan.catalog.train_domains), step,
                           extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size})
     dist.barrier()
     return out if rank == 0 else None
@@ -378,8 +439,11 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     groups = ProcessGroups.create(plan.topo)
     info = plan.topo.rank_info(rank)
-    model = GPT(cfg.model, expert_ids=list(info.domains) if cfg.model.ffn.kind == "demix" else None,
-                tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
+    expert_ids = [plan.expert_of_domain[d] for d in info.domains] if cfg.model.ffn.kind == "demix" else None
+    model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
+    init_state = load_init_weights(model, cfg) if cfg.train.init_from else None
+    if cfg.train.trainable == "experts":
+        freeze_all_but_experts(model)
     if cfg.train.activation_checkpointing == "full":
         from parallel.checkpointing import apply_activation_checkpointing
 
@@ -396,7 +460,7 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros(2, n_dom, dtype=torch.float64)
     kill_at = int(os.environ.get("DEMIX_TEST_KILL_AT_STEP", "-1"))  # test hook: SIGKILL mid-run
     for step in range(start, cfg.train.steps):
-        micro = [to_model_batch(sampler.batch(step, m), device) for m in range(cfg.train.grad_accum)]
+        micro = [to_model_batch(sampler.batch(step, m), device, plan) for m in range(cfg.train.grad_accum)]
         out = train_step(bundle, cfg, micro, n_dom)
         sums += out["domain_sums"]
         window_steps += 1
@@ -416,7 +480,7 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     log.log({"kind": "eval", "step": cfg.train.steps, **final})
     if start < cfg.train.steps:
         save_training_state(run_dir, cfg.train.steps, bundle, plan, rank)
-    export_consolidated(bundle, plan, rank, run_dir / "model", cfg.train.steps)
+    export_consolidated(bundle, plan, rank, run_dir / "model", cfg.train.steps, init_state)
     log.close()
     return final
 
@@ -429,7 +493,8 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
     sums = torch.zeros(2, n_domains, dtype=torch.float64)
     aux_total, stats = 0.0, {}
     for i, mb in enumerate(micro):
-        out = engine(mb["tokens"], mb["domain_ids"], targets_BT=mb["targets"], loss_mask_BT=mb["loss_mask"], return_logits=False)
+        out = engine(mb["tokens"], mb.get("expert_ids", mb["domain_ids"]), targets_BT=mb["targets"],
+                     loss_mask_BT=mb["loss_mask"], return_logits=False)
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         engine.backward(loss)
         sums += domain_loss_sums(out.token_loss.detach(), mb["loss_mask"], mb["domain_ids"], n_domains)
