@@ -103,3 +103,15 @@ def test_bad_layout_and_missing_data_fail_before_launch(tiny_tokens, tmp_path):
     assert proc.returncode == 2 and "prepare the data first" in proc.stderr
     proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "z"), *_overrides(tiny_tokens)], check=True)
     assert (tmp_path / "z" / "deepspeed_config.json").is_file() and (tmp_path / "z" / "command.sh").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,zero", [("bf16", 2), ("fp16", 1)])
+def test_mixed_precision_and_activation_checkpointing_train(tiny_tokens, tmp_path, precision, zero):
+    run = tmp_path / precision
+    _launch(["--nproc", "2", "--run-dir", str(run), *_overrides(tiny_tokens, steps=3, zero=zero),
+             "--set", f"train.precision={precision}", "--set", "train.activation_checkpointing=full",
+             "--set", "data.domains=[cooking, sailing]"])
+    losses = _losses(run)
+    assert len(losses) == 3 and all(v == v and v < 20 for v in losses.values())  # finite
+    assert losses[3] < losses[1]
