@@ -71,7 +71,12 @@ def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, An
     if arch == "demix":
         kwargs.update(modes=modes, cached_blocks=args.cached_blocks)
     print(f"[demo] evaluating {arch} ...", flush=True)
-    return evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs)
+    result = evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs)
+    if arch == "gshard":  # the paper's evidence that token routing does not specialise by domain
+        from launcher.gating import main as gating
+
+        gating([str(run_dir / "model"), "--data", "artifacts/demo/tokens", "--out", str(run_dir / "gating"), "--batches", "4"])
+    return result
 
 
 def build_report(results: dict[str, dict[str, Any]], speed: dict[str, dict], args: argparse.Namespace, seconds: float) -> dict:

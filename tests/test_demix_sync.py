@@ -28,11 +28,12 @@ def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain
     ])
 
 
-def _batch(dp_rank: int, step: int, micro: int, domain: int) -> dict[str, torch.Tensor]:
+def _batch(dp_rank: int, step: int, micro: int, domains: tuple) -> dict[str, torch.Tensor]:
+    """A micro-batch whose sequences cycle through the rank's domains (as the by_domain sampler does)."""
     g = torch.Generator().manual_seed(10_000 * dp_rank + 100 * step + micro)
     tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.full((MB,), domain),
-            "loss_mask": torch.ones(MB, SEQ)}
+    doms = torch.tensor([domains[i % len(domains)] for i in range(MB)])
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": doms, "loss_mask": torch.ones(MB, SEQ)}
 
 
 def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: int, scaling: str):
@@ -55,8 +56,8 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
         bundle = build_engine(model, cfg, groups)
         norms = []
         for step in range(STEPS):
-            dom = info.domains[0] if kind == "demix" else 0
-            out = train_step(bundle, cfg, [_batch(info.dp_rank, step, m, dom) for m in range(GAS)], domains)
+            doms = info.domains if kind == "demix" else (0,)
+            out = train_step(bundle, cfg, [_batch(info.dp_rank, step, m, doms) for m in range(GAS)], domains)
             norms.append(float(out["grad_norm"]))
         sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
         sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
@@ -64,7 +65,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
     return results
 
 
-def _reference(kind: str, domains: int, world_dp: int, dp_domains: list[int], scaling: str, tp: int = 1):
+def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling: str, tp: int = 1):
     """Single process, all experts: the gradient means and the global clip, applied by hand."""
     from model.gpt import GPT
     from parallel.engine import lr_lambda
@@ -79,7 +80,8 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list[int], sc
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    ranks_of = {d: [r for r in range(world_dp) if dp_domains[r] == d] for d in set(dp_domains)}
+    dp_domains = [d if isinstance(d, tuple) else (d,) for d in dp_domains]
+    ranks_of = {d: [r for r in range(world_dp) if d in dp_domains[r]] for ds in dp_domains for d in ds}
     norms = []
     for step in range(STEPS):
         per_rank = []
@@ -165,3 +167,14 @@ def test_dense_4_ranks_matches_reference():
     results = [r[1] for r in run_ranks(_worker, 4, args=("dense", 1, (1,), 1, "domain_mean"))]
     ref_sd, ref_norms = _reference("dense", 1, 4, [0, 0, 0, 0], "domain_mean")
     _check(results, ref_sd, ref_norms)
+
+
+@pytest.mark.slow
+def test_demix_2_ranks_4_domains_several_domains_per_rank_matches_reference():
+    """Fewer data-parallel ranks than domains: each rank holds two experts and mixes their sequences."""
+    per_rank = run_ranks(_worker, 2, args=("demix", 4, (0, 2), 1, "domain_mean"))
+    ref_sd, ref_norms = _reference("demix", 4, 2, [(0, 1), (2, 3)], "domain_mean")
+    for zero in (0, 2):
+        results = [r[zero] for r in per_rank]
+        assert [r["domains"] for r in results] == [(0, 1), (2, 3)]
+        _check(results, ref_sd, ref_norms)
