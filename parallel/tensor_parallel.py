@@ -152,28 +152,25 @@ def _cpu_autocast_operands(input_: torch.Tensor, weight: torch.Tensor, kwargs: d
     return input_.to(dtype), weight.to(dtype), kwargs
 
 
-class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+class _ReturnsTensor:
+    """Megatron's parallel linears return (output, bias); ours return the output like nn.Linear, and cast
+    their operands under CPU autocast (megatron only handles CUDA autocast)."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's signature)
+        input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, _ = super().forward(input_)
+        return out
+
+
+class ColumnParallelLinear(_ReturnsTensor, tensor_parallel.ColumnParallelLinear):
     """Y_l = X W_l^T + b_l: output columns split over the TP group (gather_output=False)."""
 
-    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's signature)
-        input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out, _ = super().forward(input_)
-        return out
-
-
-class RowParallelLinear(tensor_parallel.RowParallelLinear):
+class RowParallelLinear(_ReturnsTensor, tensor_parallel.RowParallelLinear):
     """Y = all_reduce(X_l W_l^T) + b: input already split over the TP group; bias added once, after the sum."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (megatron's signature)
-        input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out, _ = super().forward(input_)
-        return out
 
 
 class VocabParallelTiedLMHead(nn.Module):
