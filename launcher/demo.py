@@ -60,6 +60,12 @@ def throughput(run_dir: Path) -> dict[str, Optional[float]]:
         vals = [r[key] for r in recs if r.get(key) is not None]
         out[key] = sum(vals) / len(vals) if vals else None
     out["final_train_loss"] = recs[-1]["loss"] if recs else None
+    from launcher.checkpoint import load_consolidated
+    from model.accounting import param_counts
+
+    cfg = load_consolidated(run_dir / "model").cfg
+    counts = param_counts(cfg.model, vocab_size=cfg.model.padded_vocab_size())
+    out["params_total"], out["params_active"] = counts.total, counts.active
     return out
 
 
@@ -117,10 +123,11 @@ def markdown(report: dict) -> str:
             if r == role:
                 lines.append(f"| {d} | {r} | " + " | ".join(_f(report["perplexity"][d][c]) for c in cols) + " |")
         lines.append(f"| **average** | {role} | " + " | ".join(f"**{_f(report['averages'][role][c])}**" for c in cols) + " |")
-    lines += ["", "| model | tokens/s | TFLOP/s/GPU (no recompute) | TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| model | parameters (total) | active per token | tokens/s | TFLOP/s/GPU (no recompute) | "
+              "TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |", "|---|---|---|---|---|---|---|---|"]
     for a, t in report["throughput"].items():
-        lines.append(f"| {a} | {_f(t['tokens_per_s'], '.0f')} | {_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
+        lines.append(f"| {a} | {t['params_total']:,} | {t['params_active']:,} | {_f(t['tokens_per_s'], '.0f')} | "
+                     f"{_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
                      f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | {_f(t['final_train_loss'], '.3f')} |")
     lines += ["", "Commands:", ""] + [f"- {a}: `{c}`" for a, c in report["commands"].items()]
     lines += ["", f"Total demo time: {report['seconds']} s."]

@@ -180,12 +180,12 @@ def add_expert_state(c: Consolidated, domain: str, source: int) -> Consolidated:
     return _with_experts(c, state, c.domains + [domain])
 
 
-def add_expert(ckpt: CkptLike, domain: str, out: Union[str, Path], data: Optional[str] = None,
+def add_expert(ckpt: CkptLike, domain: str, out: Optional[Union[str, Path]], data: Optional[str] = None,
                tokenizer: Optional[str] = None, dev_blocks: int = mx.CACHED_PRIOR_BLOCKS, dev_split: str = "valid",
-               source: Optional[str] = None) -> dict[str, Any]:
+               source: Optional[str] = None) -> tuple[Consolidated, dict[str, Any]]:
     """DEMix §6, step 1-2: estimate the posterior on held-out blocks of `domain`, copy the most probable expert (or
-    `source`, given by name) to a new expert id E, write the E+1-expert checkpoint to `out`. Returns what was done
-    (also recorded in meta.json under "added_experts")."""
+    `source`, given by name) to a new expert id E; write the E+1-expert checkpoint to `out` (unless None). Returns
+    the new checkpoint and what was done (also recorded in its meta.json under "added_experts")."""
     c = _load(ckpt)
     prior = estimate_domain_prior(c, domain, data, tokenizer, dev_split, dev_blocks)
     best = max(range(len(prior.probs)), key=lambda j: (prior.probs[j], -j))
@@ -195,8 +195,9 @@ def add_expert(ckpt: CkptLike, domain: str, out: Union[str, Path], data: Optiona
               "data": data_source(c, data, tokenizer)[0], "from": None if isinstance(ckpt, Consolidated) else str(ckpt)}
     new = add_expert_state(c, domain, src)
     new.meta["added_experts"] = list(c.meta.get("added_experts", [])) + [record]
-    save(new, out)
-    return {**record, "out": str(out), "domains": new.domains}
+    if out is not None:
+        save(new, out)
+    return new, {**record, "out": None if out is None else str(out), "domains": new.domains}
 
 
 def remove_experts_state(c: Consolidated, names: Sequence[str]) -> Consolidated:
@@ -318,11 +319,11 @@ def adaptation_report(demix_before: CkptLike, demix_after: CkptLike, dense_befor
                          "train_before": t_b, "train_after": t_a, "train_change_pct": _pct(t_a, t_b),
                          "novel_before": n_b, "novel_after": n_a, "novel_change_pct": _pct(n_a, n_b)}
     own_b, own_a = rows["demix_before_own_expert"], rows["demix_after_own_expert"]
+    paths = dict(demix_before=demix_before, demix_after=demix_after, dense_before=dense_before, dense_after=dense_after)
     return {"format": "demix-adapt-report/1", "train_domains": train, "new_domains": list(new_domains),
             "max_blocks": max_blocks, "cached_blocks": cached_blocks, "per_domain": rows, "summary": summary,
             "own_expert_max_abs_change": max(abs(own_a[d] - own_b[d]) for d in train),
-            "checkpoints": {k: c.meta.get("from") or str(v) if not isinstance(v, Consolidated) else None
-                            for (k, c), v in zip(cks.items(), (demix_before, demix_after, dense_before, dense_after))}}
+            "checkpoints": {k: None if isinstance(v, Consolidated) else str(v) for k, v in paths.items()}}
 
 
 def removal_report(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Optional[str] = None,
@@ -411,7 +412,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"error: missing demo checkpoints {missing}: run `make demo` first", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    added = add_expert(demix, args.domain, out / "demix-added", dev_blocks=args.dev_blocks)
+    _, added = add_expert(demix, args.domain, out / "demix-added", dev_blocks=args.dev_blocks)
     print(f"[modular] added {args.domain!r} as expert {added['expert_id']}, initialised from {added['source']!r} "
           f"(posterior {added['posterior'][added['source']]:.3f})", flush=True)
     demix_after = run_dapt(out / "demix-added", "demix", args.domain, args.steps, out / "demix-dapt", args.nproc)
@@ -493,12 +494,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         if args.cmd == "add":
-            src: CkptLike = args.checkpoint
+            c: CkptLike = args.checkpoint
             for i, dom in enumerate(args.domain):  # several domains in turn: each sees the experts added before it
-                out = args.out if i == len(args.domain) - 1 else Path(args.out).with_name(Path(args.out).name + f".step{i}")
-                print(json.dumps(add_expert(src, dom, out, args.data, args.tokenizer, args.dev_blocks,
-                                            source=args.source)))
-                src = out
+                last = i == len(args.domain) - 1
+                c, rec = add_expert(c, dom, args.out if last else None, args.data, args.tokenizer, args.dev_blocks,
+                                    source=args.source)
+                print(json.dumps(rec))
         elif args.cmd == "dapt":
             print(run_dapt(args.checkpoint, args.arch, args.domain, args.steps, args.run_dir, args.nproc, args.data,
                            args.tokenizer, args.lr, args.lr_scale, args.overrides, args.dry_run))
