@@ -273,7 +273,7 @@ def costmodel_table(cm: dict) -> Table:
               "pred. TFLOPs/GPU no-rec.", "paper TFLOPs/GPU", "error"]
     body = [[r["size"], ARCH_LABEL.get(r["arch"], r["arch"]), str(r["gpus"]), num(r["tflops_per_update"]),
              f"{r['step_s']:.3f}", pct(r["comm_share"]), f"{r['tflops_per_gpu']:.1f}", f"{r['tflops_per_gpu_no_recompute']:.1f}",
-             num(r["paper_tflops_per_gpu"]), pct(r["rel_err"], signed=True)] for r in cm["rows"]]
+             f"{r['paper_tflops_per_gpu']:g}", pct(r["rel_err"], signed=True)] for r in cm["rows"]]
     mean = ", ".join(f"{ARCH_LABEL.get(a, a)} {pct(v)}" for a, v in cm.get("mean_abs_rel_err", {}).items())
     fit = cm.get("fitted", {})
     note = (f"Cluster `{cm['cluster']['name']}`; e(h) fitted on the four Dense rows only ({fit.get('form', '')}), so "
@@ -324,10 +324,15 @@ def _png(fig: Any) -> bytes:
 
 
 def _series(rows: list[dict], size: str, arch: str, key: str) -> tuple[list[int], list[float]]:
-    pts = sorted((r["world_size"], r[key]) for r in rows if r["status"] == "ok" and r["size"] == size and r["arch"] == arch
-                 and r.get(key) is not None and r.get("zero_stage") in (None, rows[0].get("zero_stage"))
-                 and r.get("tensor_parallel") in (None, rows[0].get("tensor_parallel")))
+    """(world sizes, values) of one size/arch; with several ZeRO/TP layouts, the first one's (as in the caption)."""
+    layout = (rows[0].get("zero_stage"), rows[0].get("tensor_parallel"))
+    pts = sorted((r["world_size"], r[key]) for r in rows if r["size"] == size and r["arch"] == arch
+                 and r.get(key) is not None and (r.get("zero_stage"), r.get("tensor_parallel")) == layout)
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+SERIES_LABEL: dict[str, str] = {"tflops_per_gpu_recompute": "rec.", "tflops_per_gpu_no_recompute": "no-rec.",
+                                "scaling_efficiency": "per rank", "core_efficiency": "per core"}
 
 
 def scaling_figures(rows: list[dict]) -> list[Figure]:
@@ -358,7 +363,7 @@ def scaling_figures(rows: list[dict]) -> list[Figure]:
                 for key, style in keys:
                     xs, ys = _series(ok, size, a, key)
                     if xs:
-                        lab = ARCH_LABEL.get(a, a) + ("" if len(keys) == 1 else f" ({key.split('_')[-1].replace('recompute', 'rec.') if 'tflops' in key else key.split('_')[0]})")
+                        lab = ARCH_LABEL.get(a, a) + (f" ({SERIES_LABEL[key]})" if key in SERIES_LABEL else "")
                         ax.plot(xs, ys, style, marker="o", color=colours[a], label=lab)
                         if ideal and xs:
                             ax.plot(xs, [ys[0] * x / xs[0] for x in xs], ":", color=colours[a], alpha=0.6)
@@ -369,7 +374,8 @@ def scaling_figures(rows: list[dict]) -> list[Figure]:
             ax.set_xticks(sorted({r["world_size"] for r in ok}), [str(w) for w in sorted({r["world_size"] for r in ok})])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        figs.append(Figure(name, _png(fig), caption))
+        lay = _layout(ok[0])
+        figs.append(Figure(name, _png(fig), caption + (f" Layout: {lay}." if lay else "")))
     return figs
 
 
@@ -404,6 +410,20 @@ def _machine_line(m: dict) -> str:
             f"{m.get('loadavg_1m')} at the start and {m.get('loadavg_1m_end', '?')} at the end.")
 
 
+def external_load_note(m: dict) -> str:
+    """A warning when the machine was busy with other work during the sweep (1-minute load average above the
+    usable cores at the start or the end): then throughput and scaling measure contention, not the trainer."""
+    cores = m.get("cores") or 0
+    start, end = m.get("loadavg_1m"), m.get("loadavg_1m_end")
+    loads = [x for x in (start, end) if x is not None]
+    if not cores or not loads or max(loads) <= cores:
+        return ""
+    return (f"**Warning: the machine was shared with other jobs during this sweep** (1-minute load average {start} at "
+            f"the start and {end} at the end, on {cores} usable cores). Outside processes competed with the ranks for "
+            "cores, so tokens/s, scaling efficiency and overhead share here mostly measure that contention, not the "
+            "trainer's communication. Rerun on an idle machine before drawing conclusions about scaling.")
+
+
 def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tuple[list[Block], list[Figure]]:
     rows = results["points"]
     s = results.get("sweep", {})
@@ -422,6 +442,9 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
         blocks.append(Para(f"Caution: points with more ranks than the {cores} usable cores time-share cores, so their "
                            "overhead share is mostly contention, not communication; *eff. vs cores* accounts for that. "
                            "The machine is shared, so absolute numbers are noisy."))
+    load_note = external_load_note(results.get("machine", {}))
+    if load_note:
+        blocks.append(Para(load_note))
     blocks.append(points_table(rows))
     blocks.append(Heading("Tables 2/9 layout (rows size, columns architecture)"))
     blocks += paper_layout_tables(rows)
@@ -435,7 +458,7 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
         blocks += [Heading("Measured vs cost model"), pred]
     fail = failed_table(rows)
     if fail is not None:
-        blocks += [Heading("Failed points"), fail]
+        blocks.append(fail)
     blocks.append(Para("Communication share: not measured directly (the trainer does not time its collectives on "
                        "their own; `comm_share` is None in results.json). The overhead share above bounds "
                        "communication + contention from weak scaling; the cost model below gives the predicted "
