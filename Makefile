@@ -19,6 +19,7 @@ help:
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
 	@echo "make bench  - run the CPU benchmarks"
+	@echo "make modular - add a novel-domain expert to the demo DEMix model, DEMix-DAPT vs Dense-DAPT, remove an expert (Tables 6/7/13)"
 
 venv: $(STAMP)
 
@@ -50,3 +51,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf runs artifacts .pytest_cache
+
+.PHONY: modular
+# Needs the demo checkpoints (runs/demo/{demix,dense}/model, from `make demo`); writes runs/modular/.
+modular: $(STAMP)
+	$(BIN)/python -m launcher.experts demo

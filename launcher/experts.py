@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shlex
 import subprocess
@@ -45,6 +44,7 @@ import torch
 import yaml
 
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, save_consolidated, write_json_atomic
+from launcher.config import ConfigError
 from launcher.evaluate import block_inputs, evaluate_checkpoint, load_blocks, stream_log_likelihoods
 from launcher.typed import to_dict
 from model import mixture as mx
@@ -233,7 +233,7 @@ def dapt_overrides(c: Consolidated, arch: str, init_from: str, domain: str, step
                    tokenizer: Optional[str] = None, lr: Optional[float] = None, lr_scale: float = 0.1) -> list[str]:
     """`--set` overrides of a DAPT run on top of the checkpoint's own run config. DEMix-DAPT (§6.1): only the
     experts of the run's domains train (here the new one), lr = lr_scale x the original lr. Dense-DAPT: all
-    parameters, natural mixture, same budget and lr."""
+    parameters, natural mixture; the same steps and the same (10x smaller) lr, as the paper adapts both."""
     kind = c.cfg.model.ffn.kind
     if arch != kind:
         raise CheckpointError(f"dapt --arch {arch} needs a {arch} checkpoint, got a {kind!r} one")
@@ -265,10 +265,15 @@ def run_dapt(ckpt: Union[str, Path], arch: str, domain: str, steps: int, run_dir
     base.write_text(yaml.safe_dump(to_dict(c.cfg), sort_keys=False))
     sets = dapt_overrides(c, arch, str(Path(ckpt).resolve()), domain, steps, data, tokenizer, lr, lr_scale)
     sets += [f"logging.out_dir={run_dir}", *extra_sets]
-    argv = ["-m", "launcher.launch", "--config", str(base), "--nproc", str(nproc), "--run-dir", str(run_dir),
-            "--resume", "never"] + [a for s in sets for a in ("--set", s)] + (["--dry-run"] if dry_run else [])
-    print(f"[experts] {arch}-DAPT: {sys.executable} {shlex.join(argv)}", file=sys.stderr, flush=True)
-    rc = subprocess.call([sys.executable, *argv], cwd=REPO_ROOT)
+    argv = ["--config", str(base), "--nproc", str(nproc), "--run-dir", str(run_dir),
+            "--resume", "never"] + [a for s in sets for a in ("--set", s)]
+    print(f"[experts] {arch}-DAPT: python -m launcher.launch {shlex.join(argv)}", file=sys.stderr, flush=True)
+    from launcher.launch import parse_args as launch_args, prepare_run
+
+    _, cmd, env = prepare_run(launch_args(argv))  # validates the whole run, writes config/DeepSpeed JSON/command
+    if dry_run:
+        return run_dir / "model"
+    rc = subprocess.call(cmd, env=env, cwd=REPO_ROOT)
     if rc != 0:
         raise RuntimeError(f"{arch}-DAPT run failed (exit {rc}); see {run_dir}")
     return run_dir / "model"
@@ -423,7 +428,11 @@ def run_demo(args: argparse.Namespace) -> int:
     removed = remove_experts(demix, [args.remove], out / f"demix-minus-{args.remove}")
     removal = removal_report(demix, max_blocks=args.max_blocks, cached_blocks=args.dev_blocks)
     removal["removed_checkpoint"] = removed
-    md_a, md_r = adaptation_markdown(adapt), removal_markdown(removal)
+    post = added["posterior"][added["source"]]
+    md_a = (f"New expert {args.domain!r} (id {added['expert_id']}) initialised from {added['source']!r}, its most "
+            f"probable expert (posterior {post:.3f} on {added['dev_blocks']} dev blocks); DAPT: {args.steps} steps on "
+            f"{args.nproc} ranks, lr 10x smaller than the original run.\n\n" + adaptation_markdown(adapt))
+    md_r = removal_markdown(removal)
     write_report(adapt, md_a, out, "adapt")
     write_report(removal, md_r, out, "remove")
     (out / "report.md").write_text(f"# Modular experts on the demo corpus\n\n{md_a}\n{md_r}")
@@ -482,15 +491,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     m.add_argument("--dense", default="runs/demo/dense/model")
     m.add_argument("--domain", default="speeches")
     m.add_argument("--remove", default="legal")
-    m.add_argument("--steps", type=int, default=30)
+    m.add_argument("--steps", type=int, default=20)
     m.add_argument("--nproc", type=int, default=2)
-    m.add_argument("--dev-blocks", type=int, default=16)
-    m.add_argument("--max-blocks", type=int, default=16)
+    m.add_argument("--dev-blocks", type=int, default=8)
+    m.add_argument("--max-blocks", type=int, default=8)
     m.add_argument("--out", default="runs/modular")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
         if args.cmd == "add":
@@ -524,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(md)
         else:
             return run_demo(args)
-    except (CheckpointError, RuntimeError) as e:
+    except (CheckpointError, ConfigError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -141,7 +141,9 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     ]
     if any(is_expert_param(p) for p in decay + no_decay):
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
-    return [g for g in groups if g["params"]] if not any(g.get("moe") for g in groups) else groups
+    # Drop empty groups (e.g. all shared parameters frozen for DEMix-DAPT): DeepSpeed drops them from the
+    # optimizer, and the LR scheduler must see the same groups.
+    return [g for g in groups if g["params"]]
 
 
 def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:

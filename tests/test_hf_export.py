@@ -1,0 +1,88 @@
+"""Export to Hugging Face: a domain's model (its expert + shared weights), a merged model and a dense model load
+with `transformers.GPT2LMHeadModel.from_pretrained` (safetensors) and reproduce the project's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from launcher.checkpoint import load_consolidated, save_consolidated  # noqa: E402
+from launcher.config import RunConfig  # noqa: E402
+from launcher.hf_export import dense_model, export, main  # noqa: E402
+from model.config import FFNConfig, ModelConfig  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+
+DOMAINS = ["a", "b", "c"]
+
+
+def _ckpt(tmp_path, kind: str):
+    cfg = RunConfig(model=ModelConfig(n_layers=2, d_model=48, n_heads=3, seq_len=24, vocab_size=300,
+                                      ffn=FFNConfig(kind=kind, num_experts=3 if kind == "demix" else 0)))
+    model = GPT(cfg.model, init_seed=7)
+    with torch.no_grad():  # non-trivial biases and norms, so a layout mistake cannot hide behind zeros
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln" in name or "ln_f" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return save_consolidated(tmp_path / kind, model.state_dict(), cfg, DOMAINS if kind == "demix" else ["all"])
+
+
+def _hf_logits(path, tokens):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(path).eval()
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied
+    with torch.no_grad():
+        return hf(input_ids=tokens).logits
+
+
+def test_domain_export_reproduces_the_demix_model(tmp_path):
+    path = _ckpt(tmp_path, "demix")
+    c = load_consolidated(path)
+    rec = export(path, tmp_path / "hf_b", domain="b")
+    assert (tmp_path / "hf_b" / "model.safetensors").is_file() and rec["max_abs_logit_diff"] < 1e-4
+    cfg = json.loads((tmp_path / "hf_b" / "config.json").read_text())
+    assert cfg["activation_function"] == "gelu" and cfg["n_inner"] == 4 * 48 and cfg["layer_norm_epsilon"] == 1e-5
+    tokens = torch.randint(0, 300, (3, 24))
+    with torch.no_grad():
+        ours = c.build_model().eval()(tokens, torch.full((3,), 1)).logits  # the DEMix model routed to expert "b"
+        other = c.build_model().eval()(tokens, torch.full((3,), 0)).logits
+    hf = _hf_logits(tmp_path / "hf_b", tokens)
+    assert (ours - hf).abs().max() < 1e-4
+    assert (other - hf).abs().max() > 1e-3  # the check can tell experts apart
+
+
+def test_merged_export_is_the_weighted_average_of_experts(tmp_path):
+    path = _ckpt(tmp_path, "demix")
+    c = load_consolidated(path)
+    prior = tmp_path / "prior.json"
+    prior.write_text(json.dumps({"format": "demix-cached-prior/1", "domains": DOMAINS, "probs": [0.5, 0.3, 0.2],
+                                 "blocks": 4, "decay": 0.3}))
+    assert main([str(path), "--merge-prior", str(prior), "--out", str(tmp_path / "hf_m")]) == 0
+    sd = c.state_dict
+    ref = dense_model(c, [0.5, 0.3, 0.2])
+    want = sum(w * sd[f"blocks.1.ffn.experts.{j}.fc1.weight"] for j, w in enumerate([0.5, 0.3, 0.2]))
+    assert torch.allclose(ref.state_dict()["blocks.1.ffn.mlp.fc1.weight"], want, atol=1e-6)
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        ours = ref(tokens).logits
+    assert (ours - _hf_logits(tmp_path / "hf_m", tokens)).abs().max() < 1e-4
+    meta = json.loads((tmp_path / "hf_m" / "demix_export.json").read_text())
+    assert meta["merge_weights"] == {"a": 0.5, "b": 0.3, "c": 0.2}
+
+
+def test_dense_export_and_cli_errors(tmp_path):
+    path = _ckpt(tmp_path, "dense")
+    c = load_consolidated(path)
+    export(path, tmp_path / "hf_d")
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        ours = c.build_model().eval()(tokens).logits
+    assert (ours - _hf_logits(tmp_path / "hf_d", tokens)).abs().max() < 1e-4
+    demix = _ckpt(tmp_path, "demix")
+    assert main([str(demix), "--out", str(tmp_path / "x")]) == 2  # DEMix needs a domain or merge weights
+    assert main([str(demix), "--domain", "zz", "--out", str(tmp_path / "x")]) == 2
