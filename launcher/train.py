@@ -80,6 +80,8 @@ def resolve(cfg: RunConfig, catalog: Catalog, world_size: int, expert_domains: S
     ffn = cfg.model.ffn
     if ffn.kind == "demix" and ffn.num_experts == 0:
         ffn = replace(ffn, num_experts=len(expert_domains or catalog.train_domains))
+    if ffn.kind == "cse" and ffn.num_experts == 0:
+        ffn = replace(ffn, num_experts=ffn.cse.max_clusters)  # expert slots, activated at clustering (model/cse.py)
     if ffn.kind == "gshard" and ffn.num_experts == 0:
         dp = max(1, world_size // cfg.parallel.tensor_parallel)
         ffn = replace(ffn, num_experts=dp * ffn.gshard.experts_per_rank)
@@ -452,6 +454,12 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     if ckpt is not None:
         start = load_training_state(ckpt, bundle, plan, rank)
     sampler = build_rank_sampler(plan, rank)
+    cse = None
+    if cfg.model.ffn.kind == "cse":  # warm-up, then cluster sequence embeddings and copy the FFN (CSE Alg. 1)
+        from parallel.cse import CSEController
+
+        cse = CSEController(bundle.engine.module, cfg, groups, optimizer=bundle.engine.optimizer,
+                            domain_names=plan.catalog.train_domains)
     log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
     if rank == 0:
         log.log({"kind": "start", "step": start, "resumed_from": str(ckpt) if ckpt else None, "world_size": world,
@@ -465,6 +473,11 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
         sums += out["domain_sums"]
         window_steps += 1
         done = step + 1
+        if cse is not None:
+            crec = cse.after_step(done, lambda i, s=done: to_model_batch(
+                sampler.batch(s + i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan))
+            if crec is not None:
+                log.log({"kind": "cse", "step": done, **crec})
         if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
             rec = {"kind": "train", "step": done, **step_record(out, bundle, plan, sums, window_t, window_steps)}
             log.log(rec)

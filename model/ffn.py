@@ -124,6 +124,13 @@ def _build_gshard(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -
     return GShardFFN(cfg, expert_ids)
 
 
+@register_ffn("cse")
+def _build_cse(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> nn.Module:
+    from model.cse import build_cse  # imported here: model/cse.py builds on this module's MLP
+
+    return build_cse(cfg, layer_idx, expert_ids)
+
+
 def build_ffn(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> nn.Module:
     """The FFN of layer `layer_idx`: the kind's expert layer where the kind puts one, else dense."""
     if layer_idx not in cfg.moe_layer_ids():

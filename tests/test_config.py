@@ -7,9 +7,9 @@ import pytest
 from launcher.config import CONFIG_DIR, ConfigError, load_run_config, model_presets
 from model.config import FFN_KINDS
 
-# Run configs: every YAML under configs/ except model presets (tested below) and cluster descriptions
-# (benchmarks/costmodel.py tests those).
-RUN_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name not in ("model", "clusters"))
+# Run configs: every YAML under configs/ except model presets (tested below), cluster descriptions and
+# sweeps (tests/test_costmodel.py and tests/test_sweep.py load those).
+RUN_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name not in ("model", "clusters", "sweeps"))
 
 
 def test_presets_are_shipped():

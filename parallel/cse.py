@@ -1,0 +1,325 @@
+"""CSE from outside the model: the warm-up boundary (sample, gather, cluster, copy experts) and the per-step
+centre update, identical on every data-parallel replica.
+
+Shape legend: N sampled sequences (all ranks), L CSE layers, P projection dim, E expert slots, K clusters.
+
+The trainer calls one object (`CSEController`) twice per step-loop iteration at most:
+
+    cse = CSEController(bundle.engine.module, cfg, bundle.groups, optimizer=bundle.engine.optimizer,
+                        domain_names=plan.catalog.train_domains)          # after build_engine / resume
+    ...
+    rec = cse.after_step(done, lambda i: to_model_batch(sampler.batch(done + i // ga, i % ga), device, plan))
+    if rec is not None and rank == 0: log.log({"kind": "cse", "step": done, **rec})
+
+What happens (CSE paper, Algorithm 1):
+1. Warm-up (`done < boundary`, boundary = max(1, round(warmup_fraction x steps))): nothing. A CSE layer with no
+   active cluster sends every sequence to expert 0, so the model is the dense model.
+2. At the boundary (the first `after_step` with `done >= boundary` while no layer is clustered - so a resumed run
+   whose checkpoint is past the boundary, whose cluster state came back in the model's buffers, does nothing):
+   each data-parallel rank embeds ceil(num_samples / dp) sequences from `batch_fn` (forward in eval mode, no grad;
+   the CSE layers' inputs are captured by forward hooks, so the model needs no recording mode); the embeddings
+   are all-gathered over the data-parallel group; global rank 0 runs DBSCAN per layer (`cluster_embeddings`) and
+   broadcasts centres, radii and K to every rank; every rank copies expert 0 into experts 1..K-1 of each layer,
+   and activates the K clusters.
+3. After the boundary, every step: the routed embeddings' per-cluster sums and counts that the layers accumulated
+   during the step's forward passes are all-reduced over the data-parallel group and the batch EMA centre update
+   is applied (model/cse.py), so the centres stay identical on all replicas.
+
+Optimizer state of the copies (our choice): a copy continues expert 0's trajectory, i.e. it gets expert 0's fp32
+master weights and Adam moments (exp_avg, exp_avg_sq) as well as its weights - "copy the module" taken literally,
+so the first update after the boundary is the same for all K copies given the same gradient (no re-warm-up of
+Adam on fresh zero moments, which would make the copies take lr-sized sign steps). ZeRO 1/2 and DeepSpeed's bf16
+optimizer hold the fp32 copies in flat partitions; each rank's fragment is read, all-reduced into the full tensor
+and written into the copy's fragment (a collective over the data-parallel group, in the same order on every rank). ZeRO 0 uses the torch optimizer's
+per-parameter state. Experts K..E-1 stay unused (their gradient is exactly zero; AdamW weight decay still shrinks
+them, which is harmless: they are never read).
+
+`dbscan_eps <= 0` selects eps automatically: twice the median distance of each sample to its `dbscan_min_samples`-th
+nearest neighbour (the usual k-distance heuristic), since the scale of the projected embeddings depends on the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from model.cse import CSEFFN, cse_layers
+
+BatchFn = Callable[[int], dict]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Clustering (pure)
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterResult:
+    centres_KP: torch.Tensor
+    radii_K: torch.Tensor
+    dbscan_labels_N: np.ndarray  # DBSCAN's label per sample after re-indexing by size (-1: noise or dropped)
+    eps: float
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.centres_KP.shape[0])
+
+
+def auto_eps(v_NP: np.ndarray, min_samples: int) -> float:
+    """Twice the median distance to the `min_samples`-th nearest neighbour (k-distance heuristic for DBSCAN's eps;
+    the factor 2 lets small long-tail clusters, whose k-distances are larger than the big ones', still form)."""
+    from sklearn.neighbors import NearestNeighbors
+
+    k = max(1, min(min_samples, len(v_NP) - 1))
+    dist_NK, _ = NearestNeighbors(n_neighbors=k + 1).fit(v_NP).kneighbors(v_NP)
+    return 2.0 * float(np.median(dist_NK[:, k])) or 1e-6
+
+
+def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clusters: int) -> ClusterResult:
+    """DBSCAN on the projected embeddings; clusters sorted by size (largest first), at most `max_clusters` kept.
+
+        c_j = mean of cluster j's members,   r_j = mean_i ||v'_i - c_j|| over its members   (CSE §3 "Initialization")
+
+    Noise points (and members of dropped clusters) belong to no cluster at initialisation; they are dispatched by
+    the same rule as every other sequence afterwards. No cluster at all (everything noise) gives one cluster of
+    all the samples, i.e. CSE degenerates to the dense model.
+    """
+    from sklearn.cluster import DBSCAN
+
+    x = v_NP.detach().double().cpu().numpy()
+    eps = float(eps) if eps > 0 else auto_eps(x, min_samples)
+    raw = DBSCAN(eps=eps, min_samples=min_samples).fit(x).labels_
+    ids, sizes = np.unique(raw[raw >= 0], return_counts=True)
+    order = ids[np.argsort(-sizes, kind="stable")][:max_clusters]
+    labels = np.full(len(x), -1)
+    for new, old in enumerate(order):
+        labels[raw == old] = new
+    if not len(order):
+        labels[:] = 0
+    k = max(1, len(order))
+    centres = np.stack([x[labels == j].mean(0) for j in range(k)])
+    radii = np.array([np.linalg.norm(x[labels == j] - centres[j], axis=1).mean() for j in range(k)])
+    return ClusterResult(torch.tensor(centres, dtype=torch.float32), torch.tensor(radii, dtype=torch.float32).clamp_min(1e-6),
+                         labels, eps)
+
+
+def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[np.ndarray],
+                   domain_names: Sequence[str] = ()) -> dict[str, Any]:
+    """What a practitioner reads about one layer's clustering: sizes, radii, inter-centre distances, domain shares."""
+    from model.cse import dispatch
+
+    routed = dispatch(v_NP.float(), res.centres_KP, res.radii_K).numpy()
+    k = res.num_clusters
+    rec: dict[str, Any] = {
+        "num_clusters": k, "eps": res.eps, "noise": int((res.dbscan_labels_N < 0).sum()),
+        "dbscan_sizes": [int((res.dbscan_labels_N == j).sum()) for j in range(k)],
+        "dispatch_sizes": [int((routed == j).sum()) for j in range(k)],
+        "radii": res.radii_K.tolist(),
+        "centre_distances": torch.cdist(res.centres_KP, res.centres_KP).tolist(),
+    }
+    if domains_N is not None:
+        name = (lambda d: domain_names[d]) if domain_names else str
+        share = {}
+        for j in range(k):
+            members = domains_N[routed == j]
+            vals, cnt = np.unique(members, return_counts=True)
+            share[str(j)] = {name(int(d)): round(float(c) / max(1, len(members)), 4) for d, c in zip(vals, cnt)}
+        rec["domain_share"] = share
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------------
+# Copying expert 0 (weights and optimizer state)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    opt = optimizer
+    while opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        opt = getattr(opt, "optimizer", None)
+    return opt
+
+
+def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> Optional[torch.Tensor]:
+    """The slice of the flat fp32 optimizer state `key` that holds this rank's fragment of `p` (None if no fragment).
+
+    Found through the storage of the fp32 master fragment, which is a view into the same flat partition that the
+    torch optimizer's state is keyed by. (deepspeed.utils.safe_get_full_optimizer_state misses the state of some
+    groups in DeepSpeed 0.19 - e.g. the no-decay biases - whose fragments are linked with no optimizer keys.)"""
+    m = p._hp_mapping
+    if m is None or m.hp_fragment.numel() == 0:
+        return None
+    storage = m.hp_fragment.untyped_storage().data_ptr()
+    for flat, st in opt.state.items():
+        if flat.untyped_storage().data_ptr() == storage and key in st:
+            return st[key].narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel)
+    return None
+
+
+def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str]) -> torch.Tensor:
+    """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective)."""
+    buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    frag = (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None) if key is None else _flat_state(p, opt, key)
+    if frag is not None:
+        a = p._hp_mapping.lp_fragment_address
+        buf.narrow(0, a.start, a.numel).copy_(frag.flatten())
+    dist.all_reduce(buf, group=p._dp_group)
+    return buf
+
+
+def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str], value: torch.Tensor) -> None:
+    frag = (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None) if key is None else _flat_state(p, opt, key)
+    if frag is not None:
+        a = p._hp_mapping.lp_fragment_address
+        frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
+
+
+def partitioned_state(p: torch.Tensor, optimizer: Any, key: Optional[str] = None) -> Optional[torch.Tensor]:
+    """Full fp32 master weight (key None) or optimizer state of a parameter of a ZeRO 1/2 / bf16 optimizer
+    (collective over its data-parallel group); None for parameters such an optimizer does not partition."""
+    if not hasattr(p, "_hp_mapping"):
+        return None
+    return _full_state(p, _torch_optimizer(optimizer), key).view_as(p)
+
+
+@torch.no_grad()
+def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
+    """dst <- src: weights, fp32 master weights and Adam moments (see the module docstring)."""
+    opt = _torch_optimizer(optimizer)
+    for p_src, p_dst in zip(src.parameters(), dst.parameters()):
+        p_dst.data.copy_(p_src.data)
+        if hasattr(p_src, "_hp_mapping") and opt is not None:  # ZeRO 1/2, bf16 optimizer: flat fp32 partitions
+            for key in (None, "exp_avg", "exp_avg_sq"):
+                _set_state(p_dst, opt, key, _full_state(p_src, opt, key))
+        elif opt is not None and p_src in opt.state:
+            opt.state[p_dst] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p_src].items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The controller
+# ----------------------------------------------------------------------------------------------------
+
+
+class CSEController:
+    """Drives the CSE layers of `model` (the plain module, e.g. `bundle.engine.module`) during training."""
+
+    def __init__(self, model: nn.Module, cfg: Any, groups: Any = None, optimizer: Any = None,
+                 domain_names: Sequence[str] = ()) -> None:
+        self.model = model
+        self.cse = cfg.model.ffn.cse
+        self.layers: list[CSEFFN] = cse_layers(model)
+        self.groups = groups
+        self.optimizer = optimizer
+        self.domain_names = list(domain_names)
+        self.boundary = max(1, int(round(self.cse.warmup_fraction * cfg.train.steps)))
+        self.clustered_at: Optional[int] = None
+
+    # -- distributed helpers ------------------------------------------------------------------------
+    def _dp(self) -> tuple[Optional[Any], int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = self.groups.dp_group if self.groups is not None else None
+        return group, dist.get_world_size(group)
+
+    @property
+    def is_clustered(self) -> bool:
+        return bool(self.layers) and all(int(layer.num_active) > 0 for layer in self.layers)
+
+    # -- the hook -----------------------------------------------------------------------------------
+    def after_step(self, step: int, batch_fn: BatchFn) -> Optional[dict[str, Any]]:
+        """Call after optimizer step `step` (1-based count of steps done). Returns a record when it clustered."""
+        if not self.layers:
+            return None
+        if self.is_clustered:
+            self.update_centres()
+            return None
+        if step < self.boundary:
+            return None
+        rec = self.initialise(batch_fn)
+        self.clustered_at = step
+        return rec
+
+    @torch.no_grad()
+    def update_centres(self) -> None:
+        """All-reduce the step's per-cluster sums and counts over data-parallel replicas, then apply the EMA."""
+        group, size = self._dp()
+        for layer in self.layers:
+            if size > 1:
+                buf = torch.cat([layer.pending_sum_EP.flatten(), layer.pending_count_E])
+                dist.all_reduce(buf, group=group)
+                n = layer.pending_sum_EP.numel()
+                layer.pending_sum_EP.copy_(buf[:n].view_as(layer.pending_sum_EP))
+                layer.pending_count_E.copy_(buf[n:])
+            layer.apply_centre_update()
+
+    @torch.no_grad()
+    def sample_embeddings(self, batch_fn: BatchFn, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v'_{n_local, L, P}, domain ids) of this rank's first n_local sequences of `batch_fn`."""
+        captured: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: captured[i].append(mod.embed(args[0]).cpu()))
+                 for i, layer in enumerate(self.layers)]
+        was_training = self.model.training
+        self.model.eval()
+        domains, got, i = [], 0, 0
+        try:
+            while got < n_local:
+                b = batch_fn(i)
+                ids = b.get("expert_ids", b.get("domain_ids"))
+                self.model(b["tokens"], ids, return_logits=False)
+                domains.append(b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1)).cpu())
+                got, i = got + b["tokens"].shape[0], i + 1
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train(was_training)
+        v = torch.stack([torch.cat(c)[:n_local] for c in captured], dim=1)
+        return v, torch.cat(domains)[:n_local].long()
+
+    @torch.no_grad()
+    def initialise(self, batch_fn: BatchFn) -> dict[str, Any]:
+        """The warm-up boundary: sample, gather, cluster on rank 0, broadcast, copy experts, activate."""
+        group, dp = self._dp()
+        n_local = math.ceil(self.cse.num_samples / dp)
+        v_nLP, dom_n = self.sample_embeddings(batch_fn, n_local)
+        if dp > 1:
+            vs = [torch.empty_like(v_nLP) for _ in range(dp)]
+            ds = [torch.empty_like(dom_n) for _ in range(dp)]
+            dist.all_gather(vs, v_nLP.contiguous(), group=group)
+            dist.all_gather(ds, dom_n.contiguous(), group=group)
+            v_nLP, dom_n = torch.cat(vs), torch.cat(ds)
+        L, E, P = len(self.layers), self.layers[0].num_slots, v_nLP.shape[-1]
+        state = torch.zeros(L, E * P + E + 1)  # per layer: centres (E*P), radii (E), K
+        layer_recs: dict[str, Any] = {}
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed or dist.get_rank() == 0:
+            labels = dom_n.numpy() if bool((dom_n >= 0).all()) else None
+            for li, layer in enumerate(self.layers):
+                res = cluster_embeddings(v_nLP[:, li], self.cse.dbscan_eps, self.cse.dbscan_min_samples,
+                                         min(self.cse.max_clusters, layer.num_slots))
+                k = res.num_clusters
+                state[li, : k * P] = res.centres_KP.flatten()
+                state[li, E * P: E * P + k] = res.radii_K
+                state[li, -1] = k
+                layer_recs[str(layer.layer_idx)] = cluster_record(res, v_nLP[:, li], labels, self.domain_names)
+        if distributed:
+            dist.broadcast(state, src=0)
+        for li, layer in enumerate(self.layers):
+            k = int(state[li, -1])
+            for j in range(1, k):
+                copy_expert(layer.experts["0"], layer.experts[str(j)], self.optimizer)
+            layer.set_clusters(state[li, : k * P].view(k, P), state[li, E * P: E * P + k])
+        return {"samples": int(v_nLP.shape[0]), "num_clusters": [int(state[li, -1]) for li in range(L)],
+                "layers": layer_recs}
+
+    # -- checkpoints (the cluster state itself is in the model's buffers) ---------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"boundary": self.boundary, "clustered_at": self.clustered_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clustered_at = state.get("clustered_at")
