@@ -411,12 +411,11 @@ def _machine_line(m: dict) -> str:
 
 
 def external_load_note(m: dict) -> str:
-    """A warning when the machine was busy with other work during the sweep (1-minute load average above the
-    usable cores at the start or the end): then throughput and scaling measure contention, not the trainer."""
+    """A warning when the machine was busy with other work when the sweep started (1-minute load average of at
+    least one core's worth). The load at the end is not used: it includes the sweep's own ranks."""
     cores = m.get("cores") or 0
     start, end = m.get("loadavg_1m"), m.get("loadavg_1m_end")
-    loads = [x for x in (start, end) if x is not None]
-    if not cores or not loads or max(loads) <= cores:
+    if not cores or start is None or start < 1.0:
         return ""
     return (f"**Warning: the machine was shared with other jobs during this sweep** (1-minute load average {start} at "
             f"the start and {end} at the end, on {cores} usable cores). Outside processes competed with the ranks for "

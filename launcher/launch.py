@@ -117,7 +117,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
     write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg))
-    port = args.port or _free_port()
+    port = args.port or free_port()
     cmd = build_command(args, run_dir, port)
     env = launch_env(args.nproc)
     shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
@@ -126,7 +126,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     return run_dir, cmd, env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the rendezvous port of a local run)."""
     import socket
 
     with socket.socket() as s:

@@ -163,11 +163,9 @@ def _ensure_env() -> None:
     """A bare `python -m launcher.train` is a world of one: give DeepSpeed the env a launcher would."""
     if "RANK" in os.environ:
         return
-    import socket
+    from launcher.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
