@@ -169,21 +169,16 @@ def test_gating_report(tmp_path) -> None:
     assert len(report["row_entropy"]["layer3"]) == 2 and paths["png"].stat().st_size > 1000
 
 
-DEMO_TOKENS = __import__("pathlib").Path(__file__).resolve().parents[1] / "artifacts" / "demo" / "tokens"
-
-
-@pytest.mark.skipif(not (DEMO_TOKENS / "gpt2" / "manifest.json").is_file(),
-                    reason="needs the demo corpus tokenised (python -m data.build_demo, then data.prepare)")
-def test_gating_cli_on_a_consolidated_checkpoint(tmp_path) -> None:
+def test_gating_cli_on_a_consolidated_checkpoint(tmp_path, tiny_tokens) -> None:
     from launcher.checkpoint import save_consolidated
     from launcher.config import load_run_config
     from launcher.gating import main
     from model.gpt import GPT
 
-    domains = sorted(json.loads((DEMO_TOKENS / "gpt2" / "manifest.json").read_text())["counts"])[:2]
+    domains = sorted(json.loads((tiny_tokens / "gpt2" / "manifest.json").read_text())["counts"])[:2]
     cfg = load_run_config(None, ["model.preset=tiny", "model.n_layers=2", "model.seq_len=32",
-                                 "model.ffn.kind=gshard", "model.ffn.num_experts=4"])
+                                 "model.ffn.kind=gshard", "model.ffn.num_experts=4", "data.tokenizer=gpt2"])
     save_consolidated(tmp_path / "ckpt", GPT(cfg.model, init_seed=0).state_dict(), cfg, domains)
-    assert main([str(tmp_path / "ckpt"), "--data", str(DEMO_TOKENS), "--out", str(tmp_path / "out"), "--batches", "1"]) == 0
+    assert main([str(tmp_path / "ckpt"), "--data", str(tiny_tokens), "--out", str(tmp_path / "out"), "--batches", "1"]) == 0
     report = json.loads((tmp_path / "out" / "gating.json").read_text())
     assert report["domains"] == domains and len(report["layers"]["layer1"]) == 2

@@ -167,11 +167,12 @@ def test_report_cli_rerenders_without_training(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_one_real_point_through_the_launcher(tmp_path: Path) -> None:
-    if not (ROOT / "artifacts" / "demo" / "tokens" / "sentencepiece" / "manifest.json").is_file():
-        pytest.skip("demo data missing: run `make data` (python -m data.build_demo)")
+def test_one_real_point_through_the_launcher(tmp_path: Path, tiny_tokens: Path) -> None:
+    # The session's small prepared corpus (GPT-2 BPE), so this runs on a fresh clone without `make data`.
     cfg = sweep.sweep_from_dict({**GOOD, "archs": ["dense"], "steps": 2,
-                                 "set": ["train.eval_batches=1", "logging.wandb_mode=disabled"],
+                                 "set": ["train.eval_batches=1", "logging.wandb_mode=disabled", f"data.path={tiny_tokens}",
+                                         "data.tokenizer=gpt2", "model.vocab_size=50264", "model.seq_len=32",
+                                         "model.d_model=64", "model.n_heads=2", "model.n_layers=2"],
                                  "launch": {"timeout_s": 240}})
     res = sweep.run_sweep(cfg, tmp_path / "sw")
     (row,) = res["points"]
