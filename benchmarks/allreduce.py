@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -91,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from benchmarks.machine import machine_info
     from tests.multirank import run_ranks
 
     rows = {}
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
              "allreduce_seconds": m["allreduce_seconds_per_step"] / d["allreduce_seconds_per_step"]}
     cmd = "python -m benchmarks.allreduce " + " ".join(argv if argv is not None else sys.argv[1:])
     out = {"command": cmd.strip(), "ranks": args.ranks, "domains": args.domains, "steps": args.steps,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "rows": rows, "demix_over_dense": ratio}
+           "machine": machine_info(), "rows": rows, "demix_over_dense": ratio}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "allreduce.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [f"# Gradient all-reduce per step: DEMix vs Dense ({args.ranks} gloo ranks, {args.domains} domains)", "",

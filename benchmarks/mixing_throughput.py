@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -135,6 +133,8 @@ def write(result: dict, out: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
+    from benchmarks.machine import machine_info
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", default="1,2,4,8", help="comma-separated expert counts to sweep")
     ap.add_argument("--layers", type=int, default=4)
@@ -150,11 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     result = run(args)
     argv = list(argv) if argv is not None else sys.argv[1:]
     result["command"] = "python -m benchmarks.mixing_throughput " + shlex.join(argv)
-    result["machine"] = {
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
+    result["machine"] = machine_info()
     write(result, Path(args.out))
     return result
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -41,6 +40,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks.machine import machine_info
 from typing import Any, Optional, Sequence
 
 import yaml
@@ -397,29 +398,6 @@ def add_scaling(rows: list[dict[str, Any]], cores: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # The sweep
 # --------------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    try:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    except OSError:
-        pass
-    try:
-        import deepspeed
-
-        ds = deepspeed.__version__
-    except Exception:  # the version is information only
-        ds = None
-    return {
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "deepspeed": ds,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
 
 
 def run_sweep(cfg: SweepConfig, sweep_dir: Path, force: bool = False, only: Sequence[str] = (),

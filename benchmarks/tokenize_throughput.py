@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import sysconfig
@@ -61,6 +60,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
 
+    from benchmarks.machine import machine_info
     from data.prepare import make_pool, tokenize_documents
     from data.tokenizer import TokenizerSpec, load_tokenizer
 
@@ -84,9 +84,7 @@ def main(argv=None) -> dict:
 
     result = {
         "command": "python -m benchmarks.tokenize_throughput " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-                    "load_average_1m_at_end": None, "platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine_info(),
         "text": {"source": "python stdlib .py files (sorted, tests excluded)", "documents": len(texts),
                  "megabytes": round(n_bytes / 1e6, 2), "gpt2_tokens": single_tokens},
         "single_process_tiktoken": {"seconds": round(single_s, 3), "tokens_per_s": round(single_tokens / single_s),
@@ -107,7 +105,7 @@ def main(argv=None) -> dict:
                     f.write(json.dumps({"id": str(i), "domain": "code", "text": t}) + "\n")
             r = prepare_corpus(corpus, Path(tmp) / "tokens", workers=a.workers, anonymise=False, progress=False)
             result["prepare_corpus_end_to_end"] = {k: r.stats[k] for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s")}
-    result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,9 +116,9 @@ def main(argv=None) -> dict:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"Machine: {result['machine']['usable_cores']} usable cores (os.cpu_count() = {result['machine']['cpu_count']}), "
+        f"Machine: {result['machine']['cores']} usable cores (os.cpu_count() = {result['machine']['cpu_count']}), "
         f"{result['machine']['platform']}, Python {result['machine']['python']}; 1-minute load average at the end "
-        f"{result['machine']['load_average_1m_at_end']} (the machine is shared, so absolute numbers are noisy).",
+        f"{result['machine']['loadavg_1m_at_end']} (the machine is shared, so absolute numbers are noisy).",
         "",
         f"Text: {result['text']['documents']} stdlib .py files, {result['text']['megabytes']} MB, "
         f"{single_tokens:,} GPT-2 tokens. Best of {a.repeats}.",
