@@ -72,7 +72,8 @@ class Consolidated:
         """A plain GPT holding `expert_ids` (default all) with these weights."""
         from model.gpt import GPT
 
-        model = GPT(self.cfg.model, expert_ids=expert_ids, init_seed=0)
+        rows = self.state_dict["wte.weight"].shape[0] if "wte.weight" in self.state_dict else None
+        model = GPT(self.cfg.model, expert_ids=expert_ids, init_seed=0, vocab_rows=rows)  # the writer's padding
         wanted = model.state_dict().keys()
         missing = [k for k in wanted if k not in self.state_dict]
         if missing:

@@ -78,24 +78,39 @@ def layout_problems(cfg: RunConfig, world_size: int, domain_names: list[str]) ->
             out.append(f"parallel.allocation={cfg.parallel.allocation} is only used with model.ffn.kind=demix "
                        f"(got {kind!r})")
         out += [f"parallel: {p}" for p in topology_problems(world_size, tp, 1)]
+        if kind == "gshard":
+            from parallel.gshard import gshard_layout_problems
+
+            out += gshard_layout_problems(cfg.model, world_size, tp)
     return out
 
 
-def resolve_model(cfg: RunConfig, num_domains: int) -> RunConfig:
-    """DEMix: num_experts=0 means one expert per domain."""
-    if cfg.model.ffn.kind != "demix" or cfg.model.ffn.num_experts:
+def resolve_model(cfg: RunConfig, num_domains: int, world_size: int) -> RunConfig:
+    """num_experts=0 means one expert per domain (DEMix) or one per GPU (GShard)."""
+    ffn = cfg.model.ffn
+    if ffn.num_experts or ffn.kind not in ("demix", "gshard"):
         return cfg
-    return replace(cfg, model=replace(cfg.model, ffn=replace(cfg.model.ffn, num_experts=num_domains)))
+    if ffn.kind == "gshard":
+        from parallel.gshard import resolve_num_experts
+
+        n = resolve_num_experts(cfg.model, world_size)
+    else:
+        n = num_domains
+    return replace(cfg, model=replace(cfg.model, ffn=replace(ffn, num_experts=n)))
 
 
 def param_counts(model: GPT, tp: int) -> dict:
     """Full-layer counts (TP is not applied on meta) and the per-tensor-parallel-rank share, computed
     Megatron-style: column-parallel linears (qkv, fc1) split weight and bias, row-parallel ones (proj, fc2;
     the residual projections) split the weight only, the token embedding is vocab-parallel, the rest
-    (positions, layer norms, row-parallel biases) is replicated."""
+    (positions, layer norms, row-parallel biases) is replicated. GShard gates and experts stay whole: each
+    GPU holds its own experts (parallel/gshard.py)."""
+    from model.gshard import GShardFFN
+
+    whole = {id(m) for f in model.modules() if isinstance(f, GShardFFN) for m in f.modules()}  # gate, experts
     sharded = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and id(module) not in whole:
             sharded += module.weight.numel()
             if module.bias is not None and not getattr(module, "is_residual_projection", False):
                 sharded += module.bias.numel()
@@ -124,18 +139,27 @@ class _SkipMetaNormal(TorchFunctionMode):
 
 def rank_summaries(cfg: RunConfig, topo: Topology, ranks: Sequence[int]) -> list[dict]:
     """Build each listed rank's model on the meta device (no memory, no process) and count parameters."""
-    demix, out = cfg.model.ffn.kind == "demix", []
+    kind, out = cfg.model.ffn.kind, []
     for rank in ranks:
         info = topo.rank_info(rank)
-        expert_ids = list(info.domains) if demix else None
+        expert_ids, groups = None, {}
+        if kind == "demix":
+            expert_ids = list(info.domains)
+            groups = {str(g): list(r) for g, r in topo.expert_groups_of_rank(rank).items()}
+        elif kind == "gshard":
+            from parallel.gshard import gshard_layout_for
+
+            lay = gshard_layout_for(cfg, topo, rank)
+            expert_ids = list(lay.local_experts)
+            groups = {"expert_parallel": list(lay.ep_ranks), "expert_data_parallel": list(lay.edp_ranks)}
         with torch.device("meta"), _SkipMetaNormal():
             model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=topo.tensor_parallel)
         out.append({
             "rank": rank, "tp_rank": info.tp_rank, "dp_rank": info.dp_rank,
             "domains": list(info.domains), "domain_names": [topo.domain_names[g] for g in info.domains],
             "shard_index": info.shard_index, "num_shards": info.num_shards,
-            "expert_ids": model.expert_ids if demix else [],
-            "expert_groups": {str(g): list(r) for g, r in topo.expert_groups_of_rank(rank).items()} if demix else {},
+            "expert_ids": model.expert_ids if expert_ids is not None else [],
+            "expert_groups": groups,
             "params": param_counts(model, topo.tensor_parallel),
         })
     return out
@@ -152,6 +176,9 @@ def _print_report(cfg: RunConfig, topo: Topology, ranks: list[dict], elapsed: fl
               f"shard {r['shard_index']}/{r['num_shards']}, experts {r['expert_ids']}; params {p['total']:,} "
               f"(shared {p['shared']:,}, experts {p['expert']:,}); per tp rank ~{p['per_tp_rank']:,} "
               f"(sharded layers / {topo.tensor_parallel})")
+        if "expert_parallel" in r["expert_groups"]:
+            ep, edp = r["expert_groups"]["expert_parallel"], r["expert_groups"]["expert_data_parallel"]
+            print(f"  gshard: all-to-all over {len(ep)} ranks ({ep[0]}-{ep[-1]}), each expert on {len(edp)} rank(s)")
     print(f"built in {elapsed:.2f} s")
 
 
@@ -166,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         if problems:
             raise ConfigError(problems, f"the layout for {args.world_size} GPUs")
         demix = cfg.model.ffn.kind == "demix"
-        cfg = resolve_model(cfg, len(names))
+        cfg = resolve_model(cfg, len(names), args.world_size)
         topo = build_topology(args.world_size, cfg.parallel.tensor_parallel, len(names) if demix else 1,
                               cfg.parallel.allocation if demix else None, names if demix else ["all"])
         ranks = rank_summaries(cfg, topo, sorted({0, topo.world_size - 1}))

@@ -131,8 +131,10 @@ def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None)
     """A GPT2LMHeadModel with the (single-domain or merged) weights of `c`, in eval mode."""
     from transformers import GPT2LMHeadModel
 
-    if c.cfg.model.padded_vocab_size(1) != c.state_dict["wte.weight"].shape[0]:
-        raise CheckpointError("embedding rows do not match the config's padded vocabulary")
+    rows = c.state_dict["wte.weight"].shape[0]
+    paddings = sorted({c.cfg.model.padded_vocab_size(t) for t in (1, c.cfg.parallel.tensor_parallel)})
+    if rows not in paddings:
+        raise CheckpointError(f"{rows} embedding rows match none of the config's padded vocabularies {paddings}")
     dense = dense_state_dict(c, weights_E)
     model = GPT2LMHeadModel(gpt2_config(c, dense["wte.weight"].shape[0]))
     sd = to_gpt2_state_dict(dense, c.cfg.model.n_layers, c.cfg.model.n_heads)

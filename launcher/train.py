@@ -76,15 +76,16 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
 
 def resolve(cfg: RunConfig, catalog: Catalog, world_size: int, expert_domains: Sequence[str] = ()) -> RunConfig:
     """Fill what the config leaves to the data and the layout: DEMix experts = training domains (or the
-    init checkpoint's experts), GShard experts = data-parallel ranks x experts per rank."""
+    init checkpoint's experts), GShard experts = GPUs x experts per rank (one expert per GPU, DEMix §A.5)."""
     ffn = cfg.model.ffn
     if ffn.kind == "demix" and ffn.num_experts == 0:
         ffn = replace(ffn, num_experts=len(expert_domains or catalog.train_domains))
     if ffn.kind == "cse" and ffn.num_experts == 0:
         ffn = replace(ffn, num_experts=ffn.cse.max_clusters)  # expert slots, activated at clustering (model/cse.py)
     if ffn.kind == "gshard" and ffn.num_experts == 0:
-        dp = max(1, world_size // cfg.parallel.tensor_parallel)
-        ffn = replace(ffn, num_experts=dp * ffn.gshard.experts_per_rank)
+        from parallel.gshard import resolve_num_experts
+
+        ffn = replace(ffn, num_experts=resolve_num_experts(cfg.model, world_size))
     return replace(cfg, model=replace(cfg.model, ffn=ffn))
 
 
@@ -355,7 +356,13 @@ def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> dict[str, torch
     missing = [k for k in own if k not in state]
     if missing:
         raise CheckpointError(f"{cfg.train.init_from} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
-    model.load_state_dict({k: state[k] for k in own})
+    wanted = {k: state[k] for k in own}
+    rows = own["wte.weight"].shape[0]
+    if wanted["wte.weight"].shape[0] != rows:  # another tensor-parallel size pads the vocabulary differently
+        have = wanted["wte.weight"]
+        n = min(rows, have.shape[0])  # every real token id is below both; only padding rows differ
+        wanted["wte.weight"] = torch.cat([have[:n], own["wte.weight"][n:]]) if n < rows else have[:rows]
+    model.load_state_dict(wanted)
     return state
 
 
@@ -439,7 +446,13 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     groups = ProcessGroups.create(plan.topo)
     info = plan.topo.rank_info(rank)
-    expert_ids = [plan.expert_of_domain[d] for d in info.domains] if cfg.model.ffn.kind == "demix" else None
+    expert_ids = None
+    if cfg.model.ffn.kind == "demix":
+        expert_ids = [plan.expert_of_domain[d] for d in info.domains]
+    elif cfg.model.ffn.kind == "gshard":  # build only this rank's experts (init is per parameter name)
+        from parallel.gshard import gshard_layout_for
+
+        expert_ids = list(gshard_layout_for(cfg, plan.topo, rank).local_experts)
     model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
     init_state = load_init_weights(model, cfg) if cfg.train.init_from else None
     if cfg.train.trainable == "experts":

@@ -100,6 +100,7 @@ class GPT(nn.Module):
         expert_ids: Optional[Sequence[int]] = None,
         tensor_parallel: int = 1,
         init_seed: Optional[int] = None,
+        vocab_rows: Optional[int] = None,
     ) -> None:
         super().__init__()
         if init_seed is None:  # follows torch.manual_seed; drawn before module construction consumes the RNG
@@ -110,7 +111,11 @@ class GPT(nn.Module):
         bad = [e for e in self.expert_ids if not 0 <= e < n_exp]
         if bad:
             raise ValueError(f"expert ids {bad} are out of range for {n_exp} experts")
-        self.vocab_size = cfg.padded_vocab_size(tensor_parallel)
+        # Embedding rows: the vocabulary padded for `tensor_parallel` ranks, or `vocab_rows` (a checkpoint's own
+        # padding: a run at tp=2 pads further than tp=1, and its padding rows take part in the softmax).
+        self.vocab_size = vocab_rows or cfg.padded_vocab_size(tensor_parallel)
+        if self.vocab_size < cfg.vocab_size:
+            raise ValueError(f"vocab_rows={vocab_rows} is smaller than model.vocab_size={cfg.vocab_size}")
         self.wte = nn.Embedding(self.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)

@@ -13,7 +13,9 @@ touches `torch.distributed`. The routing reproduces DeepSpeed 0.19.8's `top2gati
     e1_S      = argmax_e p_SE            (first expert)
     e2_S      = argmax_{e != e1} (logits_SE + n_SE)   (second expert; n = Gumbel noise for the
                                                         "sampling" policy in training, else 0)
-    C         = max(ceil(S / E * K * capacity_factor), min_capacity)   (eval_capacity_factor in eval mode)
+    C         = max(ceil(S / E * K * capacity_factor), min_capacity)   (eval_capacity_factor in eval mode),
+                rounded up to a multiple of `capacity_multiple` (the tensor-parallel size in distributed training,
+                where each TP rank sends its 1/tp of every expert's slots through the all-to-all; 1 here)
 
 Slots: every expert's buffer is filled by first choices in token order, then by second choices in token order
 (loc1 = cumsum of e1 one-hots - 1; loc2 = cumsum of e2 one-hots - 1 + all first choices of that expert). A
@@ -66,10 +68,13 @@ class Routing:
     l_aux: torch.Tensor  # float32 scalar, E * sum_e P_e f_e (unweighted)
 
 
-def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int) -> int:
-    """C = max(ceil(S / E * K * capacity_factor), min_capacity), in float32 arithmetic as DeepSpeed's `_capacity`."""
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int,
+                    multiple_of: int = 1) -> int:
+    """C = max(ceil(S / E * K * capacity_factor), min_capacity), in float32 arithmetic as DeepSpeed's `_capacity`,
+    then rounded up to a multiple of `multiple_of` (1 leaves DeepSpeed's value unchanged)."""
     c = torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor * top_k)).to(torch.int64)
-    return int(max(int(c), min_capacity))
+    c = max(int(c), min_capacity)
+    return -(-c // multiple_of) * multiple_of
 
 
 def route_tokens(
@@ -79,6 +84,7 @@ def route_tokens(
     min_capacity: int,
     policy: str = "all",
     training: bool = False,
+    capacity_multiple: int = 1,
 ) -> Routing:
     """Top-k routing with capacity (see the module docstring for the maths). `logits_SE` must be float32.
 
@@ -92,7 +98,7 @@ def route_tokens(
     # l_aux written as DeepSpeed does (mean * E * E == E * sum) so that both round the same way.
     l_aux = torch.mean(probs_SE.mean(0) * mask1_SE.float().mean(0)) * E * E
     k = min(top_k, E)
-    capacity = expert_capacity(S, E, top_k, capacity_factor, min_capacity)
+    capacity = expert_capacity(S, E, top_k, capacity_factor, min_capacity, capacity_multiple)
     loc1_SE = torch.cumsum(mask1_SE, dim=0) - 1
     if k == 1:
         kept1_S = (loc1_SE * mask1_SE).sum(1) < capacity
@@ -166,13 +172,15 @@ class GShardFFN(nn.Module):
             raise ValueError(f"expert ids {self.expert_ids} must be a non-empty subset of 0..{self.num_experts - 1}")
         self.gate = nn.Linear(cfg.d_model, self.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids})
+        self.capacity_multiple = 1  # set to tp to compute exactly what a tensor-parallel run's layer computes
 
     def route(self, x_SD: torch.Tensor) -> Routing:
         """Gate logits in float32, then `route_tokens` with this layer's capacity factor for train / eval."""
         g = self.gcfg
         logits_SE = F.linear(x_SD.float(), self.gate.weight.float())
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        return route_tokens(logits_SE, g.top_k, factor, g.min_capacity, g.second_expert_policy, self.training)
+        return route_tokens(logits_SE, g.top_k, factor, g.min_capacity, g.second_expert_policy, self.training,
+                            self.capacity_multiple)
 
     def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
         if len(self.expert_ids) != self.num_experts:

@@ -151,14 +151,15 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
 
     Call after gradients are reduced (ZeRO 0). Shared gradients are equal on all data-parallel ranks,
     expert gradients on all ranks of a domain group: each rank contributes its squares divided by the
-    number of ranks holding the same values; tensor-parallel replicas count on tp rank 0 only.
+    number of ranks holding the same values; parameters replicated over the TP group count on tp rank 0 only
+    (those that differ across it, TP shards and GShard experts, carry DeepSpeed's model-parallel flags).
     """
-    from parallel.tensor_parallel import is_tensor_parallel
+    from deepspeed.runtime.utils import is_model_parallel_parameter
 
     shared = torch.zeros((), dtype=torch.float64)
     expert = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
-        if p.grad is None or (not is_tensor_parallel(p) and groups.tp_rank != 0):
+        if p.grad is None or (not is_model_parallel_parameter(p) and groups.tp_rank != 0):
             continue
         sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(p):

@@ -2,15 +2,16 @@
 
 Shape legend: B batch, T tokens, S = B*T, D model dim, E experts, C capacity.
 
-Layout (pure, `gshard_layout`): E = model.ffn.num_experts (0 = dp_size x experts_per_rank, see
+Layout (pure, `gshard_layout`): E = model.ffn.num_experts (0 = N x experts_per_rank for N GPUs, see
 `resolve_num_experts`); each rank holds `experts_per_rank` experts and the expert-parallel size is
 
-    ep_size = E / experts_per_rank        (must divide the data-parallel size dp)
+    ep_size = E / experts_per_rank        (must divide the world size N)
 
-so the paper's setting (one expert per GPU, E = #GPUs) has ep_size = dp: one all-to-all group of all ranks and
-expert-data-parallel groups of one rank. With fewer experts than dp x experts_per_rank (an explicit
-num_experts), dp / ep_size expert-parallel groups each hold all E experts and every expert is replicated on
-dp / ep_size ranks (its expert-data-parallel group), whose gradients DeepSpeed all-reduces.
+so the paper's setting (one expert per GPU, E = N) has ep_size = N: one all-to-all group of all ranks and
+expert-data-parallel groups of one rank. With fewer experts than N x experts_per_rank (an explicit
+num_experts), N / ep_size expert-parallel groups each hold all E experts and every expert is replicated on
+N / ep_size ranks (its expert-data-parallel group), whose gradients DeepSpeed all-reduces. (Without tensor
+parallelism N is the data-parallel size dp.)
 
 Groups: DeepSpeed builds them itself, in `deepspeed.initialize`, from ep_size and the config key
 `use_data_before_expert_parallelism` (parallel/engine.deepspeed_config; default False = DeepSpeed's E+D:
@@ -25,7 +26,23 @@ their expert-data-parallel group only. For GShard that is the gradient of the me
 receives, through the all-to-all, the tokens of its whole expert-parallel group, and its expert-data-parallel
 group covers the remaining groups, so sum over replicas / dp = d(mean_r loss_r) / d(expert).
 
-Tensor parallelism is not supported (see `gshard_layout_problems`).
+Tensor parallelism (tp > 1; DeepSpeed's MoE with `enable_expert_tensor_parallelism=False`): attention and the
+dense FFN layers are megatron-core-sharded (parallel/tensor_parallel.py), GShard experts stay whole, and every GPU
+holds its own: by default E = GPUs x experts_per_rank, one expert per GPU as in the paper, so ep_size must divide
+the world size (not only dp), and expert-parallel groups may span tensor-parallel lanes. The layer's input is
+replicated on the TP ranks of a group, so each computes the same routing (same gate, same tokens, the same RNG
+stream for the sampled policies: every rank of a TP group consumes the default generator identically). DeepSpeed
+then removes the duplicates: TP rank t sends only slots [t C/tp, (t+1) C/tp) of every expert's buffer through the
+all-to-all (`drop_tokens`) and all-gathers the returned slots over the TP group (`gather_tokens`), so each expert
+computes each routed token once. That needs C to be a multiple of tp: with tp > 1 the gate is ours
+(`_RoutingGate`, the routing of model/gshard.py) and rounds C up to a multiple of tp; the plain layer (evaluation
+of a consolidated checkpoint) keeps DeepSpeed's C, which differs by fewer than tp slots.
+
+Gradients with tp > 1: an expert replica still receives every token routed to it from its expert-parallel group
+exactly once (each TP rank's share of the slots), so the sum over its expert-data-parallel group divided by
+DeepSpeed's data-parallel size (world / tp) is again d(mean loss)/d(expert). Expert parameters differ across the
+TP ranks of a group, so they are flagged `model_parallel=True` (DeepSpeed's `is_model_parallel_parameter`): ZeRO's
+gradient norm and ours (parallel/engine.global_grad_norm) count them on every TP rank, not only on TP rank 0.
 """
 
 from __future__ import annotations
@@ -43,41 +60,29 @@ from model.ffn import MLP, FFNOutput
 from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
 from parallel.topology import deepspeed_moe_groups
 
-TP_UNSUPPORTED = (
-    "gshard with tensor_parallel>1 is not supported because DeepSpeed 0.19.8's MoE layer would either keep "
-    "whole (unsharded) experts on every tensor-parallel rank and build its expert groups over the whole world, "
-    "across tensor-parallel lanes (enable_expert_tensor_parallelism=False), or expect Megatron-sharded experts "
-    "with its own drop/gather of tokens along the capacity dimension (True), neither of which matches our "
-    "megatron-core tensor parallelism; use parallel.tensor_parallel=1 (a GShard expert is FFN-sized, so the "
-    "memory per GPU is close to the dense model's)"
-)
-
-
-def resolve_num_experts(model: ModelConfig, dp_size: int) -> int:
-    """E for GShard: `num_experts` if set, else data-parallel ranks x experts_per_rank (one expert per GPU)."""
-    return model.ffn.num_experts or dp_size * model.ffn.gshard.experts_per_rank
+def resolve_num_experts(model: ModelConfig, world_size: int) -> int:
+    """E for GShard: `num_experts` if set, else GPUs x experts_per_rank (one expert per GPU, DEMix §A.5).
+    With tensor parallelism every GPU of a TP group holds different whole experts."""
+    return model.ffn.num_experts or world_size * model.ffn.gshard.experts_per_rank
 
 
 def gshard_layout_problems(model: ModelConfig, world_size: int, tensor_parallel: int = 1) -> list[str]:
-    """Every reason the GShard layout is impossible (empty = fine); for the run-level validator."""
+    """Every reason the GShard layout is impossible (empty = fine); for the run-level validator.
+    Expert-parallel groups are cut from the whole world (TP lanes included), so ep_size must divide world_size."""
     if model.ffn.kind != "gshard":
         return []
     out = []
-    if tensor_parallel > 1:
-        out.append(f"parallel.tensor_parallel={tensor_parallel}: {TP_UNSUPPORTED}")
-        return out
-    dp = world_size // max(1, tensor_parallel)
     per_rank = model.ffn.gshard.experts_per_rank
-    n = resolve_num_experts(model, dp)
+    n = resolve_num_experts(model, world_size)
     if n % per_rank:
         out.append(f"model.ffn.num_experts={n} is not a multiple of model.ffn.gshard.experts_per_rank={per_rank}: "
                    "each rank holds the same number of experts")
-    elif dp % (n // per_rank):
+    elif world_size % (n // per_rank):
         ep = n // per_rank
         out.append(
             f"model.ffn.num_experts={n} / experts_per_rank={per_rank} = {ep} expert-parallel ranks, which does not "
-            f"divide the {dp} data-parallel ranks: use num_experts = {per_rank} x a divisor of {dp} "
-            f"(0 = {dp * per_rank}, one set of experts per rank)"
+            f"divide the {world_size} ranks: use num_experts = {per_rank} x a divisor of {world_size} "
+            f"(0 = {world_size * per_rank}, one set of experts per GPU)"
         )
     return out
 
@@ -92,15 +97,17 @@ class GShardLayout:
     ep_ranks: tuple[int, ...]  # this rank's all-to-all group (sorted)
     edp_ranks: tuple[int, ...]  # the ranks holding the same experts
     local_experts: tuple[int, ...]  # global expert ids held here
+    tensor_parallel: int = 1  # C is rounded up to a multiple of it (each TP rank sends 1/tp of the slots)
 
     @property
     def group_name(self) -> str:
         return f"ep_size_{self.ep_size}"  # DeepSpeed's name for the groups of this ep_size
 
 
-def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_before_expert_parallelism: bool = False) -> GShardLayout:
+def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_before_expert_parallelism: bool = False,
+                  tensor_parallel: int = 1) -> GShardLayout:
     """The layout DeepSpeed will build for this rank (pure; raises ValueError listing every problem)."""
-    problems = gshard_layout_problems(model, world_size)
+    problems = gshard_layout_problems(model, world_size, tensor_parallel)
     if problems:
         raise ValueError("GShard layout: " + "; ".join(problems))
     per_rank = model.ffn.gshard.experts_per_rank
@@ -110,18 +117,28 @@ def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_befor
     ep_ranks = next(tuple(sorted(g)) for g in ds.expert_parallel if rank in g)
     edp_ranks = next(tuple(sorted(g)) for g in ds.expert_data_parallel if rank in g)
     pos = ep_ranks.index(rank)
-    return GShardLayout(n, ep, per_rank, ep_ranks, edp_ranks, tuple(range(pos * per_rank, (pos + 1) * per_rank)))
+    return GShardLayout(n, ep, per_rank, ep_ranks, edp_ranks, tuple(range(pos * per_rank, (pos + 1) * per_rank)),
+                        tensor_parallel)
 
 
-class _PlainPolicyGate(nn.Module):
-    """Stands in for DeepSpeed's TopKGate where DeepSpeed has no such policy ("random"): the same `wg`
-    weight, the routing of model/gshard.py, returned in DeepSpeed's sparse-route format."""
+def gshard_layout_for(cfg: Any, topo: Any, rank: int) -> GShardLayout:
+    """`gshard_layout` for a run config (its DeepSpeed group order) on a parallel.topology.Topology."""
+    from parallel.engine import deepspeed_config
 
-    def __init__(self, ds_gate: nn.Module, policy: str) -> None:
+    d_before_e = bool(deepspeed_config(cfg).get("use_data_before_expert_parallelism", False))
+    return gshard_layout(cfg.model, topo.world_size, rank, d_before_e, topo.tensor_parallel)
+
+
+class _RoutingGate(nn.Module):
+    """Stands in for DeepSpeed's TopKGate where DeepSpeed's cannot serve: a policy it lacks ("random"), or
+    tensor parallelism (C must be a multiple of tp). The same `wg` weight, the routing of model/gshard.py,
+    returned in DeepSpeed's sparse-route format."""
+
+    def __init__(self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1) -> None:
         super().__init__()
         self.wg, self.k, self.policy = ds_gate.wg, ds_gate.k, policy
         self.capacity_factor, self.eval_capacity_factor = ds_gate.capacity_factor, ds_gate.eval_capacity_factor
-        self.min_capacity, self.ep_group = ds_gate.min_capacity, None
+        self.min_capacity, self.capacity_multiple, self.ep_group = ds_gate.min_capacity, capacity_multiple, None
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
@@ -129,7 +146,8 @@ class _PlainPolicyGate(nn.Module):
     def forward(self, x_SD: torch.Tensor, used_token: Any = None, sparse_routes: bool = True, use_tutel: bool = False):
         logits_SE = F.linear(x_SD.float(), self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        r = route_tokens(logits_SE, self.k, factor, self.min_capacity, self.policy, self.training)
+        r = route_tokens(logits_SE, self.k, factor, self.min_capacity, self.policy, self.training,
+                         self.capacity_multiple)
         idx_KS = torch.where(r.kept_KS, r.experts_KS, -1).to(torch.int32)
         loc_KS = (r.slots_KS * r.kept_KS).to(torch.int32)
         return r.l_aux, torch.tensor(r.capacity), logits_SE.shape[1], idx_KS, loc_KS, r.weights_KS, r.counts_E
@@ -154,12 +172,15 @@ class DistributedGShardFFN(nn.Module):
             top2_2nd_expert_sampling=g.second_expert_policy == "sampling",
         )
         inner = self.moe.deepspeed_moe
-        if g.top_k == 2 and g.second_expert_policy == "random":
-            inner.gate = _PlainPolicyGate(inner.gate, "random")
+        if layout.tensor_parallel > 1 or (g.top_k == 2 and g.second_expert_policy == "random"):
+            inner.gate = _RoutingGate(inner.gate, g.second_expert_policy, layout.tensor_parallel)
         with torch.no_grad():
             inner.gate.wg.weight.copy_(plain.gate.weight)
             for j, e in enumerate(layout.local_experts):
                 inner.experts.deepspeed_experts[j].load_state_dict(plain.experts[str(e)].state_dict())
+        if layout.tensor_parallel > 1:
+            for p in inner.experts.parameters():
+                p.model_parallel = True  # differs across TP ranks: every TP rank counts it in the gradient norm
         self._groups_checked = False
 
     def _check_groups(self) -> None:
@@ -176,6 +197,8 @@ class DistributedGShardFFN(nn.Module):
     def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
         if not self._groups_checked and self.layout.ep_size > 1:
             self._check_groups()
+        if self.layout.tensor_parallel > 1:
+            _gloo_accepts_flat_token_gather()
         inner = self.moe.deepspeed_moe
         if hasattr(inner.gate, "top2_2nd_expert_sampling"):
             # DeepSpeed samples the second expert in eval too; sample in training only, as the plain layer does.
@@ -186,10 +209,33 @@ class DistributedGShardFFN(nn.Module):
             probs_SE = F.softmax(F.linear(x_BTD.reshape(B * T, D).float(), inner.gate.wg.weight.float()), dim=1)
         g = self.gcfg
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        cap = expert_capacity(B * T, self.layout.num_experts, g.top_k, factor, g.min_capacity)
+        cap = expert_capacity(B * T, self.layout.num_experts, g.top_k, factor, g.min_capacity,
+                              self.layout.tensor_parallel)
         stats = routing_stats(probs_SE, counts_E, cap, B)
         stats["l_aux"] = l_aux.detach()
         return FFNOutput(hidden=y_BTD, aux_loss=g.aux_loss_weight * l_aux, stats=stats)
+
+
+def _gloo_accepts_flat_token_gather() -> None:
+    """With tp > 1 DeepSpeed's MoE all-gathers each expert's slots over the TP group into a flat buffer of
+    tp x numel elements (deepspeed/moe/mappings.py `_gather_tokens`). NCCL takes any output of that size; gloo
+    (torch 2.13) insists on the shape (tp * d0, d1, ...). On gloo groups only, DeepSpeed's backend call is given a
+    view of the same buffer in that shape (same memory, same result); NCCL calls pass through untouched.
+    Idempotent; needs DeepSpeed's communication backend (set up by deepspeed.initialize)."""
+    from deepspeed.comm import comm as ds_comm
+
+    cdb = ds_comm.cdb
+    if cdb is None or getattr(cdb.all_gather_into_tensor, "gloo_flat_view", False):
+        return
+    inner = cdb.all_gather_into_tensor
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if output_tensor.dim() == 1 and input_tensor.dim() > 1 and dist.get_backend(group) == "gloo":
+            output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+        return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+
+    all_gather_into_tensor.gloo_flat_view = True  # type: ignore[attr-defined]
+    cdb.all_gather_into_tensor = all_gather_into_tensor
 
 
 def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
@@ -198,13 +244,7 @@ def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
     with all experts, or with `expert_ids=gshard_layout(...).local_experts`); the distributed model then
     computes what the plain one does. `cfg` is the RunConfig, `groups` our ProcessGroups.
     Returns the global expert ids this rank holds."""
-    from parallel.engine import deepspeed_config
-
-    problems = gshard_layout_problems(cfg.model, groups.topo.world_size, groups.topo.tensor_parallel)
-    if problems:
-        raise ValueError("; ".join(problems))
-    d_before_e = bool(deepspeed_config(cfg).get("use_data_before_expert_parallelism", False))
-    layout = gshard_layout(cfg.model, groups.topo.world_size, groups.rank, d_before_e)
+    layout = gshard_layout_for(cfg, groups.topo, groups.rank)
     for i, block in enumerate(model.blocks):
         ffn = block.ffn
         if not isinstance(ffn, GShardFFN):
@@ -224,17 +264,23 @@ def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
 @torch.no_grad()
 def gather_gshard_state_dict(model: nn.Module, groups: Any = None) -> dict[str, torch.Tensor]:
     """The plain GPT's state dict with every expert (`blocks.<i>.ffn.gate.weight`,
-    `blocks.<i>.ffn.experts.<id>.fc1.weight`, ...), gathered over each layer's expert-parallel group.
-    Collective: every rank calls it (after the engine is built); every rank gets the full dict."""
+    `blocks.<i>.ffn.experts.<id>.fc1.weight`, ...) at full (TP=1) shapes: experts gathered over each layer's
+    expert-parallel group, tensor-parallel shards over the TP group. Collective: every rank calls it (after the
+    engine is built); every rank gets the full dict. `groups` (our ProcessGroups) is needed only when tp > 1."""
     sd: dict[str, torch.Tensor] = {}
     moe_prefixes = []
     for name, module in model.named_modules():
         if isinstance(module, DistributedGShardFFN):
             moe_prefixes.append(name + ".")
             sd.update(_gather_layer(module, name + "."))
-    for k, v in model.state_dict().items():
-        if not any(k.startswith(p) for p in moe_prefixes):
-            sd[k] = v.detach().clone()
+    rest = [(k, v) for k, v in model.state_dict(keep_vars=True).items()
+            if not any(k.startswith(p) for p in moe_prefixes) and not k.endswith("_extra_state")]
+    if groups is not None and groups.topo.tensor_parallel > 1:
+        from parallel.tensor_parallel import gather_tensors
+
+        sd.update(gather_tensors(rest, groups.tp_group))
+    else:
+        sd.update({k: v.detach().clone() for k, v in rest})
     return sd
 
 

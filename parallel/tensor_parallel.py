@@ -12,7 +12,8 @@ copying this rank's shard of the full weight, so that a TP=tp model computes wha
                 proj -> RowParallelLinear     W_o [D, D] split by columns (input_is_parallel)
     every MLP   fc1  -> ColumnParallelLinear  W_1 [F, D] split by rows, with its bias
     (dense and  fc2  -> RowParallelLinear     W_2 [D, F] split by columns
-     experts)
+     DEMix      (GShard experts stay whole: parallel/gshard.py gives each TP rank its own experts and
+     experts)    splits every expert's capacity slots over the TP group instead)
     wte              -> VocabParallelEmbedding      rows [V, D] split: rank r holds ids [r Vl, (r+1) Vl)
     lm_head          -> VocabParallelTiedLMHead     logits_BTVl = copy_to_tp_region(h_BTD) @ W_emb_local^T
     loss_fn          -> VocabParallelTokenCrossEntropy (per-token loss B T, like TokenCrossEntropy)
@@ -88,6 +89,7 @@ from torch.distributed import ProcessGroup
 from model.config import ModelConfig
 from model.ffn import MLP
 from model.gpt import GPT
+from model.gshard import GShardFFN
 
 # Attributes megatron-core uses to describe a parameter's tensor-parallel sharding.
 TP_ATTRIBUTES: tuple[str, ...] = ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_tp", "is_qkv")
@@ -331,8 +333,10 @@ def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup) -> GPT:
     for block in model.blocks:
         block.attn.qkv = _column_parallel(block.attn.qkv, tp_group)
         block.attn.proj = _row_parallel(block.attn.proj, tp_group)
+    # GShard experts stay whole: DeepSpeed's MoE layer splits their *tokens* over the TP group (parallel/gshard.py).
+    token_routed = {id(m) for ffn in model.modules() if isinstance(ffn, GShardFFN) for m in ffn.experts.values()}
     for module in list(model.modules()):
-        if isinstance(module, MLP):  # the dense FFN and every DEMix expert
+        if isinstance(module, MLP) and id(module) not in token_routed:  # the dense FFN and every DEMix expert
             module.fc1 = _column_parallel(module.fc1, tp_group)
             module.fc2 = _row_parallel(module.fc2, tp_group)
     model.wte = _vocab_parallel_embedding(model.wte, tp_group)
@@ -376,11 +380,17 @@ def _gather_named(
     return out
 
 
+def gather_tensors(items: list[tuple[str, torch.Tensor]], tp_group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """Named tensors (parameters or buffers, as `state_dict(keep_vars=True)` gives them) at full TP=1 shapes.
+    A collective: every rank of the group must call it with the same names in the same order."""
+    return _gather_named(items, lambda t: t, tp_group)  # type: ignore[return-value]
+
+
 def gather_full_state_dict(model: nn.Module, tp_group: ProcessGroup) -> dict[str, torch.Tensor]:
     """The plain model's state dict (same names, full TP=1 shapes), on every rank of `tp_group`.
     A collective: every rank of the group must call it. Loads into a plain GPT with strict=True."""
     items = [(k, v) for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")]
-    return _gather_named(items, lambda t: t, tp_group)  # type: ignore[return-value]
+    return gather_tensors(items, tp_group)
 
 
 def gather_full_grads(model: nn.Module, tp_group: ProcessGroup) -> dict[str, Optional[torch.Tensor]]:

@@ -50,6 +50,26 @@ def test_gpt3_xl_dense_128_gpus(tmp_path):
     assert (last["shard_index"], last["num_shards"]) == (63, 64)  # dense: every rank reads its own shard of the mix
 
 
+def test_gpt3_xl_gshard_128_gpus_tp2_one_whole_expert_per_gpu(tmp_path, capsys):
+    rc, s = _run(tmp_path, "--world-size", "128", "--set", "model.preset=gpt3-xl", "model.ffn.kind=gshard",
+                 "parallel.tensor_parallel=2")
+    assert rc == 0 and s["model"]["num_experts"] == 128  # one per GPU, tensor-parallel ranks included
+    first, last = s["ranks"]
+    assert (first["expert_ids"], last["expert_ids"]) == ([0], [127])
+    assert first["expert_groups"]["expert_parallel"] == list(range(128))
+    assert last["expert_groups"]["expert_data_parallel"] == [127]
+    p = first["params"]
+    ffn = 2 * 2048 * 8192 + 8192 + 2048
+    assert p["expert"] == 12 * ffn  # one whole expert in each of the 12 MoE layers (every other layer)
+    # TP shards attention, the 12 dense FFNs and the embedding; gates and experts stay whole on every TP rank
+    attn = 3 * 2048 * 2048 + 3 * 2048 + 2048 * 2048
+    assert p["tp_sharded"] == 24 * attn + 12 * (ffn - 2048) + 50432 * 2048  # 50257 padded to 256 x 197
+    assert "all-to-all over 128 ranks" in capsys.readouterr().out
+    rc, _ = _run(tmp_path, "--world-size", "12", "--set", "model.preset=tiny", "model.ffn.kind=gshard",
+                 "model.ffn.num_experts=8", "parallel.tensor_parallel=2")
+    assert rc == 2
+
+
 def test_more_domains_than_ranks_and_named_uneven_domains(tmp_path):
     rc, s = _run(tmp_path, "--world-size", "3", "--set", "model.preset=tiny", "model.ffn.kind=demix")
     assert rc == 0 and [r["expert_ids"] for r in s["ranks"]] == [[0, 1, 2], [6, 7]]

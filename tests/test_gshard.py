@@ -57,6 +57,20 @@ def test_load_balancing_loss_by_hand() -> None:
     assert float(out.stats["router_entropy"]) == pytest.approx((3 * h + math.log(2)) / 4, rel=1e-6)
 
 
+def test_capacity_rounds_up_to_a_multiple_of_the_tensor_parallel_size() -> None:
+    """With tp > 1 each TP rank sends C / tp slots of every expert: C = 11 becomes 12 at tp=2, 12 stays 12."""
+    assert expert_capacity(32, 4, 2, 0.6875, 1) == 11
+    assert expert_capacity(32, 4, 2, 0.6875, 1, multiple_of=2) == 12
+    assert expert_capacity(32, 4, 2, 0.75, 1, multiple_of=2) == 12 and expert_capacity(4, 4, 2, 1.0, 5, 4) == 8
+    logits = torch.randn(32, 4)
+    one, two = route_tokens(logits, 2, 0.6875, 1, "all"), route_tokens(logits, 2, 0.6875, 1, "all", capacity_multiple=2)
+    assert (one.capacity, two.capacity) == (11, 12)
+    assert int(two.kept_KS.sum()) >= int(one.kept_KS.sum())  # one more slot per expert, never fewer kept routes
+    moe = GShardFFN(_cfg(4, capacity_factor=0.6875, min_capacity=1))
+    moe.capacity_multiple = 2
+    assert moe.route(torch.randn(32, moe.gate.in_features)).capacity == 12
+
+
 def test_tokens_over_capacity_are_dropped_and_counted() -> None:
     # Every token prefers expert 0, then expert 1. S = 16, E = 4, K = 2, factor 1: C = ceil(16 / 4 * 2) = 8.
     cfg = _cfg(4, capacity_factor=1.0, second_expert_policy="all")
@@ -144,9 +158,14 @@ def test_layout() -> None:
     assert [l.local_experts for l in d_e] == [(0,), (0,), (1,), (1,)] and d_e[0].edp_ranks == (0, 1)
     per2 = replace(cfg, ffn=replace(cfg.ffn, gshard=replace(cfg.ffn.gshard, experts_per_rank=2)))
     assert [gshard_layout(per2, 2, r).local_experts for r in range(2)] == [(0, 1), (2, 3)]
-    assert "tensor_parallel>1 is not supported" in gshard_layout_problems(cfg, 4, 2)[0]
+    # tensor parallelism: experts stay whole, one per GPU, and the all-to-all group spans the TP lanes
+    assert gshard_layout_problems(cfg, 4, 2) == [] and resolve_num_experts(cfg, 4) == 4
+    tp = [gshard_layout(cfg, 4, r, tensor_parallel=2) for r in range(4)]
+    assert [l.local_experts for l in tp] == [(0,), (1,), (2,), (3,)] and tp[1].ep_ranks == (0, 1, 2, 3)
+    assert tp[0].tensor_parallel == 2
     bad = replace(cfg, ffn=replace(cfg.ffn, num_experts=3))
-    assert "does not divide" in gshard_layout_problems(bad, 4)[0]
+    assert "does not divide the 4 ranks" in gshard_layout_problems(bad, 4)[0]
+    assert "does not divide the 4 ranks" in gshard_layout_problems(bad, 4, 2)[0]
     with pytest.raises(ValueError, match="does not divide"):
         gshard_layout(bad, 4, 0)
 

@@ -115,3 +115,57 @@ def test_mixed_precision_and_activation_checkpointing_train(tiny_tokens, tmp_pat
     losses = _losses(run)
     assert len(losses) == 3 and all(v == v and v < 20 for v in losses.values())  # finite
     assert losses[3] < losses[1]
+
+
+@pytest.mark.slow
+def test_gshard_with_tensor_parallelism_trains_and_exports(tiny_tokens, tmp_path):
+    """GShard at tp=2 on 2 ranks through the launcher (ZeRO 1): one whole expert per GPU (E=2, the all-to-all
+    inside the TP group), routing metrics logged, every expert in the export, which one process evaluates."""
+    import torch
+
+    from launcher.checkpoint import load_consolidated
+
+    run = tmp_path / "gshard-tp2"
+    _launch(["--nproc", "2", "--run-dir", str(run), *_overrides(tiny_tokens, kind="gshard", steps=4),
+             "--set", "parallel.tensor_parallel=2", "--set", "model.ffn.gshard.second_expert_policy=random"])
+    records = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+    assert len(records) == 4 and all(r["loss"] == r["loss"] for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    stats = records[-1]
+    assert "aux_loss" in stats and sum(stats["layer1/expert_load_E"]) == pytest.approx(1.0, abs=1e-6), stats
+    assert 0.0 <= stats["layer1/dropped_fraction"] < 1.0
+    ckpt = load_consolidated(run / "model")
+    assert ckpt.cfg.model.ffn.num_experts == 2
+    assert {k for k in ckpt.state_dict if ".experts." in k and k.endswith("fc1.weight")} == {
+        "blocks.1.ffn.experts.0.fc1.weight", "blocks.1.ffn.experts.1.fc1.weight"}
+    model = ckpt.build_model()
+    assert model.blocks[1].ffn.experts["0"].fc1.weight.shape[0] == model.cfg.d_ffn  # whole, not a TP shard
+    x = torch.randint(0, 1000, (2, 16))
+    assert torch.isfinite(model(x).logits).all()
+
+
+def test_consolidated_checkpoint_keeps_its_tensor_parallel_vocab_padding(tmp_path):
+    """A tp=2 run pads the vocabulary further than tp=1 (300 -> 512 rows, not 384): the export builds with its own
+    rows (padding logits take part in the softmax), and a run at another tp starts from it with every real row."""
+    from dataclasses import replace
+
+    import torch
+
+    from launcher.checkpoint import load_consolidated, save_consolidated
+    from launcher.config import load_run_config
+    from launcher.train import load_init_weights
+    from model.gpt import GPT
+
+    cfg = load_run_config(None, ["model.preset=tiny", "model.n_layers=2", "model.vocab_size=300",
+                                 "parallel.tensor_parallel=2"], check=False)
+    model = GPT(cfg.model, init_seed=0, tensor_parallel=2).eval()
+    save_consolidated(tmp_path / "ckpt", model.state_dict(), cfg, ["web"])
+    rebuilt = load_consolidated(tmp_path / "ckpt").build_model().eval()
+    x = torch.randint(0, 300, (2, 8))
+    assert rebuilt.vocab_size == 512 and torch.equal(rebuilt(x).logits, model(x).logits)
+    one = replace(cfg, parallel=replace(cfg.parallel, tensor_parallel=1),
+                  train=replace(cfg.train, init_from=str(tmp_path / "ckpt")))
+    fresh = GPT(one.model, init_seed=1)
+    load_init_weights(fresh, one)
+    assert fresh.vocab_size == 384 and torch.equal(fresh.wte.weight[:300], model.wte.weight[:300])
+    assert torch.equal(fresh.blocks[1].ln1.weight, model.blocks[1].ln1.weight)
