@@ -134,11 +134,12 @@ class _RoutingGate(nn.Module):
     tensor parallelism (C must be a multiple of tp). The same `wg` weight, the routing of model/gshard.py,
     returned in DeepSpeed's sparse-route format."""
 
-    def __init__(self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1) -> None:
+    def __init__(self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1, tp_group: Any = None) -> None:
         super().__init__()
         self.wg, self.k, self.policy = ds_gate.wg, ds_gate.k, policy
         self.capacity_factor, self.eval_capacity_factor = ds_gate.capacity_factor, ds_gate.eval_capacity_factor
         self.min_capacity, self.capacity_multiple, self.ep_group = ds_gate.min_capacity, capacity_multiple, None
+        self.tp_group = tp_group  # checked once: every TP rank must route identically
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
@@ -150,7 +151,26 @@ class _RoutingGate(nn.Module):
                          self.capacity_multiple)
         idx_KS = torch.where(r.kept_KS, r.experts_KS, -1).to(torch.int32)
         loc_KS = (r.slots_KS * r.kept_KS).to(torch.int32)
+        if self.tp_group is not None:
+            _check_same_routing(idx_KS, loc_KS, self.tp_group)
+            self.tp_group = None
         return r.l_aux, torch.tensor(r.capacity), logits_SE.shape[1], idx_KS, loc_KS, r.weights_KS, r.counts_E
+
+
+def _check_same_routing(idx_KS: torch.Tensor, loc_KS: torch.Tensor, tp_group: Any) -> None:
+    """Raise unless every rank of `tp_group` made the same routing decisions. DeepSpeed splits the capacity slots
+    over the TP ranks assuming they did; a rank whose random draws (second-expert sampling, the "random" policy)
+    diverged would silently mix different tokens."""
+    pos_KS = torch.arange(1, idx_KS.numel() + 1, device=idx_KS.device).view_as(idx_KS)
+    digest = ((idx_KS.long() + 2) * 1_000_003 + loc_KS.long() + 1).mul(pos_KS).sum().view(1)
+    lo, hi = digest.clone(), digest.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=tp_group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=tp_group)
+    if int(lo) != int(hi):
+        raise RuntimeError(
+            "GShard routing differs across the tensor-parallel ranks of a group: they must see the same tokens and "
+            "draw the same random numbers (seed every rank with train.seed; do not reseed per rank)"
+        )
 
 
 class DistributedGShardFFN(nn.Module):
@@ -158,7 +178,7 @@ class DistributedGShardFFN(nn.Module):
     FFNOutput with aux_loss = aux_loss_weight * l_aux and the same statistics as the plain layer (local to this
     rank's tokens; expert_load_E from DeepSpeed's exp_counts)."""
 
-    def __init__(self, plain: GShardFFN, cfg: ModelConfig, layout: GShardLayout) -> None:
+    def __init__(self, plain: GShardFFN, cfg: ModelConfig, layout: GShardLayout, tp_group: Any = None) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
@@ -173,7 +193,8 @@ class DistributedGShardFFN(nn.Module):
         )
         inner = self.moe.deepspeed_moe
         if layout.tensor_parallel > 1 or (g.top_k == 2 and g.second_expert_policy == "random"):
-            inner.gate = _RoutingGate(inner.gate, g.second_expert_policy, layout.tensor_parallel)
+            inner.gate = _RoutingGate(inner.gate, g.second_expert_policy, layout.tensor_parallel,
+                                      tp_group if layout.tensor_parallel > 1 else None)
         with torch.no_grad():
             inner.gate.wg.weight.copy_(plain.gate.weight)
             for j, e in enumerate(layout.local_experts):
@@ -257,7 +278,7 @@ def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
         missing = sorted(set(layout.local_experts) - set(ffn.expert_ids))
         if missing:
             raise ValueError(f"layer {i} lacks experts {missing} that rank {groups.rank} holds")
-        block.ffn = DistributedGShardFFN(ffn, cfg.model, layout)
+        block.ffn = DistributedGShardFFN(ffn, cfg.model, layout, groups.tp_group)
     return list(layout.local_experts)
 
 

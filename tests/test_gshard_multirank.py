@@ -202,8 +202,9 @@ def test_gshard_4_ranks_ep4_zero1_and_ep2_replicated_zero0() -> None:
 @pytest.mark.slow
 def test_gshard_tensor_parallel_2_ranks_all_to_all_inside_the_tp_group() -> None:
     """tp=2, dp=1: one whole expert per GPU (E=2), so the all-to-all runs between the two TP ranks, each sending
-    its half of every expert's (odd, rounded-up) capacity; ZeRO 0 against the reference, ZeRO 2 with sampling."""
-    layouts = [(2, 0, "all", 2), (2, 2, "sampling", 2)]
+    its half of every expert's (odd, rounded-up) capacity; ZeRO 0 and 2 against the reference, ZeRO 1 with the
+    sampled second expert (both TP ranks must draw the same samples)."""
+    layouts = [(2, 0, "all", 2), (2, 2, "all", 2), (2, 1, "sampling", 2)]
     results = run_ranks(_worker, 2, args=(layouts,))
     assert [res[0]["edp_ranks"] for res in results] == [(0,), (1,)]
     assert results[0][0]["dropped"] > 0, "the odd capacity should drop tokens"
@@ -222,3 +223,25 @@ def test_gshard_tensor_parallel_4_ranks_ep_across_tp_lanes_zero1_and_replicated_
     assert [res[1]["edp_ranks"] for res in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     for i, (experts, _, policy, tp) in enumerate(layouts):
         _check([res[i] for res in results], experts, 4, policy, tp)
+
+
+def _routing_check_worker(rank: int, world: int) -> list[bool]:
+    import torch.distributed as dist
+
+    from parallel.gshard import _check_same_routing
+
+    idx = torch.tensor([[0, 1, 1, 0], [1, 0, -1, 1]], dtype=torch.int32)
+    loc = torch.tensor([[0, 0, 1, 1], [2, 2, 0, 3]], dtype=torch.int32)
+    outcomes = []
+    for other in (loc, loc.flip(1)):  # the same routing, then rank 1 routes differently
+        try:
+            _check_same_routing(idx, loc if rank == 0 else other, dist.group.WORLD)
+            outcomes.append(True)
+        except RuntimeError as e:
+            assert "differs across the tensor-parallel ranks" in str(e)
+            outcomes.append(False)
+    return outcomes
+
+
+def test_diverged_routing_across_tensor_parallel_ranks_is_an_error() -> None:
+    assert run_ranks(_routing_check_worker, 2) == [[True, False], [True, False]]
