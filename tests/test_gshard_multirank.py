@@ -50,6 +50,13 @@ def _batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
             "loss_mask": torch.ones(MB, SEQ)}
 
 
+def _capacity_like_tp(model: torch.nn.Module, tp: int) -> None:
+    """Make a plain GPT's GShard layers round C up to a multiple of tp, as a tensor-parallel run's gate does."""
+    for m in model.modules():
+        if hasattr(m, "capacity_multiple"):
+            m.capacity_multiple = tp
+
+
 def _expert_id(name: str) -> int:
     return int(name.split(".experts.")[1].split(".")[0])
 
@@ -67,9 +74,7 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
     dp_rank, tp_rank = groups.dp_rank, groups.tp_rank
     model = GPT(cfg.model, init_seed=0, tensor_parallel=tp)
     plain = copy.deepcopy(model)
-    for m in plain.modules():
-        if hasattr(m, "capacity_multiple"):
-            m.capacity_multiple = tp
+    _capacity_like_tp(plain, tp)
     bundle = build_engine(model, cfg, groups)
     assert sum(isinstance(m, DistributedGShardFFN) for m in model.modules()) == 1
     out: dict = {"tp_rank": tp_rank, "dp_rank": dp_rank}
@@ -123,9 +128,7 @@ def _reference(experts: int, world: int, tp: int = 1) -> tuple[dict[str, torch.T
 
     cfg = _cfg(experts, 0, tp=tp)
     model = GPT(cfg.model, init_seed=0, tensor_parallel=tp)
-    for m in model.modules():
-        if hasattr(m, "capacity_multiple"):
-            m.capacity_multiple = tp
+    _capacity_like_tp(model, tp)
     world //= tp  # one token stream per data-parallel rank
     params = dict(model.named_parameters())
     t = cfg.train
