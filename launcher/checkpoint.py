@@ -3,9 +3,13 @@
 Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then renamed into place):
 
 * **Consolidated** (`save_consolidated` / `load_consolidated`): what evaluation on one process, adding and
-  removing experts, and export read. `model.pt` is the plain (TP=1) GPT state dict with *all* experts,
-  `meta.json` holds the run config, the domain names in expert-id order (`domains[i]` is expert `i`'s
-  domain), the step and the tokenizer description.
+  removing experts, and export read: the plain (TP=1) GPT with *all* experts, in shards. `model.pt` holds
+  every tensor that is not a DEMix expert's; `experts/expert_<id>.pt` holds expert `<id>`'s tensors (same
+  names as in the plain model's state dict); `meta.json` holds the run config, the domain names in expert-id
+  order (`domains[i]` is expert `i`'s domain), the step, the tokenizer description and the shard index.
+  Shards let a distributed export write each expert from the rank that holds it, so no rank ever gathers
+  the experts of other domains (at 128 GPUs that would be tens of GB per GPU), and let a run that starts
+  from a checkpoint read only the experts it trains. Format 1 (one `model.pt` with everything) still loads.
 * **Training state** (`save_training_state` / `load_training_state`, see launcher/train.py): per-rank model
   shard and optimizer partition plus data position and RNG, for exact resume on the same layout.
 """
@@ -14,18 +18,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from launcher.config import RunConfig
 from launcher.typed import from_dict, to_dict
 
-CONSOLIDATED_FORMAT = "demix-consolidated/1"
+CONSOLIDATED_FORMAT = "demix-consolidated/2"
+_READABLE_FORMATS = ("demix-consolidated/1", CONSOLIDATED_FORMAT)
+SHARED_FILE = "model.pt"
+_EXPERT_KEY = re.compile(r"\.ffn\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -82,25 +90,58 @@ class Consolidated:
         return model
 
 
-def save_consolidated(
-    path: str | Path,
-    state_dict: dict[str, torch.Tensor],
-    cfg: RunConfig,
-    domains: list[str],
-    step: int = 0,
-    extra: Optional[dict[str, Any]] = None,
-) -> Path:
-    """Write a consolidated checkpoint directory atomically."""
-    final = Path(path)
+def expert_shard_name(expert: int) -> str:
+    return f"experts/expert_{expert:04d}.pt"
+
+
+def demix_expert_of(key: str) -> Optional[int]:
+    """The DEMix expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
+    m = _EXPERT_KEY.search(key)
+    return int(m.group(1)) if m else None
+
+
+def split_by_expert(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """(shared tensors, {expert id: that expert's tensors})."""
+    shared: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in state_dict.items():
+        e = demix_expert_of(k)
+        (shared if e is None else experts.setdefault(e, {}))[k] = v
+    return shared, experts
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+
+
+def write_shared_shard(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the non-expert tensors into a checkpoint directory being built (see `finish_consolidated`)."""
+    _save_tensors(tmp / SHARED_FILE, tensors)
+
+
+def write_expert_shard(tmp: Path, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one DEMix expert's tensors into a checkpoint directory being built."""
+    _save_tensors(tmp / expert_shard_name(expert), tensors)
+
+
+def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int = 0,
+                        extra: Optional[dict[str, Any]] = None) -> Path:
+    """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
     if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
         raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
-    tmp = atomic_dir(final)
-    torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, tmp / "model.pt")
+    experts = {}
+    if cfg.model.ffn.kind == "demix":
+        experts = {str(i): expert_shard_name(i) for i in range(len(domains))}
+    missing = [f for f in [SHARED_FILE, *experts.values()] if not (tmp / f).is_file()]
+    if missing:
+        raise CheckpointError(f"consolidated checkpoint {final} is missing shards {missing}")
     meta = {
         "format": CONSOLIDATED_FORMAT,
         "step": step,
         "domains": list(domains),
         "experts": {str(i): d for i, d in enumerate(domains)} if cfg.model.ffn.kind == "demix" else {},
+        "shards": {"shared": SHARED_FILE, "experts": experts},
         "config": to_dict(cfg),
         **(extra or {}),
     }
@@ -109,17 +150,66 @@ def save_consolidated(
     return final
 
 
-def load_consolidated(path: str | Path) -> Consolidated:
-    """Read a consolidated checkpoint (weights only: safe on files from elsewhere)."""
-    root = Path(path)
-    if not (root / "meta.json").is_file() or not (root / "model.pt").is_file():
+def save_consolidated(
+    path: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    cfg: RunConfig,
+    domains: list[str],
+    step: int = 0,
+    extra: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a consolidated checkpoint directory atomically, from a state dict with every tensor."""
+    final = Path(path)
+    if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
+        raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
+    tmp = atomic_dir(final)
+    shared, experts = split_by_expert(state_dict) if cfg.model.ffn.kind == "demix" else (state_dict, {})
+    write_shared_shard(tmp, shared)
+    for e, tensors in experts.items():
+        write_expert_shard(tmp, e, tensors)
+    return finish_consolidated(tmp, final, cfg, domains, step, extra)
+
+
+def _read_meta(root: Path) -> dict[str, Any]:
+    if not (root / "meta.json").is_file() or not (root / SHARED_FILE).is_file():
         raise CheckpointError(
-            f"{root} is not a consolidated checkpoint (needs meta.json and model.pt); "
-            "export one from a training run with `python -m launcher.export RUN_DIR`"
+            f"{root} is not a consolidated checkpoint (needs meta.json and {SHARED_FILE}); a training run writes "
+            "one into RUN_DIR/model when it finishes"
         )
     meta = json.loads((root / "meta.json").read_text())
-    if meta.get("format") != CONSOLIDATED_FORMAT:
-        raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected {CONSOLIDATED_FORMAT!r}")
+    if meta.get("format") not in _READABLE_FORMATS:
+        raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}")
+    return meta
+
+
+def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None) -> Consolidated:
+    """Read a consolidated checkpoint (weights only: safe on files from elsewhere). `experts` limits which
+    DEMix experts' shards are read (default all), e.g. the ones a run starting from it trains."""
+    root = Path(path)
+    meta = _read_meta(root)
     cfg = from_dict(RunConfig, meta["config"], source=str(root / "meta.json"))
-    state = torch.load(root / "model.pt", map_location="cpu", weights_only=True)
+    want = None if experts is None else {int(e) for e in experts}
+    state = torch.load(root / SHARED_FILE, map_location="cpu", weights_only=True)
+    if want is not None:  # format 1 keeps experts in the shared file
+        state = {k: v for k, v in state.items() if demix_expert_of(k) is None or demix_expert_of(k) in want}
+    for e, rel in meta.get("shards", {}).get("experts", {}).items():
+        if want is not None and int(e) not in want:
+            continue
+        if not (root / rel).is_file():
+            raise CheckpointError(f"{root}: expert shard {rel} listed in meta.json is missing")
+        state.update(torch.load(root / rel, map_location="cpu", weights_only=True))
     return Consolidated(cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta)
+
+
+def copy_expert_shards(src: str | Path, experts: Iterable[int], tmp: Path) -> None:
+    """Copy experts' shards from checkpoint `src` into a directory being built (format 1: read and rewrite)."""
+    root = Path(src)
+    meta = _read_meta(root)
+    index = meta.get("shards", {}).get("experts", {})
+    for e in experts:
+        if str(e) in index:
+            (tmp / expert_shard_name(e)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / index[str(e)], tmp / expert_shard_name(e))
+        else:
+            _, by_expert = split_by_expert(load_consolidated(root, experts=[e]).state_dict)
+            write_expert_shard(tmp, e, by_expert.get(e, {}))

@@ -51,7 +51,7 @@ from model import mixture as mx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXPERT_KEY = re.compile(r"^(blocks\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
-_META_OWN = ("format", "step", "domains", "experts", "config")  # written by save_consolidated itself
+_META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
 CkptLike = Union[str, Path, Consolidated]
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from data.catalog import Catalog, DataError, load_catalog
-from launcher.checkpoint import CheckpointError, atomic_dir, commit_dir, save_consolidated, write_json_atomic
+from launcher.checkpoint import CheckpointError, commit_dir, write_json_atomic
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.typed import to_dict
@@ -176,13 +176,18 @@ def start_distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     _ensure_env()
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # before the first NCCL communicator exists, so each rank binds its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
+
+
+def training_device() -> torch.device:
+    """The one device this rank trains on; every tensor that meets a collective is made here."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,9 +215,30 @@ def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan)
     """Sampler batch -> model inputs. `domain_ids` index the data's domains (metrics); `expert_ids` what the
     model routes by (the same unless the experts come from an init checkpoint with another order)."""
     dom = b["domain_ids_B"]
+    experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
     return {"tokens": b["tokens_BT"].to(device), "targets": b["targets_BT"].to(device), "domain_ids": dom.to(device),
-            "expert_ids": torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom].to(device),
-            "loss_mask": b["loss_mask_BT"].to(device)}
+            "expert_ids": experts.to(device), "loss_mask": b["loss_mask_BT"].to(device),
+            "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"])}  # host numbers: no device sync
+
+
+def expert_token_counts(expert_ids_B: torch.Tensor, mask_BT: torch.Tensor) -> dict[int, float]:
+    """Scored tokens per expert id in a micro-batch (host tensors in, host numbers out)."""
+    out: dict[int, float] = {}
+    for e, n in zip(expert_ids_B.tolist(), mask_BT.sum(1).tolist()):
+        out[e] = out.get(e, 0.0) + n
+    return out
+
+
+def step_expert_tokens(micro: list[dict[str, Any]]) -> tuple[dict[int, float], float]:
+    """(scored tokens per expert id, all scored tokens) over a step's micro-batches on this rank."""
+    per: dict[int, float] = {}
+    for mb in micro:
+        counts = mb.get("expert_tokens")
+        if counts is None:  # a batch built by hand (tests): count from its tensors
+            counts = expert_token_counts(mb.get("expert_ids", mb["domain_ids"]).cpu(), mb["loss_mask"].cpu())
+        for e, n in counts.items():
+            per[e] = per.get(e, 0.0) + n
+    return per, sum(per.values())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -267,7 +293,8 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     dist.barrier()
     state = {"model": bundle.engine.module.state_dict(), "optimizer": bundle.engine.optimizer.state_dict(),
              "scheduler": bundle.scheduler.state_dict(), "step": step,
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
     torch.save(state, tmp / f"rank{rank:05d}.pt.part")
     os.replace(tmp / f"rank{rank:05d}.pt.part", tmp / f"rank{rank:05d}.pt")
     dist.barrier()
@@ -292,6 +319,8 @@ def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
         bundle.engine.optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
     bundle.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
+    if torch.cuda.is_available() and state["rng"].get("cuda") is not None:  # dropout on the GPU resumes exactly
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     return int(state["step"])
@@ -303,12 +332,11 @@ def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
 
 
 def domain_loss_sums(token_loss_BT: torch.Tensor, mask_BT: torch.Tensor, domain_ids_B: torch.Tensor, n: int) -> torch.Tensor:
-    """[2, n]: summed token loss and token count per domain id."""
-    out = torch.zeros(2, n, dtype=torch.float64)
-    per_seq_loss = (token_loss_BT * mask_BT).sum(1).double().cpu()
-    per_seq_tok = mask_BT.sum(1).double().cpu()
-    out[0].index_add_(0, domain_ids_B.cpu(), per_seq_loss)
-    out[1].index_add_(0, domain_ids_B.cpu(), per_seq_tok)
+    """[2, n]: summed token loss and token count per domain id, on the loss's device (no host sync)."""
+    out = torch.zeros(2, n, dtype=torch.float64, device=token_loss_BT.device)
+    dom = domain_ids_B.to(out.device)
+    out[0].index_add_(0, dom, (token_loss_BT * mask_BT).sum(1).double())
+    out[1].index_add_(0, dom, mask_BT.sum(1).double())
     return out
 
 
@@ -331,7 +359,7 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     was_training = model.training
     model.eval()
     n = len(plan.catalog.train_domains)
-    sums = torch.zeros(2, n, dtype=torch.float64)
+    sums = torch.zeros(2, n, dtype=torch.float64, device=device)
     for i in range(cfg.train.eval_batches):
         b = to_model_batch(sampler.batch(i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan)
         out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"], return_logits=False)
@@ -347,12 +375,14 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     return out
 
 
-def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """Copy the weights this (plain, not yet parallelised) model holds from `train.init_from`."""
+def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> None:
+    """Copy the weights this (plain, not yet parallelised) model holds from `train.init_from` (reading only
+    the expert shards this rank holds)."""
     from launcher.checkpoint import load_consolidated
 
-    state = load_consolidated(cfg.train.init_from).state_dict
     own = model.state_dict()
+    mine = model.expert_parameters().keys() if hasattr(model, "expert_parameters") else None
+    state = load_consolidated(cfg.train.init_from, experts=mine).state_dict
     missing = [k for k in own if k not in state]
     if missing:
         raise CheckpointError(f"{cfg.train.init_from} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
@@ -363,7 +393,6 @@ def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> dict[str, torch
         n = min(rows, have.shape[0])  # every real token id is below both; only padding rows differ
         wanted["wte.weight"] = torch.cat([have[:n], own["wte.weight"][n:]]) if n < rows else have[:rows]
     model.load_state_dict(wanted)
-    return state
 
 
 def freeze_all_but_experts(model: torch.nn.Module) -> None:
@@ -373,14 +402,29 @@ def freeze_all_but_experts(model: torch.nn.Module) -> None:
         p.requires_grad_(id(p) in experts)
 
 
-def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int,
-                        init_state: Optional[dict[str, torch.Tensor]] = None) -> Optional[Path]:
-    """The plain, single-process model with all experts (tensor-parallel shards gathered, each domain's
-    expert taken from its group's first rank); written by rank 0. Assumes a filesystem shared by all ranks."""
+def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int) -> Optional[Path]:
+    """The plain, single-process model with all experts, written as a sharded consolidated checkpoint.
+
+    Every rank calls it. Tensor-parallel shards are gathered inside each TP group; rank 0 writes the shared
+    tensors; the first rank of each DEMix domain group (tp rank 0) writes its own experts' shards. No rank ever
+    receives another domain's expert, so per-GPU memory stays at the rank's own weights (at 128 GPUs,
+    gathering all experts everywhere would need tens of GB per GPU). Experts of a `train.init_from` checkpoint
+    that this run does not train are copied over from it. Assumes a filesystem shared by all ranks."""
     import torch.distributed as dist
+
+    from launcher.checkpoint import (copy_expert_shards, finish_consolidated, split_by_expert, write_expert_shard,
+                                     write_shared_shard)
 
     model = bundle.engine.module
     kind = plan.cfg.model.ffn.kind
+    tmp = out.parent / f".{out.name}.tmp-export"
+    if rank == 0:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
     if kind == "gshard":
         from parallel.gshard import gather_gshard_state_dict
 
@@ -390,22 +434,27 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
 
         full = gather_full_state_dict(model, bundle.groups.tp_group)
     else:
-        full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        full = {k: v.detach() for k, v in model.state_dict().items()}
     full = {k: v for k, v in full.items() if not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
-    info = plan.topo.rank_info(rank)
-    leader = info.tp_rank == 0 and info.shard_index == 0  # writes its domains' experts
-    shared = {k: v for k, v in full.items() if ".experts." not in k}
-    experts = {k: v for k, v in full.items() if ".experts." in k}
-    objs = [None] * plan.topo.world_size
-    dist.all_gather_object(objs, experts if (kind == "demix" and leader) else {})
+    domains = list(plan.expert_domains or plan.catalog.train_domains)
+    if kind == "demix":
+        shared, experts = split_by_expert(full)
+        info = plan.topo.rank_info(rank)
+        if info.tp_rank == 0 and info.shard_index == 0:  # the first rank of its domain group(s)
+            for e, tensors in experts.items():
+                write_expert_shard(tmp, e, tensors)
+        if rank == 0:
+            write_shared_shard(tmp, shared)
+            untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain))
+            if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
+                copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
+    elif rank == 0:
+        write_shared_shard(tmp, full)
+    del full
+    dist.barrier()
     if rank == 0:
-        merged = {k: v for k, v in (init_state or {}).items()}  # experts not trained here keep their weights
-        merged.update(shared if kind == "demix" else full)
-        if kind == "demix":
-            for part in objs:
-                merged.update(part or {})
-        save_consolidated(out, merged, plan.cfg, list(plan.expert_domains or plan.catalog.train_domains), step,
-                          extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size})
+        finish_consolidated(tmp, out, plan.cfg, domains, step,
+                            extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size})
     dist.barrier()
     return out if rank == 0 else None
 
@@ -442,7 +491,7 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     rank, world = start_distributed()
     if world != plan.topo.world_size:
         raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = training_device()
     torch.manual_seed(cfg.train.seed)
     groups = ProcessGroups.create(plan.topo)
     info = plan.topo.rank_info(rank)
@@ -454,7 +503,8 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
 
         expert_ids = list(gshard_layout_for(cfg, plan.topo, rank).local_experts)
     model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
-    init_state = load_init_weights(model, cfg) if cfg.train.init_from else None
+    if cfg.train.init_from:
+        load_init_weights(model, cfg)
     if cfg.train.trainable == "experts":
         freeze_all_but_experts(model)
     if cfg.train.activation_checkpointing == "full":
@@ -476,7 +526,7 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
         log.log({"kind": "start", "step": start, "resumed_from": str(ckpt) if ckpt else None, "world_size": world,
                  "device": device_name(), "topology": plan.topo.describe()})
     n_dom = len(plan.catalog.train_domains)
-    window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros(2, n_dom, dtype=torch.float64)
+    window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros(2, n_dom, dtype=torch.float64, device=device)
     kill_at = int(os.environ.get("DEMIX_TEST_KILL_AT_STEP", "-1"))  # test hook: SIGKILL mid-run
     for step in range(start, cfg.train.steps):
         micro = [to_model_batch(sampler.batch(step, m), device, plan) for m in range(cfg.train.grad_accum)]
@@ -504,18 +554,25 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     log.log({"kind": "eval", "step": cfg.train.steps, **final})
     if start < cfg.train.steps:
         save_training_state(run_dir, cfg.train.steps, bundle, plan, rank)
-    export_consolidated(bundle, plan, rank, run_dir / "model", cfg.train.steps, init_state)
+    export_consolidated(bundle, plan, rank, run_dir / "model", cfg.train.steps)
     log.close()
     return final
 
 
 def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int) -> dict[str, Any]:
-    """One optimizer update over `grad_accum` micro-batches: forward, loss (+aux), backward, (clip), step."""
-    from parallel.engine import clip_grads_, global_grad_norm
+    """One optimizer update over `grad_accum` micro-batches: forward, loss (+aux), backward, (clip), step.
+
+    Everything it returns stays on the training device (no host sync inside the step); `step_record`
+    brings values to the host at log intervals."""
+    from parallel.engine import clip_grads_, global_grad_norm, loss_scale
 
     engine = bundle.engine
-    sums = torch.zeros(2, n_domains, dtype=torch.float64)
-    aux_total, stats = 0.0, {}
+    device = next(engine.module.parameters()).device
+    if bundle.expert_scale is not None:  # each expert's gradient = the mean over its domain's tokens
+        bundle.expert_scale.set_step_tokens(*step_expert_tokens(micro))
+    sums = torch.zeros(2, n_domains, dtype=torch.float64, device=device)
+    aux_total: Optional[torch.Tensor] = None
+    stats: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(micro):
         out = engine(mb["tokens"], mb.get("expert_ids", mb["domain_ids"]), targets_BT=mb["targets"],
                      loss_mask_BT=mb["loss_mask"], return_logits=False)
@@ -523,23 +580,26 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
         engine.backward(loss)
         sums += domain_loss_sums(out.token_loss.detach(), mb["loss_mask"], mb["domain_ids"], n_domains)
         if out.aux_loss is not None:
-            aux_total += float(out.aux_loss.detach()) / len(micro)
+            aux = out.aux_loss.detach().double() / len(micro)
+            aux_total = aux if aux_total is None else aux_total + aux
         for k, v in out.ffn_stats.items():
             if v.numel() == 1 or k.endswith("_E"):  # scalars and per-expert vectors (e.g. expert_load_E)
-                v = v.detach().double().cpu()
-                stats[k] = stats.get(k, 0.0) + (v if v.numel() > 1 else float(v)) / len(micro)
+                v = v.detach().double() / len(micro)
+                stats[k] = v if k not in stats else stats[k] + v
         if i < len(micro) - 1:
             engine.step()  # a no-op update: DeepSpeed counts micro-steps to find the accumulation boundary
     norm = None
     if cfg.parallel.zero_stage == 0:  # DeepSpeed would average per-rank norms here; use the true global norm
-        norm = global_grad_norm(engine.module, bundle.groups)
+        # fp16: the gradients still carry the loss scale; clipping the scaled gradients by the unscaled norm's
+        # coefficient is the same as clipping the unscaled ones (the optimizer unscales afterwards).
+        norm = global_grad_norm(engine.module, bundle.groups) / loss_scale(engine)
         if cfg.train.clip_grad > 0:
             clip_grads_(engine.module, cfg.train.clip_grad, norm)
     engine.step()
     if norm is None:
         gn = engine.get_global_grad_norm()
-        norm = torch.tensor(float(gn) if gn is not None else float("nan"))
-    return {"domain_sums": sums, "grad_norm": norm, "aux_loss": aux_total if aux_total else None, "stats": stats}
+        norm = gn if isinstance(gn, torch.Tensor) else torch.tensor(float("nan") if gn is None else float(gn))
+    return {"domain_sums": sums, "grad_norm": norm, "aux_loss": aux_total, "stats": stats}
 
 
 def step_record(out: dict, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int) -> dict[str, Any]:
@@ -557,7 +617,7 @@ def step_record(out: dict, bundle: Any, plan: Plan, sums: torch.Tensor, t0: floa
         rec["aux_loss"] = float(out["aux_loss"])
     for k, v in out.get("stats", {}).items():
         rec[k] = v.tolist() if isinstance(v, torch.Tensor) else v
-    mem = torch.tensor([peak_memory_gb()])
+    mem = torch.tensor([peak_memory_gb()], device=sums.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     rec["peak_mem_gb"] = float(mem)
     rec.update(throughput_record(plan, time.perf_counter() - t0, steps))

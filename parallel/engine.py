@@ -2,13 +2,16 @@
 
 What happens here and nowhere else:
 - tensor parallelism is applied (parallel/tensor_parallel.py);
-- expert parameters are tagged for DeepSpeed (`allreduce=False`, `group_name=EXPERT_GROUP_NAME`) so the
-  engine (ZeRO 0) or the ZeRO 1/2 optimizer reduces them only over this rank's domain group, while shared
+- expert parameters are tagged for DeepSpeed (`allreduce=False`, `group_name=groups.expert_group_name`) so
+  the engine (ZeRO 0) or the ZeRO 1/2 optimizer reduces them only over this rank's domain group, while shared
   parameters are reduced over the whole data-parallel group (the DEMix throughput trick, DEMix §3.4);
-- expert gradients are rescaled: DeepSpeed averages every gradient over the whole data-parallel world,
-  so an expert's gradient would come out as (1/N_dp) Σ_{r in domain} g_r. With
-  `expert_grad_scaling="domain_mean"` a hook multiplies expert gradients by N_dp / N_domain, giving the
-  domain mean (1/N_domain) Σ_{r in domain} g_r; `"global"` keeps the reference fairseq code's 1/N_dp;
+- expert gradients are rescaled to their definition (`ExpertGradScale`): expert e's gradient is the mean over
+  the step's tokens of domain e, shared parameters' the mean over all the step's tokens, whatever the layout
+  (one domain on several ranks, or several domains mixed on one rank); `"global"` keeps the reference fairseq
+  code's 1/N_dp;
+- every rank gets the same optimizer param-group structure (`optimizer_param_groups`): ZeRO 1/2 run one
+  collective over the whole data-parallel group per group, so ranks holding different numbers of experts
+  must still split them into the same number of groups;
 - the DeepSpeed JSON config is generated from the typed config (never hand-written);
 - gradient clipping uses one global norm, identical on every rank:
       ||g|| = sqrt( ||g_shared||² + Σ_domains ||g_expert(d)||² )
@@ -29,7 +32,7 @@ import torch.nn as nn
 
 from launcher.config import RunConfig
 from model.gpt import GPT
-from parallel.groups import EXPERT_GROUP_NAME, DeepSpeedMPU, ProcessGroups, register_with_deepspeed
+from parallel.groups import DeepSpeedMPU, ProcessGroups, register_with_deepspeed
 
 
 def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
@@ -81,31 +84,66 @@ def is_expert_param(p: torch.Tensor) -> bool:
     return getattr(p, "group_name", None) is not None and getattr(p, "allreduce", True) is False
 
 
-def expert_replicas(p: torch.Tensor, groups: ProcessGroups) -> int:
-    """How many data-parallel ranks hold (and after reduction agree on) this expert parameter's gradient."""
-    if p.group_name == EXPERT_GROUP_NAME:
-        return len(groups.expert_ranks)
+def expert_replicas(p: torch.Tensor) -> int:
+    """How many data-parallel ranks hold (and after reduction agree on) this expert parameter's gradient:
+    the size of its expert-data-parallel group (DEMix registers its domain groups there too)."""
     from deepspeed.utils import groups as ds_groups
 
     return dist.get_world_size(ds_groups._get_expert_data_parallel_group(p.group_name))
 
 
-def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> int:
-    """Mark this rank's expert parameters for domain-group reduction; returns how many tensors were tagged."""
-    factor = len(groups.dp_ranks) / len(groups.expert_ranks) if scaling == "domain_mean" else 1.0
-    n = 0
-    for params in model.expert_parameters().values():
+class ExpertGradScale:
+    """Per-step factors that make each DEMix expert's gradient the mean over its domain's tokens.
+
+    DeepSpeed reduces an expert gradient over the expert's group but divides by the whole data-parallel size,
+    and each rank's loss is the mean over its own N_r tokens, so the reduced gradient of expert e is
+
+        (1/N_dp) Σ_{r ∈ group(e)} (n_{e,r} / N_r) · mean_{t ∈ e on r} ∇ℓ_t
+
+    where n_{e,r} is the number of e's tokens on rank r this step. The definition asks for
+    (1/n_e) Σ_{t ∈ e} ∇ℓ_t. The topology gives every domain either a single rank (domains per rank) or ranks
+    that read only it (ranks per domain), so with equal tokens per rank a local factor
+
+        f_e = (N_dp / R_e) · (N_r / n_{e,r}),       R_e = ranks of e's group (its data-parallel size)
+
+    applied to the local gradient before the reduction gives exactly the domain mean. With one domain per
+    rank (n_{e,r} = N_r) this is the constant N_dp / R_e; with several domains mixed on a rank the second term
+    undoes each domain's share of the rank's batch, step by step (shares vary when the micro-batch does not
+    divide evenly among the rank's domains). `"global"` scaling (the fairseq reference) uses f_e = 1.
+    """
+
+    def __init__(self, dp_size: int, group_size: int, scaling: str) -> None:
+        self.scaling = scaling
+        self.base = dp_size / group_size if scaling == "domain_mean" else 1.0
+        self.factors: dict[int, float] = {}
+
+    def set_step_tokens(self, tokens_per_expert: dict[int, float], total: float) -> None:
+        """This rank's scored tokens per expert id and in all, for the coming step (host numbers)."""
+        if self.scaling != "domain_mean":
+            return
+        self.factors = {e: self.base * total / n for e, n in tokens_per_expert.items() if n > 0}
+
+    def factor(self, expert: int) -> float:
+        return self.factors.get(expert, self.base)
+
+    def hook(self, expert: int):
+        return lambda g: g * self.factor(expert)
+
+
+def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> ExpertGradScale:
+    """Mark this rank's expert parameters for domain-group reduction and hook the per-expert scaling."""
+    scale = ExpertGradScale(len(groups.dp_ranks), len(groups.expert_ranks), scaling)
+    for expert, params in model.expert_parameters().items():
         for p in params:
             p.allreduce = False
-            p.group_name = EXPERT_GROUP_NAME
-            if factor != 1.0:
+            p.group_name = groups.expert_group_name
+            if scaling == "domain_mean":
                 # Runs on the local gradient before DeepSpeed reduces it (all ZeRO stages).
-                p.register_hook(lambda g, f=factor: g * f)
-            n += 1
-    return n
+                p.register_hook(scale.hook(expert))
+    return scale
 
 
-def _moe_marker(num_experts: int) -> nn.Module:
+def _moe_marker(num_experts: int, group_name: str) -> nn.Module:
     """A parameter-free module that makes DeepSpeed switch on its expert-parameter paths.
 
     The engine enables expert-group reduction (and hands the expert groups to ZeRO) only when the model
@@ -118,7 +156,7 @@ def _moe_marker(num_experts: int) -> nn.Module:
         def __init__(self) -> None:
             nn.Module.__init__(self)
             self.num_experts = num_experts
-            self.expert_group_name = EXPERT_GROUP_NAME
+            self.expert_group_name = group_name
 
         def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
             pass  # groups were registered from our topology (parallel/groups.py)
@@ -129,8 +167,93 @@ def _moe_marker(num_experts: int) -> nn.Module:
     return DemixExpertGroups()
 
 
+def _split_max_numel() -> Optional[int]:
+    """DeepSpeed's threshold for splitting expert parameters into optimizer groups (its default argument)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    return split.__defaults__[0] if split.__defaults__ else None
+
+
+def _greedy_chunks(params: list[nn.Parameter], max_numel: Optional[int]) -> list[list[nn.Parameter]]:
+    """DeepSpeed's split: consecutive parameters while the running size stays <= max_numel."""
+    chunks: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        if chunks and (max_numel is None or size + p.numel() <= max_numel):
+            chunks[-1].append(p)
+            size += p.numel()
+        else:
+            chunks.append([p])
+            size = p.numel()
+    return chunks
+
+
+def _refine(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Parameter]]:
+    """Split the largest chunks in two (by size, keeping order) until there are `count` of them."""
+    chunks = [list(c) for c in chunks]
+    while len(chunks) < count:
+        splittable = [i for i, c in enumerate(chunks) if len(c) > 1]
+        if not splittable:
+            raise ValueError(f"cannot split {sum(map(len, chunks))} expert tensors into {count} optimizer groups")
+        i = max(splittable, key=lambda j: sum(p.numel() for p in chunks[j]))
+        c, half, acc, cut = chunks[i], sum(p.numel() for p in chunks[i]) / 2, 0, 1
+        for k, p in enumerate(c[:-1]):
+            acc += p.numel()
+            if acc >= half:
+                cut = k + 1
+                break
+        else:
+            cut = len(c) - 1
+        chunks[i:i + 1] = [c[:cut], c[cut:]]
+    return chunks
+
+
+def _merge(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Parameter]]:
+    """Merge the smallest adjacent pair of chunks until there are `count` of them (order kept)."""
+    chunks = [list(c) for c in chunks]
+    size = [sum(p.numel() for p in c) for c in chunks]
+    while len(chunks) > count:
+        i = min(range(len(chunks) - 1), key=lambda j: size[j] + size[j + 1])
+        chunks[i:i + 2] = [chunks[i] + chunks[i + 1]]
+        size[i:i + 2] = [size[i] + size[i + 1]]
+    return chunks
+
+
+def _agree_on_chunks(chunked: list[list[list[nn.Parameter]]]) -> list[int]:
+    """How many optimizer groups each base group's expert parameters get, the same on every rank: the most
+    chunks any rank's DeepSpeed split makes, but never more than the fewest tensors any rank holds (each
+    group needs one). One small all-reduce, on the training device."""
+    counts = [len(c) for c in chunked]
+    tensors = [sum(map(len, c)) for c in chunked]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from deepspeed.accelerator import get_accelerator
+
+        t = torch.tensor(counts + [-n for n in tensors], dtype=torch.int64,
+                         device=get_accelerator().current_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        values = t.tolist()
+        counts, tensors = values[:len(counts)], [-v for v in values[len(counts):]]
+    return [min(c, n) for c, n in zip(counts, tensors)]
+
+
+def _exactly(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Parameter]]:
+    """`chunks` made into `count` chunks: split further (sizes stay under DeepSpeed's threshold) or merged."""
+    return _refine(chunks, count) if len(chunks) <= count else _merge(chunks, count)
+
+
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings, not biases or norms; expert params split into their own groups."""
+    """Decay matrices and embeddings, not biases or norms; expert parameters in their own groups, split by size
+    as DeepSpeed does, into the *same number of groups on every rank*.
+
+    DeepSpeed splits a rank's expert parameters into groups of at most ~179M elements
+    (`split_params_into_different_moe_groups_for_optimizer`). A rank holding two experts would get more
+    groups than a rank holding one, and ZeRO 1/2 run one norm all-reduce over the whole data-parallel group
+    per group: unequal counts deadlock. So each base group's expert chunks are counted with DeepSpeed's rule,
+    the ranks agree on the largest count (a collective: every rank calls this), and ranks with fewer chunks
+    split theirs further. (Should a rank hold fewer tensors than that, the count drops to its tensor count
+    and larger ranks merge chunks past the threshold: only with a threshold far below a layer's size.) Group
+    order is the same everywhere: shared decay, shared no-decay, then the expert chunks of each.
+    """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -140,7 +263,14 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
     if any(is_expert_param(p) for p in decay + no_decay):
-        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        shared = split_params_into_different_moe_groups_for_optimizer(groups, max_group_size=None)
+        expert_groups = [g for g in shared if g.get("moe")]
+        shared = [g for g in shared if not g.get("moe")]
+        limit = _split_max_numel()
+        chunked = [_greedy_chunks(g["params"], limit) for g in expert_groups]
+        counts = _agree_on_chunks(chunked)
+        groups = shared + [{**g, "params": part} for g, c, n in zip(expert_groups, chunked, counts)
+                           for part in _exactly(c, n)]
     # Drop empty groups (e.g. all shared parameters frozen for DEMix-DAPT): DeepSpeed drops them from the
     # optimizer, and the LR scheduler must see the same groups.
     return [g for g in groups if g["params"]]
@@ -153,22 +283,32 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
     expert gradients on all ranks of a domain group: each rank contributes its squares divided by the
     number of ranks holding the same values; parameters replicated over the TP group count on tp rank 0 only
     (those that differ across it, TP shards and GShard experts, carry DeepSpeed's model-parallel flags).
+    The sums live on the gradients' device (NCCL reduces nothing else); with fp16 the result is the norm of
+    the loss-scaled gradients: divide by the loss scale.
     """
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
-    shared = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    shared = torch.zeros((), dtype=torch.float64, device=device)
+    expert = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is None or (not is_model_parallel_parameter(p) and groups.tp_rank != 0):
             continue
         sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(p):
-            expert += sq / expert_replicas(p, groups)
+            expert += sq / expert_replicas(p)
         else:
             shared += sq
     total = shared / len(groups.dp_ranks) + expert
     dist.all_reduce(total)  # over the world: sums the tp shards, the dp replicas (/N_dp) and each domain once
     return total.sqrt().float()
+
+
+def loss_scale(engine: Any) -> float:
+    """The fp16 dynamic loss scale the gradients currently carry (1.0 without fp16)."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 1.0)))
 
 
 def clip_grads_(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
@@ -185,6 +325,7 @@ class EngineBundle:
     groups: ProcessGroups
     model: GPT
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    expert_scale: Optional[ExpertGradScale] = None  # DEMix: per-step expert gradient factors
 
 
 def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBundle:
@@ -199,10 +340,11 @@ def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBun
         from parallel.gshard import apply_gshard  # swaps the plain top-k layers for DeepSpeed's MoE layer
 
         apply_gshard(model, cfg, groups)
+    expert_scale = None
     if cfg.model.ffn.kind == "demix":
         register_with_deepspeed(groups)
-        tag_expert_parameters(model, groups, cfg.parallel.expert_grad_scaling)
-        model.ds_expert_groups = _moe_marker(cfg.model.ffn.num_experts)
+        expert_scale = tag_expert_parameters(model, groups, cfg.parallel.expert_grad_scaling)
+        model.ds_expert_groups = _moe_marker(cfg.model.ffn.num_experts, groups.expert_group_name)
     t = cfg.train
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps
@@ -211,4 +353,4 @@ def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBun
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg), mpu=DeepSpeedMPU(groups)
     )
-    return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler)
+    return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler, expert_scale=expert_scale)

@@ -3,10 +3,15 @@
 `ProcessGroups.create(topo)` calls `torch.distributed.new_group` for every tensor-parallel group, every
 data-parallel group and every domain's expert group, on every rank and in the same order (a requirement of
 `new_group`), and keeps the ones this rank belongs to. `register_with_deepspeed` then makes DeepSpeed's
-expert-data-parallel machinery use *our* domain groups: all of a rank's expert parameters carry the group
-name `EXPERT_GROUP_NAME`, bound on each rank to that rank's own domain group. Every rank therefore has the
-same optimizer param-group structure (which ZeRO's collective norm computation needs), whatever the
-allocation (even, uneven, or several domains per rank).
+expert-data-parallel machinery use *our* domain groups: all of a rank's expert parameters carry one group
+name (`ProcessGroups.expert_group_name`, the same string on every rank), bound on each rank to that rank's
+own domain group. Every rank therefore has the same optimizer param-group names (which ZeRO's collective
+norm computation needs), whatever the allocation (even, uneven, or several domains per rank).
+
+The name follows DeepSpeed's convention `ep_size_<N>`: DeepSpeed's fp16 overflow check
+(`deepspeed/utils/groups.py:_get_max_expert_size`) parses N out of every expert group name and all-reduces
+the overflow flag over the largest one. N is the data-parallel size, the group registered as DEMix's
+"expert-parallel" group, so an fp16 overflow in any domain's expert skips the step on every rank.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import torch.distributed as dist
 
 from parallel.topology import Group, Topology
 
-EXPERT_GROUP_NAME = "demix_domain"
+
+
+def expert_group_name(dp_size: int) -> str:
+    """DeepSpeed's expert group naming convention, `ep_size_<N>` (see the module docstring)."""
+    return f"ep_size_{dp_size}"
 
 
 @dataclass
@@ -41,6 +50,11 @@ class ProcessGroups:
     @property
     def dp_rank(self) -> int:
         return self.dp_ranks.index(self.rank)
+
+    @property
+    def expert_group_name(self) -> str:
+        """The group name every DEMix expert parameter carries (identical on all ranks)."""
+        return expert_group_name(len(self.dp_ranks))
 
     @classmethod
     def create(cls, topo: Topology, rank: Optional[int] = None) -> "ProcessGroups":
@@ -109,9 +123,11 @@ def register_with_deepspeed(groups: ProcessGroups) -> None:
     """
     from deepspeed.utils import groups as ds_groups
 
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP[EXPERT_GROUP_NAME] = groups.expert_group
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(groups.expert_ranks)
-    # ZeRO only checks that an expert-parallel group exists; DEMix has no all-to-all, the closest meaning is
-    # the data-parallel group (the ranks that hold the other domains' experts).
-    ds_groups._EXPERT_PARALLEL_GROUP[EXPERT_GROUP_NAME] = groups.dp_group
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(groups.dp_ranks)
+    name = groups.expert_group_name
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = groups.expert_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(groups.expert_ranks)
+    # ZeRO only checks that an expert-parallel group exists, and the fp16 overflow check reduces over it;
+    # DEMix has no all-to-all, the closest meaning is the data-parallel group (the ranks that hold the other
+    # domains' experts), which also makes an overflow in any expert skip the step everywhere.
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = groups.dp_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(groups.dp_ranks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_lib
 import socket
 import traceback
 from typing import Any, Callable, Sequence
@@ -26,7 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool,
+           device_strict: bool) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
@@ -38,6 +40,10 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if device_strict:
+            from tests import device_strict as strict
+
+            strict.enable("cpu")
         result = fn(rank, world_size, *args)
         # Plain pickle (not the multiprocessing one): tensors travel as bytes, not as shared-memory handles
         # that would vanish when this process exits.
@@ -53,20 +59,29 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0, init_pg: bool = True
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0, init_pg: bool = True,
+    device_strict: bool = False,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned processes; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned processes; return results by rank.
+
+    `device_strict=True` runs each rank under tests/device_strict.py: collectives reject tensors that would be
+    on the host on a GPU cluster (the NCCL rule), so device-placement bugs fail here on CPU."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg, device_strict)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     try:
         for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except queue_lib.Empty:
+                missing = sorted(set(range(world_size)) - set(results) - set(failures))
+                raise AssertionError(f"ranks {missing} of {world_size} returned nothing within {timeout:.0f} s: "
+                                     "hung (e.g. a collective some ranks never called) or deadlocked") from None
             if ok:
                 results[rank] = pickle.loads(payload)
             else:

@@ -2,8 +2,13 @@
 
 After a few optimizer steps at ZeRO 0/1/2: shared parameters are identical on all ranks; each expert is
 identical within its domain group and differs across groups; and every parameter equals a single-process
-reference that averages shared gradients over all ranks, expert gradients over their domain's ranks,
-clips with one global norm, and applies the same AdamW and schedule.
+reference that follows the definition, whatever the layout: a shared parameter's gradient is the mean over
+all the step's tokens, expert e's gradient the mean over the step's tokens of domain e; one global norm
+clips both; the same AdamW and schedule apply.
+
+Layouts: ranks per domain (4 ranks/2 domains, 8 ranks/4 domains/tp 2) and domains per rank (1 rank/2
+domains, 2 ranks/4 domains, 2 ranks/3 domains: ranks holding different numbers of experts, with DeepSpeed's
+expert-group split threshold lowered so the tiny model's experts split into optimizer groups as gpt3-large's do).
 """
 
 from __future__ import annotations
@@ -36,8 +41,19 @@ def _batch(dp_rank: int, step: int, micro: int, domains: tuple) -> dict[str, tor
     return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": doms, "loss_mask": torch.ones(MB, SEQ)}
 
 
-def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: int, scaling: str):
+def _lower_split_threshold(numel: int) -> None:
+    """DeepSpeed splits each rank's expert parameters into optimizer groups of at most ~179M elements (a
+    gpt3-large expert is 453M): lower that default so the tiny model's experts split the same way."""
+    from deepspeed.moe import utils as moe_utils
+
+    moe_utils.split_params_into_different_moe_groups_for_optimizer.__defaults__ = (numel,)
+
+
+def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: int, scaling: str,
+            split_numel: int = 0):
     """Train the same run once per ZeRO stage in this process (one spawn amortises the imports)."""
+    if split_numel:
+        _lower_split_threshold(split_numel)
     from launcher.train import train_step
     from model.gpt import GPT
     from parallel.engine import build_engine
@@ -61,7 +77,8 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
             norms.append(float(out["grad_norm"]))
         sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
         sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
-        results[zero] = {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms}
+        results[zero] = {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms,
+                         "groups": len(bundle.engine.optimizer.param_groups)}
     return results
 
 
@@ -84,20 +101,20 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
     ranks_of = {d: [r for r in range(world_dp) if d in dp_domains[r]] for ds in dp_domains for d in ds}
     norms = []
     for step in range(STEPS):
-        per_rank = []
-        for r in range(world_dp):
-            model.zero_grad(set_to_none=True)
-            for m in range(GAS):
-                b = _batch(r, step, m, dp_domains[r])
-                (model(b["tokens"], b["domain_ids"], targets_BT=b["targets"]).loss / GAS).backward()
-            per_rank.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
-        for n, p in params.items():
-            if ".experts." in n:
-                d = int(n.split(".experts.")[1].split(".")[0])
-                denom = len(ranks_of[d]) if scaling == "domain_mean" else world_dp
-                p.grad = sum(per_rank[r][n] for r in ranks_of[d]) / denom
-            else:
-                p.grad = sum(g[n] for g in per_rank) / world_dp
+        batches = [_batch(r, step, m, dp_domains[r]) for r in range(world_dp) for m in range(GAS)]
+        if scaling == "domain_mean":
+            _definition_grads(model, params, batches)
+        else:  # the fairseq reference: each rank's mean-loss gradient, summed over its domain, / all ranks
+            per_rank = []
+            for r in range(world_dp):
+                model.zero_grad(set_to_none=True)
+                for m in range(GAS):
+                    b = _batch(r, step, m, dp_domains[r])
+                    (model(b["tokens"], b["domain_ids"], targets_BT=b["targets"]).loss / GAS).backward()
+                per_rank.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
+            for n, p in params.items():
+                ranks = ranks_of[int(n.split(".experts.")[1].split(".")[0])] if ".experts." in n else range(world_dp)
+                p.grad = sum(per_rank[r][n] for r in ranks) / world_dp
         norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params.values())).float()
         norms.append(float(norm))
         coef = torch.clamp(t.clip_grad / (norm + 1e-6), max=1.0)
@@ -106,6 +123,28 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
         opt.step()
         sched.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, norms
+
+
+def _definition_grads(model, params: dict, batches: list) -> None:
+    """Set p.grad by the definition: shared = mean over every token of the step (all ranks, all micro-batches);
+    expert e = mean over the step's tokens of domain e. One backward for the shared mean, one per domain."""
+    def token_losses():
+        return [(model(b["tokens"], b["domain_ids"], targets_BT=b["targets"]).token_loss, b) for b in batches]
+
+    model.zero_grad(set_to_none=True)
+    losses = token_losses()
+    (sum(tl.sum() for tl, _ in losses) / sum(tl.numel() for tl, _ in losses)).backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+    for d in sorted({int(x) for b in batches for x in b["domain_ids"]}):
+        model.zero_grad(set_to_none=True)
+        losses = token_losses()
+        n_d = sum(int((b["domain_ids"] == d).sum()) * tl.shape[1] for tl, b in losses)
+        (sum(tl[b["domain_ids"] == d].sum() for tl, b in losses) / n_d).backward()
+        for n, p in params.items():
+            if f".experts.{d}." in n:
+                grads[n] = p.grad.clone()
+    for n, p in params.items():
+        p.grad = grads[n]
 
 
 def _check(results, ref_sd, ref_norms, atol=2e-5):
@@ -178,3 +217,47 @@ def test_demix_2_ranks_4_domains_several_domains_per_rank_matches_reference():
         results = [r[zero] for r in per_rank]
         assert [r["domains"] for r in results] == [(0, 1), (2, 3)]
         _check(results, ref_sd, ref_norms)
+
+
+@pytest.mark.slow
+def test_demix_1_rank_2_domains_zero_0_1_2_matches_reference():
+    """One rank holding both experts: each expert still gets its own domain's mean gradient."""
+    per_rank = run_ranks(_worker, 1, args=("demix", 2, (0, 1, 2), 1, "domain_mean"))
+    ref_sd, ref_norms = _reference("demix", 2, 1, [(0, 1)], "domain_mean")
+    for zero in (0, 1, 2):
+        results = [r[zero] for r in per_rank]
+        assert results[0]["domains"] == (0, 1)
+        _check(results, ref_sd, ref_norms)
+
+
+@pytest.mark.slow
+def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_reference():
+    """Rank 0 holds two experts, rank 1 one; DeepSpeed's split threshold is lowered to two expert matrices, so
+    rank 0's experts make twice as many optimizer groups as rank 1's (4 vs 2 decay groups; ZeRO 1/2 deadlocked
+    on that): rank 1 must split its experts into as many groups as rank 0."""
+    matrix = 4 * 128 * 128  # one fc weight of the tiny model (d_model 128, ffn 4x)
+    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix), timeout=300)
+    ref_sd, ref_norms = _reference("demix", 3, 2, [(0, 1), (2,)], "domain_mean")
+    for zero in (0, 1, 2):
+        results = [r[zero] for r in per_rank]
+        assert [r["domains"] for r in results] == [(0, 1), (2,)]
+        assert results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1  # shared x2, expert decay x4, no-decay
+        _check(results, ref_sd, ref_norms)
+
+
+def test_expert_groups_split_and_merge_keep_order_and_threshold():
+    """The helpers behind equal optimizer-group counts: refining splits the largest chunk (sizes only shrink),
+    merging joins the smallest neighbours; both keep parameter order and make exactly the count asked for."""
+    from parallel.engine import _exactly, _greedy_chunks
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 1, 4, 4, 1)]
+    greedy = _greedy_chunks(params, 8)
+    assert [[p.numel() for p in c] for c in greedy] == [[4, 4], [1, 4], [4, 1]]
+    for count in (1, 2, 3, 4, 5, 6):
+        chunks = _exactly(greedy, count)
+        assert len(chunks) == count and all(chunks)
+        assert [p for c in chunks for p in c] == params  # order kept, nothing lost
+        if count >= 3:
+            assert max(sum(p.numel() for p in c) for c in chunks) <= 8
+    with pytest.raises(ValueError, match="cannot split"):
+        _exactly(greedy, 7)

@@ -1,0 +1,142 @@
+"""Device-strict mode: CUDA's placement rules for collectives, enforced on a CPU-only machine.
+
+On a GPU cluster the training device is `cuda:i` and NCCL process groups have no CPU backend: a collective
+on a tensor created on the host ("No backend type associated with device type cpu") crashes the run. On CPU
+over gloo the same code passes, because host and training device are both the CPU. This mode tells them
+apart again by *provenance*:
+
+* a tensor is **host** when it was made without naming a device (`torch.zeros(2)`, `torch.tensor([x])`,
+  `torch.from_numpy(a)`), or moved there with `.cpu()`;
+* results of an operation are host when every tensor they were computed from is host (an in-place op keeps
+  the tensor it writes into as it was);
+* `t.to(device)`, `.cuda()` and factories given `device=` give device tensors, as do gradients (autograd)
+  and everything loaded with `map_location`.
+
+Every collective (all_reduce, all_gather, broadcast, reduce_scatter, all_to_all, send/recv, ...) then rejects
+a host tensor, or a tensor on another device than the one the trainer trains on, naming the call. Enter it
+with `enable(device)` in each rank process (`tests/multirank.run_ranks(..., device_strict=True)` does).
+Code under test that follows the rule "every tensor that meets a collective lives on the training device"
+runs unchanged; code that would crash on NCCL fails here with the caller's traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+_HOST = "_device_strict_host"
+
+# Factories that place their result on the default device (the host) unless given `device=`.
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange, torch.linspace, torch.logspace,
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.from_numpy, torch.scalar_tensor,
+}
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter",
+    "_all_gather_base", "_reduce_scatter_base",
+)
+
+
+class DevicePlacementError(RuntimeError):
+    """A collective was handed a tensor that would not be on the accelerator on a GPU cluster."""
+
+
+def is_host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _HOST, False)
+
+
+def _mark(t: Any, host: bool) -> None:
+    if isinstance(t, torch.Tensor):
+        try:
+            setattr(t, _HOST, host)
+        except (AttributeError, RuntimeError):  # e.g. some C++-owned views; leave them unmarked
+            pass
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten((args, kwargs or {}))
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def _is_inplace(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def _to_target_is_device(args: tuple, kwargs: dict) -> Any:
+    """For Tensor.to(...): True (a device was named), a tensor (to(other)), or None (dtype only)."""
+    if kwargs.get("device") is not None:
+        return True
+    for a in args[1:]:
+        if isinstance(a, (torch.device, str, int)):
+            return True
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+class _ProvenanceMode(TorchFunctionMode):
+    """Marks tensors host or device as the module docstring describes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _FACTORIES:
+            if isinstance(out, torch.Tensor):
+                src = args[0] if func is torch.tensor and args and isinstance(args[0], torch.Tensor) else None
+                _mark(out, kwargs.get("device") is None and (src is None or is_host(src)))
+            return out
+        name = getattr(func, "__name__", "")
+        if name == "cpu":
+            _mark(out, True)
+        elif name == "cuda":
+            _mark(out, False)
+        elif name == "to":
+            target = _to_target_is_device(args, kwargs)
+            if target is True:
+                _mark(out, False)
+            elif isinstance(target, torch.Tensor):
+                _mark(out, is_host(target))
+            elif out is not args[0]:
+                _mark(out, is_host(args[0]))
+        elif not _is_inplace(func):
+            inputs = _tensors(args, kwargs)
+            if inputs:
+                host = all(is_host(t) for t in inputs)
+                for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(o, torch.Tensor) and not any(o is t for t in inputs):
+                        _mark(o, host)
+        return out
+
+
+def _guard(name: str, fn: Callable, device: torch.device) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for t in _tensors(args, kwargs):
+            if is_host(t):
+                raise DevicePlacementError(
+                    f"torch.distributed.{name} on a host tensor (shape {tuple(t.shape)}, {t.dtype}) made without "
+                    f"device=: NCCL has no CPU backend; create it on the training device ({device})")
+            if t.device != device:
+                raise DevicePlacementError(
+                    f"torch.distributed.{name} on a tensor on {t.device}; the trainer trains on {device}")
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped_by_device_strict__ = True
+    return wrapper
+
+
+def enable(device: torch.device | str = "cpu") -> None:
+    """Turn device-strict mode on for the rest of this process (collectives guarded, provenance tracked)."""
+    device = torch.device(device)
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None and not getattr(fn, "__wrapped_by_device_strict__", False):
+            setattr(dist, name, _guard(name, fn, device))
+    _ProvenanceMode().__enter__()
