@@ -31,6 +31,7 @@ from parallel.topology import (
     deepspeed_equivalent,
     model_sharding_problems,
     topology_problems,
+    unequal_data_note,
 )
 
 DEFAULT_DOMAINS = 8
@@ -47,6 +48,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. model.preset=gpt3-xl model.ffn.kind=demix")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON summary path (default {DEFAULT_OUT})")
+    p.add_argument("--device", default=None,
+                   help="the cluster's accelerator (v100, a100, h100, ... as in model/accounting.py): checks that "
+                        "train.precision is one it has (e.g. no bf16 on V100)")
     return p.parse_args(argv)
 
 
@@ -190,6 +194,11 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         cfg = load_run_config(args.config, args.overrides)
         names, problems = resolve_domains(cfg, args.domains)
         problems += layout_problems(cfg, args.world_size, names)
+        if args.device is not None:
+            from model.accounting import lookup_device
+            from parallel.precision import device_precision_problems
+
+            problems += device_precision_problems(cfg.train.precision, lookup_device(args.device))
         if problems:
             raise ConfigError(problems, f"the layout for {args.world_size} GPUs")
         demix = cfg.model.ffn.kind == "demix"
@@ -201,9 +210,12 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         print(f"dry run failed: {e}", file=sys.stderr)
         return 2
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
+    note = unequal_data_note(topo) if demix else None
+    if note:
+        print(f"note: {note}")
     model = {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)}
     summary = {"model": model,
-               "domains": names, "topology": topo.describe(),
+               "domains": names, "topology": topo.describe(), "notes": [note] if note else [],
                "deepspeed_equivalent": deepspeed_equivalent(topo) if demix else None, "ranks": ranks}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,12 +97,13 @@ def stream_log_likelihoods(
         idx = mine[s:s + batch_size]
         parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx], targets_NT[idx], expert_ids)
     E = next(iter(parts.values())).shape[0] if parts else max(1, len(expert_ids or demix_expert_ids(model)))
-    full = torch.zeros(E, N, T, dtype=torch.float32)
+    device = next(model.parameters()).device  # the sum over ranks runs there (NCCL has no CPU backend)
+    full = torch.zeros(E, N, T, dtype=torch.float32, device=device)
     for idx, ll in parts.items():
         full[:, list(idx)] = ll.float()
     if world > 1:
         torch.distributed.all_reduce(full)
-    return full
+    return full.cpu()
 
 
 def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int) -> torch.Tensor:

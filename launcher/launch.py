@@ -108,7 +108,9 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
 
     cfg = load_run_config(args.config, args.overrides, check=False)
     world = world_size(args)
-    plan = make_plan(cfg, world)
+    plan = make_plan(cfg, world, check_local_device=not args.hostfile)  # a hostfile's nodes are checked by the ranks
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)
     if args.resume == "auto":
         ckpt = latest_checkpoint(run_dir)

@@ -44,6 +44,7 @@ class Plan:
     catalog: Catalog
     topo: Topology
     expert_domains: tuple[str, ...] = ()  # expert id -> domain name (DEMix); from train.init_from when given
+    notes: tuple[str, ...] = ()  # allowed but worth announcing (e.g. unequal data per domain)
 
     @property
     def expert_of_domain(self) -> list[int]:
@@ -125,10 +126,15 @@ def plan_problems(cfg: RunConfig, catalog: Catalog, world_size: int, expert_doma
     return out
 
 
-def make_plan(cfg: RunConfig, world_size: int) -> Plan:
+def make_plan(cfg: RunConfig, world_size: int, check_local_device: bool = False) -> Plan:
     """Resolve and validate a run for `world_size` ranks; raise ConfigError listing every problem
-    (the config's own, the data's and the layout's, together)."""
+    (the config's own, the data's and the layout's, together). `check_local_device`: this machine's device
+    is the training device (a local launch, or a rank itself), so its precision support is checked too."""
     problems = cfg.problems()
+    if check_local_device and not problems:
+        from parallel.precision import local_precision_problems
+
+        problems += local_precision_problems(cfg.train.precision)
     try:
         catalog = load_catalog(cfg.data.path, cfg.data.tokenizer, cfg.data.domains)
     except DataError as e:
@@ -152,7 +158,10 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
         topo = None
     if problems:
         raise ConfigError(problems, "run")
-    return Plan(cfg, catalog, topo, expert_domains)
+    from parallel.topology import unequal_data_note
+
+    note = unequal_data_note(topo) if cfg.model.ffn.kind == "demix" else None
+    return Plan(cfg, catalog, topo, expert_domains, notes=(note,) if note else ())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -524,7 +533,9 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
     if rank == 0:
         log.log({"kind": "start", "step": start, "resumed_from": str(ckpt) if ckpt else None, "world_size": world,
-                 "device": device_name(), "topology": plan.topo.describe()})
+                 "device": device_name(), "topology": plan.topo.describe(), "notes": list(plan.notes)})
+        for note in plan.notes:
+            print(f"note: {note}", file=sys.stderr)
     n_dom = len(plan.catalog.train_domains)
     window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros(2, n_dom, dtype=torch.float64, device=device)
     kill_at = int(os.environ.get("DEMIX_TEST_KILL_AT_STEP", "-1"))  # test hook: SIGKILL mid-run
@@ -564,10 +575,11 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
 
     Everything it returns stays on the training device (no host sync inside the step); `step_record`
     brings values to the host at log intervals."""
-    from parallel.engine import clip_grads_, global_grad_norm, loss_scale
+    from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 
     engine = bundle.engine
     device = next(engine.module.parameters()).device
+    factor = backward_loss_factor(engine)  # fp16 at ZeRO 0: the loss scale DeepSpeed would not apply
     if bundle.expert_scale is not None:  # each expert's gradient = the mean over its domain's tokens
         bundle.expert_scale.set_step_tokens(*step_expert_tokens(micro))
     sums = torch.zeros(2, n_domains, dtype=torch.float64, device=device)
@@ -577,7 +589,7 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
         out = engine(mb["tokens"], mb.get("expert_ids", mb["domain_ids"]), targets_BT=mb["targets"],
                      loss_mask_BT=mb["loss_mask"], return_logits=False)
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-        engine.backward(loss)
+        engine.backward(loss * factor if factor != 1.0 else loss)
         sums += domain_loss_sums(out.token_loss.detach(), mb["loss_mask"], mb["domain_ids"], n_domains)
         if out.aux_loss is not None:
             aux = out.aux_loss.detach().double() / len(micro)
@@ -642,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_run_config(args.config, args.overrides, check=False)
-        plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), check_local_device=True)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

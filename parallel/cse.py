@@ -262,7 +262,8 @@ class CSEController:
     def sample_embeddings(self, batch_fn: BatchFn, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(v'_{n_local, L, P}, domain ids) of this rank's first n_local sequences of `batch_fn`."""
         captured: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: captured[i].append(mod.embed(args[0]).cpu()))
+        # Kept on the training device: the embeddings are all-gathered next (NCCL reduces nothing on the host).
+        hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: captured[i].append(mod.embed(args[0]).detach()))
                  for i, layer in enumerate(self.layers)]
         was_training = self.model.training
         self.model.eval()
@@ -272,14 +273,15 @@ class CSEController:
                 b = batch_fn(i)
                 ids = b.get("expert_ids", b.get("domain_ids"))
                 self.model(b["tokens"], ids, return_logits=False)
-                domains.append(b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1)).cpu())
+                dev = b["tokens"].device
+                domains.append(b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1, device=dev)).to(dev))
                 got, i = got + b["tokens"].shape[0], i + 1
         finally:
             for h in hooks:
                 h.remove()
             self.model.train(was_training)
         v = torch.stack([torch.cat(c)[:n_local] for c in captured], dim=1)
-        return v, torch.cat(domains)[:n_local].long()
+        return v, torch.cat(domains)[:n_local].long().to(v.device)
 
     @torch.no_grad()
     def initialise(self, batch_fn: BatchFn) -> dict[str, Any]:
@@ -293,8 +295,10 @@ class CSEController:
             dist.all_gather(vs, v_nLP.contiguous(), group=group)
             dist.all_gather(ds, dom_n.contiguous(), group=group)
             v_nLP, dom_n = torch.cat(vs), torch.cat(ds)
+        device = v_nLP.device
+        v_nLP, dom_n = v_nLP.cpu(), dom_n.cpu()  # clustering runs on the host (scikit-learn)
         L, E, P = len(self.layers), self.layers[0].num_slots, v_nLP.shape[-1]
-        state = torch.zeros(L, E * P + E + 1)  # per layer: centres (E*P), radii (E), K
+        state = torch.zeros(L, E * P + E + 1, device=device)  # per layer: centres (E*P), radii (E), K; broadcast
         layer_recs: dict[str, Any] = {}
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed or dist.get_rank() == 0:
@@ -309,6 +313,7 @@ class CSEController:
                 layer_recs[str(layer.layer_idx)] = cluster_record(res, v_nLP[:, li], labels, self.domain_names)
         if distributed:
             dist.broadcast(state, src=0)
+        state = state.cpu()
         for li, layer in enumerate(self.layers):
             k = int(state[li, -1])
             for j in range(1, k):

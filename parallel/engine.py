@@ -311,6 +311,22 @@ def loss_scale(engine: Any) -> float:
     return float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 1.0)))
 
 
+def backward_loss_factor(engine: Any) -> float:
+    """What to multiply the loss by before `engine.backward` so the gradients carry the fp16 loss scale.
+
+    DeepSpeed 0.19.8's `engine.backward` scales the loss only for ZeRO optimizers (and torch-autocast's
+    scaler). At ZeRO 0 its fp16 wrappers (FP16_Optimizer, FP16_UnfusedOptimizer around our AdamW) are not
+    ZeRO optimizers, yet their `step` still divides the gradients by the current scale: unscaled fp16
+    gradients would underflow, and be divided by 2^16 and more at every step. So at ZeRO 0 with fp16 we apply
+    the scale the optimizer will remove; elsewhere DeepSpeed does it.
+    """
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if engine.fp16_enabled() and not isinstance(engine.optimizer, ZeROOptimizer):
+        return loss_scale(engine)
+    return 1.0
+
+
 def clip_grads_(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
     """Scale gradients by min(1, max_norm / (norm + 1e-6)) (the same coefficient on every rank)."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

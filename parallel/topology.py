@@ -162,6 +162,30 @@ class Topology:
         return "\n".join(lines)
 
 
+def domain_data_shares(topo: Topology) -> list[float]:
+    """The fraction of every step's training sequences that comes from each domain (DEMix's by_domain sampler,
+    equal micro-batches on every data-parallel rank).
+
+    Ranks per domain: domain g reads on allocation[g] of the dp ranks, share = allocation[g] / dp.
+    Domains per rank: a rank's k domains split its batch equally, share = 1 / (dp * k). The paper's layout
+    (dp a multiple of the domain count, even allocation) gives every domain 1/G.
+    """
+    if topo.layout == RANKS_PER_DOMAIN:
+        return [len(topo.domain_dp_ranks[g]) / topo.dp_size for g in range(topo.num_domains)]
+    return [1.0 / (topo.dp_size * len(topo.dp_domains[topo.domain_dp_ranks[g][0]])) for g in range(topo.num_domains)]
+
+
+def unequal_data_note(topo: Topology) -> Optional[str]:
+    """A line announcing unequal data per domain (allowed, but the paper gives every domain the same), or None."""
+    shares = domain_data_shares(topo)
+    if topo.num_domains < 2 or max(shares) - min(shares) < 1e-9:
+        return None
+    listed = ", ".join(f"{name} {100 * s:.1f}%" for name, s in zip(topo.domain_names, shares))
+    return (f"domains get unequal data in this layout ({topo.layout} {list(topo.allocation)}): share of every "
+            f"step's sequences: {listed}. Equal shares need a data-parallel size that is a multiple of the "
+            f"{topo.num_domains} domains with an even allocation, or an equal number of domains on every rank.")
+
+
 def _span(ranks: Sequence[int]) -> str:
     """'a-b' for a contiguous run, else the list (ranks are short to print either way)."""
     ranks = list(ranks)

@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, zeros: tuple):
 
 
 def test_cse_2_ranks_replicas_identical_zero_0_and_1():
-    results = run_ranks(_worker, 2, args=((0, 1),))
+    results = run_ranks(_worker, 2, args=((0, 1),), device_strict=True)  # collectives as NCCL requires
     for zero in (0, 1):
         r0, r1 = results[0][zero], results[1][zero]
         assert [s for s, _ in r0["records"]] == [2]  # clustered once, at round(0.4 x 5) = 2

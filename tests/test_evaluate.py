@@ -165,7 +165,7 @@ def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, d
     from tests.multirank import run_ranks
 
     single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
-    ranks = run_ranks(_eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300)
+    ranks = run_ranks(_eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300, device_strict=True)
     for res in ranks:
         for d, ppl in res.items():
             assert ppl == pytest.approx(single["domains"][d]["ppl"], rel=1e-5)
