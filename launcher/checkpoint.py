@@ -4,8 +4,8 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
 
 * **Consolidated** (`save_consolidated` / `load_consolidated`): what evaluation on one process, adding and
   removing experts, and export read: the plain (TP=1) GPT with *all* experts, in shards. `model.pt` holds
-  every tensor that is not a DEMix expert's; `experts/expert_<id>.pt` holds expert `<id>`'s tensors (same
-  names as in the plain model's state dict); `meta.json` holds the run config, the domain names in expert-id
+  every tensor that is not an expert's; `experts/expert_<id>.pt` holds expert `<id>`'s tensors (DEMix and
+  GShard; same names as in the plain model's state dict); `meta.json` holds the run config, the domain names in expert-id
   order (`domains[i]` is expert `i`'s domain), the step, the tokenizer description and the shard index.
   Shards let a distributed export write each expert from the rank that holds it, so no rank ever gathers
   the experts of other domains (at 128 GPUs that would be tens of GB per GPU), and let a run that starts
@@ -91,11 +91,12 @@ class Consolidated:
 
 
 def expert_shard_name(expert: int) -> str:
+    """Where expert `expert`'s tensors live inside a consolidated checkpoint directory."""
     return f"experts/expert_{expert:04d}.pt"
 
 
 def demix_expert_of(key: str) -> Optional[int]:
-    """The DEMix expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
+    """The expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
     m = _EXPERT_KEY.search(key)
     return int(m.group(1)) if m else None
 
@@ -125,14 +126,18 @@ def write_expert_shard(tmp: Path, expert: int, tensors: dict[str, torch.Tensor])
     _save_tensors(tmp / expert_shard_name(expert), tensors)
 
 
+def sharded_experts(cfg: RunConfig) -> int:
+    """How many experts a consolidated checkpoint of this config keeps in shards of their own: DEMix's domain
+    experts and GShard's experts (one per GPU in training); none for dense and CSE (all in model.pt)."""
+    return cfg.model.ffn.num_experts if cfg.model.ffn.kind in ("demix", "gshard") else 0
+
+
 def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int = 0,
                         extra: Optional[dict[str, Any]] = None) -> Path:
     """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
     if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
         raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
-    experts = {}
-    if cfg.model.ffn.kind == "demix":
-        experts = {str(i): expert_shard_name(i) for i in range(len(domains))}
+    experts = {str(i): expert_shard_name(i) for i in range(sharded_experts(cfg))}
     missing = [f for f in [SHARED_FILE, *experts.values()] if not (tmp / f).is_file()]
     if missing:
         raise CheckpointError(f"consolidated checkpoint {final} is missing shards {missing}")
@@ -163,7 +168,7 @@ def save_consolidated(
     if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
         raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
     tmp = atomic_dir(final)
-    shared, experts = split_by_expert(state_dict) if cfg.model.ffn.kind == "demix" else (state_dict, {})
+    shared, experts = split_by_expert(state_dict) if sharded_experts(cfg) else (state_dict, {})
     write_shared_shard(tmp, shared)
     for e, tensors in experts.items():
         write_expert_shard(tmp, e, tensors)

@@ -415,10 +415,11 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
     """The plain, single-process model with all experts, written as a sharded consolidated checkpoint.
 
     Every rank calls it. Tensor-parallel shards are gathered inside each TP group; rank 0 writes the shared
-    tensors; the first rank of each DEMix domain group (tp rank 0) writes its own experts' shards. No rank ever
-    receives another domain's expert, so per-GPU memory stays at the rank's own weights (at 128 GPUs,
-    gathering all experts everywhere would need tens of GB per GPU). Experts of a `train.init_from` checkpoint
-    that this run does not train are copied over from it. Assumes a filesystem shared by all ranks."""
+    tensors; the first rank of each DEMix domain group (tp rank 0), or of each GShard expert-data-parallel
+    group, writes its own experts' shards. No rank ever receives another rank's expert, so per-GPU memory
+    stays at the rank's own weights (at 128 GPUs, gathering all experts everywhere would need tens of GB per
+    GPU). Experts of a `train.init_from` checkpoint that this run does not train are copied over from it.
+    Assumes a filesystem shared by all ranks."""
     import torch.distributed as dist
 
     from launcher.checkpoint import (copy_expert_shards, finish_consolidated, split_by_expert, write_expert_shard,
@@ -434,32 +435,32 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    if kind == "gshard":
-        from parallel.gshard import gather_gshard_state_dict
-
-        full = gather_gshard_state_dict(model, bundle.groups)
-    elif plan.topo.tensor_parallel > 1:
-        from parallel.tensor_parallel import gather_full_state_dict
-
-        full = gather_full_state_dict(model, bundle.groups.tp_group)
-    else:
-        full = {k: v.detach() for k, v in model.state_dict().items()}
-    full = {k: v for k, v in full.items() if not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
     domains = list(plan.expert_domains or plan.catalog.train_domains)
-    if kind == "demix":
-        shared, experts = split_by_expert(full)
+    if kind == "gshard":
+        from parallel.gshard import gshard_export_parts
+
+        shared, experts, writer = gshard_export_parts(model, bundle.groups)
+    else:
+        if plan.topo.tensor_parallel > 1:
+            from parallel.tensor_parallel import gather_full_state_dict
+
+            full = gather_full_state_dict(model, bundle.groups.tp_group)
+        else:
+            full = {k: v.detach() for k, v in model.state_dict().items()}
+        full = {k: v for k, v in full.items() if not k.endswith("_extra_state")}
+        shared, experts = split_by_expert(full) if kind == "demix" else (full, {})
         info = plan.topo.rank_info(rank)
-        if info.tp_rank == 0 and info.shard_index == 0:  # the first rank of its domain group(s)
-            for e, tensors in experts.items():
-                write_expert_shard(tmp, e, tensors)
-        if rank == 0:
-            write_shared_shard(tmp, shared)
-            untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain))
-            if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
-                copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
-    elif rank == 0:
-        write_shared_shard(tmp, full)
-    del full
+        writer = info.tp_rank == 0 and info.shard_index == 0  # the first rank of its domain group(s)
+    shared = {k: v for k, v in shared.items() if not k.startswith("ds_expert_groups")}
+    if writer:
+        for e, tensors in experts.items():
+            write_expert_shard(tmp, e, tensors)
+    if rank == 0:
+        write_shared_shard(tmp, shared)
+        untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain)) if kind == "demix" else []
+        if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
+            copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
+    del shared, experts
     dist.barrier()
     if rank == 0:
         finish_consolidated(tmp, out, plan.cfg, domains, step,

@@ -287,22 +287,52 @@ def gather_gshard_state_dict(model: nn.Module, groups: Any = None) -> dict[str, 
     """The plain GPT's state dict with every expert (`blocks.<i>.ffn.gate.weight`,
     `blocks.<i>.ffn.experts.<id>.fc1.weight`, ...) at full (TP=1) shapes: experts gathered over each layer's
     expert-parallel group, tensor-parallel shards over the TP group. Collective: every rank calls it (after the
-    engine is built); every rank gets the full dict. `groups` (our ProcessGroups) is needed only when tp > 1."""
+    engine is built); every rank gets the full dict, so it is for tests and small models: the export writes
+    each rank's own experts instead (`gshard_export_parts`). `groups` (our ProcessGroups) is needed only when
+    tp > 1."""
     sd: dict[str, torch.Tensor] = {}
     moe_prefixes = []
     for name, module in model.named_modules():
         if isinstance(module, DistributedGShardFFN):
             moe_prefixes.append(name + ".")
             sd.update(_gather_layer(module, name + "."))
+    sd.update(_non_expert_state(model, moe_prefixes, groups))
+    return sd
+
+
+def _non_expert_state(model: nn.Module, moe_prefixes: list[str], groups: Any) -> dict[str, torch.Tensor]:
+    """Everything outside the MoE layers, TP shards gathered (a collective over the TP group when tp > 1)."""
     rest = [(k, v) for k, v in model.state_dict(keep_vars=True).items()
             if not any(k.startswith(p) for p in moe_prefixes) and not k.endswith("_extra_state")]
     if groups is not None and groups.topo.tensor_parallel > 1:
         from parallel.tensor_parallel import gather_tensors
 
-        sd.update(gather_tensors(rest, groups.tp_group))
-    else:
-        sd.update({k: v.detach().clone() for k, v in rest})
-    return sd
+        return gather_tensors(rest, groups.tp_group)
+    return {k: v.detach() for k, v in rest}
+
+
+def gshard_export_parts(model: nn.Module, groups: Any = None) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]], bool]:
+    """(shared tensors, {global expert id: its tensors in every MoE layer}, whether this rank writes them).
+
+    No expert leaves its rank: each rank returns only the experts it holds (plain names, global ids), and the
+    first rank of each expert-data-parallel group writes them. Gathering every expert everywhere instead would
+    need E x expert size per GPU (52B parameters for the paper's 1.3B GShard on 128 GPUs). Collective over the
+    TP group only (for the shared tensors)."""
+    shared: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    moe_prefixes, writer = [], True
+    for name, module in model.named_modules():
+        if not isinstance(module, DistributedGShardFFN):
+            continue
+        prefix, inner, lay = name + ".", module.moe.deepspeed_moe, module.layout
+        moe_prefixes.append(prefix)
+        shared[prefix + "gate.weight"] = inner.gate.wg.weight.detach()
+        for j, e in enumerate(lay.local_experts):
+            for pname, t in inner.experts.deepspeed_experts[j].state_dict().items():
+                experts.setdefault(e, {})[f"{prefix}experts.{e}.{pname}"] = t.detach()
+        writer &= lay.edp_ranks[0] == dist.get_rank()
+    shared.update(_non_expert_state(model, moe_prefixes, groups))
+    return shared, experts, writer
 
 
 def _gather_layer(layer: DistributedGShardFFN, prefix: str) -> dict[str, torch.Tensor]:

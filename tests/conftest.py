@@ -41,3 +41,15 @@ def tiny_tokens(tmp_path_factory) -> Path:
     corpus = write_corpus(root)
     prepare_corpus(corpus, root / "tokens", tokenizer="gpt2", workers=1, progress=False, valid_fraction=0.15, test_fraction=0.15)
     return root / "tokens"
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped elsewhere with the reason (run them all with scripts/gpu_checks.sh)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (NCCL, CUDA RNG, fp16 on the device): run scripts/gpu_checks.sh there")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -94,6 +94,15 @@ def test_consolidated_export_evaluates_on_one_process(tiny_tokens, tmp_path):
     assert "launcher.train" in (run / "command.sh").read_text()
 
 
+def test_precision_the_machine_lacks_fails_before_launch(tiny_tokens, tmp_path):
+    """fp16 on a CPU without oneDNN fp16 kernels is refused at plan time, with what to use instead."""
+    if _fp16_on_this_cpu():
+        pytest.skip("this CPU has fp16 kernels: nothing to refuse")
+    proc = _launch(["--nproc", "1", "--dry-run", "--run-dir", str(tmp_path / "x"), *_overrides(tiny_tokens),
+                    "--set", "train.precision=fp16"], check=False)
+    assert proc.returncode == 2 and "no fp16 kernels in oneDNN" in proc.stderr and "bf16" in proc.stderr
+
+
 def test_bad_layout_and_missing_data_fail_before_launch(tiny_tokens, tmp_path):
     proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "x"), *_overrides(tiny_tokens),
                     "--set", "model.n_heads=3", "--set", "parallel.tensor_parallel=2"], check=False)
@@ -105,8 +114,19 @@ def test_bad_layout_and_missing_data_fail_before_launch(tiny_tokens, tmp_path):
     assert (tmp_path / "z" / "deepspeed_config.json").is_file() and (tmp_path / "z" / "command.sh").is_file()
 
 
+def _fp16_on_this_cpu():
+    from parallel.precision import cpu_supports_fp16
+
+    return cpu_supports_fp16()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,zero", [("bf16", 2), ("fp16", 1)])
+@pytest.mark.parametrize("precision,zero", [
+    ("bf16", 2),
+    pytest.param("fp16", 1, marks=pytest.mark.skipif(
+        not _fp16_on_this_cpu(), reason="this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16): "
+                                        "DeepSpeed refuses fp16 (tests/test_device_placement.py runs fp16 with its guard lifted)")),
+])
 def test_mixed_precision_and_activation_checkpointing_train(tiny_tokens, tmp_path, precision, zero):
     run = tmp_path / precision
     _launch(["--nproc", "2", "--run-dir", str(run), *_overrides(tiny_tokens, steps=3, zero=zero),

@@ -1,0 +1,86 @@
+"""What only a GPU can show: NCCL collectives, CUDA RNG on resume, fp16 loss scaling on the device.
+
+Skipped without CUDA (tests/conftest.py says so). `scripts/gpu_checks.sh` runs them all and records the result in
+benchmarks/results/gpu_checks.md. With one GPU the runs use one rank (NCCL still refuses host tensors in every
+collective); with two or more, two ranks holding unequal numbers of experts (3 domains).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.metrics import read_metrics
+from tests.test_train import _launch, _losses, _overrides
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def _nproc() -> int:
+    import torch
+
+    return min(2, torch.cuda.device_count())
+
+
+def _train_records(run) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_path, zero):
+    run = tmp_path / f"z{zero}"
+    _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=zero),
+             "--set", "train.eval_interval=2"])
+    start = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "start")
+    assert start["device"] != "cpu"
+    losses = _losses(run)
+    assert len(losses) == 6 and losses[6] < losses[1]
+    assert (run / "model" / "meta.json").is_file() and (run / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize("kind", ["gshard", "dense"])
+def test_nccl_baselines_train(tiny_tokens, tmp_path, kind):
+    run = tmp_path / kind
+    _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, kind=kind, steps=4, zero=1)])
+    losses = _losses(run)
+    assert len(losses) == 4 and losses[4] < losses[1]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_fp16_loss_scaling_end_to_end(tiny_tokens, tmp_path, zero):
+    """fp16 with dynamic loss scaling: trains, and the logged (clipped-by) norm is the unscaled one."""
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        run = tmp_path / precision
+        _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=zero),
+                 "--set", f"train.precision={precision}", "--set", "train.clip_grad=0.5"])
+        recs = _train_records(run)
+        assert len(recs) == 6 and recs[-1]["loss"] < recs[0]["loss"]
+        norms[precision] = recs[0]["grad_norm"]
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=5e-2), norms
+
+
+def test_bf16_where_the_gpu_has_it(tiny_tokens, tmp_path):
+    import torch
+
+    run = tmp_path / "bf16"
+    proc = _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=3),
+                    "--set", "train.precision=bf16"], check=False)
+    if torch.cuda.is_bf16_supported():
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:  # refused at plan time, before any process starts
+        assert proc.returncode == 2 and "has no bf16" in proc.stderr
+
+
+def test_resume_restores_the_cuda_rng_state(tiny_tokens, tmp_path):
+    """Dropout on the GPU draws from the CUDA generator: a killed and resumed run repeats the uninterrupted
+    trajectory only if its state is restored."""
+    sets = [*_overrides(tiny_tokens, steps=6), "--set", "model.dropout=0.3"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _launch(["--nproc", str(_nproc()), "--run-dir", str(full), *sets])
+    proc = _launch(["--nproc", str(_nproc()), "--run-dir", str(killed), *sets],
+                   env_extra={"DEMIX_TEST_KILL_AT_STEP": "3"}, check=False)
+    assert proc.returncode != 0
+    _launch(["--nproc", str(_nproc()), "--run-dir", str(killed), *sets])
+    a, b = _losses(full), _losses(killed)
+    for step in range(3, 7):
+        assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a, b)
