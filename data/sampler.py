@@ -19,8 +19,16 @@ the batches an uninterrupted run would. Three layers:
 3. Schedules: which domain sample g comes from, and which draw of that domain it is.
    - "by_domain" (DEMix): the rank's domains in round robin, sample g -> (domains[g % k], draw g // k). A rank
      serving one domain reads only it; a rank serving k domains alone (fewer data-parallel ranks than domains)
-     gives each the same share, mixed inside every micro-batch (slot b of the micro-batch cycles through the
-     domains), matching DEMix's equal data per expert. Ranks of different domains never read each other's data.
+     gives each the same share of its batch, mixed inside every micro-batch (slot b of the micro-batch cycles
+     through the domains). Ranks of different domains never read each other's data. What each layout gives a
+     domain g, as a share of every step's sequences (parallel/topology.py:domain_data_shares, announced at plan
+     time when unequal):
+       ranks per domain (dp >= G): allocation[g] / dp, i.e. 1/G with the paper's even split (dp a multiple of G);
+       domains per rank (dp < G): 1 / (dp * k_g), k_g the number of domains on g's rank: equal when every rank
+       holds the same number of domains (e.g. 4 domains on 2 ranks), unequal otherwise (3 domains on 2 ranks:
+       25 %, 25 %, 50 %).
+     Whatever the shares, each expert's gradient is the mean over its own domain's tokens of the step
+     (parallel/engine.py:ExpertGradScale); the shares decide how much data each expert sees.
    - "natural" / "domain_token" (Dense, +Domain-Token): every rank reads every domain on shard = its
      data-parallel rank. A mixture epoch has one slot per owned block of every domain (quota q_d = m_d), shuffled
      by (seed, shard, epoch): blocks come in their natural proportions, one pass over the shard per epoch.

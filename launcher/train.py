@@ -302,7 +302,7 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     dist.barrier()
     state = {"model": bundle.engine.module.state_dict(), "optimizer": bundle.engine.optimizer.state_dict(),
              "scheduler": bundle.scheduler.state_dict(), "step": step,
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
                      "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
     torch.save(state, tmp / f"rank{rank:05d}.pt.part")
     os.replace(tmp / f"rank{rank:05d}.pt.part", tmp / f"rank{rank:05d}.pt")
@@ -316,9 +316,25 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     return final
 
 
+def _numpy_rng_state() -> tuple:
+    """numpy's global RNG state with its key array as a tensor (loadable weights-only)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _load_rank_state(path: Path) -> dict[str, Any]:
+    """A per-rank training-state file, weights-only (a run directory may come from someone else): tensors,
+    plain containers, and the few DeepSpeed value classes its optimizer state dicts hold."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
-    # Our own per-rank files (optimizer state holds DeepSpeed objects): not weights-only.
-    state = torch.load(ckpt / f"rank{rank:05d}.pt", map_location="cpu", weights_only=False)
+    state = _load_rank_state(ckpt / f"rank{rank:05d}.pt")
     bundle.engine.module.load_state_dict(state["model"])
     if plan.cfg.parallel.zero_stage == 0:
         bundle.engine.optimizer.load_state_dict(state["optimizer"])
@@ -331,7 +347,8 @@ def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
     if torch.cuda.is_available() and state["rng"].get("cuda") is not None:  # dropout on the GPU resumes exactly
         torch.cuda.set_rng_state(state["rng"]["cuda"])
     random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
+    name, keys, pos, has_gauss, cached = state["rng"]["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     return int(state["step"])
 
 

@@ -219,6 +219,9 @@ class CSEController:
         self.domain_names = list(domain_names)
         self.boundary = max(1, int(round(self.cse.warmup_fraction * cfg.train.steps)))
         self.clustered_at: Optional[int] = None
+        # Read the layers' buffers once (a host sync); afterwards the flag changes only in `initialise`, so the
+        # per-step check costs no device round trip.
+        self._clustered = bool(self.layers) and all(int(layer.num_active) > 0 for layer in self.layers)
 
     # -- distributed helpers ------------------------------------------------------------------------
     def _dp(self) -> tuple[Optional[Any], int]:
@@ -229,7 +232,7 @@ class CSEController:
 
     @property
     def is_clustered(self) -> bool:
-        return bool(self.layers) and all(int(layer.num_active) > 0 for layer in self.layers)
+        return self._clustered
 
     # -- the hook -----------------------------------------------------------------------------------
     def after_step(self, step: int, batch_fn: BatchFn) -> Optional[dict[str, Any]]:
@@ -319,6 +322,7 @@ class CSEController:
             for j in range(1, k):
                 copy_expert(layer.experts["0"], layer.experts[str(j)], self.optimizer)
             layer.set_clusters(state[li, : k * P].view(k, P), state[li, E * P: E * P + k])
+        self._clustered = True
         return {"samples": int(v_nLP.shape[0]), "num_clusters": [int(state[li, -1]) for li in range(L)],
                 "layers": layer_recs}
 

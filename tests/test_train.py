@@ -103,6 +103,14 @@ def test_precision_the_machine_lacks_fails_before_launch(tiny_tokens, tmp_path):
     assert proc.returncode == 2 and "no fp16 kernels in oneDNN" in proc.stderr and "bf16" in proc.stderr
 
 
+def test_unequal_domain_shares_are_announced_at_launch(tiny_tokens, tmp_path):
+    """3 domains on 2 ranks: allowed, and the launcher says the lone domain reads twice as much."""
+    proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "x"), *_overrides(tiny_tokens)])
+    assert "domains get unequal data" in proc.stderr and "50.0%" in proc.stderr and "25.0%" in proc.stderr
+    proc = _launch(["--nproc", "3", "--dry-run", "--run-dir", str(tmp_path / "y"), *_overrides(tiny_tokens)])
+    assert "unequal data" not in proc.stderr
+
+
 def test_bad_layout_and_missing_data_fail_before_launch(tiny_tokens, tmp_path):
     proc = _launch(["--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "x"), *_overrides(tiny_tokens),
                     "--set", "model.n_heads=3", "--set", "parallel.tensor_parallel=2"], check=False)
