@@ -236,7 +236,8 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
     rank 0's experts make twice as many optimizer groups as rank 1's (4 vs 2 decay groups; ZeRO 1/2 deadlocked
     on that): rank 1 must split its experts into as many groups as rank 0."""
     matrix = 4 * 128 * 128  # one fc weight of the tiny model (d_model 128, ffn 4x)
-    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix), timeout=300)
+    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix), timeout=300,
+                         device_strict=True)
     ref_sd, ref_norms = _reference("demix", 3, 2, [(0, 1), (2,)], "domain_mean")
     for zero in (0, 1, 2):
         results = [r[zero] for r in per_rank]

@@ -155,8 +155,9 @@ def _megatron_ce_crosscheck(seed: int) -> float:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
     try:
         g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(3, 5, 64, generator=g)  # identical on all ranks, then each takes its shard
-        targets = torch.randint(0, 64, (3, 5), generator=g)
+        dev = torch.device("cpu")  # the training device here: named, as the trainer names it (device-strict)
+        logits = torch.randn(3, 5, 64, generator=g, device=dev)  # identical on all ranks, then each takes its shard
+        targets = torch.randint(0, 64, (3, 5), generator=g, device=dev)
         group = parallel_state.get_tensor_model_parallel_group()
         local = logits.chunk(group.size(), dim=-1)[group.rank()]
         a = local.clone().requires_grad_()
@@ -218,7 +219,7 @@ def _check_parity(res: dict, tp: int) -> None:
 
 @pytest.fixture(scope="module")
 def tp2() -> list[dict]:
-    return run_ranks(_tp2_worker, 2, args=(_cfg("dense"), _cfg("demix", 3)), timeout=300)
+    return run_ranks(_tp2_worker, 2, args=(_cfg("dense"), _cfg("demix", 3)), timeout=300, device_strict=True)
 
 
 @pytest.fixture(scope="module")
