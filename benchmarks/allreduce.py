@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
     from launcher.config import load_run_config
     from launcher.train import train_step
     from model.gpt import GPT
-    from parallel.engine import build_engine
+    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
 
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
     info = topo.rank_info(rank)
     torch.manual_seed(0)
     model = GPT(cfg.model, expert_ids=list(info.domains) if kind == "demix" else None)
-    bundle = build_engine(model, cfg, groups)
+    bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
     log: list[tuple[int, int, float]] = []
     real = dist.all_reduce
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -28,12 +27,13 @@ from typing import Any, Iterable, Optional
 import torch
 
 from launcher.config import RunConfig
+from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict, to_dict
+from model.gpt import expert_of_key, split_by_expert
 
 CONSOLIDATED_FORMAT = "demix-consolidated/2"
 _READABLE_FORMATS = ("demix-consolidated/1", CONSOLIDATED_FORMAT)
 SHARED_FILE = "model.pt"
-_EXPERT_KEY = re.compile(r"\.ffn\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -95,22 +95,6 @@ def expert_shard_name(expert: int) -> str:
     return f"experts/expert_{expert:04d}.pt"
 
 
-def demix_expert_of(key: str) -> Optional[int]:
-    """The expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
-    m = _EXPERT_KEY.search(key)
-    return int(m.group(1)) if m else None
-
-
-def split_by_expert(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-    """(shared tensors, {expert id: that expert's tensors})."""
-    shared: dict[str, torch.Tensor] = {}
-    experts: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in state_dict.items():
-        e = demix_expert_of(k)
-        (shared if e is None else experts.setdefault(e, {}))[k] = v
-    return shared, experts
-
-
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
@@ -129,14 +113,18 @@ def write_expert_shard(tmp: Path, expert: int, tensors: dict[str, torch.Tensor])
 def sharded_experts(cfg: RunConfig) -> int:
     """How many experts a consolidated checkpoint of this config keeps in shards of their own: DEMix's domain
     experts and GShard's experts (one per GPU in training); none for dense and CSE (all in model.pt)."""
-    return cfg.model.ffn.num_experts if cfg.model.ffn.kind in ("demix", "gshard") else 0
+    return cfg.model.ffn.num_experts if ffn_kind(cfg).sharded_experts else 0
+
+
+def _check_domain_names(cfg: RunConfig, domains: list[str]) -> None:
+    if ffn_kind(cfg).domain_experts and len(domains) != cfg.model.ffn.num_experts:
+        raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
 
 
 def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int = 0,
                         extra: Optional[dict[str, Any]] = None) -> Path:
     """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
-    if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
-        raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
+    _check_domain_names(cfg, domains)
     experts = {str(i): expert_shard_name(i) for i in range(sharded_experts(cfg))}
     missing = [f for f in [SHARED_FILE, *experts.values()] if not (tmp / f).is_file()]
     if missing:
@@ -145,7 +133,7 @@ def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[st
         "format": CONSOLIDATED_FORMAT,
         "step": step,
         "domains": list(domains),
-        "experts": {str(i): d for i, d in enumerate(domains)} if cfg.model.ffn.kind == "demix" else {},
+        "experts": {str(i): d for i, d in enumerate(domains)} if ffn_kind(cfg).domain_experts else {},
         "shards": {"shared": SHARED_FILE, "experts": experts},
         "config": to_dict(cfg),
         **(extra or {}),
@@ -165,8 +153,7 @@ def save_consolidated(
 ) -> Path:
     """Write a consolidated checkpoint directory atomically, from a state dict with every tensor."""
     final = Path(path)
-    if cfg.model.ffn.kind == "demix" and len(domains) != cfg.model.ffn.num_experts:
-        raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
+    _check_domain_names(cfg, domains)
     tmp = atomic_dir(final)
     shared, experts = split_by_expert(state_dict) if sharded_experts(cfg) else (state_dict, {})
     write_shared_shard(tmp, shared)
@@ -196,7 +183,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
     want = None if experts is None else {int(e) for e in experts}
     state = torch.load(root / SHARED_FILE, map_location="cpu", weights_only=True)
     if want is not None:  # format 1 keeps experts in the shared file
-        state = {k: v for k, v in state.items() if demix_expert_of(k) is None or demix_expert_of(k) in want}
+        state = {k: v for k, v in state.items() if expert_of_key(k) is None or expert_of_key(k) in want}
     for e, rel in meta.get("shards", {}).get("experts", {}).items():
         if want is not None and int(e) not in want:
             continue

@@ -157,7 +157,7 @@ def load_run_config(path: Optional[str | Path] = None, overrides: Sequence[str] 
     """Load, merge overrides, type-check and validate a run config; raise one ConfigError with every problem.
 
     With `check=False` only structural problems (unknown keys, wrong types, missing files) raise; the caller
-    runs `cfg.problems()` itself together with its own cross-checks (see launcher.train.make_plan)."""
+    runs `cfg.problems()` itself together with its own cross-checks (see launcher.plan.make_plan)."""
     raw = _read_yaml(Path(path)) if path is not None else {}
     raw = deep_merge(raw, parse_overrides(overrides))
     problems: list[str] = []

@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -24,15 +23,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from launcher.config import ConfigError, RunConfig, load_run_config
+from launcher.ffn_kinds import ffn_kind
+from launcher.plan import plan_layout
 from model.gpt import GPT
-from parallel.topology import (
-    Topology,
-    build_topology,
-    deepspeed_equivalent,
-    model_sharding_problems,
-    topology_problems,
-    unequal_data_note,
-)
+from parallel.topology import Topology, deepspeed_equivalent
 
 DEFAULT_DOMAINS = 8
 DEFAULT_OUT = "runs/dryrun/summary.json"
@@ -64,43 +58,6 @@ def resolve_domains(cfg: RunConfig, domains: Optional[int]) -> tuple[list[str], 
         return list(named), []
     n = DEFAULT_DOMAINS if domains is None else domains
     return [f"domain{g}" for g in range(n)], []
-
-
-def layout_problems(cfg: RunConfig, world_size: int, domain_names: list[str]) -> list[str]:
-    """Cross-component checks (world size vs domains vs tensor parallel vs model shape), all at once."""
-    tp, kind = cfg.parallel.tensor_parallel, cfg.model.ffn.kind
-    out = model_sharding_problems(cfg.model.n_heads, cfg.model.d_ffn, tp)
-    if kind == "demix":
-        n = cfg.model.ffn.num_experts
-        if n not in (0, len(domain_names)):
-            out.append(f"model.ffn.num_experts={n} but there are {len(domain_names)} domains: DEMix has one expert per "
-                       "domain; set num_experts=0 (derive) or match the domain count")
-        out += [f"parallel: {p}" for p in topology_problems(world_size, tp, len(domain_names), cfg.parallel.allocation,
-                                                            domain_names)]
-    else:
-        if cfg.parallel.allocation is not None:
-            out.append(f"parallel.allocation={cfg.parallel.allocation} is only used with model.ffn.kind=demix "
-                       f"(got {kind!r})")
-        out += [f"parallel: {p}" for p in topology_problems(world_size, tp, 1)]
-        if kind == "gshard":
-            from parallel.gshard import gshard_layout_problems
-
-            out += gshard_layout_problems(cfg.model, world_size, tp)
-    return out
-
-
-def resolve_model(cfg: RunConfig, num_domains: int, world_size: int) -> RunConfig:
-    """num_experts=0 means one expert per domain (DEMix) or one per GPU (GShard)."""
-    ffn = cfg.model.ffn
-    if ffn.num_experts or ffn.kind not in ("demix", "gshard"):
-        return cfg
-    if ffn.kind == "gshard":
-        from parallel.gshard import resolve_num_experts
-
-        n = resolve_num_experts(cfg.model, world_size)
-    else:
-        n = num_domains
-    return replace(cfg, model=replace(cfg.model, ffn=replace(ffn, num_experts=n)))
 
 
 def param_counts(model: GPT, tp: int) -> dict:
@@ -143,19 +100,11 @@ class _SkipMetaNormal(TorchFunctionMode):
 
 def rank_summaries(cfg: RunConfig, topo: Topology, ranks: Sequence[int]) -> list[dict]:
     """Build each listed rank's model on the meta device (no memory, no process) and count parameters."""
-    kind, out = cfg.model.ffn.kind, []
+    kind, out = ffn_kind(cfg), []
     for rank in ranks:
         info = topo.rank_info(rank)
-        expert_ids, groups = None, {}
-        if kind == "demix":
-            expert_ids = list(info.domains)
-            groups = {str(g): list(r) for g, r in topo.expert_groups_of_rank(rank).items()}
-        elif kind == "gshard":
-            from parallel.gshard import gshard_layout_for
-
-            lay = gshard_layout_for(cfg, topo, rank)
-            expert_ids = list(lay.local_experts)
-            groups = {"expert_parallel": list(lay.ep_ranks), "expert_data_parallel": list(lay.edp_ranks)}
+        expert_ids = kind.rank_experts(cfg, topo, rank, range(topo.num_domains))
+        groups = kind.rank_expert_groups(cfg, topo, rank)
         with torch.device("meta"), _SkipMetaNormal():
             model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=topo.tensor_parallel)
         out.append({
@@ -193,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
     try:
         cfg = load_run_config(args.config, args.overrides)
         names, problems = resolve_domains(cfg, args.domains)
-        problems += layout_problems(cfg, args.world_size, names)
+        layout = plan_layout(cfg, args.world_size, names)  # what launch and train plan, without the data
+        problems += layout.problems
         if args.device is not None:
             from model.accounting import lookup_device
             from parallel.precision import device_precision_problems
@@ -201,22 +151,19 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
             problems += device_precision_problems(cfg.train.precision, lookup_device(args.device))
         if problems:
             raise ConfigError(problems, f"the layout for {args.world_size} GPUs")
-        demix = cfg.model.ffn.kind == "demix"
-        cfg = resolve_model(cfg, len(names), args.world_size)
-        topo = build_topology(args.world_size, cfg.parallel.tensor_parallel, len(names) if demix else 1,
-                              cfg.parallel.allocation if demix else None, names if demix else ["all"])
+        cfg, topo = layout.cfg, layout.topo
         ranks = rank_summaries(cfg, topo, sorted({0, topo.world_size - 1}))
     except (ConfigError, ValueError) as e:  # ValueError: a model that cannot be built (e.g. an unregistered kind)
         print(f"dry run failed: {e}", file=sys.stderr)
         return 2
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
-    note = unequal_data_note(topo) if demix else None
-    if note:
+    for note in layout.notes:
         print(f"note: {note}")
     model = {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)}
     summary = {"model": model,
-               "domains": names, "topology": topo.describe(), "notes": [note] if note else [],
-               "deepspeed_equivalent": deepspeed_equivalent(topo) if demix else None, "ranks": ranks}
+               "domains": names, "topology": topo.describe(), "notes": list(layout.notes),
+               "deepspeed_equivalent": deepspeed_equivalent(topo) if ffn_kind(cfg).domain_experts else None,
+               "ranks": ranks}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if deepspeed_config is not None:  # the trainer's generator; the dry run only records its output

@@ -46,6 +46,7 @@ import yaml
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, save_consolidated, write_json_atomic
 from launcher.config import ConfigError
 from launcher.evaluate import block_inputs, evaluate_checkpoint, load_blocks, stream_log_likelihoods
+from launcher.ffn_kinds import ffn_kind
 from launcher.typed import to_dict
 from model import mixture as mx
 
@@ -60,7 +61,7 @@ def _load(ckpt: CkptLike) -> Consolidated:
 
 
 def _require_demix(c: Consolidated, what: str) -> None:
-    if c.cfg.model.ffn.kind != "demix":
+    if not ffn_kind(c.cfg).domain_experts:
         raise CheckpointError(f"{what} needs a DEMix checkpoint, not a {c.cfg.model.ffn.kind!r} one")
 
 
@@ -305,12 +306,12 @@ def adaptation_report(demix_before: CkptLike, demix_after: CkptLike, dense_befor
     doms = train + list(new_domains)
     res = {}
     for name, c in cks.items():
-        modes = ("naive", "cached") if c.cfg.model.ffn.kind == "demix" else ("ppl",)
+        modes = ("naive", "cached") if ffn_kind(c.cfg).domain_experts else ("ppl",)
         res[name] = evaluate_checkpoint(c, data, tokenizer=tokenizer, split="test", max_blocks=max_blocks,
                                         modes=modes, domains=doms, cached_blocks=cached_blocks, progress=False)
     rows: dict[str, dict[str, float]] = {}
     for name in cks:
-        mode = "cached" if cks[name].cfg.model.ffn.kind == "demix" else "ppl"
+        mode = "cached" if ffn_kind(cks[name].cfg).domain_experts else "ppl"
         rows[name] = {d: _ppl_of(res[name], d, mode) for d in doms}
         if mode == "cached":
             rows[name + "_own_expert"] = {d: _ppl_of(res[name], d, "naive") for d in train}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from launcher.config import RunConfig, load_run_config, model_presets
+from launcher.ffn_kinds import ffn_kind
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
@@ -112,15 +113,15 @@ def _load(config: str, overrides: Sequence[str]) -> RunConfig:
 
 
 def _resolve_experts(cfg: RunConfig, gpus: int) -> Optional[int]:
-    """Experts per expert layer when the config says 0 (= derive): domains for DEMix, ranks for GShard."""
-    ffn = cfg.model.ffn
-    if ffn.kind == "dense" or ffn.num_experts > 0:
+    """Experts per expert layer when the config says 0 (= derive), as the trainer resolves them
+    (launcher/ffn_kinds.py): domains for DEMix (from data.domains), one per GPU for GShard, slots for CSE."""
+    kind, ffn = ffn_kind(cfg), cfg.model.ffn
+    if not kind.has_experts or ffn.num_experts > 0:
         return None
-    if ffn.kind == "gshard":
-        return gpus // cfg.parallel.tensor_parallel * ffn.gshard.experts_per_rank
-    if ffn.kind == "demix" and cfg.data.domains:
-        return len(cfg.data.domains)
-    raise ConfigError([f"model.ffn.num_experts=0 cannot be derived for kind {ffn.kind!r} here: set it explicitly"])
+    if kind.domain_experts and not cfg.data.domains:
+        raise ConfigError([f"model.ffn.num_experts=0 cannot be derived for kind {ffn.kind!r} without data.domains: "
+                           "set one of them"])
+    return kind.resolve_num_experts(cfg, cfg.data.domains or [], gpus)
 
 
 def _run_config(args: argparse.Namespace) -> int:

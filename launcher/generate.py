@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch

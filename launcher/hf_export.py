@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
+from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
 
 HF_EXPORT_FORMAT = "demix-hf-export/1"
@@ -62,11 +63,11 @@ def expert_weights(c: Consolidated, domain: Optional[str] = None, weights: Optio
 def dense_state_dict(c: Consolidated, weights_E: Optional[Sequence[float]] = None) -> dict[str, torch.Tensor]:
     """The checkpoint as a dense model's state dict (our names): shared tensors unchanged, each DEMix layer's FFN
     the weighted sum of its experts, sum_j w_j W_j (one-hot: one domain's expert, bit-exact)."""
-    kind = c.cfg.model.ffn.kind
-    if kind == "dense":
+    kind = ffn_kind(c.cfg)
+    if not kind.has_experts:
         return dict(c.state_dict)
-    if kind != "demix":
-        raise CheckpointError(f"export supports dense and DEMix checkpoints, not {kind!r}")
+    if not kind.domain_experts:
+        raise CheckpointError(f"export supports dense and DEMix checkpoints, not {kind.name!r}")
     if weights_E is None or len(weights_E) != len(c.domains):
         raise CheckpointError(f"need {len(c.domains)} expert weights, got {weights_E}")
     out = {k: v for k, v in c.state_dict.items() if ".ffn.experts." not in k}
@@ -176,7 +177,7 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     """Write `out` (config.json + model.safetensors via save_pretrained, and demix_export.json). Returns the record
     (source, domain or merge weights, logit check)."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
-    weights = None if c.cfg.model.ffn.kind == "dense" else expert_weights(c, domain, merge)
+    weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
     model = build_hf_model(c, weights)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             merge, source = dict(zip(prior.domains, prior.probs)), f"posterior on {args.merge_domain_data} dev data"
         elif args.merge_weights:
             merge, source = _parse_weights(args.merge_weights), "given"
-        if c.cfg.model.ffn.kind == "demix" and args.domain is None and merge is None:
+        if ffn_kind(c.cfg).domain_experts and args.domain is None and merge is None:
             raise CheckpointError("a DEMix checkpoint needs --domain or one of the --merge-* options")
         rec = export(c, args.out, args.domain, merge, check=not args.no_check, merge_source=source)
     except (CheckpointError, ValueError) as e:

@@ -25,7 +25,11 @@ import yaml
 
 from launcher.checkpoint import CheckpointError, write_json_atomic
 from launcher.config import ConfigError, load_run_config
+from launcher.distributed import free_port
+from launcher.plan import make_plan
+from launcher.state import check_resumable, latest_checkpoint
 from launcher.typed import to_dict
+from parallel.engine import deepspeed_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,9 +107,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     """Validate for the final world size and write config, DeepSpeed JSON and command; raise on problems."""
-    from launcher.train import check_resumable, latest_checkpoint, make_plan
-    from parallel.engine import deepspeed_config
-
     cfg = load_run_config(args.config, args.overrides, check=False)
     world = world_size(args)
     plan = make_plan(cfg, world, check_local_device=not args.hostfile)  # a hostfile's nodes are checked by the ranks
@@ -126,15 +127,6 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     (run_dir / "command.sh").write_text(f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\ncd {shlex.quote(str(REPO_ROOT))}\n{line}\n")
     return run_dir, cmd, env
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the rendezvous port of a local run)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

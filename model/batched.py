@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from model.ffn import DemixFFN
+from model.demix import DemixFFN
 
 DEFAULT_LOGIT_BUDGET = 1 << 23  # logits (floats) per chunk: 32 MiB in float32
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.ffn import MLP, FFNOutput
+from model.mlp import MLP, FFNOutput
 
 PROJECTION_SEED = 0xC5E  # fixed: the projection is a pure function of (layer, D, P)
 

@@ -13,6 +13,7 @@ column split gives each tensor-parallel rank whole heads.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -190,3 +191,22 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Parameters held by this instance (tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+_EXPERT_KEY = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
+def expert_of_key(key: str) -> Optional[int]:
+    """The expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
+    m = _EXPERT_KEY.search(key)
+    return int(m.group(1)) if m else None
+
+
+def split_by_expert(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """(shared tensors, {expert id: that expert's tensors})."""
+    shared: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in state_dict.items():
+        e = expert_of_key(k)
+        (shared if e is None else experts.setdefault(e, {}))[k] = v
+    return shared, experts

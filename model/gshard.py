@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import GShardConfig, ModelConfig
-from model.ffn import MLP, FFNOutput
+from model.mlp import MLP, FFNOutput
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -344,23 +344,29 @@ class EngineBundle:
     expert_scale: Optional[ExpertGradScale] = None  # DEMix: per-step expert gradient factors
 
 
-def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups) -> EngineBundle:
-    """Tensor-parallelise `model`, tag its experts, and wrap it in a DeepSpeed engine."""
+def distribute_demix_experts(model: GPT, num_experts: int, groups: ProcessGroups, scaling: str) -> ExpertGradScale:
+    """DEMix's parallel step: register the domain groups with DeepSpeed, tag this rank's experts for
+    domain-group reduction with the per-expert gradient scale, and attach the marker that switches on
+    DeepSpeed's expert paths. Returns the scale (its factors are set every step)."""
+    register_with_deepspeed(groups)
+    scale = tag_expert_parameters(model, groups, scaling)
+    model.ds_expert_groups = _moe_marker(num_experts, groups.expert_group_name)
+    return scale
+
+
+PrepareFn = Callable[[nn.Module], Optional[ExpertGradScale]]
+
+
+def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups, prepare: Optional[PrepareFn] = None) -> EngineBundle:
+    """Tensor-parallelise `model`, let `prepare` make its experts distributed (the FFN kind's step, e.g.
+    `distribute_demix_experts` or `parallel.gshard.apply_gshard`), and wrap it in a DeepSpeed engine."""
     import deepspeed
 
     if groups.topo.tensor_parallel > 1:
         from parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, groups.tp_group)
-    if cfg.model.ffn.kind == "gshard":
-        from parallel.gshard import apply_gshard  # swaps the plain top-k layers for DeepSpeed's MoE layer
-
-        apply_gshard(model, cfg, groups)
-    expert_scale = None
-    if cfg.model.ffn.kind == "demix":
-        register_with_deepspeed(groups)
-        expert_scale = tag_expert_parameters(model, groups, cfg.parallel.expert_grad_scaling)
-        model.ds_expert_groups = _moe_marker(cfg.model.ffn.num_experts, groups.expert_group_name)
+    expert_scale = prepare(model) if prepare is not None else None
     t = cfg.train
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps

@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.ffn import MLP, FFNOutput
+from model.mlp import MLP, FFNOutput
 from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
 from parallel.topology import deepspeed_moe_groups
 
@@ -69,8 +69,6 @@ def resolve_num_experts(model: ModelConfig, world_size: int) -> int:
 def gshard_layout_problems(model: ModelConfig, world_size: int, tensor_parallel: int = 1) -> list[str]:
     """Every reason the GShard layout is impossible (empty = fine); for the run-level validator.
     Expert-parallel groups are cut from the whole world (TP lanes included), so ep_size must divide world_size."""
-    if model.ffn.kind != "gshard":
-        return []
     out = []
     per_rank = model.ffn.gshard.experts_per_rank
     n = resolve_num_experts(model, world_size)

@@ -87,7 +87,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 from torch.distributed import ProcessGroup
 
 from model.config import ModelConfig
-from model.ffn import MLP
+from model.mlp import MLP
 from model.gpt import GPT
 from model.gshard import GShardFFN
 

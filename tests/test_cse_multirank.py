@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, zeros: tuple):
     from model.cse import cse_layers
     from model.gpt import GPT
     from parallel.cse import CSEController, partitioned_state
-    from parallel.engine import build_engine
+    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
 
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, zeros: tuple):
         groups = ProcessGroups.create(topo)
         torch.manual_seed(0)
         model = GPT(cfg.model, init_seed=7)
-        bundle = build_engine(model, cfg, groups)
+        bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
         ctl = CSEController(bundle.engine.module, cfg, groups, optimizer=bundle.engine.optimizer, domain_names=["lo", "hi"])
         records, copies_equal = [], []
         for step in range(STEPS):

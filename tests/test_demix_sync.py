@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
         _lower_split_threshold(split_numel)
     from launcher.train import train_step
     from model.gpt import GPT
-    from parallel.engine import build_engine
+    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.tensor_parallel import gather_full_state_dict
     from parallel.topology import build_topology
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
         groups = ProcessGroups.create(topo)
         torch.manual_seed(0)
         model = GPT(cfg.model, expert_ids=list(info.domains) if kind == "demix" else None, tensor_parallel=tp)
-        bundle = build_engine(model, cfg, groups)
+        bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
         norms = []
         for step in range(STEPS):
             doms = info.domains if kind == "demix" else (0,)

@@ -20,7 +20,8 @@ from tests.test_train import _overrides
 
 def _train(rank: int, world: int, sets: list[str], run_dir: str) -> dict:
     from launcher.config import load_run_config
-    from launcher.train import make_plan, train
+    from launcher.plan import make_plan
+    from launcher.train import train
 
     cfg = load_run_config(None, sets, check=False)
     return train(make_plan(cfg, world), Path(run_dir), resume="never")

@@ -42,7 +42,8 @@ def test_gpt3_xl_demix_128_gpus_tp2(tmp_path, capsys):
 
 
 def test_gpt3_xl_dense_128_gpus(tmp_path):
-    rc, s = _run(tmp_path, "--world-size", "128", "--set", "model.preset=gpt3-xl", "parallel.tensor_parallel=2")
+    rc, s = _run(tmp_path, "--world-size", "128", "--set", "model.preset=gpt3-xl", "parallel.tensor_parallel=2",
+                 "data.mixture=natural")
     assert rc == 0
     first, last = s["ranks"]
     assert first["expert_ids"] == last["expert_ids"] == [] and s["deepspeed_equivalent"] is None
@@ -52,7 +53,7 @@ def test_gpt3_xl_dense_128_gpus(tmp_path):
 
 def test_gpt3_xl_gshard_128_gpus_tp2_one_whole_expert_per_gpu(tmp_path, capsys):
     rc, s = _run(tmp_path, "--world-size", "128", "--set", "model.preset=gpt3-xl", "model.ffn.kind=gshard",
-                 "parallel.tensor_parallel=2")
+                 "parallel.tensor_parallel=2", "data.mixture=natural")
     assert rc == 0 and s["model"]["num_experts"] == 128  # one per GPU, tensor-parallel ranks included
     first, last = s["ranks"]
     assert (first["expert_ids"], last["expert_ids"]) == ([0], [127])
@@ -66,7 +67,7 @@ def test_gpt3_xl_gshard_128_gpus_tp2_one_whole_expert_per_gpu(tmp_path, capsys):
     assert p["tp_sharded"] == 24 * attn + 12 * (ffn - 2048) + 50432 * 2048  # 50257 padded to 256 x 197
     assert "all-to-all over 128 ranks" in capsys.readouterr().out
     rc, _ = _run(tmp_path, "--world-size", "12", "--set", "model.preset=tiny", "model.ffn.kind=gshard",
-                 "model.ffn.num_experts=8", "parallel.tensor_parallel=2")
+                 "model.ffn.num_experts=8", "parallel.tensor_parallel=2", "data.mixture=natural")
     assert rc == 2
 
 
@@ -87,14 +88,15 @@ def test_deepspeed_config_seam(tmp_path):
         seen["world"] = topo.world_size
         return {"train_micro_batch_size_per_gpu": cfg.train.micro_batch}
 
-    rc, s = _run(tmp_path, "--world-size", "8", "--set", "model.preset=tiny", deepspeed_config=fake_generator)
+    rc, s = _run(tmp_path, "--world-size", "8", "--set", "model.preset=tiny", "data.mixture=natural",
+                 deepspeed_config=fake_generator)
     assert rc == 0 and seen == {"world": 8}
     assert json.loads((tmp_path / "deepspeed_config.json").read_text()) == {"train_micro_batch_size_per_gpu": 2}
 
 
 def test_default_out_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["--world-size", "4", "--set", "model.preset=tiny"]) == 0
+    assert main(["--world-size", "4", "--set", "model.preset=tiny", "data.mixture=natural"]) == 0
     assert (tmp_path / "runs" / "dryrun" / "summary.json").is_file()
 
 
@@ -115,8 +117,11 @@ def test_default_out_path(tmp_path, monkeypatch):
          ["only used with model.ffn.kind=demix"]),
         (["--world-size", "8", "--set", "model.preset=nope", "train.steps=0"],
          ["model.preset='nope'", "train.steps=0"]),
+        # the trainer's own rule (one planning module): a token-routed model reads the natural mix
+        (["--world-size", "8", "--set", "model.preset=tiny", "model.ffn.kind=gshard"],
+         ["1 problem(s)", "data.mixture=by_domain gives each rank one domain; for kind='gshard'"]),
     ],
-    ids=["world100-8domains", "tp3-16heads", "domain-mismatch", "dense-allocation", "bad-config"],
+    ids=["world100-8domains", "tp3-16heads", "domain-mismatch", "dense-allocation", "bad-config", "gshard-by-domain"],
 )
 def test_bad_layouts_list_every_problem(tmp_path, capsys, argv, needles):
     rc, s = _run(tmp_path, *argv)
@@ -124,3 +129,13 @@ def test_bad_layouts_list_every_problem(tmp_path, capsys, argv, needles):
     assert rc == 2 and s is None
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+def test_cse_dry_run_plans_as_the_trainer_does(tmp_path):
+    """The dry run and the trainer share launcher/plan.py: CSE's expert slots (max_clusters) are resolved and
+    its ranks read every domain, as in a real launch."""
+    rc, s = _run(tmp_path, "--world-size", "4", "--set", "model.preset=tiny", "model.ffn.kind=cse",
+                 "data.mixture=natural", "model.ffn.cse.max_clusters=6")
+    assert rc == 0 and s["model"] == {"name": "tiny", "ffn": "cse", "num_experts": 6}
+    first, last = s["ranks"]
+    assert (first["num_shards"], last["shard_index"]) == (4, 3)

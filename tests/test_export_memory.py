@@ -29,7 +29,8 @@ def _mem_kib(field: str) -> int:
 def _export_worker(rank: int, world: int, out: str) -> dict:
     from data.catalog import Catalog
     from launcher.config import load_run_config
-    from launcher.train import Plan, export_consolidated
+    from launcher.plan import Plan
+    from launcher.state import export_consolidated
     from model.gpt import GPT
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology

@@ -3,7 +3,7 @@
 One spawn per world size runs several layouts in turn (process start-up dominates on CPU). For each layout:
 the freshly built distributed model computes what the plain model computes on the same tokens (forward parity,
 all experts gathered back equal the plain weights); after a few optimizer steps through
-parallel.engine.build_engine + launcher.train.train_step, non-expert parameters are identical on every rank, each expert is
+launcher.ffn_kinds (build_engine) + launcher.train.train_step, non-expert parameters are identical on every rank, each expert is
 identical within its expert-data-parallel group and differs across experts, the gathered state dict loads into
 a plain GPT that computes what the distributed model computes, and every parameter equals a single-process
 reference (mean over ranks of loss + aux loss, one global clip norm, the same AdamW).
@@ -64,7 +64,7 @@ def _expert_id(name: str) -> int:
 def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp: int = 1) -> dict:
     from model.gpt import GPT
     from launcher.train import train_step
-    from parallel.engine import build_engine
+    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.gshard import DistributedGShardFFN, gather_gshard_state_dict
     from parallel.topology import build_topology
@@ -75,7 +75,7 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
     model = GPT(cfg.model, init_seed=0, tensor_parallel=tp)
     plain = copy.deepcopy(model)
     _capacity_like_tp(plain, tp)
-    bundle = build_engine(model, cfg, groups)
+    bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
     assert sum(isinstance(m, DistributedGShardFFN) for m in model.modules()) == 1
     out: dict = {"tp_rank": tp_rank, "dp_rank": dp_rank}
 

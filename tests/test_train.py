@@ -181,7 +181,7 @@ def test_consolidated_checkpoint_keeps_its_tensor_parallel_vocab_padding(tmp_pat
 
     from launcher.checkpoint import load_consolidated, save_consolidated
     from launcher.config import load_run_config
-    from launcher.train import load_init_weights
+    from launcher.state import load_init_weights
     from model.gpt import GPT
 
     cfg = load_run_config(None, ["model.preset=tiny", "model.n_layers=2", "model.vocab_size=300",

@@ -1,0 +1,56 @@
+"""DEMix layers (Gururangan et al. 2022, §3): one feed-forward expert per domain, routed by the domain label."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from model.config import ModelConfig
+from model.mlp import MLP, FFNOutput
+
+
+class DemixFFN(nn.Module):
+    """A DEMix layer (DEMix eq. 5): every token of sequence b goes to the expert of its domain d_b.
+
+        h_t = FFN_{d_b}(x_t)   for all t in sequence b
+
+    No router, no load-balancing loss, no all-to-all. `expert_ids` are the *global* expert (= domain)
+    ids this module holds: all of them for evaluation, a rank's own domains in training. Experts live
+    in a ModuleDict keyed by global id, so state-dict names carry the id (`experts.3.fc1.weight`).
+    """
+
+    def __init__(self, cfg: ModelConfig, expert_ids: Sequence[int]) -> None:
+        super().__init__()
+        if not expert_ids:
+            raise ValueError("a DEMix layer needs at least one expert id")
+        self.expert_ids = sorted(int(e) for e in expert_ids)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids})
+
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+        if domain_ids_B is None:
+            raise ValueError("a DEMix layer routes by domain: pass domain_ids (one per sequence)")
+        if len(self.expert_ids) == 1:
+            only = self.expert_ids[0]
+            # A rank of one domain: the whole batch is that domain (checked cheaply, no host sync in the hot path
+            # beyond one comparison).
+            if not bool((domain_ids_B == only).all()):
+                missing = sorted(set(domain_ids_B.tolist()) - {only})
+                raise ValueError(f"domain ids {missing} have no expert here (this layer holds expert {only})")
+            return FFNOutput(hidden=self.experts[str(only)](x_BTD))
+        out_BTD = torch.zeros_like(x_BTD)
+        seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
+        for e in self.expert_ids:
+            rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
+            seen[rows_N] = True
+            if rows_N.numel():
+                out_BTD = out_BTD.index_put((rows_N,), self.experts[str(e)](x_BTD[rows_N]))
+        if not bool(seen.all()):
+            missing = sorted(set(domain_ids_B[~seen].tolist()))
+            raise ValueError(f"domain ids {missing} have no expert here (this layer holds experts {self.expert_ids})")
+        # Touch every expert so that each one's parameters take part in the graph even when a batch has
+        # none of its sequences (keeps gradient reduction uniform across ranks).
+        for e in self.expert_ids:
+            out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in self.experts[str(e)].parameters())
+        return FFNOutput(hidden=out_BTD)

@@ -1,0 +1,46 @@
+"""The building blocks every feed-forward kind shares: its output type, the GPT-3 MLP, the dense layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+
+
+@dataclass
+class FFNOutput:
+    """What a feed-forward layer returns: hidden states, an auxiliary loss, routing statistics."""
+
+    hidden: torch.Tensor
+    aux_loss: Optional[torch.Tensor] = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class MLP(nn.Module):
+    """The dense FFN of GPT-3: D -> F -> D with GELU. One DEMix expert has exactly this shape."""
+
+    def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ffn)
+        self.fc2 = nn.Linear(d_ffn, d_model)
+        self.fc2.is_residual_projection = True  # scaled init (GPT-2), see GPT._init_weights
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(F.gelu(self.fc1(x))))
+
+
+class DenseFFN(nn.Module):
+    """The degenerate case: one expert, every token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.mlp = MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+        return FFNOutput(hidden=self.mlp(x_BTD))
