@@ -55,10 +55,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from launcher.typed import ConfigError, build_lenient
 from model import accounting as acc
-from model.config import ModelConfig
+from model.config import CONFIG, Float, ModelConfig, StrictInt
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_DIR = ROOT / "configs" / "clusters"
@@ -74,7 +75,7 @@ DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=CONFIG)
 class ClusterSpec:
     """The hardware: one kind of node, repeated. Bandwidths are *one direction, per GPU* for NVLink
     (what a ring step can push: 600 GB/s "bidirectional" NVSwitch is 300 GB/s here) and *total per node*
@@ -82,15 +83,15 @@ class ClusterSpec:
 
     name: str
     device: str  # a key or name model.accounting knows ("v100-sxm2", "a100", "h100-sxm")
-    gpus_per_node: int
-    nvlink_gbytes_per_s: float  # intra-node, per GPU, one direction, GB/s
-    nvlink_latency_us: float
-    internode_gbits_per_s_per_node: float  # e.g. 4 x 100 Gb/s EDR = 400
-    internode_latency_us: float
+    gpus_per_node: StrictInt
+    nvlink_gbytes_per_s: Float  # intra-node, per GPU, one direction, GB/s
+    nvlink_latency_us: Float
+    internode_gbits_per_s_per_node: Float  # e.g. 4 x 100 Gb/s EDR = 400
+    internode_latency_us: Float
     precision: str = "fp16"
-    peak_tflops: Optional[float] = None  # overrides the device table
-    efficiency_max: Optional[float] = None  # compute efficiency e(h) for this device; None = V100 fit
-    efficiency_h_half: Optional[float] = None
+    peak_tflops: Optional[Float] = None  # overrides the device table
+    efficiency_max: Optional[Float] = None  # compute efficiency e(h) for this device; None = V100 fit
+    efficiency_h_half: Optional[Float] = None
     description: str = ""
 
     def problems(self) -> list[str]:

@@ -45,8 +45,10 @@ from benchmarks.machine import machine_info
 from typing import Any, Optional, Sequence
 
 import yaml
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from launcher.typed import ConfigError, build_lenient, to_dict
+from model.config import CONFIG, StrictBool, StrictInt
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
@@ -60,7 +62,7 @@ MEAN_KEYS: tuple[str, ...] = ("tokens_per_s", "step_time_s", "tflops_per_gpu_rec
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=CONFIG)
 class SizeSpec:
     """One model size: a preset from configs/model/ and/or `model.*` overrides (e.g. {n_layers: 2})."""
 
@@ -69,17 +71,17 @@ class SizeSpec:
     model: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=CONFIG)
 class LaunchSpec:
     """How points are started. Without a hostfile every point is N local processes; with one, a world size
     of W runs on ceil(W / gpus_per_node) nodes with min(W, gpus_per_node) processes each."""
 
     hostfile: Optional[str] = None
-    gpus_per_node: int = 8
-    timeout_s: int = 900  # per point; the point is recorded as failed when it runs longer
+    gpus_per_node: StrictInt = 8
+    timeout_s: StrictInt = 900  # per point; the point is recorded as failed when it runs longer
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=CONFIG)
 class SweepConfig:
     """A grid of training runs. Empty `zero_stages` / `tensor_parallel` keep the base config's value
     (and leave them out of the point ids)."""
@@ -88,16 +90,16 @@ class SweepConfig:
     base_config: str  # a run YAML (configs/...): data, train, logging defaults for every point
     sizes: list[SizeSpec]
     archs: list[str] = field(default_factory=lambda: ["dense", "demix", "gshard"])
-    world_sizes: list[int] = field(default_factory=lambda: [1])
-    zero_stages: list[int] = field(default_factory=list)
-    tensor_parallel: list[int] = field(default_factory=list)
-    steps: int = 10
-    log_interval: int = 1
+    world_sizes: list[StrictInt] = field(default_factory=lambda: [1])
+    zero_stages: list[StrictInt] = field(default_factory=list)
+    tensor_parallel: list[StrictInt] = field(default_factory=list)
+    steps: StrictInt = 10
+    log_interval: StrictInt = 1
     mixture: dict[str, str] = field(default_factory=dict)  # per arch; missing archs use DEFAULT_MIXTURE
     set: list[str] = field(default_factory=list)  # extra KEY=VALUE overrides for every point
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     cluster: Optional[str] = None  # a cost-model cluster preset: the report adds predicted TFLOPs/GPU
-    keep_checkpoints: bool = False  # checkpoints and exports are deleted after a point (benchmarks need neither)
+    keep_checkpoints: StrictBool = False  # checkpoints and exports are deleted after a point (benchmarks need neither)
 
     def mixture_for(self, arch: str) -> str:
         return self.mixture.get(arch, DEFAULT_MIXTURE.get(arch, "natural"))

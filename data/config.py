@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
+
+from pydantic.dataclasses import dataclass
+
+from model.config import CONFIG, StrictInt
 
 MIXTURES: tuple[str, ...] = ("by_domain", "natural", "balanced", "domain_token")
 TOKENIZERS: tuple[str, ...] = ("gpt2", "sentencepiece")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class DataConfig:
     """mixture: "by_domain" (DEMix: a rank reads only its domains), "natural" (Dense: documents in their
     natural proportions), "balanced" (Dense-balanced: equal tokens per domain), "domain_token"
@@ -19,7 +22,7 @@ class DataConfig:
     domains: Optional[list[str]] = None  # None = every training domain found in the manifest
     mixture: str = "by_domain"
     tokenizer: str = "gpt2"
-    seed: int = 1234
+    seed: StrictInt = 1234
 
     def problems(self, prefix: str = "data") -> list[str]:
         out = []

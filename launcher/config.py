@@ -7,15 +7,16 @@ A run YAML names a model preset (`model: {preset: gpt3-small, ffn: {kind: demix}
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
+from pydantic.dataclasses import dataclass
 
 from data.config import DataConfig
 from launcher.typed import ConfigError, build_lenient, deep_merge, set_path
-from model.config import ModelConfig
+from model.config import CONFIG, Float, ModelConfig, StrictBool, StrictInt
 from parallel.config import ParallelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -27,31 +28,31 @@ WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")
 TRAINABLE: tuple[str, ...] = ("all", "experts")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class TrainConfig:
     """The paper's recipe by default (DEMix Tables 9-12): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1,
     clip 0.1, polynomial decay with 8 % warm-up, 2 sequences per GPU x 8 accumulation steps."""
 
-    steps: int = 100
-    micro_batch: int = 2
-    grad_accum: int = 8
-    lr: float = 5e-4
-    min_lr: float = 0.0
+    steps: StrictInt = 100
+    micro_batch: StrictInt = 2
+    grad_accum: StrictInt = 8
+    lr: Float = 5e-4
+    min_lr: Float = 0.0
     schedule: str = "polynomial"
-    warmup_fraction: float = 0.08
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_grad: float = 0.1
+    warmup_fraction: Float = 0.08
+    beta1: Float = 0.9
+    beta2: Float = 0.95
+    eps: Float = 1e-8
+    weight_decay: Float = 0.1
+    clip_grad: Float = 0.1
     precision: str = "fp32"
     activation_checkpointing: str = "none"
-    seed: int = 1234
+    seed: StrictInt = 1234
     init_from: Optional[str] = None  # a consolidated checkpoint to start from (DAPT, continued training)
     trainable: str = "all"  # "all", or "experts": freeze everything but the experts (DEMix-DAPT, §6)
-    eval_interval: int = 0  # 0 = only at the end
-    eval_batches: int = 4
-    save_interval: int = 0  # 0 = only at the end
+    eval_interval: StrictInt = 0  # 0 = only at the end
+    eval_batches: StrictInt = 4
+    save_interval: StrictInt = 0  # 0 = only at the end
 
     def problems(self, prefix: str = "train") -> list[str]:
         out = []
@@ -76,11 +77,11 @@ class TrainConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class LoggingConfig:
     out_dir: str = "runs/default"
-    log_interval: int = 1
-    progress_bar: bool = True
+    log_interval: StrictInt = 1
+    progress_bar: StrictBool = True
     wandb_mode: str = "offline"  # never required; "online" only when configured
     wandb_project: str = "demix"
 
@@ -93,7 +94,7 @@ class LoggingConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

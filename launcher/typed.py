@@ -1,18 +1,26 @@
-"""Build frozen dataclasses from plain dicts (parsed YAML), collecting *every* problem.
+"""Build configs from plain dicts (parsed YAML), reporting *every* problem in one message.
 
-Unknown keys and wrong types are errors. Nested dataclasses are built recursively; `list[...]` /
-`tuple[...]` / `Optional[...]` / `Union[...]` / `Literal`-free scalars are supported, which is all the
-configs use. Ints are accepted where floats are expected; bools are never accepted as ints.
+The config classes are pydantic dataclasses (`model.config.CONFIG`): pydantic checks the types, rejects
+unknown keys and collects every error. This module adds our one-line messages (dotted paths as `--set`
+writes them, the value, what was expected), a lenient build (broken fields dropped, so defaults apply and
+the semantic `problems()` checks still run on the rest), and the dict helpers the loaders use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
-import typing
-from typing import Any, Optional, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, TypeVar, Union, get_args, get_origin
+
+from pydantic import TypeAdapter, ValidationError
 
 T = TypeVar("T")
+_DROP = object()  # marks a broken entry of the input for the lenient build
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "string_type": "a string", "list_type": "a list", "tuple_type": "a list", "dict_type": "a mapping",
+}
 
 
 class ConfigError(ValueError):
@@ -24,114 +32,76 @@ class ConfigError(ValueError):
         super().__init__(f"{len(self.problems)} problem(s) in {source}:\n{lines}")
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _inner(tp: Any) -> Any:
+    """Optional[X] -> X."""
+    if get_origin(tp) in (Union, types.UnionType):
+        return next(a for a in get_args(tp) if a is not type(None))
+    return tp
 
 
-def _convert(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            trial: list[str] = []
-            out = _convert(value, arg, path, trial)
-            if not trial:
-                return out
-        problems.append(f"{path}={value!r}: expected {' | '.join(_type_name(a) for a in args)}")
-        return None
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            problems.append(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
-            return None
-        return _build(tp, value, path, problems)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            problems.append(f"{path}={value!r}: expected a list")
-            return None
-        args = get_args(tp)
-        item_tp = args[0] if args else Any
-        items = [_convert(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            problems.append(f"{path}={value!r}: expected a mapping")
-            return None
-        k_tp, v_tp = get_args(tp) or (Any, Any)
-        return {_convert(k, k_tp, path, problems): _convert(v, v_tp, f"{path}.{k}", problems) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        problems.append(f"{path}={value!r}: expected true or false")
-        return None
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        problems.append(f"{path}={value!r}: expected an integer")
-        return None
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "3e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        problems.append(f"{path}={value!r}: expected a number")
-        return None
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        problems.append(f"{path}={value!r}: expected a string")
-        return None
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    problems.append(f"{path}={value!r}: expected {_type_name(tp)}")
-    return None
+def _message(cls: type, error: dict, prefix: str) -> str:
+    loc = [seg for seg in error["loc"] if seg != "[key]"]
+    path = prefix
+    for seg in loc:
+        path = f"{path}[{seg}]" if isinstance(seg, int) else f"{path}.{seg}" if path else str(seg)
+    kind, value = error["type"], error["input"]
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        owner = cls  # the dataclass holding the key: follow the types along the path
+        for seg in loc[:-1]:  # a dataclass -> its field's type; list[X] / dict[K, X] -> X
+            owner = _inner(owner)
+            owner = owner.__pydantic_fields__[seg].annotation if dataclasses.is_dataclass(owner) else get_args(owner)[-1]
+        known = ", ".join(sorted(f.name for f in dataclasses.fields(_inner(owner)) if f.init))
+        return f"{path}: unknown key (known keys of {_inner(owner).__name__}: {known})"
+    if kind == "missing":
+        return f"{path}: required"
+    if kind == "dataclass_type":
+        return f"{path}: expected a mapping for {error['ctx']['class_name']}, got {type(value).__name__}"
+    return f"{path}={value!r}: " + (f"expected {_EXPECTED[kind]}" if kind in _EXPECTED else error["msg"])
 
 
-def _build(cls: type[T], data: dict, path: str, problems: list[str]) -> T:
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    for key in unknown:
-        where = f"{path}.{key}" if path else key
-        problems.append(f"{where}: unknown key (known keys of {cls.__name__}: {', '.join(sorted(fields))})")
-    kwargs = {}
-    for name, value in data.items():
-        if name in fields:
-            kwargs[name] = _convert(value, hints[name], f"{path}.{name}" if path else name, problems)
-    missing = [
-        n for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    for name in missing:
-        problems.append(f"{path + '.' if path else ''}{name}: required")
-    if problems:
-        # Still build something so that later checks can run; fill broken fields with defaults.
-        kwargs = {k: v for k, v in kwargs.items() if v is not None or hints[k] is type(None)}
-        try:
-            return cls(**kwargs)
-        except TypeError:
-            return None  # type: ignore[return-value]
-    return cls(**kwargs)
+def _drop(data: Any, loc: tuple) -> bool:
+    """Mark the deepest entry of `data` along `loc` as broken (its container's entry, never the top level)."""
+    parent, node = None, data
+    for seg in loc:
+        in_dict = isinstance(node, dict) and seg in node
+        if not (in_dict or isinstance(node, list) and isinstance(seg, int) and seg < len(node)):
+            break
+        parent, key, node = node, seg, node[seg]
+    if parent is not None:
+        parent[key] = _DROP
+    return parent is not None
+
+
+def _purge(data: Any) -> Any:
+    """A copy of `data` (dicts and lists) without the entries marked broken."""
+    if isinstance(data, dict):
+        return {k: _purge(v) for k, v in data.items() if v is not _DROP}
+    if isinstance(data, list):
+        return [_purge(v) for v in data if v is not _DROP]
+    return data
 
 
 def build_lenient(cls: type[T], data: dict, prefix: str = "") -> tuple[Optional[T], list[str]]:
-    """Build `cls` from `data`, returning (object, problems). Broken fields fall back to their defaults
-    so that semantic checks can still run on the rest and every problem is reported at once."""
+    """Build `cls` from `data`, returning (object, problems). On problems the object is built from what is
+    valid (broken entries dropped, their defaults apply) so that semantic checks can still run and every
+    problem is reported at once; it is None when that is impossible (e.g. a required field is broken).
+    `prefix` goes before every path in the messages ("model" -> "model.n_layers=...")."""
     if not isinstance(data, dict):
         return None, [f"expected a mapping at the top level, got {type(data).__name__}"]
-    problems: list[str] = []
-    obj = _build(cls, data, prefix, problems)
-    return obj, problems
+    adapter = TypeAdapter(cls)
+    try:
+        return adapter.validate_python(data), []
+    except ValidationError as e:
+        problems = list(dict.fromkeys(_message(cls, err, prefix) for err in e.errors(include_url=False)))
+    data = _purge(data)
+    while True:
+        try:
+            return adapter.validate_python(data), problems
+        except ValidationError as e:
+            dropped = [_drop(data, err["loc"]) for err in e.errors(include_url=False)]
+            if not any(dropped):
+                return None, problems
+            data = _purge(data)
 
 
 def from_dict(cls: type[T], data: dict, source: str = "config", prefix: str = "") -> T:
@@ -173,4 +143,3 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
 
 
 __all__ = ["ConfigError", "build_lenient", "from_dict", "to_dict", "deep_merge", "set_path"]
-_ = typing  # keep typing importable for get_type_hints on postponed annotations

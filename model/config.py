@@ -1,29 +1,51 @@
 """Typed model configuration: the GPT shape and the feed-forward seam's kind.
 
-Every config is a frozen dataclass. `problems()` returns every problem found (never raises),
-so that the run-level validator can report all of them at once.
+Every config is a frozen pydantic dataclass sharing `CONFIG` (unknown keys are errors) and the strict
+scalar types below; launcher/typed.py turns pydantic's errors into our messages. `problems()` returns every
+value problem found (never raises), so that the run-level validator can report all of them at once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict, Strict, StrictBool, StrictInt
+from pydantic.dataclasses import dataclass
+
+# Shared by every config class (data/, parallel/, launcher/, benchmarks/ import these): unknown keys are
+# errors. Fields use StrictInt / StrictBool / Float so that bools are never ints or numbers and "3" is no int.
+CONFIG = ConfigDict(extra="forbid")
+
+
+def _number_from_string(value: Any) -> Any:
+    """YAML reads "3e-4" as a string: accept numeric strings as floats (anything else is left to fail)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+Float = Annotated[float, Strict(), BeforeValidator(_number_from_string)]  # ints and "3e-4" yes, bools no
 
 FFN_KINDS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
 SECOND_EXPERT_POLICIES: tuple[str, ...] = ("sampling", "all", "random")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class GShardConfig:
     """Token-routed top-k MoE options (GShard; DEMix paper §A.5)."""
 
-    top_k: int = 2
-    moe_every: int = 2  # an MoE layer every `moe_every` layers (2 = every other layer, as in the paper)
-    experts_per_rank: int = 1  # total experts = expert-parallel ranks x experts_per_rank
-    capacity_factor: float = 1.0
-    eval_capacity_factor: float = 2.0
-    min_capacity: int = 4
-    aux_loss_weight: float = 0.01
+    top_k: StrictInt = 2
+    moe_every: StrictInt = 2  # an MoE layer every `moe_every` layers (2 = every other layer, as in the paper)
+    experts_per_rank: StrictInt = 1  # total experts = expert-parallel ranks x experts_per_rank
+    capacity_factor: Float = 1.0
+    eval_capacity_factor: Float = 2.0
+    min_capacity: StrictInt = 4
+    aux_loss_weight: Float = 0.01
     second_expert_policy: str = "sampling"
 
     def problems(self, prefix: str = "model.ffn.gshard") -> list[str]:
@@ -46,18 +68,18 @@ class GShardConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class CSEConfig:
     """Cluster-guided sparse experts options (CSE paper, Algorithm 1)."""
 
-    last_layers: int = 2  # experts in the last N layers only
-    warmup_fraction: float = 0.01
-    num_samples: int = 1024
-    projection_dim: int = 64
-    dbscan_eps: float = 0.5
-    dbscan_min_samples: int = 5
-    centre_momentum: float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
-    max_clusters: int = 16
+    last_layers: StrictInt = 2  # experts in the last N layers only
+    warmup_fraction: Float = 0.01
+    num_samples: StrictInt = 1024
+    projection_dim: StrictInt = 64
+    dbscan_eps: Float = 0.5
+    dbscan_min_samples: StrictInt = 5
+    centre_momentum: Float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
+    max_clusters: StrictInt = 16
 
     def problems(self, prefix: str = "model.ffn.cse") -> list[str]:
         out = []
@@ -72,7 +94,7 @@ class CSEConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class FFNConfig:
     """The feed-forward seam: which kind, and how many experts.
 
@@ -81,7 +103,7 @@ class FFNConfig:
     """
 
     kind: str = "dense"
-    num_experts: int = 0
+    num_experts: StrictInt = 0
     gshard: GShardConfig = field(default_factory=GShardConfig)
     cse: CSEConfig = field(default_factory=CSEConfig)
 
@@ -98,20 +120,20 @@ class FFNConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class ModelConfig:
     """A GPT-3-style decoder (pre-LN, learned positions, GELU MLP, tied embeddings)."""
 
     name: str = "custom"
-    n_layers: int = 2
-    d_model: int = 128
-    n_heads: int = 4
-    seq_len: int = 1024
-    vocab_size: int = 50264
-    ffn_mult: int = 4
-    dropout: float = 0.0
-    init_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128
+    n_layers: StrictInt = 2
+    d_model: StrictInt = 128
+    n_heads: StrictInt = 4
+    seq_len: StrictInt = 1024
+    vocab_size: StrictInt = 50264
+    ffn_mult: StrictInt = 4
+    dropout: Float = 0.0
+    init_std: Float = 0.02
+    make_vocab_size_divisible_by: StrictInt = 128
     ffn: FFNConfig = field(default_factory=FFNConfig)
 
     @property

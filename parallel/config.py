@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
+
+from pydantic.dataclasses import dataclass
+
+from model.config import CONFIG, StrictInt
 
 EXPERT_GRAD_SCALINGS: tuple[str, ...] = ("domain_mean", "global")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=CONFIG)
 class ParallelConfig:
     """How ranks are laid out.
 
@@ -19,9 +22,9 @@ class ParallelConfig:
     "global" divides by the whole data-parallel world, as the reference fairseq code does.
     """
 
-    tensor_parallel: int = 1
-    zero_stage: int = 0
-    allocation: Optional[list[int]] = None
+    tensor_parallel: StrictInt = 1
+    zero_stage: StrictInt = 0
+    allocation: Optional[list[StrictInt]] = None
     expert_grad_scaling: str = "domain_mean"
 
     def problems(self, prefix: str = "parallel") -> list[str]:
