@@ -50,16 +50,17 @@ import json
 import math
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
+from pydantic import StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from launcher.typed import ConfigError, build_lenient
 from model import accounting as acc
-from model.config import CONFIG, Float, ModelConfig, StrictInt
+from model.config import CONFIG, Float, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_DIR = ROOT / "configs" / "clusters"

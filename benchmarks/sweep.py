@@ -45,10 +45,11 @@ from benchmarks.machine import machine_info
 from typing import Any, Optional, Sequence
 
 import yaml
+from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from launcher.typed import ConfigError, build_lenient, to_dict
-from model.config import CONFIG, StrictBool, StrictInt
+from model.config import CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pydantic import ConfigDict, StrictInt
 from pydantic.dataclasses import dataclass
 
-from model.config import CONFIG, StrictInt
+CONFIG = ConfigDict(extra="forbid")  # as model.config.CONFIG (data/ imports no other project folder)
 
 MIXTURES: tuple[str, ...] = ("by_domain", "natural", "balanced", "domain_token")
 TOKENIZERS: tuple[str, ...] = ("gpt2", "sentencepiece")

@@ -102,7 +102,7 @@ class FFNKind:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
         from parallel.engine import build_engine
 
-        return build_engine(model, cfg, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups))
+        return build_engine(model, cfg.train, cfg.parallel, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups))
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
         """(shared tensors, this rank's expert shards by id, whether this rank writes those shards) of the
@@ -205,18 +205,18 @@ class GShard(FFNKind):
                      ) -> Optional[list[int]]:
         from parallel.gshard import gshard_layout_for
 
-        return list(gshard_layout_for(cfg, topo, rank).local_experts)  # init is per parameter name
+        return list(gshard_layout_for(cfg.model, topo, rank).local_experts)  # init is per parameter name
 
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
         from parallel.gshard import gshard_layout_for
 
-        lay = gshard_layout_for(cfg, topo, rank)
+        lay = gshard_layout_for(cfg.model, topo, rank)
         return {"expert_parallel": list(lay.ep_ranks), "expert_data_parallel": list(lay.edp_ranks)}
 
     def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
         from parallel.gshard import apply_gshard  # swaps the plain top-k layers for DeepSpeed's MoE layer
 
-        apply_gshard(model, cfg, groups)
+        apply_gshard(model, cfg.model, groups)
         return None
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
@@ -238,7 +238,8 @@ class CSE(FFNKind):
                   domain_names: Sequence[str]) -> Optional[StepHook]:
         from parallel.cse import CSEController  # warm-up, then cluster sequence embeddings and copy the FFN
 
-        return CSEController(model, cfg, groups, optimizer=optimizer, domain_names=domain_names)
+        return CSEController(model, cfg.model.ffn.cse, cfg.train.steps, groups, optimizer=optimizer,
+                             domain_names=domain_names)
 
 
 KINDS: dict[str, FFNKind] = {}

@@ -119,7 +119,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
             check_resumable(ckpt, plan)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
-    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg))
+    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel))
     port = args.port or free_port()
     cmd = build_command(args, run_dir, port)
     env = launch_env(args.nproc)

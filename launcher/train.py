@@ -178,9 +178,9 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     if cfg.train.trainable == "experts":
         freeze_all_but_experts(model)
     if cfg.train.activation_checkpointing == "full":
-        from parallel.checkpointing import apply_activation_checkpointing
+        from parallel.activation_recompute import apply_activation_recompute
 
-        apply_activation_checkpointing(model)
+        apply_activation_recompute(model)
     bundle = kind.build_engine(model, cfg, groups)
     if ckpt is not None:
         start = load_training_state(ckpt, bundle, plan, rank)

@@ -11,7 +11,7 @@ import math
 from dataclasses import field
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Strict, StrictBool, StrictInt
+from pydantic import BeforeValidator, ConfigDict, Strict, StrictInt
 from pydantic.dataclasses import dataclass
 
 # Shared by every config class (data/, parallel/, launcher/, benchmarks/ import these): unknown keys are

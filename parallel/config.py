@@ -1,14 +1,20 @@
-"""Typed parallel-layout configuration (tensor parallel, ZeRO, domain -> GPU allocation)."""
+"""Typed configuration of what parallel/ applies: the layout (tensor parallel, ZeRO, domain -> GPU
+allocation) and the training recipe the DeepSpeed engine is built with (optimizer, schedule, precision)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+from pydantic import StrictInt
 from pydantic.dataclasses import dataclass
 
-from model.config import CONFIG, StrictInt
+from model.config import CONFIG, Float
 
 EXPERT_GRAD_SCALINGS: tuple[str, ...] = ("domain_mean", "global")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+SCHEDULES: tuple[str, ...] = ("polynomial", "cosine", "constant")
+CHECKPOINTING: tuple[str, ...] = ("none", "full")
+TRAINABLE: tuple[str, ...] = ("all", "experts")
 
 
 @dataclass(frozen=True, config=CONFIG)
@@ -39,4 +45,53 @@ class ParallelConfig:
             out.append(
                 f"{prefix}.expert_grad_scaling={self.expert_grad_scaling!r}: choose one of {', '.join(EXPERT_GRAD_SCALINGS)}"
             )
+        return out
+
+
+@dataclass(frozen=True, config=CONFIG)
+class TrainConfig:
+    """The paper's recipe by default (DEMix Tables 9-12): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1,
+    clip 0.1, polynomial decay with 8 % warm-up, 2 sequences per GPU x 8 accumulation steps."""
+
+    steps: StrictInt = 100
+    micro_batch: StrictInt = 2
+    grad_accum: StrictInt = 8
+    lr: Float = 5e-4
+    min_lr: Float = 0.0
+    schedule: str = "polynomial"
+    warmup_fraction: Float = 0.08
+    beta1: Float = 0.9
+    beta2: Float = 0.95
+    eps: Float = 1e-8
+    weight_decay: Float = 0.1
+    clip_grad: Float = 0.1
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    seed: StrictInt = 1234
+    init_from: Optional[str] = None  # a consolidated checkpoint to start from (DAPT, continued training)
+    trainable: str = "all"  # "all", or "experts": freeze everything but the experts (DEMix-DAPT, §6)
+    eval_interval: StrictInt = 0  # 0 = only at the end
+    eval_batches: StrictInt = 4
+    save_interval: StrictInt = 0  # 0 = only at the end
+
+    def problems(self, prefix: str = "train") -> list[str]:
+        out = []
+        for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("eval_interval", "save_interval"):
+            if getattr(self, name) < 0:
+                out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(f"{prefix}: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            out.append(f"{prefix}.warmup_fraction={self.warmup_fraction}: must be in [0, 1)")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            out.append(f"{prefix}: betas ({self.beta1}, {self.beta2}) must be in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0 or self.eps <= 0:
+            out.append(f"{prefix}: clip_grad and weight_decay must be >= 0, eps > 0")
+        for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
+                              ("trainable", TRAINABLE)):
+            if getattr(self, name) not in allowed:
+                out.append(f"{prefix}.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         return out

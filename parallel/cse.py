@@ -5,8 +5,8 @@ Shape legend: N sampled sequences (all ranks), L CSE layers, P projection dim, E
 
 The trainer calls one object (`CSEController`) twice per step-loop iteration at most:
 
-    cse = CSEController(bundle.engine.module, cfg, bundle.groups, optimizer=bundle.engine.optimizer,
-                        domain_names=plan.catalog.train_domains)          # after build_engine / resume
+    cse = CSEController(bundle.engine.module, cfg.model.ffn.cse, cfg.train.steps, bundle.groups,
+                        optimizer=bundle.engine.optimizer, domain_names=plan.catalog.train_domains)  # after build_engine
     ...
     rec = cse.after_step(done, lambda i: to_model_batch(sampler.batch(done + i // ga, i % ga), device, plan))
     if rec is not None and rank == 0: log.log({"kind": "cse", "step": done, **rec})
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from model.config import CSEConfig
 from model.cse import CSEFFN, cse_layers
 
 BatchFn = Callable[[int], dict]
@@ -209,15 +210,15 @@ def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
 class CSEController:
     """Drives the CSE layers of `model` (the plain module, e.g. `bundle.engine.module`) during training."""
 
-    def __init__(self, model: nn.Module, cfg: Any, groups: Any = None, optimizer: Any = None,
+    def __init__(self, model: nn.Module, cse: CSEConfig, steps: int, groups: Any = None, optimizer: Any = None,
                  domain_names: Sequence[str] = ()) -> None:
         self.model = model
-        self.cse = cfg.model.ffn.cse
+        self.cse = cse
         self.layers: list[CSEFFN] = cse_layers(model)
         self.groups = groups
         self.optimizer = optimizer
         self.domain_names = list(domain_names)
-        self.boundary = max(1, int(round(self.cse.warmup_fraction * cfg.train.steps)))
+        self.boundary = max(1, int(round(self.cse.warmup_fraction * steps)))  # of the run's `steps`
         self.clustered_at: Optional[int] = None
         # Read the layers' buffers once (a host sync); afterwards the flag changes only in `initialise`, so the
         # per-step check costs no device round trip.

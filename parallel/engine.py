@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from launcher.config import RunConfig
+from parallel.config import ParallelConfig, TrainConfig
 from model.gpt import GPT
 from parallel.groups import DeepSpeedMPU, ProcessGroups, register_with_deepspeed
 
 
-def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
-    """The DeepSpeed JSON config derived from the typed run config (written into the run directory)."""
-    t = cfg.train
-    zero = cfg.parallel.zero_stage
+def deepspeed_config(t: TrainConfig, parallel: ParallelConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON config derived from the typed training recipe and layout (written into the run
+    directory by the launcher)."""
+    zero = parallel.zero_stage
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
@@ -60,9 +60,8 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
     return ds
 
 
-def lr_lambda(cfg: RunConfig):
+def lr_lambda(t: TrainConfig) -> Callable[[int], float]:
     """Polynomial (power 1) decay to min_lr after linear warm-up over `warmup_fraction` of the steps (DEMix §4.1)."""
-    t = cfg.train
     warmup = int(round(t.warmup_fraction * t.steps))
     floor = t.min_lr / t.lr
 
@@ -357,7 +356,8 @@ def distribute_demix_experts(model: GPT, num_experts: int, groups: ProcessGroups
 PrepareFn = Callable[[nn.Module], Optional[ExpertGradScale]]
 
 
-def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups, prepare: Optional[PrepareFn] = None) -> EngineBundle:
+def build_engine(model: GPT, t: TrainConfig, parallel: ParallelConfig, groups: ProcessGroups,
+                 prepare: Optional[PrepareFn] = None) -> EngineBundle:
     """Tensor-parallelise `model`, let `prepare` make its experts distributed (the FFN kind's step, e.g.
     `distribute_demix_experts` or `parallel.gshard.apply_gshard`), and wrap it in a DeepSpeed engine."""
     import deepspeed
@@ -367,12 +367,11 @@ def build_engine(model: GPT, cfg: RunConfig, groups: ProcessGroups, prepare: Opt
 
         apply_tensor_parallel(model, groups.tp_group)
     expert_scale = prepare(model) if prepare is not None else None
-    t = cfg.train
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg), mpu=DeepSpeedMPU(groups)
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(t, parallel), mpu=DeepSpeedMPU(groups)
     )
     return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler, expert_scale=expert_scale)

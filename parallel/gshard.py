@@ -119,12 +119,11 @@ def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_befor
                         tensor_parallel)
 
 
-def gshard_layout_for(cfg: Any, topo: Any, rank: int) -> GShardLayout:
-    """`gshard_layout` for a run config (its DeepSpeed group order) on a parallel.topology.Topology."""
-    from parallel.engine import deepspeed_config
-
-    d_before_e = bool(deepspeed_config(cfg).get("use_data_before_expert_parallelism", False))
-    return gshard_layout(cfg.model, topo.world_size, rank, d_before_e, topo.tensor_parallel)
+def gshard_layout_for(model: ModelConfig, topo: Any, rank: int) -> GShardLayout:
+    """`gshard_layout` on a parallel.topology.Topology, in DeepSpeed's default group order (E+D: the DeepSpeed
+    config from parallel.engine.deepspeed_config leaves `use_data_before_expert_parallelism` unset;
+    DistributedGShardFFN checks the groups DeepSpeed built against this layout)."""
+    return gshard_layout(model, topo.world_size, rank, False, topo.tensor_parallel)
 
 
 class _RoutingGate(nn.Module):
@@ -257,11 +256,11 @@ def _gloo_accepts_flat_token_gather() -> None:
     cdb.all_gather_into_tensor = all_gather_into_tensor
 
 
-def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
+def apply_gshard(model: nn.Module, cfg: ModelConfig, groups: Any) -> list[int]:
     """Replace every plain GShard layer of `model` (a GPT) by a DistributedGShardFFN, in place, before the
     DeepSpeed engine and its optimizer are built. The plain layers must hold this rank's experts (a GPT built
     with all experts, or with `expert_ids=gshard_layout(...).local_experts`); the distributed model then
-    computes what the plain one does. `cfg` is the RunConfig, `groups` our ProcessGroups.
+    computes what the plain one does. `cfg` is the model's config, `groups` our ProcessGroups.
     Returns the global expert ids this rank holds."""
     layout = gshard_layout_for(cfg, groups.topo, groups.rank)
     for i, block in enumerate(model.blocks):
@@ -276,7 +275,7 @@ def apply_gshard(model: nn.Module, cfg: Any, groups: Any) -> list[int]:
         missing = sorted(set(layout.local_experts) - set(ffn.expert_ids))
         if missing:
             raise ValueError(f"layer {i} lacks experts {missing} that rank {groups.rank} holds")
-        block.ffn = DistributedGShardFFN(ffn, cfg.model, layout, groups.tp_group)
+        block.ffn = DistributedGShardFFN(ffn, cfg, layout, groups.tp_group)
     return list(layout.local_experts)
 
 

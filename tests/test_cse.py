@@ -139,7 +139,7 @@ def test_controller_single_process_clusters_and_copies_expert_zero():
     def batch_fn(i: int) -> dict:
         return {"tokens": torch.randint(0, 128, (4, 16), generator=g), "domain_ids": torch.tensor([0, 1, 0, 1])}
 
-    ctl = CSEController(model, cfg, None, optimizer=opt, domain_names=["x", "y"])
+    ctl = CSEController(model, cfg.model.ffn.cse, cfg.train.steps, None, optimizer=opt, domain_names=["x", "y"])
     assert ctl.boundary == 2
     assert ctl.after_step(1, batch_fn) is None and not ctl.is_clustered
     rec = ctl.after_step(2, batch_fn)

@@ -48,7 +48,8 @@ def _worker(rank: int, world: int, zeros: tuple):
         torch.manual_seed(0)
         model = GPT(cfg.model, init_seed=7)
         bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
-        ctl = CSEController(bundle.engine.module, cfg, groups, optimizer=bundle.engine.optimizer, domain_names=["lo", "hi"])
+        ctl = CSEController(bundle.engine.module, cfg.model.ffn.cse, cfg.train.steps, groups,
+                            optimizer=bundle.engine.optimizer, domain_names=["lo", "hi"])
         records, copies_equal = [], []
         for step in range(STEPS):
             train_step(bundle, cfg, [_batch(rank, 2 * step + m) for m in range(2)], 2)

@@ -96,7 +96,7 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
     t = cfg.train
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     dp_domains = [d if isinstance(d, tuple) else (d,) for d in dp_domains]
     ranks_of = {d: [r for r in range(world_dp) if d in dp_domains[r]] for ds in dp_domains for d in ds}
     norms = []

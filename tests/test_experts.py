@@ -12,7 +12,8 @@ import torch
 
 from data.config import DataConfig
 from launcher.checkpoint import Consolidated, load_consolidated, save_consolidated
-from launcher.config import RunConfig, TrainConfig
+from launcher.config import RunConfig
+from parallel.config import TrainConfig
 from launcher.experts import (add_expert, add_expert_state, adaptation_markdown, adaptation_report, dapt_overrides,
                               evaluate_experts, main, remove_experts, remove_experts_state, removal_markdown,
                               removal_report, run_dapt)

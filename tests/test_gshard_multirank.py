@@ -136,7 +136,7 @@ def _reference(experts: int, world: int, tp: int = 1) -> tuple[dict[str, torch.T
         [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": t.weight_decay},
          {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
         lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     for step in range(STEPS):
         model.zero_grad(set_to_none=True)
         for r in range(world):

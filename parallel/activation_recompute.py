@@ -1,4 +1,4 @@
-"""Activation checkpointing applied from outside: each transformer block recomputes its forward in backward."""
+"""Activation recompute (a.k.a. activation checkpointing) applied from outside: each transformer block recomputes its forward in backward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+def apply_activation_recompute(model: nn.Module) -> nn.Module:
     """Recompute every block's activations in backward (Narayanan et al.'s full recomputation).
 
     The block's forward is replaced in place, so parameter names and state dicts are unchanged.
