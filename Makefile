@@ -41,7 +41,7 @@ data: $(STAMP)
 	$(BIN)/python -m data.build_demo
 
 demo: $(STAMP)
-	$(BIN)/python -m launcher.demo
+	$(BIN)/python -m benchmarks.demo
 
 flops: $(STAMP)
 	$(BIN)/python -m launcher.flops --paper
@@ -55,4 +55,4 @@ clean:
 .PHONY: modular
 # Needs the demo checkpoints (runs/demo/{demix,dense}/model, from `make demo`); writes runs/modular/.
 modular: $(STAMP)
-	$(BIN)/python -m launcher.experts demo
+	$(BIN)/python -m launcher.modular.experts demo

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import inspect
 import json
-import os
 import re
 import sys
 import time
@@ -30,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
 
+from data.atomic import atomic_path, write_json_atomic
 from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchError, Package, Source,
                           package_version)
 
@@ -54,21 +54,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_domain(domain: str, docs: Iterable[str], path: Path, max_docs: Optional[int],
                  max_bytes: Optional[int]) -> dict:
     """Normalise, drop empty and exactly duplicated documents, number them in order, and write JSONL until a
     cap is reached (the document that would cross ``max_bytes`` is not written). Atomic: temp file then
     os.replace. Returns documents, bytes, sha256 and whether a cap cut the source short."""
-    tmp = path.with_name(path.name + ".tmp")
     seen: set[bytes] = set()
     h, n, size, truncated = hashlib.sha256(), 0, 0, False
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for raw in docs:
             text = normalise(raw)
             key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
@@ -83,7 +76,6 @@ def write_domain(domain: str, docs: Iterable[str], path: Path, max_docs: Optiona
             f.write(line)
             h.update(line)
             n, size = n + 1, size + len(line)
-    os.replace(tmp, path)
     return {"documents": n, "bytes": size, "sha256": h.hexdigest(), "truncated": truncated}
 
 

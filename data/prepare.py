@@ -34,7 +34,6 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 from tqdm import tqdm
 
+from data.atomic import commit_dir, write_json_atomic
 from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
 from data.blocks import SPLITS
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
@@ -294,9 +294,7 @@ def prepare_corpus(
         "stats": {**stats, "total_seconds": round(time.perf_counter() - t0 - import_seconds, 3),
                   "megatron_import_seconds": round(import_seconds, 3)},
     }
-    tmp = tok_dir / f"manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, tok_dir / "manifest.json")
+    write_json_atomic(tok_dir / "manifest.json", manifest)
     if progress:
         _print_table(manifest)
         if problems.total:
@@ -351,10 +349,8 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
         seconds = time.perf_counter() - t0
         bar.close()
         for d in texts:
-            if (tok_dir / d).exists():
-                shutil.rmtree(tok_dir / d)
             (staging / d).mkdir(exist_ok=True)
-            os.replace(staging / d, tok_dir / d)
+            commit_dir(staging / d, tok_dir / d)
     finally:
         bar.close()
         shutil.rmtree(staging, ignore_errors=True)

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+from data.atomic import commit_dir
+
 # Bump when an extractor's output changes, so cached corpora built by an older recipe are rebuilt.
 RECIPE_REVISION = 1
 
@@ -126,8 +128,7 @@ class Fetcher:
         getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
         if _only_entry(work) is None:
             raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(work, final)
+        commit_dir(work, final)
         with self._lock:
             self.fetched.append(f"{pkg.registry}:{pkg.spec}")
         return self.cached(pkg)

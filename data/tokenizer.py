@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
+
+from data.atomic import write_bytes_atomic
 
 GPT2_FILE_SHA256: dict[str, str] = {  # the values tiktoken_ext.openai_public.gpt2 checks
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -218,9 +219,7 @@ def train_sentencepiece(
         hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 14,
         shuffle_input_sentence=True, input_sentence_size=2_000_000, num_threads=max(1, threads), minloglevel=2,
     )
-    tmp = out_file.with_name(out_file.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, out_file)
+    write_bytes_atomic(out_file, buf.getvalue())
     return SentencePieceTokenizer(out_file)
 
 

@@ -17,15 +17,14 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
 
+from data.atomic import atomic_dir, commit_dir, write_json_atomic
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict, to_dict
@@ -38,32 +37,6 @@ SHARED_FILE = "model.pt"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, or does not match what is asked of it."""
-
-
-def atomic_dir(final: Path) -> Path:
-    """A fresh temporary sibling directory of `final`; pass it to `commit_dir` when complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
-def commit_dir(tmp: Path, final: Path) -> None:
-    """Replace `final` by `tmp` (a killed writer leaves only a `.tmp-*` directory, never a half checkpoint)."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -10,7 +10,7 @@ A run YAML names a model preset (`model: {preset: gpt3-small, ffn: {kind: demix}
 
 from __future__ import annotations
 
-from dataclasses import field, replace
+from dataclasses import field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -122,9 +122,3 @@ def load_run_config(path: Optional[str | Path] = None, overrides: Sequence[str] 
     if problems or cfg is None:
         raise ConfigError(problems, source)
     return cfg
-
-
-def with_ffn(cfg: RunConfig, kind: str, num_experts: Optional[int] = None) -> RunConfig:
-    """A copy of `cfg` with another feed-forward kind (and optionally expert count)."""
-    ffn = replace(cfg.model.ffn, kind=kind, num_experts=cfg.model.ffn.num_experts if num_experts is None else num_experts)
-    return replace(cfg, model=replace(cfg.model, ffn=ffn))

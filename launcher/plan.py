@@ -87,7 +87,7 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
     missing = [d for d in catalog.train_domains if domains and d not in domains]
     if missing:
         out.append(f"train.init_from has no expert for {missing} (experts: {', '.join(domains)}); add one first with "
-                   "`python -m launcher.experts add`")
+                   "`python -m launcher.modular.experts add`")
     return out, domains
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -21,8 +20,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from launcher.checkpoint import (CheckpointError, commit_dir, copy_expert_shards, finish_consolidated,
-                                 load_consolidated, write_expert_shard, write_json_atomic, write_shared_shard)
+from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
+from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
+                                 write_expert_shard, write_shared_shard)
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
@@ -77,14 +77,13 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
              "scheduler": bundle.scheduler.state_dict(), "step": step,
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
                      "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-    torch.save(state, tmp / f"rank{rank:05d}.pt.part")
-    os.replace(tmp / f"rank{rank:05d}.pt.part", tmp / f"rank{rank:05d}.pt")
+    with atomic_path(tmp / f"rank{rank:05d}.pt") as part:
+        torch.save(state, part)
     dist.barrier()
     if rank == 0:
         write_json_atomic(tmp / "meta.json", {"step": step, "layout": layout_identity(plan), "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
-        (ckdir / "latest.part").write_text(final.name + "\n")
-        os.replace(ckdir / "latest.part", ckdir / "latest")
+        write_text_atomic(ckdir / "latest", final.name + "\n")
     dist.barrier()
     return final
 

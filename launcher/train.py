@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -25,7 +26,7 @@ import torch
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import start_distributed, training_device
-from launcher.ffn_kinds import ffn_kind
+from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
 from launcher.state import (check_resumable, export_consolidated, latest_checkpoint, load_init_weights,
@@ -153,80 +154,122 @@ def throughput_record(plan: Plan, seconds: float, steps: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The loop
+# Set-up, then the loop
 # ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What one optimizer update returns; every tensor stays on the training device until a log interval."""
+
+    domain_sums: torch.Tensor  # [2, domains]: summed token loss and scored tokens per data domain (this rank)
+    grad_norm: torch.Tensor  # the global gradient norm (unscaled)
+    aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # routing statistics, means over micro-batches
+
+
+@dataclass
+class Trainer:
+    """One rank's training run, set up (`Trainer.setup`) apart from the loop (`run`)."""
+
+    plan: Plan
+    run_dir: Path
+    rank: int
+    device: torch.device
+    bundle: Any  # parallel.engine.EngineBundle
+    sampler: Any  # data.sampler's sampler for this rank
+    log: MetricsLogger
+    start: int  # the first step to run (> 0 after a resume)
+    resumed_from: Optional[Path] = None
+    hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
+
+    @classmethod
+    def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
+        """Check the resume point, start the process group, build the model and the engine, restore state."""
+        from model.gpt import GPT
+        from parallel.groups import ProcessGroups
+
+        cfg, kind = plan.cfg, ffn_kind(plan.cfg)
+        ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
+        start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
+        rank, world = start_distributed()
+        if world != plan.topo.world_size:
+            raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
+        torch.manual_seed(cfg.train.seed)
+        groups = ProcessGroups.create(plan.topo)
+        expert_ids = kind.rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)  # only this rank's experts
+        model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel,
+                    init_seed=cfg.train.seed)
+        if cfg.train.init_from:
+            load_init_weights(model, cfg)
+        if cfg.train.trainable == "experts":
+            freeze_all_but_experts(model)
+        if cfg.train.activation_checkpointing == "full":
+            from parallel.activation_recompute import apply_activation_recompute
+
+            apply_activation_recompute(model)
+        bundle = kind.build_engine(model, cfg, groups)
+        if ckpt is not None:
+            start = load_training_state(ckpt, bundle, plan, rank)
+        hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)
+        log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
+        return cls(plan, run_dir, rank, training_device(), bundle, build_rank_sampler(plan, rank), log, start, ckpt,
+                   hook)
+
+    def batches(self, step: int, first: int = 0, count: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+        """Model inputs of micro-batches `first`.. of `step` (past the step's last they continue into the next)."""
+        ga = self.plan.cfg.train.grad_accum
+        count = ga if count is None else count
+        return [to_model_batch(self.sampler.batch(step + i // ga, i % ga), self.device, self.plan)
+                for i in range(first, first + count)]
+
+    def run(self) -> dict[str, Any]:
+        """The loop: batch -> step -> (hook) -> log -> eval -> save; then final eval, state and export."""
+        cfg, plan, rank = self.plan.cfg, self.plan, self.rank
+        self._announce()
+        sums = torch.zeros(2, len(plan.catalog.train_domains), dtype=torch.float64, device=self.device)
+        window_t, window_steps = time.perf_counter(), 0
+        for step in range(self.start, cfg.train.steps):
+            out = train_step(self.bundle, cfg, self.batches(step), len(plan.catalog.train_domains))
+            sums += out.domain_sums
+            window_steps, done = window_steps + 1, step + 1
+            if self.hook is not None:  # e.g. CSE: warm-up, then cluster sequence embeddings and copy the FFN
+                rec = self.hook.after_step(done, lambda i, s=done: self.batches(s, i, 1)[0])
+                if rec is not None:
+                    self.log.log({"kind": cfg.model.ffn.kind, "step": done, **rec})
+            if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
+                rec = {"kind": "train", "step": done, **step_record(out, self.bundle, plan, sums, window_t, window_steps)}
+                self.log.log(rec)
+                self.log.progress(done, rec)
+                window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
+            if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
+                self.log.log({"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)})
+            if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
+                save_training_state(self.run_dir, done, self.bundle, plan, rank)
+        final = evaluate(self.bundle, plan, rank, self.device)
+        self.log.log({"kind": "eval", "step": cfg.train.steps, **final})
+        if self.start < cfg.train.steps:
+            save_training_state(self.run_dir, cfg.train.steps, self.bundle, plan, rank)
+        export_consolidated(self.bundle, plan, rank, self.run_dir / "model", cfg.train.steps)
+        self.log.close()
+        return final
+
+    def _announce(self) -> None:
+        if self.rank != 0:
+            return
+        self.log.log({"kind": "start", "step": self.start, "world_size": self.plan.topo.world_size,
+                      "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                      "device": device_name(), "topology": self.plan.topo.describe(), "notes": list(self.plan.notes)})
+        for note in self.plan.notes:
+            print(f"note: {note}", file=sys.stderr)
 
 
 def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     """Train `plan` on this process's rank; returns the final validation metrics (all ranks)."""
-    from model.gpt import GPT
-    from parallel.groups import ProcessGroups
-
-    cfg, kind = plan.cfg, ffn_kind(plan.cfg)
-    ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume not in ("never", "auto") else None)
-    start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
-    rank, world = start_distributed()
-    if world != plan.topo.world_size:
-        raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
-    device = training_device()
-    torch.manual_seed(cfg.train.seed)
-    groups = ProcessGroups.create(plan.topo)
-    expert_ids = kind.rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)  # only this rank's experts
-    model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
-    if cfg.train.init_from:
-        load_init_weights(model, cfg)
-    if cfg.train.trainable == "experts":
-        freeze_all_but_experts(model)
-    if cfg.train.activation_checkpointing == "full":
-        from parallel.activation_recompute import apply_activation_recompute
-
-        apply_activation_recompute(model)
-    bundle = kind.build_engine(model, cfg, groups)
-    if ckpt is not None:
-        start = load_training_state(ckpt, bundle, plan, rank)
-    sampler = build_rank_sampler(plan, rank)
-    hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)
-    log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
-    if rank == 0:
-        log.log({"kind": "start", "step": start, "resumed_from": str(ckpt) if ckpt else None, "world_size": world,
-                 "device": device_name(), "topology": plan.topo.describe(), "notes": list(plan.notes)})
-        for note in plan.notes:
-            print(f"note: {note}", file=sys.stderr)
-    n_dom = len(plan.catalog.train_domains)
-    window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros(2, n_dom, dtype=torch.float64, device=device)
-    kill_at = int(os.environ.get("DEMIX_TEST_KILL_AT_STEP", "-1"))  # test hook: SIGKILL mid-run
-    for step in range(start, cfg.train.steps):
-        micro = [to_model_batch(sampler.batch(step, m), device, plan) for m in range(cfg.train.grad_accum)]
-        out = train_step(bundle, cfg, micro, n_dom)
-        sums += out["domain_sums"]
-        window_steps += 1
-        done = step + 1
-        if hook is not None:  # e.g. CSE: warm-up, then cluster sequence embeddings and copy the FFN (CSE Alg. 1)
-            hrec = hook.after_step(done, lambda i, s=done: to_model_batch(
-                sampler.batch(s + i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan))
-            if hrec is not None:
-                log.log({"kind": cfg.model.ffn.kind, "step": done, **hrec})
-        if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
-            rec = {"kind": "train", "step": done, **step_record(out, bundle, plan, sums, window_t, window_steps)}
-            log.log(rec)
-            log.progress(done, rec)
-            window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
-        if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
-            log.log({"kind": "eval", "step": done, **evaluate(bundle, plan, rank, device)})
-        if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
-            save_training_state(run_dir, done, bundle, plan, rank)
-        if done == kill_at and rank == 0:
-            os.kill(os.getpid(), 9)
-    final = evaluate(bundle, plan, rank, device)
-    log.log({"kind": "eval", "step": cfg.train.steps, **final})
-    if start < cfg.train.steps:
-        save_training_state(run_dir, cfg.train.steps, bundle, plan, rank)
-    export_consolidated(bundle, plan, rank, run_dir / "model", cfg.train.steps)
-    log.close()
-    return final
+    return Trainer.setup(plan, run_dir, resume).run()
 
 
-def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int) -> dict[str, Any]:
+def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int) -> StepResult:
     """One optimizer update over `grad_accum` micro-batches: forward, loss (+aux), backward, (clip), step.
 
     Everything it returns stays on the training device (no host sync inside the step); `step_record`
@@ -267,10 +310,10 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
     if norm is None:
         gn = engine.get_global_grad_norm()
         norm = gn if isinstance(gn, torch.Tensor) else torch.tensor(float("nan") if gn is None else float(gn))
-    return {"domain_sums": sums, "grad_norm": norm, "aux_loss": aux_total, "stats": stats}
+    return StepResult(sums, norm, aux_total, stats)
 
 
-def step_record(out: dict, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int) -> dict[str, Any]:
+def step_record(out: StepResult, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int) -> dict[str, Any]:
     """The per-interval training record: loss (overall and per domain), lr, grad norm, throughput, memory."""
     import torch.distributed as dist
 
@@ -280,10 +323,10 @@ def step_record(out: dict, bundle: Any, plan: Plan, sums: torch.Tensor, t0: floa
         if total[1, d] > 0:
             rec[f"loss/{name}"] = float(total[0, d] / total[1, d])
     rec["lr"] = bundle.scheduler.get_last_lr()[0]
-    rec["grad_norm"] = float(out["grad_norm"])
-    if out.get("aux_loss") is not None:
-        rec["aux_loss"] = float(out["aux_loss"])
-    for k, v in out.get("stats", {}).items():
+    rec["grad_norm"] = float(out.grad_norm)
+    if out.aux_loss is not None:
+        rec["aux_loss"] = float(out.aux_loss)
+    for k, v in out.stats.items():
         rec[k] = v.tolist() if isinstance(v, torch.Tensor) else v
     mem = torch.tensor([peak_memory_gb()], device=sums.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)

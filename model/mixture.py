@@ -95,15 +95,6 @@ def log_posterior(
     return torch.log_softmax(joint_EBT, dim=0)
 
 
-def end_of_block_log_posterior(
-    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """log p(D = j | x_block b): the posterior after all scored tokens of each block, E B (eq. 8 at t = T)."""
-    E, B, _ = ll_EBT.shape
-    joint_EB = _masked_ll(ll_EBT, mask_BT).sum(dim=2) + _log_prior_EB(log_prior, E, B)
-    return torch.log_softmax(joint_EB, dim=0)
-
-
 def mixture_log_probs(ll_EBT: torch.Tensor, log_weights_EBT: torch.Tensor) -> torch.Tensor:
     """log p(x_t | x_<t) = logsumexp_j [ ll[j] + log g_j ] (eq. 6), B T. Weights must be normalised over E."""
     return torch.logsumexp(ll_EBT.to(torch.float64) + log_weights_EBT.to(torch.float64), dim=0)

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
         for step in range(STEPS):
             doms = info.domains if kind == "demix" else (0,)
             out = train_step(bundle, cfg, [_batch(info.dp_rank, step, m, doms) for m in range(GAS)], domains)
-            norms.append(float(out["grad_norm"]))
+            norms.append(float(out.grad_norm))
         sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
         sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
         results[zero] = {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms,

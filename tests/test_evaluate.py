@@ -77,7 +77,7 @@ def test_batched_dense_is_one_expert():
 
 
 def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix_ckpt, tmp_path):
-    from launcher.evaluate import DEMIX_MODES, evaluate_checkpoint
+    from launcher.evaluation.evaluate import DEMIX_MODES, evaluate_checkpoint
 
     out = tmp_path / "eval"
     res = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False)
@@ -106,7 +106,7 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
 
 
 def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
-    from launcher.evaluate import evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
 
     for mixture in ("natural", "domain_token"):
         cfg = _cfg("dense", mixture=mixture)
@@ -122,7 +122,7 @@ def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
 
 
 def test_generation_is_deterministic_given_a_seed(demix_ckpt):
-    from launcher.generate import generate
+    from launcher.evaluation.generate import generate
 
     model = load_consolidated(demix_ckpt).build_model()
     prompt = [50256, 464, 3139]
@@ -142,7 +142,7 @@ def test_generation_is_deterministic_given_a_seed(demix_ckpt):
 
 
 def test_generate_command(demix_ckpt, capsys):
-    from launcher.generate import main
+    from launcher.evaluation.generate import main
 
     assert main([str(demix_ckpt), "--prompt", "The council", "--mixture", "--max-new-tokens", "4", "--seed", "1",
                  "--json"]) == 0
@@ -153,7 +153,7 @@ def test_generate_command(demix_ckpt, capsys):
 
 
 def _eval_worker(rank, world, ckpt, data_root):
-    from launcher.evaluate import evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
 
     res = evaluate_checkpoint(ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
     return {d: r["ppl"] for d, r in res["domains"].items()}
@@ -161,7 +161,7 @@ def _eval_worker(rank, world, ckpt, data_root):
 
 @pytest.mark.slow
 def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, data_root):
-    from launcher.evaluate import evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
     from tests.multirank import run_ranks
 
     single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)

@@ -14,7 +14,7 @@ from data.config import DataConfig
 from launcher.checkpoint import Consolidated, load_consolidated, save_consolidated
 from launcher.config import RunConfig
 from parallel.config import TrainConfig
-from launcher.experts import (add_expert, add_expert_state, adaptation_markdown, adaptation_report, dapt_overrides,
+from launcher.modular.experts import (add_expert, add_expert_state, adaptation_markdown, adaptation_report, dapt_overrides,
                               evaluate_experts, main, remove_experts, remove_experts_state, removal_markdown,
                               removal_report, run_dapt)
 from model.config import FFNConfig, ModelConfig
@@ -34,7 +34,7 @@ def tiny_cfg(tokens: Path, kind: str = "demix", domains: list[str] = OLD) -> Run
 
 def train_tiny(tokens: Path, kind: str, out: Path, steps: int = 16) -> Path:
     """A few plain-PyTorch steps on each old domain (its own expert for DEMix), saved as a consolidated checkpoint."""
-    from launcher.evaluate import load_blocks
+    from launcher.evaluation.evaluate import load_blocks
 
     cfg = tiny_cfg(tokens, kind)
     torch.manual_seed(0)

@@ -171,7 +171,7 @@ def test_layout() -> None:
 
 
 def test_gating_report(tmp_path) -> None:
-    from launcher.gating import gating_matrix, write_gating_report
+    from launcher.evaluation.gating import gating_matrix, write_gating_report
     from model.gpt import GPT
 
     cfg = replace(_cfg(4), n_layers=4)
@@ -191,7 +191,7 @@ def test_gating_report(tmp_path) -> None:
 def test_gating_cli_on_a_consolidated_checkpoint(tmp_path, tiny_tokens) -> None:
     from launcher.checkpoint import save_consolidated
     from launcher.config import load_run_config
-    from launcher.gating import main
+    from launcher.evaluation.gating import main
     from model.gpt import GPT
 
     domains = sorted(json.loads((tiny_tokens / "gpt2" / "manifest.json").read_text())["counts"])[:2]

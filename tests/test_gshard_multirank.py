@@ -97,8 +97,8 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
     out["losses"] = []
     for step in range(STEPS):
         res = train_step(bundle, cfg, [_batch(dp_rank, step, m) for m in range(GAS)], 1)
-        out["losses"].append(float(res["domain_sums"][0].sum() / res["domain_sums"][1].sum()))
-    out["norm"] = float(res["grad_norm"])
+        out["losses"].append(float(res.domain_sums[0].sum() / res.domain_sums[1].sum()))
+    out["norm"] = float(res.grad_norm)
     out["local"] = {}  # this rank's parameters under plain names (experts by global id)
     sd = gather_gshard_state_dict(model, groups)
     layer = model.blocks[1].ffn

@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")
 
 from launcher.checkpoint import load_consolidated, save_consolidated  # noqa: E402
 from launcher.config import RunConfig  # noqa: E402
-from launcher.hf_export import dense_model, export, main  # noqa: E402
+from launcher.modular.hf_export import dense_model, export, main  # noqa: E402
 from model.config import FFNConfig, ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,22 @@ def _launch(args: list[str], env_extra: dict | None = None, check: bool = True) 
     return proc
 
 
+def _launch_and_kill_after_step(args: list[str], run_dir: Path, step: int) -> subprocess.Popen:
+    """Launch, and SIGKILL the whole process group (launcher and every rank) as soon as rank 0 has logged
+    training step `step` (metrics.jsonl is line-buffered): a crash between two checkpoints."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.launch", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and f'"kind": "train", "step": {step},' in metrics.read_text():
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=60)
+    return proc
+
+
 def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"}
 
@@ -43,8 +61,7 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     """3 domains on 3 ranks, ZeRO 1: SIGKILL after step 3 (checkpoint at step 2), resume, compare losses."""
     full, killed = tmp_path / "full", tmp_path / "killed"
     _launch(["--nproc", "3", "--run-dir", str(full), *_overrides(tiny_tokens)])
-    proc = _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)],
-                   env_extra={"DEMIX_TEST_KILL_AT_STEP": "3"}, check=False)
+    proc = _launch_and_kill_after_step(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)], killed, 3)
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (killed / "model").exists()  # the run really died before the end

@@ -9,7 +9,7 @@ For every MoE layer l and domain d, the average gate probability over all tokens
 Rows sum to 1. A modular router would put each row's mass on few experts (low row entropy H(M_l[d])) and
 different rows on different experts; the paper finds high-entropy, domain-agnostic rows.
 
-    python -m launcher.gating CKPT_DIR --data TOKENS_DIR --out DIR [--batches 8] [--batch-size 4]
+    python -m launcher.evaluation.gating CKPT_DIR --data TOKENS_DIR --out DIR [--batches 8] [--batch-size 4]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str],
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from launcher.checkpoint import load_consolidated
 
-    ap = argparse.ArgumentParser(prog="python -m launcher.gating", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m launcher.evaluation.gating", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
     ap.add_argument("--data", required=True, help="tokenised corpus directory (DataConfig.path)")
     ap.add_argument("--out", required=True, help="report directory")

@@ -1,8 +1,8 @@
 """Per-domain test perplexity of a consolidated checkpoint, with inference-time expert mixing (DEMix §4-5).
 
-    python -m launcher.evaluate CKPT_DIR --data artifacts/demo/tokens [--tokenizer gpt2] [--split test]
+    python -m launcher.evaluation.evaluate CKPT_DIR --data artifacts/demo/tokens [--tokenizer gpt2] [--split test]
         [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk] [--topk 2] [--out DIR]
-    torchrun --nproc-per-node 2 -m launcher.evaluate CKPT_DIR ...     # blocks sharded over ranks (gloo)
+    torchrun --nproc-per-node 2 -m launcher.evaluation.evaluate CKPT_DIR ...     # blocks sharded over ranks (gloo)
 
 Domains: the checkpoint's training domains (`role: train`) and every other domain of the data manifest
 (`role: novel`). One process holds all experts; the E experts' token log-likelihoods ll[j, b, t] of each block
@@ -322,7 +322,7 @@ def markdown_report(results: dict[str, Any]) -> str:
 
 
 def write_outputs(results: dict[str, Any], out_dir: Union[str, Path]) -> dict[str, str]:
-    from launcher.report_figures import write_figures
+    from launcher.evaluation.figures import write_figures
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Dense vs CSE vs DEMix-on-clustered-domains vs DEMix-on-true-domains on the demo corpus, labels hidden from all
 but the last, compared by per-domain test perplexity on the *true* domains, plus cluster / true-domain agreement.
 
-    python -m launcher.cse_compare [--arms dense,cse,demix-clustered,demix-true] [--nproc 4] [--steps 60]
+    python -m benchmarks.cse_compare [--arms dense,cse,demix-clustered,demix-true] [--nproc 4] [--steps 60]
         [--k 8] [--max-blocks 16] [--reuse-demo] [--out runs/cse]
 
 1. Clustered domains: `data.cluster_domains.relabel_prepared` clusters the demo's training documents (tf-idf + SVD
@@ -12,7 +12,7 @@ but the last, compared by per-domain test perplexity on the *true* domains, plus
    fails (e.g. CSE before the trainer calls parallel.cse.CSEController) is recorded as failed, the rest go on.
    `--reuse-demo` takes Dense and DEMix-true from runs/demo/{dense,demix} when they were trained for the same steps
    (the configs are identical to configs/demo/{dense,demix}.yaml).
-3. Evaluation: launcher.evaluate on artifacts/demo/tokens (the true domains' test blocks). DEMix-clustered sees the
+3. Evaluation: launcher.evaluation.evaluate on artifacts/demo/tokens (the true domains' test blocks). DEMix-clustered sees the
    true domains as novel: `updating` (posterior mixture, no labels) is its fair number; `cached` estimates the prior
    on the domain's valid blocks; `naive` there is the best single cluster expert (an oracle choice).
 4. Outputs under --out: report.json, report.md, and per run plots (`cse_plots`): cluster loads over training,
@@ -189,7 +189,7 @@ def train_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def evaluate_arm(run_dir: Path, domains: Sequence[str], max_blocks: int) -> dict[str, Any]:
-    from launcher.evaluate import evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
 
     res = evaluate_checkpoint(run_dir / "model", TRUE_DATA, tokenizer="sentencepiece", split="test",
                               max_blocks=max_blocks, domains=list(domains), modes=("naive", "updating", "cached"),

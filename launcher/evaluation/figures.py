@@ -1,7 +1,7 @@
-"""Heatmaps of an evaluation (launcher/evaluate.py): domain posteriors (DEMix Figure 4) and expert specialisation
+"""Heatmaps of an evaluation (launcher/evaluation/evaluate.py): domain posteriors (DEMix Figure 4) and expert specialisation
 (DEMix Figure 2). matplotlib with the Agg backend: no display needed.
 
-    python -m launcher.report_figures runs/eval/eval.json [--out DIR]
+    python -m launcher.evaluation.figures runs/eval/eval.json [--out DIR]
 
 * posteriors.png: rows = test domains (training domains, then novel ones below a rule), columns = experts, cell =
   mean over the test blocks of the domain posterior p(D = j | block) at the end of each block, under the updating
@@ -103,7 +103,7 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="eval.json written by launcher.evaluate")
+    ap.add_argument("results", help="eval.json written by launcher.evaluation.evaluate")
     ap.add_argument("--out", help="directory for the PNGs (default: next to the JSON)")
     args = ap.parse_args(argv)
     path = Path(args.results)

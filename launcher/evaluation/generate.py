@@ -1,7 +1,7 @@
 """Text generation from a consolidated checkpoint, with one chosen expert or the expert mixture (DEMix §5).
 
-    python -m launcher.generate CKPT_DIR --prompt "The patient" --expert biomed [--max-new-tokens 50]
-    python -m launcher.generate CKPT_DIR --prompt "The patient" --mixture [--prior uniform|PATH.json]
+    python -m launcher.evaluation.generate CKPT_DIR --prompt "The patient" --expert biomed [--max-new-tokens 50]
+    python -m launcher.evaluation.generate CKPT_DIR --prompt "The patient" --mixture [--prior uniform|PATH.json]
         [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--seed 0]
 
 Shape legend: E experts, V vocabulary.

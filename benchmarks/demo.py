@@ -70,7 +70,7 @@ def throughput(run_dir: Path) -> dict[str, Optional[float]]:
 
 
 def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from launcher.evaluate import evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
 
     modes = DEMIX_MODES if arch == "demix" else ("ppl",)
     kwargs: dict[str, Any] = dict(split="test", max_blocks=args.eval_blocks, out_dir=run_dir / "eval", progress=False)
@@ -79,7 +79,7 @@ def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, An
     print(f"[demo] evaluating {arch} ...", flush=True)
     result = evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs)
     if arch == "gshard":  # the paper's evidence that token routing does not specialise by domain
-        from launcher.gating import main as gating
+        from launcher.evaluation.gating import main as gating
 
         gating([str(run_dir / "model"), "--data", "artifacts/demo/tokens", "--out", str(run_dir / "gating"), "--batches", "4"])
     return result

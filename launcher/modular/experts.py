@@ -1,14 +1,14 @@
 """Modular experts (DEMix §6-7): add an expert for a new domain, adapt it (DEMix-DAPT, and the Dense-DAPT
 baseline), remove experts, and report both in the paper's shape (Tables 6, 7, 13).
 
-    python -m launcher.experts add CKPT --domain speeches --out NEW [--data DIR --tokenizer TOK --dev-blocks 100]
-    python -m launcher.experts dapt --arch demix NEW --domain speeches --steps 40 --nproc 2 --run-dir RUN
-    python -m launcher.experts dapt --arch dense DENSE --domain speeches --steps 40 --nproc 2 --run-dir RUN
-    python -m launcher.experts remove CKPT --experts legal[,news] --out SMALLER
-    python -m launcher.experts report adapt --demix-before CKPT --demix-after RUN/model \\
+    python -m launcher.modular.experts add CKPT --domain speeches --out NEW [--data DIR --tokenizer TOK --dev-blocks 100]
+    python -m launcher.modular.experts dapt --arch demix NEW --domain speeches --steps 40 --nproc 2 --run-dir RUN
+    python -m launcher.modular.experts dapt --arch dense DENSE --domain speeches --steps 40 --nproc 2 --run-dir RUN
+    python -m launcher.modular.experts remove CKPT --experts legal[,news] --out SMALLER
+    python -m launcher.modular.experts report adapt --demix-before CKPT --demix-after RUN/model \\
         --dense-before DENSE --dense-after RUN/model --new-domains speeches --out DIR
-    python -m launcher.experts report remove CKPT --out DIR
-    python -m launcher.experts demo            # `make modular`: all of the above on the demo corpus
+    python -m launcher.modular.experts report remove CKPT --out DIR
+    python -m launcher.modular.experts demo            # `make modular`: all of the above on the demo corpus
 
 Expert ids are positions in the checkpoint's domain list (`meta.json` "domains"). Adding appends id E (domain list
 + [new]); removing renumbers the kept experts in their old order. Every other tensor is copied unchanged.
@@ -45,12 +45,12 @@ import yaml
 
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, save_consolidated, write_json_atomic
 from launcher.config import ConfigError
-from launcher.evaluate import block_inputs, evaluate_checkpoint, load_blocks, stream_log_likelihoods
+from launcher.evaluation.evaluate import block_inputs, evaluate_checkpoint, load_blocks, stream_log_likelihoods
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import to_dict
 from model import mixture as mx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERT_KEY = re.compile(r"^(blocks\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
 _META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
 CkptLike = Union[str, Path, Consolidated]
@@ -241,7 +241,7 @@ def dapt_overrides(c: Consolidated, arch: str, init_from: str, domain: str, step
     if arch not in ("demix", "dense"):
         raise CheckpointError(f"dapt --arch {arch}: choose demix or dense")
     if arch == "demix" and domain not in c.domains:
-        raise CheckpointError(f"the checkpoint has no expert for {domain!r}: run `python -m launcher.experts add` first")
+        raise CheckpointError(f"the checkpoint has no expert for {domain!r}: run `python -m launcher.modular.experts add` first")
     t = c.cfg.train
     new_lr = lr if lr is not None else t.lr * lr_scale
     data, tokenizer = data_source(c, data, tokenizer)

@@ -1,11 +1,11 @@
 """Export one domain's model (its expert + the shared weights) or a merged model as a Hugging Face `transformers`
 GPT2LMHeadModel (safetensors), with the same logits as the project's model.
 
-    python -m launcher.hf_export CKPT --domain legal --out hf/legal
-    python -m launcher.hf_export CKPT --merge-prior cached_priors/speeches.json --out hf/speeches-merged
-    python -m launcher.hf_export CKPT --merge-domain-data speeches [--data DIR --tokenizer TOK --dev-blocks 100] --out DIR
-    python -m launcher.hf_export CKPT --merge-weights legal=0.7,news=0.3 --out DIR
-    python -m launcher.hf_export DENSE_CKPT --out DIR                  # a dense checkpoint as it is
+    python -m launcher.modular.hf_export CKPT --domain legal --out hf/legal
+    python -m launcher.modular.hf_export CKPT --merge-prior cached_priors/speeches.json --out hf/speeches-merged
+    python -m launcher.modular.hf_export CKPT --merge-domain-data speeches [--data DIR --tokenizer TOK --dev-blocks 100] --out DIR
+    python -m launcher.modular.hf_export CKPT --merge-weights legal=0.7,news=0.3 --out DIR
+    python -m launcher.modular.hf_export DENSE_CKPT --out DIR                  # a dense checkpoint as it is
 
 Shape legend: D model dim, F ffn dim (4D), H heads, K head dim, V (padded) vocabulary, E experts.
 
@@ -166,7 +166,7 @@ def max_logit_diff(c: Consolidated, hf_model: Any, weights_E: Optional[Sequence[
 def merge_weights_from_data(c: Consolidated, domain: str, data: Optional[str], tokenizer: Optional[str],
                             dev_blocks: int) -> mx.CachedPrior:
     """The target domain's cached prior over the experts, estimated on its development blocks (§5.1)."""
-    from launcher.experts import estimate_domain_prior
+    from launcher.modular.experts import estimate_domain_prior
 
     return estimate_domain_prior(c, domain, data, tokenizer, "valid", dev_blocks)
 
