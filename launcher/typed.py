@@ -44,19 +44,19 @@ def _message(cls: type, error: dict, prefix: str) -> str:
     path = prefix
     for seg in loc:
         path = f"{path}[{seg}]" if isinstance(seg, int) else f"{path}.{seg}" if path else str(seg)
-    kind, value = error["type"], error["input"]
-    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+    err_type, value = error["type"], error["input"]
+    if err_type in ("extra_forbidden", "unexpected_keyword_argument"):
         owner = cls  # the dataclass holding the key: follow the types along the path
         for seg in loc[:-1]:  # a dataclass -> its field's type; list[X] / dict[K, X] -> X
             owner = _inner(owner)
             owner = owner.__pydantic_fields__[seg].annotation if dataclasses.is_dataclass(owner) else get_args(owner)[-1]
         known = ", ".join(sorted(f.name for f in dataclasses.fields(_inner(owner)) if f.init))
         return f"{path}: unknown key (known keys of {_inner(owner).__name__}: {known})"
-    if kind == "missing":
+    if err_type == "missing":
         return f"{path}: required"
-    if kind == "dataclass_type":
+    if err_type == "dataclass_type":
         return f"{path}: expected a mapping for {error['ctx']['class_name']}, got {type(value).__name__}"
-    return f"{path}={value!r}: " + (f"expected {_EXPECTED[kind]}" if kind in _EXPECTED else error["msg"])
+    return f"{path}={value!r}: " + (f"expected {_EXPECTED[err_type]}" if err_type in _EXPECTED else error["msg"])
 
 
 def _drop(data: Any, loc: tuple) -> bool:

@@ -13,6 +13,7 @@ Every import counts, including those inside functions: a lazy import hides a cyc
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,13 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path: Path) -> None:
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from launcher.config import RunConfig\n    import deepspeed\n")
     assert _imports(lazy) == {"launcher.config", "launcher.config.RunConfig", "deepspeed"}
+
+
+def test_only_the_strategy_registry_branches_on_the_ffn_kind() -> None:
+    """launcher/ and parallel/ ask launcher/ffn_kinds.py; a new FFN kind touches one file there."""
+    pattern = re.compile(r"kind (==|!=|in)\b|kind not in\b")
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+            for folder in ("launcher", "parallel") for p in sorted((ROOT / folder).rglob("*.py"))
+            if p.name != "ffn_kinds.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "branches on the FFN kind outside launcher/ffn_kinds.py:\n" + "\n".join(hits)
