@@ -27,6 +27,10 @@ import torch.nn as nn
 
 from launcher.config import RunConfig
 from model.gpt import split_by_expert
+from parallel.cse import CSEController
+from parallel.engine import build_engine, distribute_demix_experts
+from parallel.gshard import (apply_gshard, gshard_export_parts, gshard_layout_for, gshard_layout_problems,
+                             resolve_num_experts)
 from parallel.topology import Topology, unequal_data_note
 
 Tensors = dict[str, torch.Tensor]
@@ -100,8 +104,6 @@ class FFNKind:
 
     def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
-        from parallel.engine import build_engine
-
         return build_engine(model, cfg.train, cfg.parallel, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups))
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
@@ -170,8 +172,6 @@ class Demix(FFNKind):
         return list(info.domains), info.shard_index, info.num_shards
 
     def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
-        from parallel.engine import distribute_demix_experts
-
         return distribute_demix_experts(model, cfg.model.ffn.num_experts, groups, cfg.parallel.expert_grad_scaling)
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
@@ -191,37 +191,25 @@ class GShard(FFNKind):
     has_experts = sharded_experts = True
 
     def resolve_num_experts(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> int:
-        from parallel.gshard import resolve_num_experts
-
         return resolve_num_experts(cfg.model, world_size)
 
     def layout_problems(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> list[str]:
-        from parallel.gshard import gshard_layout_problems
-
         return super().layout_problems(cfg, domain_names, world_size) + gshard_layout_problems(
             cfg.model, world_size, cfg.parallel.tensor_parallel)
 
     def rank_experts(self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
                      ) -> Optional[list[int]]:
-        from parallel.gshard import gshard_layout_for
-
         return list(gshard_layout_for(cfg.model, topo, rank).local_experts)  # init is per parameter name
 
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
-        from parallel.gshard import gshard_layout_for
-
         lay = gshard_layout_for(cfg.model, topo, rank)
         return {"expert_parallel": list(lay.ep_ranks), "expert_data_parallel": list(lay.edp_ranks)}
 
     def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
-        from parallel.gshard import apply_gshard  # swaps the plain top-k layers for DeepSpeed's MoE layer
-
-        apply_gshard(model, cfg.model, groups)
+        apply_gshard(model, cfg.model, groups)  # swaps the plain top-k layers for DeepSpeed's MoE layer
         return None
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
-        from parallel.gshard import gshard_export_parts
-
         return gshard_export_parts(model, groups)
 
 
@@ -236,8 +224,7 @@ class CSE(FFNKind):
 
     def step_hook(self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any,
                   domain_names: Sequence[str]) -> Optional[StepHook]:
-        from parallel.cse import CSEController  # warm-up, then cluster sequence embeddings and copy the FFN
-
+        # warm-up, then cluster sequence embeddings and copy the FFN (CSE Alg. 1)
         return CSEController(model, cfg.model.ffn.cse, cfg.train.steps, groups, optimizer=optimizer,
                              domain_names=domain_names)
 

@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from data.blocks import BlockDataset
+from data.sampler import build_sampler
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import start_distributed, training_device
@@ -32,6 +34,10 @@ from launcher.plan import Plan, make_plan
 from launcher.state import (check_resumable, export_consolidated, latest_checkpoint, load_init_weights,
                             load_training_state, save_training_state)
 from model.accounting import flops_per_update, mfu, tflops_per_gpu
+from model.gpt import GPT
+from parallel.activation_recompute import apply_activation_recompute
+from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
+from parallel.groups import ProcessGroups
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -41,9 +47,6 @@ from model.accounting import flops_per_update, mfu, tflops_per_gpu
 
 def build_rank_sampler(plan: Plan, rank: int, split: str = "train"):
     """This rank's sampler: its domains (DEMix) or every domain, sharded by data-parallel rank (baselines)."""
-    from data.blocks import BlockDataset
-    from data.sampler import build_sampler
-
     cfg, cat = plan.cfg, plan.catalog
     domains, shard, shards = ffn_kind(cfg).rank_data(plan.topo, rank, len(cat.train_domains))
     datasets = {d: BlockDataset.from_prepared(cfg.data.path, cfg.data.tokenizer, cat.train_domains[d], split, cfg.model.seq_len)
@@ -186,9 +189,6 @@ class Trainer:
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
         """Check the resume point, start the process group, build the model and the engine, restore state."""
-        from model.gpt import GPT
-        from parallel.groups import ProcessGroups
-
         cfg, kind = plan.cfg, ffn_kind(plan.cfg)
         ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
@@ -205,8 +205,6 @@ class Trainer:
         if cfg.train.trainable == "experts":
             freeze_all_but_experts(model)
         if cfg.train.activation_checkpointing == "full":
-            from parallel.activation_recompute import apply_activation_recompute
-
             apply_activation_recompute(model)
         bundle = kind.build_engine(model, cfg, groups)
         if ckpt is not None:
@@ -274,8 +272,6 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
 
     Everything it returns stays on the training device (no host sync inside the step); `step_record`
     brings values to the host at log intervals."""
-    from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
-
     engine = bundle.engine
     device = next(engine.module.parameters()).device
     factor = backward_loss_factor(engine)  # fp16 at ZeRO 0: the loss scale DeepSpeed would not apply
