@@ -2,12 +2,18 @@
 
     python -m launcher.launch --config configs/demo/demix.yaml --nproc 4            # local, 4 ranks
     python -m launcher.launch --config configs/gpt3-small-demix.yaml \\
-        --hostfile hosts --nproc 8 --num-nodes 4                                     # multi-node (pdsh)
+        --hostfile hosts --master-addr node0                                         # every slot of every host (pdsh)
+    python -m launcher.launch ... --hostfile hosts --no-ssh --node-rank K \\
+        --master-addr node0 --master-port 29500                                      # on each node K (SLURM: srun)
     python -m launcher.launch ... --dry-run                                          # validate, write, print
 
-Before anything starts it validates the whole run for the final world size (config, data, layout,
-resume), then writes into the run directory: the resolved config (`config.yaml`), the generated
-DeepSpeed config (`deepspeed_config.json`) and the exact command (`command.sh`).
+DeepSpeed's multi-node options pass through (--include/--exclude, --num-nodes, --launcher, --launcher-args,
+--ssh-port, --no-ssh with --node-rank, --master-addr/--master-port), and the world size is computed with
+DeepSpeed's own resource functions, so the plan is made for exactly the ranks the runner starts. Before
+anything starts it validates the whole run for that world size (config, data, layout, resume), then writes
+into the run directory: the resolved config (`config.yaml`), the generated DeepSpeed config
+(`deepspeed_config.json`) and the exact command (`command.sh`; with --no-ssh, node K > 0 writes only its own
+`command.node<K>.sh`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Optional, Sequence
 import torch
 import yaml
 
-from launcher.checkpoint import CheckpointError, write_json_atomic
+from data.atomic import write_json_atomic, write_text_atomic
+from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
@@ -53,25 +60,74 @@ def hostfile_slots(path: Path) -> list[tuple[str, int]]:
     return out
 
 
+LAUNCHERS: tuple[str, ...] = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm")
+
+
+def node_resources(args: argparse.Namespace) -> dict[str, list[int]]:
+    """host -> the slots DeepSpeed's runner will start processes on, computed with the runner's own functions
+    (`parse_inclusion_exclusion`, `apply_num_nodes_and_gpus`), so the plan's world size is what it launches.
+    Without a hostfile: one host, `--nproc` slots."""
+    if not args.hostfile:
+        return {"localhost": list(range(args.nproc or 1))}
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
+
+    pool = dict(hostfile_slots(Path(args.hostfile)))
+    problems = []
+    if (args.include or args.exclude) and (args.num_nodes or args.nproc):
+        problems.append("--include/--exclude cannot be combined with --num-nodes/--nproc (DeepSpeed's rule): choose "
+                        "the slots with one or the other")
+    if args.include and args.exclude:
+        problems.append("--include and --exclude are mutually exclusive")
+    if problems:
+        raise ConfigError(problems, "launch")
+    try:
+        active = parse_inclusion_exclusion(pool, args.include or "", args.exclude or "")
+    except ValueError as e:
+        raise ConfigError([f"--include/--exclude against {args.hostfile}: {e}"], "launch") from None
+    return dict(apply_num_nodes_and_gpus(active, args.num_nodes or -1, args.nproc or -1))
+
+
 def world_size(args: argparse.Namespace) -> int:
-    if args.hostfile:
-        slots = hostfile_slots(Path(args.hostfile))
-        nodes = slots[: args.num_nodes] if args.num_nodes else slots
-        return sum(min(n, args.nproc) if args.nproc else n for _, n in nodes)
-    return args.nproc
+    """The number of ranks DeepSpeed's runner will start (see `node_resources`)."""
+    return sum(len(slots) for slots in node_resources(args).values())
+
+
+def launch_problems(args: argparse.Namespace) -> list[str]:
+    """Multi-node options that cannot work together, each with the fix."""
+    out = []
+    if args.no_ssh:
+        if not args.hostfile:
+            out.append("--no-ssh starts one node of a multi-node run: give the --hostfile listing every node")
+        if args.node_rank is None:
+            out.append("--no-ssh needs --node-rank (this node's index in the hostfile, 0 = the master's node)")
+        if not args.master_addr:
+            out.append("--no-ssh needs --master-addr (the address of node 0) and the same --master-port on every node")
+        if not args.master_port:
+            out.append("--no-ssh needs --master-port: every node must rendezvous on the same port")
+    elif args.node_rank is not None:
+        out.append("--node-rank is only used with --no-ssh (with ssh, DeepSpeed starts every node itself)")
+    if args.nproc is not None and args.nproc < 1:
+        out.append(f"--nproc={args.nproc}: need at least one process per node")
+    return out
 
 
 def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[str]:
-    """The deepspeed launcher command line (module launch; the trainer reads LOCAL_RANK from the env)."""
+    """The deepspeed launcher command line (module launch; the trainer reads LOCAL_RANK from the env), with
+    every multi-node option passed through."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--master_port", str(port)]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
-        if args.num_nodes:
-            cmd += ["--num_nodes", str(args.num_nodes)]
-        if args.nproc:
-            cmd += ["--num_gpus", str(args.nproc)]
+        for flag, value in (("--num_nodes", args.num_nodes), ("--num_gpus", args.nproc), ("--include", args.include),
+                            ("--exclude", args.exclude), ("--ssh_port", args.ssh_port),
+                            ("--launcher", args.launcher), ("--launcher_args", args.launcher_args)):
+            if value:
+                cmd += [flag, str(value)]
+        if args.no_ssh:
+            cmd += ["--no_ssh", "--node_rank", str(args.node_rank)]
     else:
-        cmd += ["--num_gpus", str(args.nproc)]
+        cmd += ["--num_gpus", str(args.nproc or 1)]
+    if args.master_addr:
+        cmd += ["--master_addr", args.master_addr]
     cmd += ["--module", "launcher.train", "--run-dir", str(run_dir), "--resume", args.resume]
     if args.config:
         cmd += ["--config", str(args.config)]
@@ -95,21 +151,42 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nproc", type=int, default=1, help="processes per node (local: the world size)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes per node (local: the world size, default 1; with a hostfile: default its slots)")
     p.add_argument("--hostfile", help="DeepSpeed hostfile for multi-node runs ('HOST slots=N' per line)")
     p.add_argument("--num-nodes", type=int, default=0, help="use the first N hosts of the hostfile")
+    p.add_argument("--include", help="DeepSpeed's -i: hosts/slots to use, e.g. 'node0@node1:0,2'")
+    p.add_argument("--exclude", help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'")
+    p.add_argument("--launcher", choices=LAUNCHERS, help="DeepSpeed's multi-node backend (default pdsh)")
+    p.add_argument("--launcher-args", help="extra arguments for that backend, one quoted string")
+    p.add_argument("--ssh-port", type=int, help="ssh port of the other nodes")
+    p.add_argument("--no-ssh", action="store_true",
+                   help="start only this node's ranks (run the same command on every node with its --node-rank)")
+    p.add_argument("--node-rank", type=int, help="with --no-ssh: this node's index in the hostfile")
+    p.add_argument("--master-addr", help="address of node 0 (DeepSpeed asks node 0 over ssh otherwise)")
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
     p.add_argument("--resume", default="auto", help="auto, never, or a checkpoint directory")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
+    p.add_argument("--master-port", "--port", dest="master_port", type=int, default=0,
+                   help="rendezvous port (default: a free one; with --no-ssh: required, the same on every node)")
     p.add_argument("--dry-run", action="store_true", help="validate and write the run files, start nothing")
     return p.parse_args(argv)
 
 
 def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
-    """Validate for the final world size and write config, DeepSpeed JSON and command; raise on problems."""
+    """Validate for the final world size and write config, DeepSpeed JSON and command; raise on problems.
+    With --no-ssh only node 0 writes the shared run files; node k writes its own `command.node<k>.sh`."""
+    problems = launch_problems(args)
+    if problems:
+        raise ConfigError(problems, "launch")
     cfg = load_run_config(args.config, args.overrides, check=False)
-    world = world_size(args)
-    plan = make_plan(cfg, world, check_local_device=not args.hostfile)  # a hostfile's nodes are checked by the ranks
+    resources = node_resources(args)
+    world = sum(len(slots) for slots in resources.values())
+    if args.no_ssh and not 0 <= args.node_rank < len(resources):
+        raise ConfigError([f"--node-rank {args.node_rank} is not a node of this launch: the hostfile (after "
+                           f"--include/--exclude/--num-nodes) has {len(resources)}: {', '.join(resources)}"], "launch")
+    # This machine trains when the launch is local or it is one of the --no-ssh nodes; a hostfile's other nodes
+    # check their own device when their ranks plan.
+    plan = make_plan(cfg, world, check_local_device=not args.hostfile or args.no_ssh)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)
@@ -117,15 +194,19 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
         ckpt = latest_checkpoint(run_dir)
         if ckpt is not None:
             check_resumable(ckpt, plan)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
-    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel))
-    port = args.port or free_port()
+    port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
-    env = launch_env(args.nproc)
+    env = launch_env(max(len(slots) for slots in resources.values()))
     shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
-    (run_dir / "command.sh").write_text(f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\ncd {shlex.quote(str(REPO_ROOT))}\n{line}\n")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\ncd {shlex.quote(str(REPO_ROOT))}\n{line}\n"
+    if args.no_ssh and args.node_rank != 0:
+        write_text_atomic(run_dir / f"command.node{args.node_rank}.sh", script)
+        return run_dir, cmd, env
+    write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
+    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel))
+    write_text_atomic(run_dir / "command.sh", script)
     return run_dir, cmd, env
 
 
@@ -136,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"run dir: {run_dir}\ncommand: {(run_dir / 'command.sh').read_text().splitlines()[-1]}", file=sys.stderr)
+    print(f"run dir: {run_dir}\ncommand: {shlex.join(cmd)}", file=sys.stderr)
     if args.dry_run:
         return 0
     return subprocess.call(cmd, env=env, cwd=REPO_ROOT)

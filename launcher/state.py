@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -23,10 +24,40 @@ import torch
 from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
                                  write_expert_shard, write_shared_shard)
-from launcher.config import RunConfig
+from launcher.config import ConfigError, RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
 from launcher.typed import to_dict
+
+
+def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
+    """Every rank must see the run directory rank 0 writes: training-state shards go into a directory rank 0
+    creates and the export's expert shards into rank 0's export directory. Checked once at start-up (rank 0
+    writes a random token, every rank reads it back), so a node without the shared filesystem stops the run
+    before training with the ranks that cannot see it named, instead of failing at the first checkpoint.
+    Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    fresh = int.from_bytes(os.urandom(7), "little") if rank == 0 else 0  # never a stale file's token
+    token = torch.tensor([fresh], dtype=torch.int64, device=device)
+    dist.broadcast(token, 0)
+    path = run_dir / ".shared_fs_check"
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, str(int(token)))
+    dist.barrier()
+    try:
+        seen = path.read_text().strip() == str(int(token))
+    except OSError:
+        seen = False
+    blind = torch.zeros(world_size, dtype=torch.int64, device=device)
+    blind[rank] = 0 if seen else 1
+    dist.all_reduce(blind)
+    missing = [r for r, b in enumerate(blind.tolist()) if b]
+    if missing:
+        raise ConfigError([f"ranks {missing} do not see the run directory {run_dir} that rank 0 writes: put the run "
+                           "directory on a filesystem shared by every node (checkpoints and the export are written "
+                           "there by ranks of every node)"], "the run directory")
 
 
 def layout_identity(plan: Plan) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from launcher.distributed import start_distributed, training_device
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
-from launcher.state import (check_resumable, export_consolidated, latest_checkpoint, load_init_weights,
-                            load_training_state, save_training_state)
+from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
+                            load_init_weights, load_training_state, save_training_state)
 from model.accounting import flops_per_update, mfu, tflops_per_gpu
 from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
@@ -195,6 +195,7 @@ class Trainer:
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
+        check_shared_run_dir(run_dir, rank, world, training_device())
         torch.manual_seed(cfg.train.seed)
         groups = ProcessGroups.create(plan.topo)
         expert_ids = kind.rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)  # only this rank's experts
