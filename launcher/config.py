@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 from pydantic import StrictBool, StrictInt
@@ -22,6 +22,7 @@ from data.config import DataConfig
 from launcher.typed import ConfigError, build_lenient, deep_merge, set_path
 from model.config import CONFIG, ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
+from parallel.engine import extra_deepspeed_problems
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODEL_PRESET_DIR = CONFIG_DIR / "model"
@@ -35,6 +36,9 @@ class LoggingConfig:
     progress_bar: StrictBool = True
     wandb_mode: str = "offline"  # never required; "online" only when configured
     wandb_project: str = "demix"
+    wandb_entity: Optional[str] = None
+    wandb_group: Optional[str] = None  # e.g. one group per comparison (dense vs DEMix vs GShard)
+    wandb_tags: list[str] = field(default_factory=list)
 
     def problems(self, prefix: str = "logging") -> list[str]:
         out = []
@@ -52,6 +56,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Merged into the generated DeepSpeed config (comms_logger, flops_profiler, offload, ...); keys the framework
+    # sets itself are refused with the setting to use instead (parallel.engine.OWNED_DEEPSPEED_KEYS).
+    extra_deepspeed: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         return (
@@ -60,6 +67,7 @@ class RunConfig:
             + self.parallel.problems()
             + self.train.problems()
             + self.logging.problems()
+            + extra_deepspeed_problems(self.extra_deepspeed)
         )
 
 

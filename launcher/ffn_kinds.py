@@ -104,7 +104,8 @@ class FFNKind:
 
     def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
-        return build_engine(model, cfg.train, cfg.parallel, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups))
+        return build_engine(model, cfg.train, cfg.parallel, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups),
+                            extra_deepspeed=cfg.extra_deepspeed)
 
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
         """(shared tensors, this rank's expert shards by id, whether this rank writes those shards) of the

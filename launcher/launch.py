@@ -205,7 +205,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
         write_text_atomic(run_dir / f"command.node{args.node_rank}.sh", script)
         return run_dir, cmd, env
     write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
-    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel))
+    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel, plan.cfg.extra_deepspeed))
     write_text_atomic(run_dir / "command.sh", script)
     return run_dir, cmd, env
 

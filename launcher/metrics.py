@@ -12,11 +12,13 @@ import os
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from data.atomic import write_text_atomic
 from launcher.config import RunConfig
 from launcher.typed import to_dict
 
@@ -98,15 +100,26 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
 def _start_wandb(run_dir: Path, cfg: RunConfig) -> Optional[Any]:
+    """Start (or, in a run directory that has one, continue) the run's wandb run: the id is kept in
+    `run_dir/wandb_run_id`, so a resumed training run logs into the same wandb run."""
     try:
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        return wandb.init(
-            project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode, dir=str(run_dir),
-            config=to_dict(cfg), name=run_dir.name, reinit=True,
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        run = wandb.init(
+            project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity, group=cfg.logging.wandb_group,
+            tags=list(cfg.logging.wandb_tags) or None, mode=cfg.logging.wandb_mode, dir=str(run_dir),
+            config=to_dict(cfg), name=run_dir.name, id=run_id, resume="allow", reinit=True,
         )
+        if not id_file.is_file():
+            write_text_atomic(id_file, run_id + "\n")
+        return run
     except Exception as e:
         print(f"[metrics] wandb could not start ({e}); continuing without it", file=sys.stderr)
         return None

@@ -35,9 +35,11 @@ from model.gpt import GPT
 from parallel.groups import DeepSpeedMPU, ProcessGroups, register_with_deepspeed
 
 
-def deepspeed_config(t: TrainConfig, parallel: ParallelConfig) -> dict[str, Any]:
+def deepspeed_config(t: TrainConfig, parallel: ParallelConfig, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The DeepSpeed JSON config derived from the typed training recipe and layout (written into the run
-    directory by the launcher)."""
+    directory by the launcher), with `extra` (the run config's `extra_deepspeed`: comms logger, flops profiler,
+    offload, ...) merged in. A key of `extra` that the framework sets itself is refused
+    (`extra_deepspeed_problems`), so the typed config stays the one place those are decided."""
     zero = parallel.zero_stage
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
@@ -57,7 +59,45 @@ def deepspeed_config(t: TrainConfig, parallel: ParallelConfig) -> dict[str, Any]
             ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif t.precision == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2}
-    return ds
+    return _merge_dicts(ds, extra or {})
+
+
+# Keys of the DeepSpeed config the framework decides, and the typed setting to change instead.
+OWNED_DEEPSPEED_KEYS: dict[str, str] = {
+    "train_batch_size": "train.micro_batch x train.grad_accum x data-parallel size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.clip_grad",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "fp16": "train.precision", "bf16": "train.precision", "torch_autocast": "train.precision",
+    "optimizer": "train (lr, betas, eps, weight_decay: the trainer builds AdamW)",
+    "scheduler": "train.schedule / warmup_fraction",
+}
+
+
+def extra_deepspeed_problems(extra: dict[str, Any], prefix: str = "extra_deepspeed") -> list[str]:
+    """Every key of `extra` that the framework owns (each with the typed setting to use instead)."""
+    out = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, value in node.items():
+            dotted = f"{path}.{key}" if path else key
+            if dotted in OWNED_DEEPSPEED_KEYS:
+                out.append(f"{prefix}.{dotted} is set by the framework: use {OWNED_DEEPSPEED_KEYS[dotted]}")
+            elif isinstance(value, dict):
+                walk(value, dotted)
+
+    walk(extra, "")
+    return out
+
+
+def _merge_dicts(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` on top of `base`, recursively for mappings (new keys inside an owned section, e.g. offload
+    options under zero_optimization, are added)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge_dicts(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def lr_lambda(t: TrainConfig) -> Callable[[int], float]:
@@ -357,7 +397,7 @@ PrepareFn = Callable[[nn.Module], Optional[ExpertGradScale]]
 
 
 def build_engine(model: GPT, t: TrainConfig, parallel: ParallelConfig, groups: ProcessGroups,
-                 prepare: Optional[PrepareFn] = None) -> EngineBundle:
+                 prepare: Optional[PrepareFn] = None, extra_deepspeed: Optional[dict[str, Any]] = None) -> EngineBundle:
     """Tensor-parallelise `model`, let `prepare` make its experts distributed (the FFN kind's step, e.g.
     `distribute_demix_experts` or `parallel.gshard.apply_gshard`), and wrap it in a DeepSpeed engine."""
     import deepspeed
@@ -372,6 +412,7 @@ def build_engine(model: GPT, t: TrainConfig, parallel: ParallelConfig, groups: P
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(t, parallel), mpu=DeepSpeedMPU(groups)
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(t, parallel, extra_deepspeed),
+        mpu=DeepSpeedMPU(groups)
     )
     return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler, expert_scale=expert_scale)
