@@ -42,6 +42,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. model.preset=gpt3-xl model.ffn.kind=demix")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON summary path (default {DEFAULT_OUT})")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory of one GPU in GiB for the fit verdict (default: the --device table's, e.g. V100 32)")
     p.add_argument("--device", default=None,
                    help="the cluster's accelerator (v100, a100, h100, ... as in model/accounting.py): checks that "
                         "train.precision is one it has (e.g. no bf16 on V100)")
@@ -69,20 +71,26 @@ def param_counts(model: GPT, tp: int) -> dict:
     from model.gshard import GShardFFN
 
     whole = {id(m) for f in model.modules() if isinstance(f, GShardFFN) for m in f.modules()}  # gate, experts
-    sharded = 0
+    by_expert = model.expert_parameters()
+    expert_ids = {id(p) for ps in by_expert.values() for p in ps}
+    sharded = expert_sharded = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and id(module) not in whole:
-            sharded += module.weight.numel()
+            n = module.weight.numel()
             if module.bias is not None and not getattr(module, "is_residual_projection", False):
-                sharded += module.bias.numel()
+                n += module.bias.numel()
+            sharded += n
+            expert_sharded += n if id(module.weight) in expert_ids else 0
     sharded += model.wte.weight.numel()
     total = model.num_parameters()
-    by_expert = model.expert_parameters()
     expert = sum(p.numel() for ps in by_expert.values() for p in ps)
     per_expert = expert // max(1, len(by_expert))
+    per_tp_rank = (total - sharded) + sharded // tp
+    expert_per_tp_rank = (expert - expert_sharded) + expert_sharded // tp
     return {"total": total, "shared": total - expert, "expert": expert, "per_expert": per_expert,
             "model_all_experts": total - expert + per_expert * model.cfg.ffn.num_experts if by_expert else total,
-            "per_tp_rank": (total - sharded) + sharded // tp, "tp_sharded": sharded}
+            "per_tp_rank": per_tp_rank, "tp_sharded": sharded,
+            "shared_per_tp_rank": per_tp_rank - expert_per_tp_rank, "expert_per_tp_rank": expert_per_tp_rank}
 
 
 class _SkipMetaNormal(TorchFunctionMode):
@@ -113,6 +121,7 @@ def rank_summaries(cfg: RunConfig, topo: Topology, ranks: Sequence[int]) -> list
             "shard_index": info.shard_index, "num_shards": info.num_shards,
             "expert_ids": model.expert_ids if expert_ids is not None else [],
             "expert_groups": groups,
+            "expert_replicas": kind.expert_replicas(cfg, topo, rank),
             "params": param_counts(model, topo.tensor_parallel),
         })
     return out
@@ -133,6 +142,51 @@ def _print_report(cfg: RunConfig, topo: Topology, ranks: list[dict], elapsed: fl
             ep, edp = r["expert_groups"]["expert_parallel"], r["expert_groups"]["expert_data_parallel"]
             print(f"  gshard: all-to-all over {len(ep)} ranks ({ep[0]}-{ep[-1]}), each expert on {len(edp)} rank(s)")
     print(f"built in {elapsed:.2f} s")
+
+
+def memory_report(cfg: RunConfig, topo: Topology, ranks: list[dict], device: Optional[str],
+                  gpu_memory_gb: Optional[float]) -> dict:
+    """Per-GPU memory by ZeRO stage (parallel/memory.py) for the summarised rank holding the most parameters,
+    against the GPU's memory (`--gpu-memory-gb`, else the device table's, else no verdict)."""
+    from model.accounting import lookup_device
+    from parallel.memory import GIB, RankParams, memory_rows
+
+    dev = lookup_device(device) if device else None
+    gib = gpu_memory_gb if gpu_memory_gb is not None else (dev.memory_gb if dev is not None else None)
+    r = max(ranks, key=lambda x: x["params"]["per_tp_rank"])
+    p = r["params"]
+    params = RankParams(p["shared_per_tp_rank"], p["expert_per_tp_rank"], topo.dp_size, r["expert_replicas"])
+    rows = memory_rows(params, cfg.model, cfg.train.micro_batch, topo.tensor_parallel, cfg.train.precision,
+                       None if gib is None else gib * GIB)
+    return {"rank": r["rank"], "gpu": dev.label if dev else None, "gpu_memory_gib": gib,
+            "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
+            "recompute_configured": cfg.train.activation_checkpointing == "full",
+            "params": {"shared": params.shared, "expert": params.expert, "dp_size": params.dp_size,
+                       "expert_replicas": params.expert_replicas}, "rows": rows}
+
+
+def _print_memory(mem: dict) -> None:
+    from parallel.memory import GIB
+
+    gpu = f"{mem['gpu'] or 'GPU'} {mem['gpu_memory_gib']:g} GiB" if mem["gpu_memory_gib"] else "no GPU given (--device)"
+    pr = mem["params"]
+    print(f"memory per GPU (rank {mem['rank']}: {pr['shared']:,} shared params over {pr['dp_size']} data-parallel "
+          f"ranks, {pr['expert']:,} expert params over {pr['expert_replicas']}; {mem['precision']}, micro-batch "
+          f"{mem['micro_batch']}) against {gpu}, GiB:")
+    print("  ZeRO | params | grads | optim | buffers | activ. | activ. recompute | total | total recompute | fits "
+          "(no recompute / recompute)")
+    for row in mem["rows"]:
+        verdict = " / ".join("-" if row[f"fits_{m}"] is None else ("yes" if row[f"fits_{m}"] else "NO")
+                             for m in ("no_recompute", "recompute"))
+        print(f"  {row['zero_stage']:>4} | {row['params'] / GIB:6.2f} | {row['grads'] / GIB:5.2f} | "
+              f"{row['optimizer'] / GIB:5.2f} | {row['buffers'] / GIB:7.2f} | {row['activations_no_recompute'] / GIB:6.2f}"
+              f" | {row['activations_recompute'] / GIB:16.2f} | {row['total_no_recompute'] / GIB:5.2f} | "
+              f"{row['total_recompute'] / GIB:15.2f} | {verdict}")
+    est = mem["rows"][2].get("deepspeed_estimate")
+    if est is not None:
+        ours = mem["rows"][2]["model_states"]
+        print(f"  model states at ZeRO 2: {ours / GIB:.2f} GiB here, {est / GIB:.2f} GiB by DeepSpeed's "
+              f"estimate_zero2_model_states_mem_needs ({(ours - est) / est:+.1%})")
 
 
 def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSpeedConfigFn] = None) -> int:
@@ -157,13 +211,15 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         print(f"dry run failed: {e}", file=sys.stderr)
         return 2
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
+    memory = memory_report(cfg, topo, ranks, args.device, args.gpu_memory_gb)
+    _print_memory(memory)
     for note in layout.notes:
         print(f"note: {note}")
     model = {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)}
     summary = {"model": model,
                "domains": names, "topology": topo.describe(), "notes": list(layout.notes),
                "deepspeed_equivalent": deepspeed_equivalent(topo) if ffn_kind(cfg).domain_experts else None,
-               "ranks": ranks}
+               "ranks": ranks, "memory": memory}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if deepspeed_config is not None:  # the trainer's generator; the dry run only records its output

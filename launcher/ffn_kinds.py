@@ -92,6 +92,10 @@ class FFNKind:
         """This rank's expert process groups, by name (for the dry run's report)."""
         return {}
 
+    def expert_replicas(self, cfg: RunConfig, topo: Topology, rank: int) -> int:
+        """How many data-parallel ranks hold (and reduce, and ZeRO-partition) this rank's experts."""
+        return topo.dp_size
+
     def rank_data(self, topo: Topology, rank: int, num_domains: int) -> tuple[list[int], int, int]:
         """(domains this rank reads, its shard index, the number of shards): every domain, sharded by data rank."""
         info = topo.rank_info(rank)
@@ -168,6 +172,9 @@ class Demix(FFNKind):
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
         return {str(g): list(r) for g, r in topo.expert_groups_of_rank(rank).items()}
 
+    def expert_replicas(self, cfg: RunConfig, topo: Topology, rank: int) -> int:
+        return topo.rank_info(rank).num_shards  # the ranks of its domain (1 when domains share a rank)
+
     def rank_data(self, topo: Topology, rank: int, num_domains: int) -> tuple[list[int], int, int]:
         info = topo.rank_info(rank)
         return list(info.domains), info.shard_index, info.num_shards
@@ -201,6 +208,9 @@ class GShard(FFNKind):
     def rank_experts(self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
                      ) -> Optional[list[int]]:
         return list(gshard_layout_for(cfg.model, topo, rank).local_experts)  # init is per parameter name
+
+    def expert_replicas(self, cfg: RunConfig, topo: Topology, rank: int) -> int:
+        return len(gshard_layout_for(cfg.model, topo, rank).edp_ranks)
 
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
         lay = gshard_layout_for(cfg.model, topo, rank)

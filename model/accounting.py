@@ -262,6 +262,7 @@ class DeviceSpec:
     label: str
     peaks: tuple[tuple[str, float], ...]  # (precision, TFLOP/s); empty for a CPU
     pattern: str  # regex matched against a torch device name (word-bounded, case-insensitive)
+    memory_gb: Optional[float] = None  # the common (largest) variant's memory, GiB; the dry run's default
 
     def peak(self, precision: str) -> Optional[float]:
         """Peak TFLOP/s in `precision`, or None where the device has no such peak (e.g. V100 bf16, CPU)."""
@@ -275,20 +276,20 @@ def _peaks(**tflops: float) -> tuple[tuple[str, float], ...]:
 
 # Ordered: more specific patterns first ("H100 PCIe" before "H100", "V100S" before "V100").
 DEVICES: tuple[DeviceSpec, ...] = (
-    DeviceSpec("v100-pcie", "V100 PCIe", _peaks(fp16=112.0, fp32=14.0), r"v100-?pcie"),
-    DeviceSpec("v100s", "V100S PCIe", _peaks(fp16=130.0, fp32=16.4), r"v100s"),
-    DeviceSpec("v100-sxm2", "V100 SXM2", _peaks(fp16=125.0, fp32=15.7), r"v100"),
-    DeviceSpec("a100", "A100", _peaks(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5), r"a100"),
-    DeviceSpec("h100-pcie", "H100 PCIe", _peaks(bf16=756.0, fp16=756.0, tf32=378.0, fp8=1513.0, fp32=51.0), r"h100[ -]pcie"),
-    DeviceSpec("h100-nvl", "H100 NVL", _peaks(bf16=835.0, fp16=835.0, tf32=418.0, fp8=1670.0, fp32=60.0), r"h100[ -]nvl"),
-    DeviceSpec("h100-sxm", "H100 SXM", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h100"),
-    DeviceSpec("h200", "H200", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h200"),
-    DeviceSpec("l40s", "L40S", _peaks(bf16=362.0, fp16=362.0, tf32=183.0, fp8=733.0, fp32=91.6), r"l40s"),
-    DeviceSpec("l4", "L4", _peaks(bf16=121.0, fp16=121.0, tf32=60.0, fp8=242.0, fp32=30.3), r"l4"),
-    DeviceSpec("a10", "A10", _peaks(bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2), r"a10"),
-    DeviceSpec("rtx4090", "RTX 4090", _peaks(bf16=165.0, fp16=165.0, tf32=82.6, fp8=330.0, fp32=82.6), r"rtx ?4090"),
-    DeviceSpec("mi250x", "MI250X", _peaks(bf16=383.0, fp16=383.0, fp32=47.9), r"mi250x"),
-    DeviceSpec("mi300x", "MI300X", _peaks(bf16=1307.0, fp16=1307.0, tf32=653.7, fp8=2615.0, fp32=163.4), r"mi300x"),
+    DeviceSpec("v100-pcie", "V100 PCIe", _peaks(fp16=112.0, fp32=14.0), r"v100-?pcie", 32),
+    DeviceSpec("v100s", "V100S PCIe", _peaks(fp16=130.0, fp32=16.4), r"v100s", 32),
+    DeviceSpec("v100-sxm2", "V100 SXM2", _peaks(fp16=125.0, fp32=15.7), r"v100", 32),
+    DeviceSpec("a100", "A100", _peaks(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5), r"a100", 80),
+    DeviceSpec("h100-pcie", "H100 PCIe", _peaks(bf16=756.0, fp16=756.0, tf32=378.0, fp8=1513.0, fp32=51.0), r"h100[ -]pcie", 80),
+    DeviceSpec("h100-nvl", "H100 NVL", _peaks(bf16=835.0, fp16=835.0, tf32=418.0, fp8=1670.0, fp32=60.0), r"h100[ -]nvl", 94),
+    DeviceSpec("h100-sxm", "H100 SXM", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h100", 80),
+    DeviceSpec("h200", "H200", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h200", 141),
+    DeviceSpec("l40s", "L40S", _peaks(bf16=362.0, fp16=362.0, tf32=183.0, fp8=733.0, fp32=91.6), r"l40s", 48),
+    DeviceSpec("l4", "L4", _peaks(bf16=121.0, fp16=121.0, tf32=60.0, fp8=242.0, fp32=30.3), r"l4", 24),
+    DeviceSpec("a10", "A10", _peaks(bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2), r"a10", 24),
+    DeviceSpec("rtx4090", "RTX 4090", _peaks(bf16=165.0, fp16=165.0, tf32=82.6, fp8=330.0, fp32=82.6), r"rtx ?4090", 24),
+    DeviceSpec("mi250x", "MI250X", _peaks(bf16=383.0, fp16=383.0, fp32=47.9), r"mi250x", 128),
+    DeviceSpec("mi300x", "MI300X", _peaks(bf16=1307.0, fp16=1307.0, tf32=653.7, fp8=2615.0, fp32=163.4), r"mi300x", 192),
     DeviceSpec("cpu", "CPU", (), r"cpu"),
 )
 _DEVICE_ALIASES: dict[str, str] = {"v100": "v100-sxm2", "h100": "h100-sxm", "4090": "rtx4090"}

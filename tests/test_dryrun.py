@@ -139,3 +139,47 @@ def test_cse_dry_run_plans_as_the_trainer_does(tmp_path):
     assert rc == 0 and s["model"] == {"name": "tiny", "ffn": "cse", "num_experts": 6}
     first, last = s["ranks"]
     assert (first["num_shards"], last["shard_index"]) == (4, 3)
+
+
+def test_memory_table_for_gpt3_xl_demix_on_128_v100(tmp_path, capsys):
+    """Per-GPU memory by ZeRO stage against a V100 32 GB, with the verdict, and model states at ZeRO 2 within 10 %
+    of DeepSpeed's own estimator."""
+    rc, s = _run(tmp_path, "--world-size", "128", "--device", "v100", *XL_DEMIX, "train.precision=fp16")
+    assert rc == 0
+    mem = s["memory"]
+    assert mem["gpu_memory_gib"] == 32 and [r["zero_stage"] for r in mem["rows"]] == [0, 1, 2]
+    assert mem["params"]["expert_replicas"] == 8 and mem["params"]["dp_size"] == 64  # 8 data-parallel ranks/domain
+    z0, z1, z2 = mem["rows"]
+    assert z0["model_states"] > z1["model_states"] > z2["model_states"]
+    assert z2["deepspeed_estimate"] == pytest.approx(z2["model_states"], rel=0.10)
+    assert all(r["fits_recompute"] is True for r in mem["rows"])
+    printed = capsys.readouterr().out
+    assert "memory per GPU" in printed and "V100 SXM2 32 GiB" in printed and "estimate_zero2_model_states" in printed
+
+
+def test_memory_table_says_no_when_it_does_not_fit(tmp_path, capsys):
+    rc, s = _run(tmp_path, "--world-size", "8", "--gpu-memory-gb", "16", "--set", "model.preset=gpt3-xl",
+                 "data.mixture=natural", "train.precision=fp32", "train.micro_batch=8")
+    assert rc == 0
+    assert [r["fits_no_recompute"] for r in s["memory"]["rows"]] == [False, False, False]
+    assert "NO" in capsys.readouterr().out
+
+
+def test_memory_arithmetic_matches_the_papers_formulas():
+    """ZeRO eq. Z with DeepSpeed's multipliers, Korthikanti et al.'s eq. A1/A2 (parallel/memory.py)."""
+    from model.config import ModelConfig
+    from parallel.memory import RankParams, activation_bytes, deepspeed_zero2_estimate, model_state_bytes
+
+    p = RankParams(shared=1_000_000, expert=0, dp_size=4, expert_replicas=1)
+    assert sum(model_state_bytes(p, "fp16", 0).values()) == 20_000_000  # (2 + 2 + 16) Psi
+    assert sum(model_state_bytes(p, "fp16", 1).values()) == 4_000_000 + 16_000_000 / 4
+    assert sum(model_state_bytes(p, "fp16", 2).values()) == 2_000_000 + 18_000_000 / 4 == deepspeed_zero2_estimate(p)
+    assert sum(model_state_bytes(p, "fp32", 2).values()) == 4_000_000 + 12_000_000 / 4
+    demix = RankParams(shared=1_000_000, expert=500_000, dp_size=8, expert_replicas=2)  # experts over their group
+    assert model_state_bytes(demix, "fp16", 1)["optimizer"] == 16 * 1_000_000 / 8 + 16 * 500_000 / 2
+    m = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=1000)
+    s, b, h, a, v = 32, 3, 64, 4, m.padded_vocab_size(1)
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes(m, 3, 1, False, "fp16") == pytest.approx(2 * per_layer + 6 * s * b * v)
+    assert activation_bytes(m, 3, 1, True, "fp16") == pytest.approx(2 * 2 * s * b * h + per_layer + 6 * s * b * v)
+    assert activation_bytes(m, 3, 1, False, "fp32") == pytest.approx(2 * 2 * per_layer + 6 * s * b * v)
