@@ -115,8 +115,22 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         write_json_atomic(tmp / "meta.json", {"step": step, "layout": layout_identity(plan), "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
         write_text_atomic(ckdir / "latest", final.name + "\n")
+        prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(ckdir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete training states (0: keep all); never the one `latest` names.
+    Returns what was deleted. Called by rank 0 after the `latest` pointer moved, so a crash here loses nothing."""
+    if keep <= 0:
+        return []
+    latest = (ckdir / "latest").read_text().strip() if (ckdir / "latest").is_file() else None
+    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir() and (p / "meta.json").is_file())
+    old = [p for p in done[:-keep] if p.name != latest]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def _numpy_rng_state() -> tuple:

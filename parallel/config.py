@@ -73,13 +73,14 @@ class TrainConfig:
     eval_interval: StrictInt = 0  # 0 = only at the end
     eval_batches: StrictInt = 4
     save_interval: StrictInt = 0  # 0 = only at the end
+    keep_checkpoints: StrictInt = 0  # training states kept in checkpoints/ (the newest N); 0 = all
 
     def problems(self, prefix: str = "train") -> list[str]:
         out = []
         for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("eval_interval", "save_interval"):
+        for name in ("eval_interval", "save_interval", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

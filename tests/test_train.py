@@ -65,7 +65,7 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (killed / "model").exists()  # the run really died before the end
-    _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)])
+    _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens), "--set", "train.keep_checkpoints=2"])
     a, b = _losses(full), _losses(killed)
     assert sorted(a) == list(range(1, 7))
     for step in range(3, 7):  # steps 3.. were recomputed after the resume from step 2
@@ -76,6 +76,23 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     # the consolidated export holds every expert and names the domains
     meta = json.loads((killed / "model" / "meta.json").read_text())
     assert meta["domains"] == ["cooking", "finance", "sailing"] and meta["experts"]["2"] == "sailing"
+    # keep_checkpoints=2 on the resumed run: of steps 2, 4, 6 only the newest two remain
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+
+
+def test_prune_keeps_the_newest_complete_states_and_the_latest(tmp_path):
+    from launcher.state import prune_checkpoints
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "meta.json").write_text("{}")
+    (tmp_path / "step_00000010").mkdir()  # incomplete (no meta.json): not counted, not touched
+    (tmp_path / "latest").write_text("step_00000004\n")  # e.g. a resume pointed back
+    assert prune_checkpoints(tmp_path, 0) == []
+    gone = prune_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in gone) == ["step_00000002"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000006", "step_00000008",
+                                                                "step_00000010"]
 
 
 @pytest.mark.slow
