@@ -10,6 +10,7 @@ the dry run, the export and the expert tools ask the strategy instead of branchi
     kind.topology_domains(domains)            # what the topology lays out: domains (DEMix) or one "all"
     kind.rank_experts(cfg, topo, rank, ...)   # the expert ids this rank builds (None: dense layers only)
     kind.rank_data(topo, rank, n_domains)     # which domains this rank reads, and its shard of them
+    kind.expert_replicas(cfg, topo, rank)     # how many ranks hold (and ZeRO-partition) its experts
     kind.build_engine(model, cfg, groups)     # DeepSpeed engine, with `prepare_parallel` after TP
     kind.export_parts(model, topo, groups, rank)
     kind.step_hook(model, cfg, groups, optimizer, domain_names)
