@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,26 @@ def start_distributed() -> tuple[int, int]:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        dist.barrier()  # every rank has mapped every peer's shared-memory segment (DeepSpeed's shm_initialize)
+        release_shm_name(dist.get_rank())
     return dist.get_rank(), dist.get_world_size()
+
+
+def shm_segment(rank: int) -> Path:
+    """The /dev/shm segment DeepSpeed's CPU shared-memory all-reduce creates for `rank` of this rendezvous
+    (deepspeed/ops/csrc/cpu/comm/shm.cpp: `deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`,
+    about 66 MB of RAM)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_name(rank: int) -> None:
+    """Unlink this rank's shared-memory segment name. DeepSpeed never unlinks it, so every CPU run (and every
+    killed one) left 66 MB per rank in /dev/shm until reboot. Call once every rank has opened every peer's
+    segment (after init and a barrier): the mappings stay valid until the processes exit, and then the
+    kernel frees the memory, however the run ends."""
+    shm_segment(rank).unlink(missing_ok=True)
 
 
 def training_device() -> torch.device:

@@ -45,6 +45,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
 
             strict.enable("cpu")
         result = fn(rank, world_size, *args)
+        # fn's collectives ran after every rank mapped every peer's DeepSpeed shm segment: drop this rank's name
+        # so the 66 MB segment is freed when the process exits (DeepSpeed never unlinks it).
+        from launcher.distributed import release_shm_name
+
+        release_shm_name(rank)
         # Plain pickle (not the multiprocessing one): tensors travel as bytes, not as shared-memory handles
         # that would vanish when this process exits.
         queue.put((rank, True, pickle.dumps(result)))

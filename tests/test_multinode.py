@@ -70,6 +70,8 @@ def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     assert start["world_size"] == 4
     assert (two / "command.sh").is_file() and (two / "command.node1.sh").is_file()
     assert (two / "model" / "meta.json").is_file()  # the export ran across both nodes
+    # DeepSpeed's CPU shared-memory all-reduce segments (66 MB each) are released, not left in /dev/shm
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:

@@ -65,6 +65,8 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (killed / "model").exists()  # the run really died before the end
+    port = (killed / "command.sh").read_text().split("--master_port ")[1].split()[0]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # even SIGKILL leaks no shm
     _launch(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens), "--set", "train.keep_checkpoints=2"])
     a, b = _losses(full), _losses(killed)
     assert sorted(a) == list(range(1, 7))
