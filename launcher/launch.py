@@ -106,6 +106,12 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
             out.append("--no-ssh needs --master-port: every node must rendezvous on the same port")
     elif args.node_rank is not None:
         out.append("--node-rank is only used with --no-ssh (with ssh, DeepSpeed starts every node itself)")
+    if not args.hostfile:
+        given = [flag for flag, value in (("--include", args.include), ("--exclude", args.exclude),
+                                          ("--num-nodes", args.num_nodes), ("--launcher", args.launcher),
+                                          ("--ssh-port", args.ssh_port)) if value]
+        if given:
+            out.append(f"{', '.join(given)} select among the hosts of a --hostfile: give one (a local run uses --nproc)")
     if args.nproc is not None and args.nproc < 1:
         out.append(f"--nproc={args.nproc}: need at least one process per node")
     return out

@@ -102,6 +102,14 @@ def test_multi_node_options_pass_through_to_deepspeed(tmp_path):
         assert piece in joined, (piece, joined)
 
 
+def test_multi_node_options_without_a_hostfile_are_refused(tiny_tokens, tmp_path):
+    args = parse_args(["--nproc", "2", "--num-nodes", "2", "--include", "node0", "--run-dir", str(tmp_path / "run"),
+                       *_sets(tiny_tokens)])
+    with pytest.raises(ConfigError) as err:
+        prepare_run(args)
+    assert "--include, --num-nodes select among the hosts of a --hostfile" in str(err.value)
+
+
 @pytest.mark.parametrize("extra, needles", [
     (["--no-ssh"], ["--no-ssh needs --node-rank", "--no-ssh needs --master-addr", "--no-ssh needs --master-port"]),
     (["--node-rank", "1"], ["--node-rank is only used with --no-ssh"]),
