@@ -46,6 +46,8 @@ class MetricsLogger:
         if not is_main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step > 0:  # a resume: the steps after the checkpoint are run again
+            drop_replayed_records(self.path, start_step)
         self.file = open(self.path, "a", buffering=1)
         if cfg.logging.progress_bar:
             from tqdm import tqdm
@@ -98,6 +100,26 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def drop_replayed_records(path: Path, start_step: int) -> int:
+    """Before a run resumes at `start_step`, remove the records of later steps (written after the checkpoint by
+    the run that died), so the file holds one record per step; `start` records stay. Atomic. Returns the count
+    dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+        if rec.get("kind") == "start" or not isinstance(rec.get("step"), int) or rec["step"] <= start_step:
+            keep.append(line)
+    if len(keep) != len(lines):
+        write_text_atomic(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
 
 
 WANDB_ID_FILE = "wandb_run_id"

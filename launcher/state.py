@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,13 +71,30 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
             "domains": list(plan.catalog.train_domains), "model": [c.model.n_layers, c.model.d_model, c.model.seq_len]}
 
 
+STEP_DIR = re.compile(r"step_\d{8}")
+
+
+def complete_states(ckdir: Path) -> list[Path]:
+    """The complete training states in `ckdir` (well-formed `step_<8 digits>` names with meta.json), oldest first."""
+    return sorted(p for p in ckdir.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file())
+
+
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The training state `checkpoints/latest` points to, if it is complete."""
-    ptr = run_dir / "checkpoints" / "latest"
-    if not ptr.is_file():
-        return None
-    path = run_dir / "checkpoints" / ptr.read_text().strip()
-    return path if (path / "meta.json").is_file() else None
+    """The training state to resume from: the one `checkpoints/latest` names, if that is a well-formed name of a
+    complete state in this directory; otherwise (a damaged pointer, or one naming a deleted or incomplete state)
+    the newest complete state, with a warning, so a resume never restarts from step 0 over newer checkpoints.
+    The pointer's contents never become a path unless they match `step_<8 digits>`."""
+    ckdir = run_dir / "checkpoints"
+    ptr = ckdir / "latest"
+    complete = complete_states(ckdir)
+    if ptr.is_file():
+        name = ptr.read_text().strip()
+        if STEP_DIR.fullmatch(name) and (ckdir / name) in complete:
+            return ckdir / name
+        if complete:
+            print(f"warning: {ptr} names {name[:80]!r}, not a complete training state here; resuming from the newest "
+                  f"complete one, {complete[-1].name}", file=sys.stderr)
+    return complete[-1] if complete else None
 
 
 def check_resumable(ckpt: Path, plan: Plan) -> int:
@@ -126,7 +145,7 @@ def prune_checkpoints(ckdir: Path, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     latest = (ckdir / "latest").read_text().strip() if (ckdir / "latest").is_file() else None
-    done = sorted(p for p in ckdir.glob("step_*") if p.is_dir() and (p / "meta.json").is_file())
+    done = complete_states(ckdir)
     old = [p for p in done[:-keep] if p.name != latest]
     for path in old:
         shutil.rmtree(path, ignore_errors=True)

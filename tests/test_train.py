@@ -75,11 +75,40 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert a[6] < a[1]  # it learns
     starts = [r for r in read_metrics(killed / "metrics.jsonl") if r.get("kind") == "start"]
     assert starts[-1]["resumed_from"].endswith("step_00000002")
+    steps = [r["step"] for r in read_metrics(killed / "metrics.jsonl") if r.get("kind") == "train"]
+    assert steps == list(range(1, 7))  # one record per step: the replayed step 3 is not logged twice
     # the consolidated export holds every expert and names the domains
     meta = json.loads((killed / "model" / "meta.json").read_text())
     assert meta["domains"] == ["cooking", "finance", "sailing"] and meta["experts"]["2"] == "sailing"
     # keep_checkpoints=2 on the resumed run: of steps 2, 4, 6 only the newest two remain
     assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+
+
+def test_a_damaged_or_dangling_latest_pointer_resumes_from_the_newest_complete_state(tmp_path, capsys):
+    from launcher.state import latest_checkpoint
+
+    ck = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path) is None
+    for step in (2, 4):
+        (ck / f"step_{step:08d}").mkdir(parents=True)
+        (ck / f"step_{step:08d}" / "meta.json").write_text("{}")
+    (ck / "step_00000006").mkdir()  # being written when the run died: no meta.json
+    (ck / "latest").write_text("step_00000004\n")
+    assert latest_checkpoint(tmp_path) == ck / "step_00000004"
+    for bad in ("step_00000006", "step_00000008", "../../elsewhere", "/etc"):  # incomplete, deleted, escapes
+        (ck / "latest").write_text(bad + "\n")
+        assert latest_checkpoint(tmp_path) == ck / "step_00000004", bad
+        assert "not a complete training state here" in capsys.readouterr().err
+
+
+def test_resume_drops_the_records_the_dead_run_wrote_after_its_checkpoint(tmp_path):
+    from launcher.metrics import drop_replayed_records
+
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"kind": "start", "step": 0}] + [{"kind": "train", "step": s} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "train", "st')  # cut by the kill
+    assert drop_replayed_records(path, 2) == 2
+    assert [(r["kind"], r["step"]) for r in read_metrics(path)] == [("start", 0), ("train", 1), ("train", 2)]
 
 
 def test_prune_keeps_the_newest_complete_states_and_the_latest(tmp_path):
