@@ -19,18 +19,25 @@ in the manifest. Nothing is dropped silently: documents in == documents out + pr
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
+from data.atomic import write_json_atomic
+
 REASONS: tuple[str, ...] = (
     "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
-    "missing_domain", "unknown_domain",
+    "missing_domain", "unknown_domain", "invalid_domain_name",
 )
+# A domain name becomes a file name (<out>/<domain>.jsonl, tokens/<domain>/): no separators, no "..", no hidden files.
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ON_ERROR: tuple[str, ...] = ("skip", "fail")
 MANIFEST_FORMAT = "demix-corpus/1"
 
@@ -123,6 +130,9 @@ def _parse_line(
     if domain is None or domain == "":
         return Problem(path, lineno, "missing_domain", f"no field {domain_field!r}")
     domain = str(domain)
+    if not DOMAIN_NAME.fullmatch(domain) or ".." in domain:
+        return Problem(path, lineno, "invalid_domain_name", f"{domain[:80]!r}: a domain name becomes a file name; use "
+                       "letters, digits, '_', '-' and '.', starting with a letter or digit, at most 64 characters")
     if domains is not None and domain not in domains:
         return Problem(path, lineno, "unknown_domain", f"{domain!r} not in {sorted(domains)}")
     doc_id = obj.get(id_field)
@@ -244,5 +254,34 @@ def ingest(
         "domains": {d: {"documents": n, "file": f"{d}.jsonl"} for d, n in report.documents.items()},
         "problems": log.to_json(),
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    write_json_atomic(out_dir / "manifest.json", manifest)
     return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m data.ingest SOURCE --out DIR`: 0 with a JSON summary on stdout, 2 with one error line."""
+    p = argparse.ArgumentParser(prog="python -m data.ingest", description=__doc__.split("\n\n")[0],
+                                epilog="Then: python -m data.prepare --corpus DIR --out TOKENS --tokenizer gpt2")
+    p.add_argument("source", help="a JSONL file, a directory of *.jsonl files, or a directory of domain folders of .txt")
+    p.add_argument("--out", required=True, help="output directory: <domain>.jsonl files and manifest.json")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--domain-field", default="domain")
+    p.add_argument("--id-field", default="id")
+    p.add_argument("--domains", nargs="+", help="keep only these domains (others are 'unknown_domain' problems)")
+    p.add_argument("--on-error", choices=ON_ERROR, default="skip",
+                   help="skip: drop bad lines and count them (default); fail: write nothing if any line is bad")
+    p.add_argument("--max-report", type=int, default=20, help="problems listed in full (all are counted)")
+    args = p.parse_args(argv)
+    try:
+        report = ingest(args.source, args.out, text_field=args.text_field, domain_field=args.domain_field,
+                        id_field=args.id_field, domains=args.domains, on_error=args.on_error,
+                        max_report=args.max_report)
+    except (CorpusError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": report.out_dir, **report.to_json()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

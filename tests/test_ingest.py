@@ -97,3 +97,37 @@ def test_directory_of_domain_folders_of_txt_files(tmp_path):
 def test_unknown_on_error_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="on_error"):
         ingest(tmp_path, tmp_path / "out", on_error="ignore")
+
+
+def test_domain_names_that_would_escape_or_break_the_output_are_problems(tmp_path):
+    """A domain becomes a file name: "../x" would write outside --out, "a/b" would crash; both are reported with
+    file:line, nothing is written outside the output folder."""
+    from data.ingest import ingest
+
+    src = tmp_path / "in.jsonl"
+    rows = [{"text": "fine", "domain": "news"}, {"text": "t", "domain": "../escape"}, {"text": "t", "domain": "a/b"},
+            {"text": "t", "domain": ".hidden"}, {"text": "t", "domain": "x" * 65}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = ingest(src, tmp_path / "out")
+    assert report.documents == {"news": 1}
+    assert report.problems.counts["invalid_domain_name"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out"]  # nothing landed beside --out
+    assert "in.jsonl:2: invalid_domain_name ('../escape'" in str(report.problems.first[0])
+
+
+def test_ingest_is_a_cli(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "hello", "domain": "news"}) + "\n" + "not json\n")
+    ok = subprocess.run([sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "out")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["documents"] == {"news": 1}
+    bad = subprocess.run([sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "o2"),
+                          "--on-error", "fail"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "invalid_json" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "o2").exists()
+    missing = subprocess.run([sys.executable, "-m", "data.ingest", str(tmp_path / "nope"), "--out", str(tmp_path / "o3")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file or directory" in missing.stderr
