@@ -18,7 +18,8 @@ T = TypeVar("T")
 _DROP = object()  # marks a broken entry of the input for the lenient build
 _EXPECTED = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false",
     "string_type": "a string", "list_type": "a list", "tuple_type": "a list", "dict_type": "a mapping",
 }
 

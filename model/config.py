@@ -11,7 +11,7 @@ import math
 from dataclasses import field
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Strict, StrictInt
+from pydantic import AllowInfNan, BeforeValidator, ConfigDict, Strict, StrictInt
 from pydantic.dataclasses import dataclass
 
 # Shared by every config class (data/, parallel/, launcher/, benchmarks/ import these): unknown keys are
@@ -29,7 +29,8 @@ def _number_from_string(value: Any) -> Any:
     return value
 
 
-Float = Annotated[float, Strict(), BeforeValidator(_number_from_string)]  # ints and "3e-4" yes, bools no
+# ints and "3e-4" yes, bools no, nan/inf no (an lr of nan would pass here and fail in every rank minutes later)
+Float = Annotated[float, Strict(), AllowInfNan(False), BeforeValidator(_number_from_string)]
 
 FFN_KINDS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
 SECOND_EXPERT_POLICIES: tuple[str, ...] = ("sampling", "all", "random")

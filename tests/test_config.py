@@ -68,3 +68,14 @@ def test_overrides_parse_yaml_scalars():
     assert cfg.train.lr == 3e-4 and cfg.train.steps == 7 and cfg.parallel.allocation == [1, 3]
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_run_config(None, ["train.steps"])
+
+
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", "-.inf"])
+def test_non_finite_numbers_are_refused_before_any_rank_starts(value):
+    """`train.lr=nan` used to pass validation and fail in every rank minutes later."""
+    from launcher.config import load_run_config
+
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, ["model.preset=tiny", f"train.lr={value}", "model.dropout=.inf"])
+    msg = str(err.value)
+    assert "train.lr=" in msg and "model.dropout=inf: expected a finite number" in msg and "2 problem(s)" in msg
