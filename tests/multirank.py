@@ -13,18 +13,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_lib
-import socket
 import traceback
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port that is free on localhost now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launcher.distributed import free_port
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool,

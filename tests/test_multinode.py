@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import ConfigError
+from launcher.distributed import free_port
 from launcher.launch import build_command, node_resources, parse_args, prepare_run, world_size
 from launcher.metrics import read_metrics
 
@@ -40,12 +41,6 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def _free_port() -> int:
-    from launcher.distributed import free_port
-
-    return free_port()
-
-
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     """DEMix, 2 domains on 4 ranks: 2 nodes x 2 ranks (--no-ssh, one launcher per node) vs 1 node x 4 ranks."""
@@ -54,7 +49,7 @@ def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     hosts.write_text("node0 slots=2\nnode1 slots=2\n")
     subprocess.run([sys.executable, "-m", "launcher.launch", "--nproc", "4", "--run-dir", str(one), *_sets(tiny_tokens)],
                    cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600)
-    port = _free_port()
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "launcher.launch", "--hostfile", str(hosts), "--no-ssh",
                                "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "--run-dir", str(two), *_sets(tiny_tokens)],
@@ -136,7 +131,7 @@ def test_slurm_script_on_localhost_with_slurms_environment_simulated(tiny_tokens
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && printf "node0\\nnode1\\n"\n')
     (bin_dir / "scontrol").chmod(0o755)
     run = tmp_path / "slurm-run"
-    port = _free_port()
+    port = free_port()
     base = dict(_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242",
                 SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_NUM_NODES="2", GPUS_PER_NODE="2", RUN_DIR=str(run),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -162,7 +157,7 @@ def test_slurm_script_outside_slurm_says_so():
 def test_torchrun_two_nodes_on_localhost(tiny_tokens, tmp_path):
     """The trainer reads the standard environment: `torchrun --nnodes 2` (one agent per node) runs it as is."""
     run = tmp_path / "torchrun"
-    port = _free_port()
+    port = free_port()
     env = dict(_env(), DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                                "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port),
