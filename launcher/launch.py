@@ -34,7 +34,7 @@ from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
-from launcher.state import check_resumable, latest_checkpoint
+from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
 
@@ -200,6 +200,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
         ckpt = latest_checkpoint(run_dir)
         if ckpt is not None:
             check_resumable(ckpt, plan)
+            for note in layout_changes(ckpt, plan):
+                print(f"note: {note}", file=sys.stderr)
     port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
     env = launch_env(max(len(slots) for slots in resources.values()))

@@ -1,9 +1,12 @@
 """Training state: per-rank shards for exact resume, and the distributed consolidated export.
 
-* `save_training_state` / `load_training_state`: each rank's model shard, optimizer partition, scheduler and
-  RNG states (torch, CUDA, Python, numpy), written into one directory that rank 0 publishes atomically
-  (`checkpoints/step_<n>`, then the `latest` pointer). `check_resumable` names every layout difference
-  before any process starts; loads are weights-only (a run directory may come from someone else).
+* `save_training_state` / `load_training_state`: every parameter's fp32 master weight and Adam moments, whole
+  and by its name in the plain model (DeepSpeed's universal checkpoint layout, `zero/<name>/fp32.pt`, written
+  straight from the running engine), plus the schedule, loss scaler, buffers and each rank's RNG, in one
+  directory rank 0 publishes atomically (`checkpoints/step_<n>`, then the `latest` pointer). Any layout loads
+  it: another number of GPUs, domain allocation, ZeRO stage or batch shape (`layout_changes` says what
+  changed); `check_resumable` names what cannot change (model, tensor parallelism, domains, tokenizer) before
+  any process starts. Loads are weights-only (a run directory may come from someone else).
 * `export_consolidated`: the plain single-process model with all experts, in the consolidated format of
   launcher/checkpoint.py, written by the ranks that hold each part (no rank gathers another's experts).
 * `load_init_weights`: a new run's weights from a consolidated checkpoint (`train.init_from`).
@@ -30,6 +33,7 @@ from launcher.config import ConfigError, RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
 from launcher.typed import to_dict
+from parallel.universal import FP32, MOMENTS, ParamStates, full_tensor_parallel, tensor_parallel_shard
 
 
 def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
@@ -62,13 +66,24 @@ def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torc
                            "there by ranks of every node)"], "the run directory")
 
 
+TRAINING_FORMAT = "demix-training/2"
+
+# What a training state must share with the run that resumes it; everything else in `layout_identity` (world
+# size, allocation, ZeRO stage, batch shape, precision) may change, since the state is kept per parameter.
+MUST_MATCH = ("model", "tensor_parallel", "domains", "expert_domains", "tokenizer")
+
+
 def layout_identity(plan: Plan) -> dict[str, Any]:
-    """What must match for a training-state checkpoint to resume."""
+    """What a training state records about the run that wrote it (see MUST_MATCH for what must match)."""
     c = plan.cfg
+    model = to_dict(c.model)
+    model["ffn"]["gshard"].pop("experts_per_rank", None)  # placement, not the model: num_experts (resolved) is
     return {"world_size": plan.topo.world_size, "tensor_parallel": plan.topo.tensor_parallel,
-            "allocation": list(plan.topo.allocation), "ffn": c.model.ffn.kind, "num_experts": c.model.ffn.num_experts,
-            "zero_stage": c.parallel.zero_stage, "micro_batch": c.train.micro_batch, "grad_accum": c.train.grad_accum,
-            "domains": list(plan.catalog.train_domains), "model": [c.model.n_layers, c.model.d_model, c.model.seq_len]}
+            "allocation": list(plan.topo.allocation), "zero_stage": c.parallel.zero_stage,
+            "micro_batch": c.train.micro_batch, "grad_accum": c.train.grad_accum, "precision": c.train.precision,
+            "global_batch": c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size,
+            "domains": list(plan.catalog.train_domains), "expert_domains": list(plan.expert_domains),
+            "tokenizer": plan.catalog.tokenizer, "model": model}
 
 
 STEP_DIR = re.compile(r"step_\d{8}")
@@ -97,22 +112,87 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
-def check_resumable(ckpt: Path, plan: Plan) -> int:
-    """The step to resume from; a CheckpointError naming every mismatch if the layout differs."""
+def read_state_meta(ckpt: Path) -> dict[str, Any]:
     meta = json.loads((ckpt / "meta.json").read_text())
+    if meta.get("format") != TRAINING_FORMAT:
+        raise CheckpointError(f"{ckpt} is a training state of an older format (one file per rank); resume it with the "
+                              "version that wrote it, or start a new run directory from its exported model "
+                              "(`--set train.init_from=RUN/model`)")
+    return meta
+
+
+def check_resumable(ckpt: Path, plan: Plan) -> int:
+    """The step to resume from. A CheckpointError naming every difference that cannot carry over (the model,
+    tensor parallelism, the domains, the tokenizer) or every missing parameter file; differences that can
+    (world size, allocation, ZeRO stage, batch shape, precision) are allowed (see `layout_changes`)."""
+    meta = read_state_meta(ckpt)
     want = layout_identity(plan)
-    diff = [f"{k}: checkpoint {meta['layout'].get(k)!r}, this run {v!r}" for k, v in want.items() if meta["layout"].get(k) != v]
+    diff = [f"{k}: checkpoint {meta['layout'].get(k)!r}, this run {want[k]!r}" for k in MUST_MATCH
+            if meta["layout"].get(k) != want[k]]
     if diff:
-        raise CheckpointError(f"{ckpt} was written by a different layout; resume with the same one, or start a new run "
-                              "directory (`--resume never`) from an exported model:\n  " + "\n  ".join(diff))
-    missing = [r for r in range(want["world_size"]) if not (ckpt / f"rank{r:05d}.pt").is_file()]
-    if missing:
-        raise CheckpointError(f"{ckpt} lacks the shards of ranks {missing}")
+        raise CheckpointError(f"{ckpt} was written for another model or data; resume with the same ones, or start a new "
+                              "run directory (`--resume never`) from its exported model:\n  " + "\n  ".join(diff))
+    missing = [n for n in meta.get("params", []) if not (ckpt / "zero" / n / f"{FP32}.pt").is_file()]
+    if missing or not meta.get("params"):
+        raise CheckpointError(f"{ckpt} is incomplete: no parameter files for {missing[:5] or 'any parameter'}")
     return int(meta["step"])
 
 
+def layout_changes(ckpt: Path, plan: Plan) -> list[str]:
+    """One line per setting in which the resuming run differs from the one that wrote `ckpt` (allowed)."""
+    old, new = read_state_meta(ckpt)["layout"], layout_identity(plan)
+    keys = ("world_size", "allocation", "zero_stage", "micro_batch", "grad_accum", "precision")
+    diff = [f"{k} {old.get(k)} -> {new[k]}" for k in keys if old.get(k) != new[k]]
+    if not diff:
+        return []
+    out = [f"resuming {ckpt.name} on another layout ({', '.join(diff)}): weights, Adam moments, the learning-rate "
+           "schedule and the step carry over exactly; each rank's data continues from that step in this layout's shards"]
+    if old.get("global_batch") != new["global_batch"]:
+        out.append(f"the global batch changes from {old.get('global_batch')} to {new['global_batch']} sequences per "
+                   "step: keep micro_batch x grad_accum x data-parallel size to continue the same recipe")
+    return out
+
+
+def _save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
+
+
+def load_weights_only(path: Path) -> Any:
+    """Weights-only (a run directory may come from someone else)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int) -> None:
+    """Every parameter's fp32 master and Adam moments, whole (TP-gathered, data-parallel-unpartitioned), as
+    DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
+    each `{"param": tensor, "cat_dim": tensor-parallel dimension}`. One writer per parameter (the strategy's
+    `state_names`). Collective: every rank walks its parameters in order."""
+    model, tp = bundle.engine.module, plan.topo.tensor_parallel
+    states = ParamStates(bundle.engine)
+    names = ffn_kind(plan.cfg).state_names(model, plan.topo, rank)
+    tp_group = bundle.groups.tp_group if tp > 1 else None
+    adam_step = states.adam_step()
+    for name, p in model.named_parameters():
+        plain, writer = names[name]
+        values = {k: full_tensor_parallel(v, p, tp_group) for k, v in states.get(p).items()}
+        if writer:
+            cat_dim = int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else 0
+            for key, value in values.items():
+                _save({"param": value.detach().cpu().contiguous(), "cat_dim": cat_dim}, out / plain / f"{key}.pt")
+            if MOMENTS[0] in values:
+                _save(torch.tensor(adam_step), out / plain / "step.pt")
+
+
 def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank: int) -> Path:
-    """Every rank writes its shard into one temporary directory; rank 0 publishes it atomically."""
+    """Write the training state of `step` into `checkpoints/step_<n>`, published atomically by rank 0: per-parameter
+    fp32 weights and Adam moments (`_write_param_states`, any layout can load them), the schedule, loss scaler
+    and buffers (`trainer.pt`), and each rank's RNG (`rng/rank<r>.pt`). Collective."""
     import torch.distributed as dist
 
     ckdir = run_dir / "checkpoints"
@@ -123,15 +203,22 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"model": bundle.engine.module.state_dict(), "optimizer": bundle.engine.optimizer.state_dict(),
-             "scheduler": bundle.scheduler.state_dict(), "step": step,
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
-                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-    with atomic_path(tmp / f"rank{rank:05d}.pt") as part:
-        torch.save(state, part)
+    _write_param_states(tmp / "zero", bundle, plan, rank)
+    _save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
+    if rank == 0:
+        states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
+        params = {n for n, _ in model.named_parameters()}
+        buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
+                   if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
+        _save({"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
+               "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
+              tmp / "trainer.pt")
     dist.barrier()
     if rank == 0:
-        write_json_atomic(tmp / "meta.json", {"step": step, "layout": layout_identity(plan), "config": to_dict(plan.cfg)})
+        written = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+        write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
+                                              "params": written, "vocab_size": plan.catalog.vocab_size,
+                                              "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
         write_text_atomic(ckdir / "latest", final.name + "\n")
         prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
@@ -158,36 +245,60 @@ def _numpy_rng_state() -> tuple:
     return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
 
 
-def _load_rank_state(path: Path) -> dict[str, Any]:
-    """A per-rank training-state file, weights-only (a run directory may come from someone else): tensors,
-    plain containers, and the few DeepSpeed value classes its optimizer state dicts hold."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+def _restore_rng(ckpt: Path, meta: dict[str, Any], plan: Plan, rank: int, step: int) -> None:
+    """This rank's RNG as saved when the layout is the same (an exact resume); otherwise seeded from
+    (seed, step, rank), since another layout's ranks are other streams anyway."""
+    path = ckpt / "rng" / f"rank{rank:05d}.pt"
+    if meta["layout"].get("world_size") != plan.topo.world_size or not path.is_file():
+        seed = plan.cfg.train.seed * 1_000_003 + step * 1009 + rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        return
+    rng = load_weights_only(path)
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng.get("cuda") is not None:  # dropout on the GPU resumes exactly
+        torch.cuda.set_rng_state(rng["cuda"])
+    random.setstate(rng["python"])
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+
+def _restore_schedule(scheduler: Any, saved: dict[str, int]) -> None:
+    """LambdaLR at the saved position, and the optimizer groups' learning rates to match (the number of groups
+    may differ from the writer's: a rank holding more experts has more expert groups)."""
+    scheduler.last_epoch, scheduler._step_count = int(saved["last_epoch"]), int(saved["step_count"])
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
-    """Restore this rank's model, optimizer, scheduler and RNG states from `ckpt`; returns its step."""
-    state = _load_rank_state(ckpt / f"rank{rank:05d}.pt")
-    bundle.engine.module.load_state_dict(state["model"])
-    if plan.cfg.parallel.zero_stage == 0:
-        bundle.engine.optimizer.load_state_dict(state["optimizer"])
-    else:
-        dp_rank, dp = plan.topo.rank_info(rank).dp_rank, plan.topo.dp_size
-        shards = [state["optimizer"] if i == dp_rank else None for i in range(dp)]
-        bundle.engine.optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
-    bundle.scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if torch.cuda.is_available() and state["rng"].get("cuda") is not None:  # dropout on the GPU resumes exactly
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
-    random.setstate(state["rng"]["python"])
-    name, keys, pos, has_gauss, cached = state["rng"]["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    return int(state["step"])
-
+    """Restore weights, Adam moments, schedule, loss scaler, buffers and RNG from `ckpt` into this rank's engine,
+    whatever layout wrote it (each rank reads the parameters it holds); returns the step. Collective."""
+    meta = read_state_meta(ckpt)
+    trainer = load_weights_only(ckpt / "trainer.pt")
+    model, tp, tp_rank = bundle.engine.module, plan.topo.tensor_parallel, plan.topo.rank_info(rank).tp_rank
+    states = ParamStates(bundle.engine)
+    states.prepare_load(int(trainer["adam_step"]))
+    names = ffn_kind(plan.cfg).state_names(model, plan.topo, rank)
+    for name, p in model.named_parameters():
+        folder = ckpt / "zero" / names[name][0]
+        if not (folder / f"{FP32}.pt").is_file():
+            raise CheckpointError(f"{ckpt} has no state for parameter {names[name][0]!r} (this rank's {name!r})")
+        values = {k: load_weights_only(folder / f"{k}.pt")["param"] for k in (FP32, *MOMENTS) if (folder / f"{k}.pt").is_file()}
+        states.set(p, {k: tensor_parallel_shard(v, p, tp_rank, tp) for k, v in values.items()})
+    states.finish_load()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in trainer["buffers"]:
+                buf.copy_(trainer["buffers"][name].to(buf.device, buf.dtype))
+    _restore_schedule(bundle.scheduler, trainer["scheduler"])
+    states.load_loss_scaler_state(trainer["loss_scaler"])
+    step = int(trainer["step"])
+    _restore_rng(ckpt, meta, plan, rank, step)
+    return step
 
 
 def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> None:

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -32,7 +32,7 @@ from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
 from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
-                            load_init_weights, load_training_state, save_training_state)
+                            layout_changes, load_init_weights, load_training_state, save_training_state)
 from model.accounting import flops_per_update, mfu, tflops_per_gpu
 from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
@@ -192,6 +192,8 @@ class Trainer:
         cfg, kind = plan.cfg, ffn_kind(plan.cfg)
         ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
+        if ckpt is not None:  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+            plan = replace(plan, notes=plan.notes + tuple(layout_changes(ckpt, plan)))
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")

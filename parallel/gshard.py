@@ -332,6 +332,25 @@ def gshard_export_parts(model: nn.Module, groups: Any = None) -> tuple[dict[str,
     return shared, experts, writer
 
 
+def gshard_state_names(model: nn.Module, rank: int) -> dict[str, tuple[str, Optional[bool]]]:
+    """For the parameters of the distributed MoE layers: engine name -> (plain GPT name, whether this rank writes
+    its training state, None for the replicated gate: the caller's rule for shared parameters). DeepSpeed names experts by local index (`moe.deepspeed_moe.experts.deepspeed_experts.<j>`);
+    the plain model by global id (`experts.<e>`), which is what lets another layout load them. An expert is
+    written by the first rank of its expert-data-parallel group."""
+    out: dict[str, tuple[str, Optional[bool]]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, DistributedGShardFFN):
+            continue
+        inner, lay = module.moe.deepspeed_moe, module.layout
+        for pname, _ in inner.gate.wg.named_parameters():
+            out[f"{name}.moe.deepspeed_moe.gate.wg.{pname}"] = (f"{name}.gate.{pname}", None)
+        for j, e in enumerate(lay.local_experts):
+            for pname, _ in inner.experts.deepspeed_experts[j].named_parameters():
+                out[f"{name}.moe.deepspeed_moe.experts.deepspeed_experts.{j}.{pname}"] = (
+                    f"{name}.experts.{e}.{pname}", lay.edp_ranks[0] == rank)
+    return out
+
+
 def _gather_layer(layer: DistributedGShardFFN, prefix: str) -> dict[str, torch.Tensor]:
     inner, lay = layer.moe.deepspeed_moe, layer.layout
     out = {prefix + "gate.weight": inner.gate.wg.weight.detach().clone()}
