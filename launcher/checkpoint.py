@@ -10,8 +10,9 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
   Shards let a distributed export write each expert from the rank that holds it, so no rank ever gathers
   the experts of other domains (at 128 GPUs that would be tens of GB per GPU), and let a run that starts
   from a checkpoint read only the experts it trains. Format 1 (one `model.pt` with everything) still loads.
-* **Training state** (`save_training_state` / `load_training_state`, see launcher/state.py): per-rank model
-  shard and optimizer partition plus data position and RNG, for exact resume on the same layout.
+* **Training state** (`save_training_state` / `load_training_state`, see launcher/state.py): every parameter's
+  fp32 master and Adam moments by plain-model name (DeepSpeed's universal layout) plus schedule and RNG, for an
+  exact resume on the same layout and a resume on any other; `launcher/zero_to_fp32.py` turns one into this format.
 """
 
 from __future__ import annotations

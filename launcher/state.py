@@ -189,6 +189,23 @@ def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int) -> None:
                 _save(torch.tensor(adam_step), out / plain / "step.pt")
 
 
+def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> None:
+    """The two small files that let DeepSpeed's own loader read the state as a universal checkpoint
+    (`engine.load_checkpoint(RUN/checkpoints, tag="step_<n>")` with `"checkpoint": {"load_universal": true}`, ZeRO
+    1/2, dense and DEMix: their engine parameter names are the plain ones): the model-states file it takes the
+    step and schedule from, and `zero/optimizer_state.pt` with the optimizer's hyperparameters. Rank 0 writes them."""
+    import deepspeed
+
+    engine, c = bundle.engine, plan.cfg
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    _save({"param_groups": groups, "ds_version": deepspeed.__version__, "dynamic_loss_scale": c.train.precision == "fp16",
+           "overflow": False, "clip_grad": c.train.clip_grad}, out / "zero" / "optimizer_state.pt")
+    _save({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
+           "dp_world_size": plan.topo.dp_size, "mp_world_size": plan.topo.tensor_parallel, "global_steps": step,
+           "global_samples": step * c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size, "skipped_steps": 0,
+           "lr_scheduler": bundle.scheduler.state_dict()}, out / "mp_rank_00_model_states.pt")
+
+
 def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank: int) -> Path:
     """Write the training state of `step` into `checkpoints/step_<n>`, published atomically by rank 0: per-parameter
     fp32 weights and Adam moments (`_write_param_states`, any layout can load them), the schedule, loss scaler
@@ -213,6 +230,7 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         _save({"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
                "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
               tmp / "trainer.pt")
+        _write_deepspeed_index(tmp, bundle, plan, step)
     dist.barrier()
     if rank == 0:
         written = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))

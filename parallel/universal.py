@@ -138,15 +138,25 @@ class ParamStates:
         if self.zero:
             self.opt.update_lp_params()
 
+    def _scaler(self) -> Any:
+        """Where the loss scale lives: `loss_scale_config` (DeepSpeed's fp16 optimizers at ZeRO 0), `loss_scaler`
+        (ZeRO 1/2), or nowhere (fp32, bf16)."""
+        for name in ("loss_scale_config", "loss_scaler"):
+            scaler = getattr(self.opt, name, None)
+            if scaler is not None and hasattr(scaler, "cur_scale"):
+                return scaler
+        return None
+
     def loss_scaler_state(self) -> dict[str, float]:
         """The fp16 dynamic loss scaler's counters (empty without fp16), for an exact resume."""
-        scaler = getattr(self.opt, "loss_scaler", None) or (self.opt if hasattr(self.opt, "cur_scale") else None)
+        scaler = self._scaler()
         if scaler is None:
             return {}
-        return {k: float(getattr(scaler, k)) for k in _SCALER_FIELDS if isinstance(getattr(scaler, k, None), (int, float))}
+        return {k: float(getattr(scaler, k)) for k in _SCALER_FIELDS
+                if isinstance(getattr(scaler, k, None), (int, float)) and not isinstance(getattr(scaler, k), bool)}
 
     def load_loss_scaler_state(self, state: dict[str, float]) -> None:
-        scaler = getattr(self.opt, "loss_scaler", None) or (self.opt if hasattr(self.opt, "cur_scale") else None)
+        scaler = self._scaler()
         if scaler is None:
             return
         for k, v in state.items():

@@ -29,8 +29,19 @@ def _sets(tokens: Path, kind: str = "demix", zero: int = 1, steps: int = 2, *ext
     return sets + ["data.domains=[cooking,finance]", "train.eval_batches=1", *extra]
 
 
+def _lift_fp16_guard() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 where oneDNN lacks it; torch computes it in software on any x86 CPU,
+    so lifting the guard runs DeepSpeed's real fp16 optimizer and loss scaler (as tests/test_device_placement.py)."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
 def _train(rank: int, world: int, sets: list[str], run_dir: str) -> None:
     from launcher.config import load_run_config
+
+    if "train.precision=fp16" in sets:
+        _lift_fp16_guard()
     from launcher.plan import make_plan
     from launcher.train import train
 
@@ -44,6 +55,8 @@ def _load_and_save_again(rank: int, world: int, sets: list[str], run_dir: str, o
     from launcher.state import save_training_state
     from launcher.train import Trainer
 
+    if "train.precision=fp16" in sets:
+        _lift_fp16_guard()
     plan = make_plan(load_run_config(None, sets, check=False), world)
     trainer = Trainer.setup(plan, Path(run_dir), resume="auto")
     save_training_state(Path(out_dir), trainer.start, trainer.bundle, trainer.plan, rank)
@@ -69,7 +82,7 @@ def _assert_same_state(a: Path, b: Path) -> None:
         else:
             assert torch.equal(va, vb), name
     ta, tb = (torch.load(p / "trainer.pt", weights_only=True) for p in (a, b))
-    assert ta["scheduler"] == tb["scheduler"] and ta["adam_step"] == tb["adam_step"] == ta["step"]
+    assert ta["scheduler"] == tb["scheduler"] and ta["adam_step"] == tb["adam_step"] and ta["step"] == tb["step"]
 
 
 def _roundtrip(tmp_path: Path, first: tuple[int, list[str]], then: list[tuple[int, list[str]]]) -> Path:
@@ -100,6 +113,19 @@ def test_demix_state_moves_from_4_ranks_to_2_and_1_rank_bit_for_bit(tiny_tokens,
     assert (ckpt / "zero" / "wte.weight" / "exp_avg_sq.pt").is_file()
 
 
+def test_fp16_zero0_state_moves_to_fp32_zero2_and_back(tiny_tokens, tmp_path):
+    """fp16 at ZeRO 0 keeps its fp32 masters in DeepSpeed's FP16_UnfusedOptimizer (one fp32 copy per parameter):
+    written there on 2 ranks, loaded by an fp32 ZeRO 2 run and by the fp16 ZeRO 0 layout itself, bit for bit;
+    the same-layout load also gets the dynamic loss scale back. (DeepSpeed's fp16 optimizer takes one Adam step on
+    zero gradients at start-up to create its state, so its Adam step count is one ahead of the training step.)"""
+    fp16 = _sets(tiny_tokens, "demix", 0, 2, "train.precision=fp16")
+    ckpt = _roundtrip(tmp_path, (2, fp16), [(2, _sets(tiny_tokens, "demix", 2, 2)), (2, fp16)])
+    saved = torch.load(ckpt / "trainer.pt", weights_only=True)["loss_scaler"]
+    again = torch.load(tmp_path / "again1" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    assert saved["cur_scale"] > 1 and again["loss_scaler"] == saved
+    assert torch.load(ckpt / "trainer.pt", weights_only=True)["adam_step"] == 3
+
+
 def test_gshard_state_moves_from_4_ranks_to_2_with_two_experts_each(tiny_tokens, tmp_path):
     """GShard with 4 experts: one per rank at 4 ranks (ZeRO 1), two per rank at 2 (ZeRO 0). DeepSpeed names an
     expert by its local index; the state uses the plain model's global ids, so rank 1 of the 2-rank run finds
@@ -119,6 +145,46 @@ def test_tensor_parallel_state_is_written_whole_and_resharded(tiny_tokens, tmp_p
                                  "train.grad_accum=4"))])
     qkv = torch.load(ckpt / "zero" / "blocks.0.attn.qkv.weight" / "fp32.pt", weights_only=True)
     assert qkv["param"].shape == (3 * 64, 64) and qkv["cat_dim"] == 0
+
+
+def _deepspeed_loads_it(rank: int, world: int, sets: list[str], ckdir: str, scratch: str) -> tuple:
+    """A fresh engine, then DeepSpeed's own universal-checkpoint loader on our state; returns what disagrees with
+    the state's files, and the step and schedule position DeepSpeed restored."""
+    import os
+
+    from launcher.config import load_run_config
+    from launcher.plan import make_plan
+    from launcher.train import Trainer
+    from parallel.universal import ParamStates
+
+    trainer = Trainer.setup(make_plan(load_run_config(None, sets, check=False), world), Path(scratch), resume="never")
+    engine = trainer.bundle.engine
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # DeepSpeed's loaders pass weights_only=False: refuse code
+    path, _ = engine.load_checkpoint(ckdir, tag="step_00000002", load_module_strict=False)
+    states, bad = ParamStates(engine), []
+    for name, p in engine.module.named_parameters():
+        got = states.get(p)
+        if sorted(got) != ["exp_avg", "exp_avg_sq", "fp32"]:
+            bad.append((name, sorted(got)))
+        for key, value in got.items():
+            want = torch.load(Path(ckdir) / "step_00000002" / "zero" / name / f"{key}.pt", weights_only=True)["param"]
+            if not torch.equal(value.cpu(), want):
+                bad.append((name, key))
+        if not torch.equal(p.detach().float().cpu(), states.get(p)["fp32"].cpu()):
+            bad.append((name, "parameter"))
+    return bad, engine.global_steps, trainer.bundle.scheduler.last_epoch, path is not None
+
+
+def test_deepspeeds_own_universal_loader_reads_the_state(tiny_tokens, tmp_path):
+    """The state is a DeepSpeed universal checkpoint: `engine.load_checkpoint` with `checkpoint.load_universal`
+    (DeepSpeed's code, not ours) restores a 4-rank DEMix ZeRO 1 state into a 2-rank ZeRO 2 engine, fp32 masters,
+    Adam moments, parameters, step and schedule, reading every file weights-only."""
+    run = tmp_path / "run"
+    run_ranks(_train, 4, args=(_sets(tiny_tokens, zero=1), str(run)))
+    sets = _sets(tiny_tokens, "demix", 2, 2, "train.grad_accum=4", "extra_deepspeed.checkpoint.load_universal=true")
+    results = run_ranks(_deepspeed_loads_it, 2, args=(sets, str(run / "checkpoints"), str(tmp_path / "scratch")))
+    for bad, global_steps, last_epoch, loaded in results:
+        assert loaded and bad == [] and global_steps == 2 and last_epoch == 2
 
 
 def _losses(run: Path) -> dict[int, float]:
