@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 from data.atomic import atomic_path, write_json_atomic
 from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchError, Package, Source,
                           package_version)
+from data.cli import cli_main
 
 MIN_TRAIN_DOMAINS = 6
 MANIFEST_FORMAT = 1
@@ -249,6 +250,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+@cli_main
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     domains = args.domains or [s.domain for s in SOURCES]

@@ -8,6 +8,7 @@ of a DEMix model is the expert of `train_domains[i]`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ class Catalog:
     train_domains: tuple[str, ...]
     novel_domains: tuple[str, ...]
     counts: dict  # domain -> split -> {"documents", "tokens", ...}
+    tokenizer_sha256: str = ""  # `tokenizer_fingerprint` of the tokenizer that made these tokens
 
     def domain_id(self, name: str) -> int:
         return self.train_domains.index(name)
@@ -49,10 +51,10 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
             f"{manifest_path} not found: prepare the data first (`make data` for the demo corpus, or "
             f"`python -m data.prepare --corpus DIR --out {path}` for your own)"
         )
-    m = json.loads(manifest_path.read_text())
+    m = read_token_manifest(manifest_path)
     available = list(m["domains"])
-    roles = _corpus_roles(m)
     if domains is None:
+        roles = _corpus_roles(m, manifest_path)
         train = sorted(d for d in available if roles.get(d, "train") != "novel")
     else:
         unknown = [d for d in domains if d not in available]
@@ -64,16 +66,65 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
     if empty:
         raise DataError(f"training domains {empty} have no training tokens in {manifest_path}")
     tok = m["tokenizer"]
-    return Catalog(root, tokenizer, int(tok["vocab_size"]), int(tok["bos_id"]), tuple(train), tuple(novel), m["counts"])
+    return Catalog(root, tokenizer, int(tok["vocab_size"]), int(tok["bos_id"]), tuple(train), tuple(novel), m["counts"],
+                   tokenizer_fingerprint(tok))
 
 
-def _corpus_roles(manifest: dict) -> dict[str, str]:
+def tokenizer_fingerprint(description: dict) -> str:
+    """sha256 over what identifies a tokenizer (name, vocabulary size, bos/eod ids, sha256 of its vocabulary
+    files), as a token manifest records it: equal fingerprints mean the same token ids for the same text."""
+    keys = ("name", "vocab_size", "bos_id", "eod_id", "files")
+    return hashlib.sha256(json.dumps({k: description.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
+
+
+def read_token_manifest(path: Path) -> dict:
+    """A token manifest (data/prepare.py), checked for what readers rely on; DataError naming the file if not."""
+    try:
+        m = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} not found: prepare the data first (python -m data.prepare)") from None
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path} is not a readable token manifest ({e}); re-run data.prepare") from None
+    tok = m.get("tokenizer") if isinstance(m, dict) else None
+    ok = (isinstance(m, dict) and isinstance(m.get("domains"), list) and isinstance(m.get("counts"), dict)
+          and isinstance(tok, dict) and all(k in tok for k in ("vocab_size", "bos_id")))
+    if not ok:
+        raise DataError(f"{path} is not a token manifest of data.prepare (needs domains, counts and tokenizer with "
+                        "vocab_size and bos_id); re-run data.prepare")
+    missing = [d for d in m["domains"] if d not in m["counts"]]
+    if missing:
+        raise DataError(f"{path} lists domains {missing} without counts; re-run data.prepare")
+    return m
+
+
+def check_tokenizer(data_manifest: dict, model_fingerprint: Optional[str], model_vocab: Optional[int], where: str) -> None:
+    """DataError when tokens were made by another tokenizer than the model was trained with (scores on them would
+    be meaningless): the fingerprints differ, or the data's vocabulary is larger than the model's."""
+    tok = data_manifest["tokenizer"]
+    if model_fingerprint and tokenizer_fingerprint(tok) != model_fingerprint:
+        raise DataError(f"{where}: the tokens were made by tokenizer {tok.get('name')!r} (vocabulary "
+                        f"{tok.get('vocab_size')}, fingerprint {tokenizer_fingerprint(tok)[:12]}), not the one the model "
+                        f"was trained with (fingerprint {model_fingerprint[:12]}); prepare the data with the model's "
+                        "tokenizer, or pass the model's own --data/--tokenizer")
+    if model_vocab is not None and int(tok["vocab_size"]) > int(model_vocab):
+        raise DataError(f"{where}: the tokens' vocabulary ({tok['vocab_size']}) is larger than the model's "
+                        f"({model_vocab}); prepare the data with the model's tokenizer")
+
+
+def _corpus_roles(manifest: dict, manifest_path: Path) -> dict[str, str]:
+    """Domain -> "train" | "novel": recorded in the token manifest itself (since roles were copied there), else
+    read from the corpus manifest it names. A corpus manifest that was recorded but cannot be found is an error:
+    silently treating held-out domains as training domains would train on them."""
+    if isinstance(manifest.get("roles"), dict):
+        return dict(manifest["roles"])
     corpus = manifest.get("corpus", {}) or {}
     cdir = corpus.get("dir")
-    if not cdir:
+    if not cdir or not corpus.get("manifest_sha256"):
         return {}
     path = Path(cdir) / "manifest.json"
     if not path.is_file():
-        return {}
+        raise DataError(f"{manifest_path} takes its domains' train/novel roles from {path}, which is not there "
+                        f"(a relative path is read from the current directory); list the training domains in "
+                        f"data.domains, or re-run data.prepare (newer manifests keep the roles themselves)")
     doms = json.loads(path.read_text()).get("domains", {})
     return {d: v.get("split_role", "train") for d, v in doms.items()} if isinstance(doms, dict) else {}

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
+from data.atomic import write_json_atomic
+from data.cli import check_output_dir, cli_main
 
 FORMAT = "demix-clusterer/1"
 
@@ -243,7 +245,7 @@ def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clustere
                                 "what": f"k-means cluster {j} of {source or 'the corpus'} (labels hidden)"}
                             for j, n in enumerate(names)},
                 "train_domains": names, "novel_domains": [], "clustering": clusterer.options}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json_atomic(out / "manifest.json", manifest)
     clusterer.save(out / "clusterer")
     return manifest
 
@@ -251,6 +253,9 @@ def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clustere
 def cluster_corpus(corpus: Union[str, Path], k: int, out: Union[str, Path], domains: Optional[Sequence[str]] = None,
                    **fit_kwargs) -> dict:
     """The CLI's work: read, fit with labels hidden, label by nearest centre, write, report agreement."""
+    out_dir = Path(out)
+    existing = [p.name for p in out_dir.glob("*.jsonl")] if out_dir.is_dir() else []
+    check_output_dir(out_dir, (1,), ["manifest.json", "clusterer", *existing], inputs=[Path(corpus)])
     records = read_corpus(corpus, domains)
     texts = [r["text"] for r in records]
     clusterer = fit_clusterer(texts, k, **fit_kwargs)
@@ -289,6 +294,8 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
     cat = load_catalog(tokens_root, tokenizer, domains)
     src = Path(tokens_root) / tokenizer
     m = json.loads((src / "manifest.json").read_text())
+    dst = Path(out_root) / tokenizer
+    check_output_dir(dst, (m["format"],), ["manifest.json", "clusterer", "cluster_report.json"], inputs=[src])
     tok = load_prepared_tokenizer(tokens_root, tokenizer)
     dtype = np.dtype(m["dtype"]).type
     docs: dict[str, list[tuple[str, np.ndarray]]] = {s: [] for s in splits}
@@ -300,7 +307,7 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
     text = {s: [tok.decode(a[1:].tolist()) for _, a in docs[s]] for s in splits}  # [bos] + ids
     clusterer = fit_clusterer(text["train"], k, **fit_kwargs)
     names = clusterer.names()
-    dst = Path(out_root) / tokenizer
+    check_output_dir(dst, (m["format"],), names)
     dst.mkdir(parents=True, exist_ok=True)
     if "model_file" in m["tokenizer"]:
         shutil.copy(src / m["tokenizer"]["model_file"], dst / m["tokenizer"]["model_file"])
@@ -321,15 +328,16 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
                         "bin_bytes": (dst / n / f"{s}.bin").stat().st_size, "idx_bytes": (dst / n / f"{s}.idx").stat().st_size}
             counts[n][s] = info
     manifest = {"format": m["format"], "inputs_sha256": None, "tokenizer": m["tokenizer"], "dtype": m["dtype"],
-                "bos_in_bin": m.get("bos_in_bin", True), "domains": names, "corpus": {"dir": None},
+                "bos_in_bin": m.get("bos_in_bin", True), "domains": names, "roles": {n: "train" for n in names}, "corpus": {"dir": None},
                 "split": m.get("split"), "counts": counts,
                 "clustered_from": {"tokens": str(src), "domains": list(cat.train_domains), "options": clusterer.options}}
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json_atomic(dst / "manifest.json", manifest)
     clusterer.save(dst / "clusterer")
     (dst / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from data.atomic import write_json_atomic
+from data.cli import check_output_dir, cli_main
 
 REASONS: tuple[str, ...] = (
     "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
-    "missing_domain", "unknown_domain", "invalid_domain_name",
+    "missing_domain", "unknown_domain", "invalid_domain_name", "domain_case_clash", "empty_domain",
 )
 # A domain name becomes a file name (<out>/<domain>.jsonl, tokens/<domain>/): no separators, no "..", no hidden files.
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -47,6 +48,8 @@ class Document:
     id: str
     domain: str
     text: str
+    path: str = ""  # where it was read (for problems found later, e.g. a domain-name case clash)
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ class CorpusError(ValueError):
         )
 
 
+def domain_name_problem(domain: str) -> Optional[str]:
+    """Why `domain` cannot be a domain name (it becomes a file and folder name), or None."""
+    if DOMAIN_NAME.fullmatch(domain) and ".." not in domain:
+        return None
+    return (f"{domain[:80]!r}: a domain name becomes a file name; use letters, digits, '_', '-' and '.', starting "
+            "with a letter or digit, at most 64 characters")
+
+
 def check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: choose one of {', '.join(ON_ERROR)}")
@@ -130,13 +141,12 @@ def _parse_line(
     if domain is None or domain == "":
         return Problem(path, lineno, "missing_domain", f"no field {domain_field!r}")
     domain = str(domain)
-    if not DOMAIN_NAME.fullmatch(domain) or ".." in domain:
-        return Problem(path, lineno, "invalid_domain_name", f"{domain[:80]!r}: a domain name becomes a file name; use "
-                       "letters, digits, '_', '-' and '.', starting with a letter or digit, at most 64 characters")
+    if (bad := domain_name_problem(domain)) is not None:
+        return Problem(path, lineno, "invalid_domain_name", bad)
     if domains is not None and domain not in domains:
         return Problem(path, lineno, "unknown_domain", f"{domain!r} not in {sorted(domains)}")
     doc_id = obj.get(id_field)
-    return Document(str(doc_id) if doc_id is not None else f"{Path(path).name}:{lineno}", domain, text)
+    return Document(str(doc_id) if doc_id is not None else f"{Path(path).name}:{lineno}", domain, text, path, lineno)
 
 
 def read_jsonl(
@@ -159,7 +169,13 @@ def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = Non
     root = Path(root)
     allowed = frozenset(domains) if domains is not None else None
     for ddir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for path in sorted(ddir.rglob("*.txt")):
+        files = sorted(ddir.rglob("*.txt"))
+        if (bad := domain_name_problem(ddir.name)) is not None:
+            yield Problem(str(ddir), 0, "invalid_domain_name", f"{bad}; {len(files)} file(s) not read")
+            continue
+        if not files:  # a domain folder with nothing in it is reported, never dropped without a word
+            yield Problem(str(ddir), 0, "empty_domain", "no .txt files in this domain folder")
+        for path in files:
             data = path.read_bytes()
             if allowed is not None and ddir.name not in allowed:
                 yield Problem(str(path), 1, "unknown_domain", f"{ddir.name!r} not in {sorted(allowed)}")
@@ -172,15 +188,28 @@ def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = Non
             if not text.strip():
                 yield Problem(str(path), 1, "empty_text")
                 continue
-            yield Document(str(path.relative_to(ddir)), ddir.name, text)
+            yield Document(str(path.relative_to(ddir)), ddir.name, text, str(path), 1)
 
 
 def iter_source(
     source: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain", id_field: str = "id",
     domains: Optional[Sequence[str]] = None,
 ) -> Iterator[Union[Document, Problem]]:
-    """Documents and problems from a JSONL file, a directory of JSONL files, or a directory of domain folders."""
-    source = Path(source)
+    """Documents and problems from a JSONL file, a directory of JSONL files, or a directory of domain folders.
+    Domain names are unique ignoring case (they become file names, and macOS and Windows file systems ignore
+    case): a document whose domain differs from an earlier one only in case is a `domain_case_clash` problem."""
+    first: dict[str, str] = {}  # casefolded name -> the spelling seen first
+    for r in _iter_source(Path(source), text_field, domain_field, id_field, domains):
+        if isinstance(r, Document) and first.setdefault(r.domain.casefold(), r.domain) != r.domain:
+            yield Problem(r.path, r.line, "domain_case_clash",
+                          f"{r.domain!r} differs only in case from the domain {first[r.domain.casefold()]!r}; "
+                          "spell it one way")
+            continue
+        yield r
+
+
+def _iter_source(source: Path, text_field: str, domain_field: str, id_field: str,
+                 domains: Optional[Sequence[str]]) -> Iterator[Union[Document, Problem]]:
     if source.is_file():
         files = [source]
     elif source.is_dir():
@@ -219,12 +248,16 @@ def ingest(
 ) -> IngestReport:
     """Normalise `source` into `<out_dir>/<domain>.jsonl` + `manifest.json`; see the module docstring."""
     check_on_error(on_error)
+    if not Path(source).exists():
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    out_dir = Path(out_dir)
+    existing = [p.name for p in out_dir.glob("*.jsonl")] if out_dir.is_dir() else []
+    check_output_dir(out_dir, (MANIFEST_FORMAT,), ["manifest.json", *existing], inputs=[Path(source)])
     kw = dict(text_field=text_field, domain_field=domain_field, id_field=id_field, domains=domains)
     if on_error == "fail":
         log = scan(iter_source(source, **kw), max_report)
         if log.total:
             raise CorpusError(log, str(source))
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ingest-", dir=out_dir))
     log, counts, handles = ProblemLog(max_report), Counter(), {}
@@ -258,6 +291,7 @@ def ingest(
     return report
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m data.ingest SOURCE --out DIR`: 0 with a JSON summary on stdout, 2 with one error line."""
     p = argparse.ArgumentParser(prog="python -m data.ingest", description=__doc__.split("\n\n")[0],

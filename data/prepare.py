@@ -52,6 +52,7 @@ from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_po
 from data.blocks import SPLITS
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
 from data.tokenizer import SP_MODEL_FILE, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece
+from data.cli import check_output_dir, cli_main
 
 FORMAT = "demix-tokens/1"
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
@@ -170,6 +171,19 @@ def _read_domains(files: dict[str, Path], on_error: str, keep: int) -> tuple[dic
     return texts, log
 
 
+def corpus_roles(corpus_manifest: Path, domains: Iterable[str]) -> dict[str, str]:
+    """Each domain's `split_role` ("train" or "novel") from the corpus manifest, copied into the token manifest
+    so the roles travel with the tokens (default "train"). A corpus manifest that is not JSON is an error."""
+    try:
+        data = json.loads(corpus_manifest.read_text()) if corpus_manifest.is_file() else {}
+    except ValueError as e:
+        raise ValueError(f"{corpus_manifest} is not valid JSON ({e}): fix or remove it (it gives the domains' "
+                         "train/novel roles)") from None
+    doms = data.get("domains", {}) if isinstance(data, dict) else {}
+    doms = doms if isinstance(doms, dict) else {}
+    return {d: (doms.get(d) or {}).get("split_role", "train") for d in domains}
+
+
 def _fingerprint(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -243,8 +257,9 @@ def prepare_corpus(
     files = _corpus_files(corpus_dir, domains)
     policy = resolve_policy(anonymise, files)
     corpus_manifest = corpus_dir / "manifest.json"
+    roles = corpus_roles(corpus_manifest, files)  # before any work: a broken corpus manifest fails here
     corpus = {
-        "dir": str(corpus_dir),
+        "dir": str(corpus_dir.resolve()),  # absolute: the data is read from runs started in any directory
         "manifest_sha256": sha256_file(corpus_manifest) if corpus_manifest.is_file() else None,
         "files": {f"{d}.jsonl": sha256_file(p) for d, p in files.items()},
     }
@@ -254,6 +269,7 @@ def prepare_corpus(
     inputs_sha256 = _fingerprint({"format": FORMAT, "corpus": corpus["files"], "manifest": corpus["manifest_sha256"],
                                   "settings": settings})
     tok_dir = out_dir / tokenizer
+    check_output_dir(tok_dir, (FORMAT,), ["manifest.json", SP_MODEL_FILE, *files], inputs=list(files.values()))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
     if not force and (done := _up_to_date(tok_dir, inputs_sha256)) is not None:
         say(f"{tok_dir}: up to date (inputs_sha256 {inputs_sha256[:12]}), nothing to do")
@@ -287,7 +303,7 @@ def prepare_corpus(
     manifest = {
         "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
         "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
-        "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "corpus": corpus,
+        "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "roles": roles, "corpus": corpus,
         "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
                   "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
         "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
@@ -363,6 +379,7 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
     return counts, stats
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")

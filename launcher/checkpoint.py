@@ -26,6 +26,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from data.atomic import atomic_dir, commit_dir, write_json_atomic
+from data.cli import read_manifest_format
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict, to_dict
@@ -62,6 +63,20 @@ class Consolidated:
             raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
         model.load_state_dict({k: self.state_dict[k] for k in wanted})
         return model
+
+
+def load_weights_only(path: Path) -> Any:
+    """`torch.load` restricted to tensors and plain containers: a file from elsewhere (a run directory someone
+    hands you) cannot run code. The project's only way to read a torch file. CheckpointError names the file
+    when it is truncated, not a torch file, or holds anything but weights."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # UnpicklingError (a refused object), RuntimeError (truncated zip), EOFError, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} cannot be read as weights ({type(e).__name__}: {first[:200]}); it is damaged, "
+                              "or holds more than tensors and is refused: nothing in it was executed") from None
 
 
 def expert_shard_name(expert: int) -> str:
@@ -136,13 +151,41 @@ def save_consolidated(
     return finish_consolidated(tmp, final, cfg, domains, step, extra)
 
 
+def check_checkpoint_out(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False,
+                         flag: str = "--overwrite") -> None:
+    """Refuse, before any work, an output path for a consolidated checkpoint that would replace something:
+    an existing directory that is not a consolidated checkpoint is never replaced; an existing checkpoint,
+    an input included, only with `overwrite` (the CLIs' `--overwrite`)."""
+    out = Path(out)
+    if not out.exists():
+        return
+    is_input = any(out.resolve() == Path(i).resolve() for i in inputs)
+    if not out.is_dir() or not (out / "meta.json").is_file() or read_manifest_format(out / "meta.json") not in _READABLE_FORMATS:
+        raise CheckpointError(f"--out {out} exists and is not a consolidated checkpoint; it is left alone: choose "
+                              "another output path")
+    if not overwrite:
+        what = "is the input checkpoint" if is_input else "holds a consolidated checkpoint"
+        raise CheckpointError(f"--out {out} {what}; choose another output path, or pass {flag} to replace it")
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """meta.json of a consolidated checkpoint (config, domains, tokenizer fingerprint), without reading a tensor:
+    what CLIs check their other inputs against before the expensive load."""
+    return _read_meta(Path(path))
+
+
 def _read_meta(root: Path) -> dict[str, Any]:
     if not (root / "meta.json").is_file() or not (root / SHARED_FILE).is_file():
         raise CheckpointError(
             f"{root} is not a consolidated checkpoint (needs meta.json and {SHARED_FILE}); a training run writes "
             "one into RUN_DIR/model when it finishes"
         )
-    meta = json.loads((root / "meta.json").read_text())
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{root}/meta.json is unreadable ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("domains"), list):
+        raise CheckpointError(f"{root}/meta.json is not a consolidated checkpoint's (needs config and domains)")
     if meta.get("format") not in _READABLE_FORMATS:
         raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}")
     return meta
@@ -155,7 +198,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
     meta = _read_meta(root)
     cfg = from_dict(RunConfig, meta["config"], source=str(root / "meta.json"))
     want = None if experts is None else {int(e) for e in experts}
-    state = torch.load(root / SHARED_FILE, map_location="cpu", weights_only=True)
+    state = load_weights_only(root / SHARED_FILE)
     if want is not None:  # format 1 keeps experts in the shared file
         state = {k: v for k, v in state.items() if expert_of_key(k) is None or expert_of_key(k) in want}
     for e, rel in meta.get("shards", {}).get("experts", {}).items():
@@ -163,7 +206,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
             continue
         if not (root / rel).is_file():
             raise CheckpointError(f"{root}: expert shard {rel} listed in meta.json is missing")
-        state.update(torch.load(root / rel, map_location="cpu", weights_only=True))
+        state.update(load_weights_only(root / rel))
     return Consolidated(cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta)
 
 

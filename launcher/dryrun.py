@@ -27,6 +27,7 @@ from launcher.ffn_kinds import ffn_kind
 from launcher.plan import plan_layout
 from model.gpt import GPT
 from parallel.topology import Topology, deepspeed_equivalent
+from data.cli import cli_main
 
 DEFAULT_DOMAINS = 8
 DEFAULT_OUT = "runs/dryrun/summary.json"
@@ -189,6 +190,7 @@ def _print_memory(mem: dict) -> None:
               f"estimate_zero2_model_states_mem_needs ({(ours - est) / est:+.1%})")
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSpeedConfigFn] = None) -> int:
     """Returns 0 on success, 2 (after printing every problem to stderr) when the config or layout is impossible."""
     args = parse_args(argv)
@@ -208,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         cfg, topo = layout.cfg, layout.topo
         ranks = rank_summaries(cfg, topo, sorted({0, topo.world_size - 1}))
     except (ConfigError, ValueError) as e:  # ValueError: a model that cannot be built (e.g. an unregistered kind)
-        print(f"dry run failed: {e}", file=sys.stderr)
+        print(f"error: dry run failed: {e}", file=sys.stderr)
         return 2
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
     memory = memory_report(cfg, topo, ranks, args.device, args.gpu_memory_gb)

@@ -20,6 +20,7 @@ from launcher.ffn_kinds import ffn_kind
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
+from data.cli import cli_main
 
 
 def paper_configs() -> list[tuple[acc.PaperSetting, ModelConfig]]:
@@ -179,6 +180,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
     return out
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ into the run directory: the resolved config (`config.yaml`), the generated DeepS
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -31,12 +32,13 @@ import yaml
 
 from data.atomic import write_json_atomic, write_text_atomic
 from launcher.checkpoint import CheckpointError
-from launcher.config import ConfigError, load_run_config
+from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
+from data.cli import cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,6 +180,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+PATH_FIELDS: tuple[tuple[str, str], ...] = (("data", "path"), ("train", "init_from"), ("logging", "out_dir"))
+
+
+def resolve_paths(args: argparse.Namespace, cfg: RunConfig) -> RunConfig:
+    """Every user path made absolute once, here, against the directory the user launched from: the ranks run
+    in the repository root, so a relative --config, --hostfile, --run-dir, --resume or a relative data.path /
+    train.init_from / logging.out_dir would otherwise mean another file to them than to this planner. The
+    config's path fields are passed on as extra `--set` overrides (JSON-quoted, read as YAML strings)."""
+    for name in ("config", "hostfile", "run_dir"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    if args.resume not in ("auto", "never"):
+        args.resume = os.path.abspath(args.resume)
+    extra = []
+    for section, key in PATH_FIELDS:
+        value = getattr(getattr(cfg, section), key)
+        if value and not Path(value).is_absolute():
+            extra.append(f"{section}.{key}={json.dumps(os.path.abspath(value))}")
+    if not extra:
+        return cfg
+    args.overrides = [*args.overrides, *extra]
+    return load_run_config(args.config, args.overrides, check=False)
+
+
 def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     """Validate for the final world size and write config, DeepSpeed JSON and command; raise on problems.
     With --no-ssh only node 0 writes the shared run files; node k writes its own `command.node<k>.sh`."""
@@ -185,6 +211,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     if problems:
         raise ConfigError(problems, "launch")
     cfg = load_run_config(args.config, args.overrides, check=False)
+    cfg = resolve_paths(args, cfg)
     resources = node_resources(args)
     world = sum(len(slots) for slots in resources.values())
     if args.no_ssh and not 0 <= args.node_rank < len(resources):
@@ -195,13 +222,12 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     plan = make_plan(cfg, world, check_local_device=not args.hostfile or args.no_ssh)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
-    run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)
-    if args.resume == "auto":
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            check_resumable(ckpt, plan)
-            for note in layout_changes(ckpt, plan):
-                print(f"note: {note}", file=sys.stderr)
+    run_dir = Path(os.path.abspath(args.run_dir or plan.cfg.logging.out_dir))
+    ckpt = latest_checkpoint(run_dir) if args.resume == "auto" else None if args.resume == "never" else Path(args.resume)
+    if ckpt is not None:
+        check_resumable(ckpt, plan)
+        for note in layout_changes(ckpt, plan):
+            print(f"note: {note}", file=sys.stderr)
     port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
     env = launch_env(max(len(slots) for slots in resources.values()))
@@ -218,6 +244,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     return run_dir, cmd, env
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:

@@ -75,9 +75,17 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
     path = Path(cfg.train.init_from)
     if not (path / "meta.json").is_file():
         return [f"train.init_from={str(path)!r}: not a consolidated checkpoint (no meta.json)"], ()
-    meta = json.loads((path / "meta.json").read_text())
-    m = meta["config"]["model"]
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        m = meta["config"]["model"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"train.init_from={str(path)!r}: meta.json is not a consolidated checkpoint's ({e})"], ()
     out = []
+    sha = meta.get("tokenizer_sha256")
+    if sha and sha != catalog.tokenizer_sha256:
+        out.append(f"train.init_from: the checkpoint was trained on tokens of another tokenizer (fingerprint "
+                   f"{sha[:12]}) than {catalog.root} (fingerprint {catalog.tokenizer_sha256[:12]}); prepare the data "
+                   "with the checkpoint's tokenizer")
     for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult"):
         if m.get(key) != getattr(cfg.model, key):
             out.append(f"train.init_from: model.{key} is {m.get(key)} in the checkpoint, {getattr(cfg.model, key)} here")

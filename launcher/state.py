@@ -28,7 +28,7 @@ import torch
 
 from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
-                                 write_expert_shard, write_shared_shard)
+                                 load_weights_only, write_expert_shard, write_shared_shard)
 from launcher.config import ConfigError, RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
@@ -70,7 +70,7 @@ TRAINING_FORMAT = "demix-training/2"
 
 # What a training state must share with the run that resumes it; everything else in `layout_identity` (world
 # size, allocation, ZeRO stage, batch shape, precision) may change, since the state is kept per parameter.
-MUST_MATCH = ("model", "tensor_parallel", "domains", "expert_domains", "tokenizer")
+MUST_MATCH = ("model", "tensor_parallel", "domains", "expert_domains", "tokenizer", "tokenizer_sha256")
 
 
 def layout_identity(plan: Plan) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
             "micro_batch": c.train.micro_batch, "grad_accum": c.train.grad_accum, "precision": c.train.precision,
             "global_batch": c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size,
             "domains": list(plan.catalog.train_domains), "expert_domains": list(plan.expert_domains),
-            "tokenizer": plan.catalog.tokenizer, "model": model}
+            "tokenizer": plan.catalog.tokenizer, "tokenizer_sha256": plan.catalog.tokenizer_sha256, "model": model}
 
 
 STEP_DIR = re.compile(r"step_\d{8}")
@@ -94,27 +94,69 @@ def complete_states(ckdir: Path) -> list[Path]:
     return sorted(p for p in ckdir.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file())
 
 
+def state_damage(ckpt: Path) -> Optional[str]:
+    """Why the training state `ckpt` cannot be resumed from (unreadable meta.json, another format, a file
+    missing or of another size than when it was written: a truncated copy, a full disk), or None when intact.
+    Cheap: sizes only (meta.json's `files`), no tensor is read."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    if not isinstance(meta, dict):
+        return "meta.json is not an object"
+    if meta.get("format") != TRAINING_FORMAT:
+        return None  # another format: not damaged; `read_state_meta` says how to continue from it
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "meta.json lists no files"
+    for rel, size in files.items():
+        path = ckpt / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            return f"meta.json names a file outside the state: {rel[:80]!r}"
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size} bytes, {size} when written"
+    return None
+
+
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The training state to resume from: the one `checkpoints/latest` names, if that is a well-formed name of a
-    complete state in this directory; otherwise (a damaged pointer, or one naming a deleted or incomplete state)
-    the newest complete state, with a warning, so a resume never restarts from step 0 over newer checkpoints.
-    The pointer's contents never become a path unless they match `step_<8 digits>`."""
+    """The training state to resume from: the one `checkpoints/latest` names, if that is a well-formed name of an
+    intact state in this directory; otherwise (a damaged pointer, or one naming a deleted, incomplete or damaged
+    state, see `state_damage`) the newest intact state, with a warning, so a resume never restarts from step 0
+    over newer checkpoints. If states exist but none is intact, a CheckpointError says so (nothing is
+    overwritten). The pointer's contents never become a path unless they match `step_<8 digits>`."""
     ckdir = run_dir / "checkpoints"
     ptr = ckdir / "latest"
     complete = complete_states(ckdir)
+    damage = {p: state_damage(p) for p in complete}
+    for p, why in damage.items():
+        if why:
+            print(f"warning: training state {p} is damaged ({why}); skipped", file=sys.stderr)
+    intact = [p for p in complete if not damage[p]]
+    if complete and not intact:
+        raise CheckpointError(f"no intact training state in {ckdir} (all {len(complete)} damaged, see the warnings); "
+                              "restore them, or start a new run directory")
     if ptr.is_file():
-        name = ptr.read_text().strip()
-        if STEP_DIR.fullmatch(name) and (ckdir / name) in complete:
+        name = ptr.read_text(errors="replace").strip()
+        if STEP_DIR.fullmatch(name) and (ckdir / name) in intact:
             return ckdir / name
-        if complete:
-            print(f"warning: {ptr} names {name[:80]!r}, not a complete training state here; resuming from the newest "
-                  f"complete one, {complete[-1].name}", file=sys.stderr)
-    return complete[-1] if complete else None
+        if intact:
+            print(f"warning: {ptr} names {name[:80]!r}, not an intact training state here; resuming from the newest "
+                  f"intact one, {intact[-1].name}", file=sys.stderr)
+    return intact[-1] if intact else None
 
 
 def read_state_meta(ckpt: Path) -> dict[str, Any]:
-    meta = json.loads((ckpt / "meta.json").read_text())
-    if meta.get("format") != TRAINING_FORMAT:
+    """meta.json of a training state; CheckpointError when it is missing, unreadable or of another format."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt} is not a training state (no meta.json); give RUN/checkpoints/step_N or a run "
+                              "directory") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != TRAINING_FORMAT:
         raise CheckpointError(f"{ckpt} is a training state of an older format (one file per rank); resume it with the "
                               "version that wrote it, or start a new run directory from its exported model "
                               "(`--set train.init_from=RUN/model`)")
@@ -126,6 +168,9 @@ def check_resumable(ckpt: Path, plan: Plan) -> int:
     tensor parallelism, the domains, the tokenizer) or every missing parameter file; differences that can
     (world size, allocation, ZeRO stage, batch shape, precision) are allowed (see `layout_changes`)."""
     meta = read_state_meta(ckpt)
+    if (why := state_damage(ckpt)) is not None:
+        raise CheckpointError(f"{ckpt} is damaged ({why}); resume from another state (`--resume auto` picks the newest "
+                              "intact one)")
     want = layout_identity(plan)
     diff = [f"{k}: checkpoint {meta['layout'].get(k)!r}, this run {want[k]!r}" for k in MUST_MATCH
             if meta["layout"].get(k) != want[k]]
@@ -156,11 +201,6 @@ def layout_changes(ckpt: Path, plan: Plan) -> list[str]:
 def _save(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(obj, path)
-
-
-def load_weights_only(path: Path) -> Any:
-    """Weights-only (a run directory may come from someone else)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -234,9 +274,10 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     dist.barrier()
     if rank == 0:
         written = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
                                               "params": written, "vocab_size": plan.catalog.vocab_size,
-                                              "config": to_dict(plan.cfg)})
+                                              "files": files, "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
         write_text_atomic(ckdir / "latest", final.name + "\n")
         prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
@@ -372,6 +413,7 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
     dist.barrier()
     if rank == 0:
         finish_consolidated(tmp, out, plan.cfg, domains, step,
-                            extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size})
+                            extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size,
+                                   "tokenizer_sha256": plan.catalog.tokenizer_sha256})
     dist.barrier()
     return out if rank == 0 else None

@@ -24,12 +24,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from launcher.checkpoint import CheckpointError, load_consolidated, save_consolidated
+from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
 from launcher.config import RunConfig
-from launcher.state import latest_checkpoint, load_weights_only, read_state_meta
+from launcher.state import latest_checkpoint, read_state_meta, state_damage
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 from parallel.universal import FP32
+from data.cli import cli_main
 
 
 def resolve_state(path: Path) -> Path:
@@ -47,6 +48,8 @@ def resolve_state(path: Path) -> Path:
 def fp32_state_dict(ckpt: Path) -> tuple[dict[str, torch.Tensor], RunConfig, dict]:
     """(the plain model's state dict in fp32 with its buffers, the run config, the state's meta.json)."""
     meta = read_state_meta(ckpt)
+    if (why := state_damage(ckpt)) is not None:
+        raise CheckpointError(f"{ckpt} is damaged ({why}); convert another state")
     cfg = from_dict(RunConfig, meta["config"], source=str(ckpt / "meta.json"))
     state: dict[str, torch.Tensor] = {}
     for name in meta["params"]:
@@ -70,10 +73,12 @@ def convert(src: Path, out: Path) -> Path:
         if not cfg.train.init_from:
             raise CheckpointError(f"{ckpt} has no weights for experts {untrained} and names no train.init_from")
         state.update(load_consolidated(cfg.train.init_from, experts=untrained).state_dict)
-    extra = {"tokenizer": layout.get("tokenizer"), "vocab_size": meta.get("vocab_size"), "converted_from": str(ckpt)}
+    extra = {"tokenizer": layout.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
+             "tokenizer_sha256": layout.get("tokenizer_sha256"), "converted_from": str(ckpt)}
     return save_consolidated(out, state, cfg, domains, int(meta["step"]), extra=extra)
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("state", type=Path, help="a training state (RUN/checkpoints/step_N) or a run directory")

@@ -65,7 +65,7 @@ def _load_and_save_again(rank: int, world: int, sets: list[str], run_dir: str, o
 
 def _state_files(ckpt: Path) -> dict[str, object]:
     out = {}
-    for path in sorted((ckpt / "zero").rglob("*.pt")):
+    for path in sorted((ckpt / "zero").glob("*/*.pt")):  # per parameter (not the optimizer_state.pt index)
         obj = torch.load(path, weights_only=True)
         out[str(path.relative_to(ckpt))] = obj
     return out
@@ -272,4 +272,4 @@ def test_what_cannot_change_on_resume_is_named_before_anything_starts(tiny_token
     shutil.rmtree(old / "zero" / "wte.weight")
     (old / "meta.json").write_text(json.dumps(meta))
     proc = _launch(_launch_args(tiny_tokens, run, 2, 6, zero=1) + ["--dry-run"], check=False)
-    assert proc.returncode == 2 and "incomplete" in proc.stderr and "wte.weight" in proc.stderr
+    assert proc.returncode == 2 and "no intact training state" in proc.stderr and "zero/wte.weight/" in proc.stderr

@@ -87,18 +87,25 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
 def test_a_damaged_or_dangling_latest_pointer_resumes_from_the_newest_complete_state(tmp_path, capsys):
     from launcher.state import latest_checkpoint
 
+    from launcher.state import TRAINING_FORMAT
+
     ck = tmp_path / "checkpoints"
     assert latest_checkpoint(tmp_path) is None
     for step in (2, 4):
         (ck / f"step_{step:08d}").mkdir(parents=True)
-        (ck / f"step_{step:08d}" / "meta.json").write_text("{}")
+        (ck / f"step_{step:08d}" / "trainer.pt").write_bytes(b"x" * 10)
+        (ck / f"step_{step:08d}" / "meta.json").write_text(json.dumps({"format": TRAINING_FORMAT, "files": {"trainer.pt": 10}}))
     (ck / "step_00000006").mkdir()  # being written when the run died: no meta.json
     (ck / "latest").write_text("step_00000004\n")
     assert latest_checkpoint(tmp_path) == ck / "step_00000004"
     for bad in ("step_00000006", "step_00000008", "../../elsewhere", "/etc"):  # incomplete, deleted, escapes
         (ck / "latest").write_text(bad + "\n")
         assert latest_checkpoint(tmp_path) == ck / "step_00000004", bad
-        assert "not a complete training state here" in capsys.readouterr().err
+        assert "not an intact training state here" in capsys.readouterr().err
+    (ck / "latest").write_text("step_00000004\n")
+    (ck / "step_00000004" / "trainer.pt").write_bytes(b"x" * 5)  # truncated: skipped, the previous intact one used
+    assert latest_checkpoint(tmp_path) == ck / "step_00000002"
+    assert "step_00000004 is damaged (trainer.pt has 5 bytes, 10 when written)" in capsys.readouterr().err
 
 
 def test_resume_drops_the_records_the_dead_run_wrote_after_its_checkpoint(tmp_path):

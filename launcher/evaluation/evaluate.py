@@ -41,9 +41,11 @@ import numpy as np
 import torch
 
 from data.blocks import BlockDataset
-from launcher.checkpoint import Consolidated, load_consolidated, write_json_atomic
+from data.catalog import check_tokenizer, read_token_manifest
+from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods
+from data.cli import cli_main
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
 EVAL_FORMAT = "demix-eval/1"
@@ -58,6 +60,25 @@ def _dist() -> tuple[int, int]:
 def _say(progress: bool, *a: Any) -> None:
     if progress and _dist()[0] == 0:
         print(*a, file=sys.stderr, flush=True)
+
+
+def data_manifest(data_root: Union[str, Path], tokenizer: str, model_tokenizer_sha256: Optional[str] = None,
+                  model_vocab: Optional[int] = None) -> dict[str, Any]:
+    """The token manifest of `data_root/tokenizer`, refusing (DataError) tokens of another tokenizer than the
+    model's (its consolidated checkpoint records the fingerprint): perplexities on them would be meaningless."""
+    path = Path(data_root) / tokenizer / "manifest.json"
+    manifest = read_token_manifest(path)
+    check_tokenizer(manifest, model_tokenizer_sha256, model_vocab, str(path))
+    return manifest
+
+
+def check_checkpoint_data(c: Union[Consolidated, str, Path], data_root: Union[str, Path],
+                          tokenizer: Optional[str] = None) -> dict[str, Any]:
+    """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size); a path reads only its
+    meta.json, so a CLI checks the data before loading any tensor. `tokenizer` defaults to the checkpoint's."""
+    meta = c.meta if isinstance(c, Consolidated) else read_meta(c)
+    tokenizer = tokenizer or meta["config"].get("data", {}).get("tokenizer", "gpt2")
+    return data_manifest(data_root, tokenizer, meta.get("tokenizer_sha256"), meta.get("vocab_size"))
 
 
 def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
@@ -210,7 +231,8 @@ def evaluate_model(
     t0 = time.perf_counter()
     tokenizer = tokenizer or cfg.data.tokenizer
     seq_len = seq_len or cfg.model.seq_len
-    manifest = json.loads((Path(data_root) / tokenizer / "manifest.json").read_text())
+    manifest = data_manifest(data_root, tokenizer, extra.get("tokenizer_sha256") if extra else None,
+                             (extra or {}).get("vocab_size"))
     all_domains = list(domains) if domains is not None else list(manifest["domains"])
     is_demix = bool(demix_expert_ids(model))
     domain_token = cfg.data.mixture == "domain_token"
@@ -268,7 +290,8 @@ def evaluate_checkpoint(
     seq_len, out_dir, progress, cached_priors). Returns the result dict documented there, plus "checkpoint" and
     "step"."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
-    extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step}
+    extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step,
+             "tokenizer_sha256": c.meta.get("tokenizer_sha256"), "vocab_size": c.meta.get("vocab_size")}
     return evaluate_model(c.build_model(), c.cfg, c.domains, data_root, extra=extra, **kwargs)
 
 
@@ -334,6 +357,7 @@ def write_outputs(results: dict[str, Any], out_dir: Union[str, Path]) -> dict[st
     return files
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory (meta.json + model.pt)")
@@ -355,6 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [m for m in modes if m not in DEMIX_MODES]
     if bad:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
+    check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
     res = evaluate_checkpoint(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from data.cli import cli_main
 
 
 def _pyplot():
@@ -101,6 +102,7 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
     return written
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="eval.json written by launcher.evaluation.evaluate")

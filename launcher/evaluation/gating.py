@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from data.cli import cli_main
 
 
 @torch.no_grad()
@@ -112,6 +113,7 @@ def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str],
     return out
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from launcher.checkpoint import load_consolidated
 
@@ -130,6 +132,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     domains = ckpt.domains or cfg.data.domains
     if not domains:
         ap.error(f"{a.checkpoint} names no domains (meta.json 'domains' and data.domains are empty)")
+    from launcher.evaluation.evaluate import check_checkpoint_data
+
+    check_checkpoint_data(ckpt, a.data, a.tokenizer or cfg.data.tokenizer)
     batches = validation_batches(a.data, a.tokenizer or cfg.data.tokenizer, domains, a.seq_len or cfg.model.seq_len,
                                  a.batches, a.batch_size)
     paths = write_gating_report(gating_matrix(model, batches), a.out)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -33,6 +34,8 @@ import torch
 from launcher.checkpoint import load_consolidated
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
+from data.cli import cli_main
+from launcher.evaluation.evaluate import check_checkpoint_data
 
 
 @dataclass
@@ -104,6 +107,7 @@ def generate(
     return out
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
@@ -125,6 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ckpt = load_consolidated(args.checkpoint)
     model = ckpt.build_model()
+    if (Path(args.data) / ckpt.cfg.data.tokenizer / "manifest.json").is_file():  # gpt2 needs no data; if there, check it
+        check_checkpoint_data(ckpt, args.data, ckpt.cfg.data.tokenizer)
     tok = load_prepared_tokenizer(args.data, ckpt.cfg.data.tokenizer)
     is_demix = bool(demix_expert_ids(model))
     domain_token = ckpt.cfg.data.mixture == "domain_token"

@@ -43,12 +43,16 @@ import numpy as np
 import torch
 import yaml
 
-from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, save_consolidated, write_json_atomic
+from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
+                                 save_consolidated, write_json_atomic)
 from launcher.config import ConfigError
-from launcher.evaluation.evaluate import block_inputs, evaluate_checkpoint, load_blocks, stream_log_likelihoods
+from data.catalog import read_token_manifest
+from launcher.evaluation.evaluate import (block_inputs, check_checkpoint_data, evaluate_checkpoint, load_blocks,
+                                         stream_log_likelihoods)
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import to_dict
 from model import mixture as mx
+from data.cli import cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPERT_KEY = re.compile(r"^(blocks\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
@@ -79,8 +83,11 @@ def save(c: Consolidated, out: Union[str, Path]) -> Path:
 
 
 def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:
-    """Where the domain data lives: given, else the checkpoint's own training data."""
-    return data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
+    """Where the domain data lives: given, else the checkpoint's own training data; refused (DataError) when its
+    tokens come from another tokenizer than the checkpoint's."""
+    data, tokenizer = data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
+    check_checkpoint_data(c, data, tokenizer)
+    return data, tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -91,6 +98,9 @@ def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) 
 def domain_log_likelihoods(model: torch.nn.Module, data_root: str, tokenizer: str, domain: str, split: str,
                            max_blocks: Optional[int], batch_size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """ll E x N x T of every expert on the first `max_blocks` blocks of a domain's split, and the mask N x T."""
+    available = read_token_manifest(Path(data_root) / tokenizer / "manifest.json")["domains"]
+    if domain not in available:
+        raise CheckpointError(f"domain {domain!r} is not in {data_root}/{tokenizer} (domains: {', '.join(available)})")
     blocks = load_blocks(data_root, tokenizer, domain, split, model.cfg.seq_len, max_blocks)
     if not len(blocks):
         raise CheckpointError(f"{domain}/{split} in {data_root}/{tokenizer} has no block of {model.cfg.seq_len}+1 tokens")
@@ -188,6 +198,11 @@ def add_expert(ckpt: CkptLike, domain: str, out: Optional[Union[str, Path]], dat
     `source`, given by name) to a new expert id E; write the E+1-expert checkpoint to `out` (unless None). Returns
     the new checkpoint and what was done (also recorded in its meta.json under "added_experts")."""
     c = _load(ckpt)
+    _require_demix(c, "adding an expert")
+    if domain in c.domains:
+        raise CheckpointError(f"{ckpt} already has an expert for {domain!r}")
+    if source is not None and source not in c.domains:
+        raise CheckpointError(f"--source {source!r} is not an expert of {ckpt}; experts: {', '.join(c.domains)}")
     prior = estimate_domain_prior(c, domain, data, tokenizer, dev_split, dev_blocks)
     best = max(range(len(prior.probs)), key=lambda j: (prior.probs[j], -j))
     src = c.domains.index(source) if source is not None else best
@@ -459,6 +474,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.add_argument("--out", required=True)
     a.add_argument("--dev-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS, help="held-out blocks for the posterior")
     a.add_argument("--source", help="initialise from this expert instead of the most probable one")
+    a.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out (even the input)")
     data_args(a)
     d = sub.add_parser("dapt", help="DEMix-DAPT (train the new expert only) or Dense-DAPT (all parameters)")
     d.add_argument("checkpoint")
@@ -476,6 +492,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     r.add_argument("checkpoint")
     r.add_argument("--experts", required=True, help="comma-separated domain names")
     r.add_argument("--out", required=True)
+    r.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out (even the input)")
     rep = sub.add_parser("report", help="Tables 6/13 (adapt) or Table 7 (remove), markdown + JSON")
     rep.add_argument("which", choices=("adapt", "remove"))
     rep.add_argument("checkpoint", nargs="?", help="remove: the DEMix checkpoint")
@@ -500,10 +517,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
+        if args.cmd in ("add", "remove"):
+            check_checkpoint_out(args.out, [args.checkpoint], args.overwrite)
+        if args.cmd == "add":  # the data, before any tensor is read
+            check_checkpoint_data(args.checkpoint, args.data or read_meta(args.checkpoint)["config"]["data"]["path"],
+                                  args.tokenizer)
         if args.cmd == "add":
             c: CkptLike = args.checkpoint
             for i, dom in enumerate(args.domain):  # several domains in turn: each sees the experts added before it

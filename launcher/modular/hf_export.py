@@ -40,6 +40,7 @@ import torch
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
+from data.cli import check_output_dir, cli_main
 
 HF_EXPORT_FORMAT = "demix-hf-export/1"
 _EXPERT_PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -198,7 +199,10 @@ def _parse_weights(s: str) -> dict[str, float]:
     out = {}
     for part in s.split(","):
         name, _, w = part.partition("=")
-        out[name.strip()] = float(w)
+        try:
+            out[name.strip()] = float(w)
+        except ValueError:
+            raise CheckpointError(f"--merge-weights {s!r}: {part!r} is not NAME=WEIGHT with a number") from None
     return out
 
 
@@ -218,9 +222,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        check_output_dir(Path(args.out), (HF_EXPORT_FORMAT,), ["config.json", "model.safetensors", "demix_export.json"],
+                         inputs=[Path(args.checkpoint)], manifest="demix_export.json")
         c = load_consolidated(args.checkpoint)
         merge, source = None, None
         if args.merge_prior:

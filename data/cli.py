@@ -1,0 +1,108 @@
+"""The one error policy of every command-line entry point, and the guard that keeps outputs off other files.
+
+A CLI's expected failures (a missing folder, a file where a folder is expected, a malformed manifest, a
+vocabulary mismatch, an unreadable checkpoint) end as one `error: ...` message on stderr and exit status 2,
+never a traceback; `--debug` (anywhere on the command line) or `DEMIX_DEBUG=1` shows the traceback instead.
+Unexpected exceptions (bugs) keep their traceback. Lives in data/, the lowest layer, so data/ and launcher/
+CLIs share it. The trainer (`launcher.train`, run in every rank) is not wrapped: it reports its input problems
+(config, data, checkpoint) as one error itself, and a failure during training keeps its traceback.
+
+`check_output_dir` is the rule that nothing the project did not create is overwritten: an output directory is
+either new, or carries a manifest of the format the tool writes, and never is (or holds) the tool's input.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+EXIT_USAGE = 2
+# What a user's input can cause: bad values and formats (ValueError, incl. JSON and Unicode errors), missing or
+# unreadable files (OSError), missing keys of a hand-edited file (LookupError), unreadable tensors (RuntimeError
+# from torch.load, UnpicklingError from a weights-only load refusing an object).
+EXPECTED: tuple[type[BaseException], ...] = (ValueError, OSError, LookupError, RuntimeError, pickle.UnpicklingError)
+
+
+class OutputError(ValueError):
+    """An output location that would overwrite something the tool did not create, or its own input."""
+
+
+def _wants_debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("DEMIX_DEBUG", "") not in ("", "0")
+
+
+def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
+    """Wrap `main(argv, **kw) -> int`: expected failures become one `error:` message and exit status 2 (see module)."""
+
+    @functools.wraps(fn)
+    def main(argv: Optional[Sequence[str]] = None, **kw: Any) -> int:
+        args = list(sys.argv[1:] if argv is None else argv)
+        debug = _wants_debug(args)
+        args = [a for a in args if a != "--debug"]
+        try:
+            return fn(args, **kw)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except EXPECTED as e:
+            if debug:
+                raise
+            hint = " (--debug shows the traceback)" if isinstance(e, RuntimeError) else ""  # may be a bug, not input
+            print(f"error: {message(e)}{hint}", file=sys.stderr)
+            return EXIT_USAGE
+
+    return main
+
+
+def message(e: BaseException) -> str:
+    """The user-facing text of an exception: its message, with the file name an OSError carries."""
+    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in str(e.args):
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    if isinstance(e, KeyError):
+        return f"missing key {e.args[0]!r}" if e.args else "missing key"
+    text = str(e).strip() or type(e).__name__
+    return text
+
+
+def read_manifest_format(path: Path) -> Optional[str]:
+    """The `format` of a JSON manifest, or None when the file is not a JSON object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("format") if isinstance(data, dict) else None
+
+
+def check_output_dir(out: Path, formats: Sequence[Any], will_write: Iterable[str], inputs: Iterable[Path] = (),
+                     manifest: str = "manifest.json", what: str = "--out") -> None:
+    """Refuse (OutputError) an output directory whose existing files the tool did not write, before any work.
+
+    `out` may not exist, or be an empty directory, or hold `manifest` with a format in `formats` (a previous run
+    of the same tool: its files are replaced atomically). Otherwise, if any name of `will_write` (relative to
+    `out`) exists, it is someone else's file and is not touched. `out` may never be, or lie inside, one of
+    `inputs`, nor contain them (writing would replace the input)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{what} {out} is a file, not a directory: choose a directory path")
+    res = out.resolve()
+    for src in inputs:
+        s = Path(src).resolve()
+        if res == s or s in res.parents or (s.is_file() and res in s.parents and s.name in set(will_write)):
+            raise OutputError(f"{what} {out} would overwrite the input {src}: choose another output directory")
+    if not out.is_dir():
+        return
+    if (out / manifest).is_file():
+        fmt = read_manifest_format(out / manifest)
+        if fmt in formats:
+            return
+        raise OutputError(f"{what} {out} holds a {manifest} this tool did not write (format {fmt!r}, expected "
+                          f"{' or '.join(formats)}); choose another output directory, or move that one away")
+    clash = sorted(n for n in set(will_write) if (out / n).exists())
+    if clash:
+        raise OutputError(f"{what} {out} already holds {', '.join(clash[:5])} that this tool did not write (no "
+                          f"{manifest}); choose another output directory, or move them away")
