@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +41,7 @@ import torch
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
+from data.atomic import atomic_dir, commit_dir
 from data.cli import check_output_dir, cli_main
 
 HF_EXPORT_FORMAT = "demix-hf-export/1"
@@ -181,8 +183,19 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
     model = build_hf_model(c, weights)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    tmp = atomic_dir(out)  # published whole by commit_dir below: a killed export leaves no half model at `out`
+    try:
+        record = _write_export(c, ckpt, model, tmp, domain, merge, weights, check, merge_source)
+        commit_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def _write_export(c: Consolidated, ckpt: Any, model: Any, tmp: Path, domain: Optional[str],
+                  merge: Optional[dict[str, float]], weights: Optional[list[float]], check: bool,
+                  merge_source: Optional[str]) -> dict[str, Any]:
+    model.save_pretrained(tmp, safe_serialization=True)
     record = {"format": HF_EXPORT_FORMAT, "source": None if isinstance(ckpt, Consolidated) else str(ckpt),
               "kind": c.cfg.model.ffn.kind, "domain": domain,
               "merge_weights": dict(zip(c.domains, weights)) if merge is not None else None,
@@ -191,7 +204,7 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
               "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)"}
     if check:
         record["max_abs_logit_diff"] = max_logit_diff(c, model, weights)
-    write_json_atomic(out / "demix_export.json", record)
+    write_json_atomic(tmp / "demix_export.json", record)
     return record
 
 
