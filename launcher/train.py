@@ -57,11 +57,13 @@ def build_rank_sampler(plan: Plan, rank: int, split: str = "train"):
 
 def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan) -> dict[str, torch.Tensor]:
     """Sampler batch -> model inputs. `domain_ids` index the data's domains (metrics); `expert_ids` what the
-    model routes by (the same unless the experts come from an init checkpoint with another order)."""
+    model routes by (the same unless the experts come from an init checkpoint with another order). The
+    routing ids stay on the host: a DEMix layer then finds each expert's rows without reading the device
+    (model/demix.py), so a training step has no device-to-host synchronisation."""
     dom = b["domain_ids_B"]
     experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
     return {"tokens": b["tokens_BT"].to(device), "targets": b["targets_BT"].to(device), "domain_ids": dom.to(device),
-            "expert_ids": experts.to(device), "loss_mask": b["loss_mask_BT"].to(device),
+            "expert_ids": experts, "loss_mask": b["loss_mask_BT"].to(device),
             "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"])}  # host numbers: no device sync
 
 

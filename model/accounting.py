@@ -6,6 +6,58 @@ FLOPs follow Narayanan et al. (2021), eq. (3), the formula behind DEMix Tables 2
 
 Symbols: B global sequences per update, s sequence length, l layers, h hidden size (d_model),
 F FFN width (4h), V vocabulary, E experts, k experts per token (GShard top-k).
+
+Checked against the running model (tests/test_flop_counter.py)
+-------------------------------------------------------------
+`torch.utils.flop_counter.FlopCounterMode` counts the matmuls (mm, addmm, bmm, the SDPA kernels) of a forward +
+backward of the real `GPT`; it counts nothing elementwise. Sizes (4 heads, V padded to a multiple of 128):
+l2-h64-s64-V500(512)-B4, l4-h128-s128-V1000(1024)-B2, l2-h256-s256-V300(384)-B2; Dense, DEMix (3 experts, each
+running on part of the batch), GShard (E = 4, top-2, every other layer), CSE (3 clusters, last 2 layers); without
+and with activation recomputation (parallel/activation_recompute.py). With the math SDPA kernel, full
+recomputation and no dropped GShard route, counted / `flops_per_update` (vocab_size=cfg.padded_vocab_size()) is
+1.000000 for Dense and DEMix in both conventions, 1.0004-1.0015 for GShard (exactly `router_flops`), 1.00002-1.0005
+for CSE (exactly the dispatch projection). Every difference between counted and formula FLOPs:
+
+* Logit layer (tied embedding): in the formula, 2·B·s·h·V per pass, 3 passes (the head is outside the recomputed
+  blocks). The tied head is F.linear with the embedding's weight: its two backward matmuls are counted like any
+  linear's; tying only adds an elementwise gradient sum. The model multiplies by the *padded* vocabulary: pass
+  `vocab_size=cfg.padded_vocab_size(tp)` to count what runs; the default (unpadded V, as the paper) undercounts
+  by 3·2·B·s·h·(V_pad - V): -1.1 % at h256/V300->384, -0.004 to -0.02 % at the paper's 50264 -> 50304.
+* Attention QKᵀ and A·V: in the formula (4·B·s²·h per layer and pass), over the full s x s. The causal mask is
+  elementwise; the counter, like eq. (3), ignores it (a causal-halved term would be -6.8 % at h = s = 256). Fused
+  SDPA kernels (flash / memory-efficient on GPU, flash on CPU) recompute QKᵀ in their backward (5 matmuls for the
+  math kernel's 4): +l·2·B·s²·h per update, +2.08 % (no recompute) / +1.61 % (recompute) at l4-h128-s128. Not in
+  the formula: kernel-internal recomputation is hardware FLOPs, not model FLOPs.
+* Softmax, scaling, masks, dropout, LayerNorms, GELU, residual adds, biases (the add in addmm), the cross-entropy,
+  the token/position embedding lookups and their scatter-add backward, the optimizer step, gradient reduction:
+  elementwise (O(1) FLOPs per element against O(h) for the matmuls), neither counted nor in eq. (3).
+* Backward = 2 forwards: exact; every linear computes its input and weight gradients, the first layer's too (the
+  embeddings need them).
+* GShard gate x·W_gᵀ (float32): 2·B·s·h·E per expert layer and pass, reported separately as `router` /
+  `router_flops(convention)` and left out of the totals as the paper does: +0.04-0.15 % at E = 4. Softmax, top-k
+  argmax, Gumbel noise, cumsum slot assignment, the load-balancing loss: elementwise / integer, not counted.
+  Dispatch and combine are index gathers / index_add in model/gshard.py and in DeepSpeed 0.19.8 (no one-hot
+  einsum), so no matmul; DeepSpeed's two gating einsums "se,se->s" count 8·S·E per layer (+0.001 %), and
+  parallel/gshard.py's no-grad gate for routing statistics 2·S·h·E per layer (+0.03 %).
+* GShard capacity: the formula charges k expert FFNs per token. The plain layer (model/gshard.py) runs only the
+  kept routes: at the training capacity factor 1.0, 44 of 1024 routes (4.3 %) were dropped at l4-h128-s128:
+  -1.72 % (no recompute) / -1.76 % (recompute). The distributed layer (DeepSpeed) runs every expert on its
+  whole capacity buffer, E·C rows with C = ceil(k·S/E · capacity_factor): at factor 1.0 that is k·S (the
+  formula, however many routes are dropped); at 1.25 it is +25 % of the expert FFN term (+10 % in total at
+  l4-h128-s128).
+* DEMix: one expert per sequence, exactly Dense (1.000000 with 3 experts sharing a batch). CSE: one expert per
+  sequence; its dispatch embedding mean_t(x)·M (2·B·h·P per CSE layer, forward only: detached) is not in the
+  formula (+0.002-0.05 %); cdist to the centres did not count as a matmul at these sizes (B·K·P, negligible).
+* Activation recomputation: with checkpoint early stop off the counter sees exactly the recompute convention (4
+  passes of the layers, 3 of the logit layer). PyTorch's non-reentrant checkpoint stops recomputing by default once
+  the last tensor the backward needs is rebuilt, so a block whose FFN ends in a plain MLP (Dense, the dense layers
+  of GShard and CSE, a DEMix rank holding one expert) skips fc2: -2·B·s·h·F per such block, -6.45 % for Dense,
+  -2.56 % GShard, -3.23 % CSE at l4-h128-s128. The recompute convention stays the paper's (eq. 3); it overstates
+  what PyTorch executes by up to 1/12 of the layer term.
+
+Totals as a default step executes them (fused SDPA, plain GShard layer at capacity factor 1.0, checkpoint early stop),
+l4-h128-s128-V1000-B2, counted / formula: Dense 1.0208 / 0.9516 (no recompute / recompute), DEMix 1.0208 / 1.0161,
+GShard 1.0003 / 0.9704, CSE 1.0209 / 0.9839; each equals the formula plus the terms above exactly.
 """
 
 from __future__ import annotations
@@ -44,10 +96,13 @@ class ParamCounts:
 
 
 def resolved_num_experts(cfg: ModelConfig, num_experts: Optional[int] = None) -> int:
-    """Experts per expert layer: the explicit argument, else `cfg.ffn.num_experts`, at least 1 (as GPT does)."""
+    """Experts per expert layer: the explicit argument, else `cfg.ffn.num_experts`, at least 1 (as GPT does).
+    CSE builds `cse.max_clusters` expert slots when no count is given (model/cse.py `num_expert_slots`)."""
     if cfg.ffn.kind == "dense":
         return 1
     n = cfg.ffn.num_experts if num_experts is None else num_experts
+    if cfg.ffn.kind == "cse" and n <= 0:
+        return cfg.ffn.cse.max_clusters
     return max(1, n)
 
 
@@ -141,6 +196,10 @@ class FlopsReport:
             raise ValueError(f"FLOPs convention {convention!r}: choose one of {', '.join(FLOP_CONVENTIONS)}")
         return self.recompute if convention == "recompute" else self.no_recompute
 
+    def router_flops(self, convention: str) -> int:
+        """The gate's matmuls in the named convention: `router` is 4 passes of its forward, no_recompute 3."""
+        return self.router // 4 * _passes(convention)[0]
+
 
 def _passes(convention: str) -> tuple[int, int]:
     """(forward passes charged to the transformer layers, to the logit layer) in a convention."""
@@ -188,14 +247,17 @@ def flops_per_update(
     so the no-recompute layer term is 3/4 of the recompute one and the logit term 6·B·s·h·V is shared.
     DEMix and CSE run one expert per token: the same FLOPs as Dense. GShard runs k experts per token in
     each of its L_moe expert layers, adding (k − 1)·L_moe·(passes · 16·B·s·h²); with k = 2 and an expert
-    layer every other layer (L_moe = l/2) that is 96·B·s·l·h²·(1/3) in the recompute convention.
+    layer every other layer (L_moe = l/2) that is 96·B·s·l·h²·(1/3) in the recompute convention; k is capped
+    at E (a one-expert GShard layer is the dense FFN). `vocab_size` defaults to the unpadded vocabulary (the
+    paper's V); the model multiplies by `cfg.padded_vocab_size(tp)` rows (see "Checked against the running model").
     """
     s = cfg.seq_len if seq_len is None else seq_len
     v = cfg.vocab_size if vocab_size is None else vocab_size
     if global_batch < 1 or s < 1 or v < 1:
         raise ValueError(f"need global_batch, seq_len, vocab_size >= 1, got {global_batch}, {s}, {v}")
     n_moe = len(cfg.moe_layer_ids())
-    k = experts_per_token(cfg)
+    n_exp = resolved_num_experts(cfg, num_experts)
+    k = min(experts_per_token(cfg), n_exp)  # a one-expert GShard layer runs its expert once per token
     layers_fwd = (cfg.n_layers - n_moe) * layer_forward_flops(cfg, global_batch, s) + n_moe * layer_forward_flops(
         cfg, global_batch, s, ffn_copies=k
     )
@@ -204,7 +266,7 @@ def flops_per_update(
     for conv in FLOP_CONVENTIONS:
         layer_passes, logit_passes = _passes(conv)
         totals[conv] = layer_passes * layers_fwd + logit_passes * logit_fwd
-    router_fwd = n_moe * 2 * global_batch * s * gate_params(cfg, resolved_num_experts(cfg, num_experts))
+    router_fwd = n_moe * 2 * global_batch * s * gate_params(cfg, n_exp)
     return FlopsReport(
         global_batch=global_batch,
         seq_len=s,

@@ -19,6 +19,11 @@ class DemixFFN(nn.Module):
     No router, no load-balancing loss, no all-to-all. `expert_ids` are the *global* expert (= domain)
     ids this module holds: all of them for evaluation, a rank's own domains in training. Experts live
     in a ModuleDict keyed by global id, so state-dict names carry the id (`experts.3.fc1.weight`).
+
+    Routing reads `domain_ids_B` wherever it lives. The trainer passes it on the host (it is known there from
+    the sampler): the checks and each expert's row indices are then host work, and only the small index
+    tensor travels to the device (non-blocking), so a training step never waits on the device. Given on the
+    device (single-process evaluation), the same code reads it back (a synchronisation, harmless there).
     """
 
     def __init__(self, cfg: ModelConfig, expert_ids: Sequence[int]) -> None:
@@ -33,8 +38,7 @@ class DemixFFN(nn.Module):
             raise ValueError("a DEMix layer routes by domain: pass domain_ids (one per sequence)")
         if len(self.expert_ids) == 1:
             only = self.expert_ids[0]
-            # A rank of one domain: the whole batch is that domain (checked cheaply, no host sync in the hot path
-            # beyond one comparison).
+            # A rank of one domain: the whole batch is that domain (a host check when the ids are on the host).
             if not bool((domain_ids_B == only).all()):
                 missing = sorted(set(domain_ids_B.tolist()) - {only})
                 raise ValueError(f"domain ids {missing} have no expert here (this layer holds expert {only})")
@@ -45,6 +49,7 @@ class DemixFFN(nn.Module):
             rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
             seen[rows_N] = True
             if rows_N.numel():
+                rows_N = rows_N.to(x_BTD.device, non_blocking=True)
                 out_BTD = out_BTD.index_put((rows_N,), self.experts[str(e)](x_BTD[rows_N]))
         if not bool(seen.all()):
             missing = sorted(set(domain_ids_B[~seen].tolist()))

@@ -22,6 +22,7 @@ runs unchanged; code that would crash on NCCL fails here with the caller's trace
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -81,18 +82,58 @@ def _to_target_is_device(args: tuple, kwargs: dict) -> Any:
     return None
 
 
+# Reading a device tensor on the host: on a GPU each of these waits for every queued kernel (a synchronisation).
+_HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
+_sync_log: list | None = None  # where `record_host_reads` collects them, while active
+
+
+class record_host_reads:
+    """Context manager: the device-to-host reads made inside it, as (method, 'file:line function' of the three
+    innermost project or library frames). A read of a *host* tensor (made without a device, e.g. the sampler's
+    or the optimizer's step counters, which torch keeps on the CPU) is not a device read and is not recorded."""
+
+    def __enter__(self) -> list:
+        global _sync_log
+        self.events: list = []
+        _sync_log = self.events
+        return self.events
+
+    def __exit__(self, *exc: Any) -> None:
+        global _sync_log
+        _sync_log = None
+
+
+def _note_read(name: str) -> None:
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-1] if "device_strict" not in f.filename]
+    _sync_log.append((name, " <- ".join(f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:"
+                                        f"{f.lineno} {f.name}" for f in reversed(frames[-3:]))))
+
+
 class _ProvenanceMode(TorchFunctionMode):
     """Marks tensors host or device as the module docstring describes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        # .to("cpu") in the project's code names the host (the trainer moves tensors with its torch.device); in
+        # DeepSpeed's, "cpu" is also its CPU accelerator's device name, so only the project's calls count
+        to_host = (name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:2], kwargs.get("device")))
+                   and "site-packages" not in sys._getframe(1).f_code.co_filename)
+        if _sync_log is not None and (name in _HOST_READS or to_host) and args \
+                and isinstance(args[0], torch.Tensor) and not is_host(args[0]):
+            _note_read("to('cpu')" if to_host else name)
         out = func(*args, **kwargs)
+        if to_host:
+            if out is not args[0]:
+                _mark(out, True)
+            return out
         if func in _FACTORIES:
             if isinstance(out, torch.Tensor):
                 src = args[0] if func is torch.tensor and args and isinstance(args[0], torch.Tensor) else None
                 _mark(out, kwargs.get("device") is None and (src is None or is_host(src)))
             return out
-        name = getattr(func, "__name__", "")
         if name == "cpu":
             _mark(out, True)
         elif name == "cuda":
@@ -139,4 +180,17 @@ def enable(device: torch.device | str = "cpu") -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__wrapped_by_device_strict__", False):
             setattr(dist, name, _guard(name, fn, device))
+    if not getattr(torch.from_numpy, "__wrapped_by_device_strict__", False):  # not seen by torch-function modes
+        torch.from_numpy = _host_factory(torch.from_numpy)
     _ProvenanceMode().__enter__()
+
+
+def _host_factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        _mark(out, True)
+        return out
+
+    wrapper.__wrapped_by_device_strict__ = True
+    return wrapper

@@ -1,6 +1,7 @@
 """The cluster cost model (benchmarks/costmodel.py): collective formulas on hand-computed numbers,
-communication plans per architecture, Dense-only fitting, cluster YAML validation, presets, and the
---paper output."""
+communication plans per architecture, Dense-only fitting, the GShard terms beyond all-to-all volume
+(einsum FLOPs and routing bytes checked against direct counts), memory, cluster YAML validation, presets,
+and the --paper output."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import costmodel as cm
 from launcher.config import load_run_config
@@ -96,8 +101,8 @@ def test_overlap_hides_allreduce_only() -> None:
     cfg, eff = preset("gpt3-small", "gshard", 32), cm.Efficiency(0.4, 0.0)
     none = cm.predict(cfg, 32, CLUSTER, eff)
     full = cm.predict(cfg, 32, CLUSTER, eff, cm.CostOptions(overlap=1.0))
-    assert full.step_s == pytest.approx(none.compute_s + none.alltoall_s)
-    assert none.step_s == pytest.approx(none.compute_s + none.allreduce_s + none.alltoall_s)
+    assert full.step_s == pytest.approx(none.compute_s + none.alltoall_s + none.gshard_s)
+    assert none.step_s == pytest.approx(none.compute_s + none.allreduce_s + none.alltoall_s + none.gshard_s)
 
 
 # ---------------------------------------------------------------------------- fitting
@@ -174,7 +179,14 @@ def test_paper_cli_writes_12_rows_with_errors(tmp_path: Path) -> None:
         assert 0 <= r["comm_share"] < 1
     assert max(abs(r["rel_err"]) for r in rows if r["arch"] == "dense") < 0.02  # 2 constants, 4 Dense points
     md = (tmp_path / "costmodel_paper.md").read_text()
-    assert md.count("| 125M |") == 3 and "Dense rows only" in md
+    assert md.count("| 125M |") == 3 + 1 and "Dense rows only" in md  # main table + GShard before/after
+    assert "## GShard: before / after" in md and "not explained" in md
+    ba = data["gshard_before_after"]
+    assert [r["size"] for r in ba] == ["125M", "350M", "760M", "1.3B"]
+    for r in ba:  # the earlier, all-to-all-only model's GShard errors are reproduced by "before"
+        old = {"125M": -0.128, "350M": -0.150, "760M": -0.096, "1.3B": 0.666}[r["size"]]
+        assert r["before_rel_err"] == pytest.approx(old, abs=6e-4)
+        assert r["after_step_s"] > r["before_step_s"]
 
 
 def test_single_configuration_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -185,3 +197,190 @@ def test_single_configuration_cli(capsys: pytest.CaptureFixture[str], tmp_path: 
     bad.write_text("name: x\n")
     assert cm.main(["--preset", "gpt3-small", "--cluster-file", str(bad)]) == 2
     assert "required" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- GShard terms
+
+
+class _ByteCounter(TorchDispatchMode):
+    """Bytes read + written by every non-view aten op, counting only tensors of exactly `n` elements."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.total = n, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func._schema.name != "aten::detach":
+            tensors = [t for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.total += sum(t.numel() * t.element_size() for t in tensors if t.numel() == self.n)
+        return out
+
+
+def _fairseq_routing(S: int, E: int, M: int):  # type: ignore[no-untyped-def]
+    """The routing tensors of fairseq's top2gating (fp32) and MOELayer, on a tiny random example."""
+    torch.manual_seed(0)
+    C = cm.gshard_capacity(S, E, 2)
+    gates = torch.rand(S, E).softmax(-1).requires_grad_()
+    m1 = torch.nn.functional.one_hot(torch.randint(0, E, (S,)), E).float()
+    m2 = torch.nn.functional.one_hot(torch.randint(0, E, (S,)), E).float()
+    l1 = torch.nn.functional.one_hot(torch.randint(0, C, (S,)), C).float()
+    l2 = torch.nn.functional.one_hot(torch.randint(0, C, (S,)), C).float()
+    return C, gates, (m1, m2, l1, l2), torch.randn(S, M, requires_grad=True)
+
+
+def test_gshard_capacity_is_fairseqs() -> None:
+    assert cm.gshard_capacity(2048, 32, 2) == 128  # 2·ceil(S/E): E·C = 2S exactly when E divides S
+    assert cm.gshard_capacity(2048, 128, 2) == 32
+    assert cm.gshard_capacity(2048, 3, 2) == 2 * 683  # rounding up: 2 padded rows
+    assert cm.gshard_capacity(2048, 32, 2, 1.25) == 160
+
+
+@pytest.mark.parametrize("forward_passes", [1, 2])
+def test_dispatch_combine_flops_match_a_direct_count(forward_passes: int) -> None:
+    S, E, M = 48, 4, 16
+    C, gates, (m1, m2, l1, l2), x = _fairseq_routing(S, E, M)
+    combine = torch.bmm((gates * m1).unsqueeze(-1), l1.unsqueeze(1)) + torch.bmm((gates * m2).unsqueeze(-1), l2.unsqueeze(1))
+    dispatch_mask = combine.bool().float().permute(1, 2, 0)  # S,E,C -> E,C,S
+    combine = combine.detach().requires_grad_()  # its gradient is counted; passing it on to the gates is gating work
+
+    def layer() -> torch.Tensor:
+        dispatched = torch.mm(dispatch_mask.reshape(E * C, S), x)  # einsum sec,sm->ecm
+        expert_out = torch.nn.functional.gelu(dispatched)  # the expert (no matmul here: only the routing counts)
+        return combine.view(S, E * C).mm(expert_out)  # einsum sec,ecm->sm
+
+    with FlopCounterMode(display=False) as counter:
+        if forward_passes == 2:  # activation checkpointing: a forward without grad, then the recomputed one
+            with torch.no_grad():
+                layer()
+        layer().sum().backward()
+    assert counter.get_total_flops() == cm.dispatch_combine_flops(S, E, C, M, forward_passes)
+    assert cm.dispatch_combine_flops(S, E, C, M, forward_passes) == 2 * S * E * C * M * (2 * forward_passes + 3)
+
+
+def test_routing_bytes_match_a_direct_count() -> None:
+    S, E = 64, 4
+    C, gates, (m1, m2, l1, l2), _ = _fairseq_routing(S, E, 8)
+    N = S * E * C
+    g1, g2 = gates * m1, gates * m2
+    with _ByteCounter(N) as gate_call:  # top2gating's (s, e, c) part, --moe-gating-use-fp32
+        combine = torch.bmm(g1.unsqueeze(-1), l1.unsqueeze(1)) + torch.bmm(g2.unsqueeze(-1), l2.unsqueeze(1))
+        dispatch_mask = combine.bool()
+        combine16 = combine.to(torch.float16)
+    with _ByteCounter(N) as layer:  # MOELayer: dispatch_mask.to(input.dtype).permute(1, 2, 0)
+        dispatch_mask.to(torch.float16).permute(1, 2, 0)
+    grad = torch.ones_like(combine16)
+    with _ByteCounter(N) as backward:
+        combine16.backward(grad)
+    assert gate_call.total == cm.SEC_BYTES_PER_GATE_CALL * N == 31 * N
+    assert layer.total == cm.SEC_BYTES_PER_FORWARD * N
+    assert backward.total == cm.SEC_BYTES_BACKWARD * N
+    se = S * E * (cm.SE_BYTES_PER_GATE_CALL * 2 * 1 + cm.SE_BYTES_BACKWARD)
+    assert cm.gating_bytes(S, E, C, 1, 2) == N * (31 * 2 + 3 + 14) + se
+
+
+def _gshard_points() -> list:
+    return [p for p in cm.paper_points() if p.arch == "gshard"]
+
+
+def test_gshard_terms_non_negative_and_zero_elsewhere() -> None:
+    eff = cm.Efficiency(0.8, 1500.0)
+    cluster = cm.load_cluster("v100-dgx1")
+    for opts in (cm.CostOptions(), cm.CostOptions(recompute="none"), cm.CostOptions(gate_calls=1, micro_batch=1, grad_accum=16)):
+        for pt in cm.paper_points():
+            pred = cm.predict(pt.cfg, pt.gpus, cluster, eff, opts)
+            terms = [getattr(pred, k) for k in cm.GSHARD_TERM_KEYS]
+            assert all(t >= 0 for t in terms) and pred.gshard_s == pytest.approx(sum(terms))
+            if pt.arch != "gshard":
+                assert pred.gshard_s == 0.0
+            else:
+                assert pred.dispatch_combine_s > 0 and pred.gating_s > 0 and pred.fp32_master_s > 0
+                assert pred.capacity_padding_s == 0.0 and pred.expert_roofline_s == 0.0  # E | S, 2S-row GEMMs
+            assert pred.step_s == pytest.approx(pred.compute_s + pred.allreduce_s + pred.alltoall_s + pred.gshard_s)
+    off = cm.predict(_gshard_points()[0].cfg, 32, cluster, eff, cm.CostOptions(gshard_overheads="none"))
+    assert off.gshard_s == 0.0
+
+
+def test_gshard_terms_by_hand_for_125m() -> None:
+    cfg, eff = preset("gpt3-small", "gshard", 32), cm.Efficiency(0.8, 1500.0)
+    cluster = cm.load_cluster("v100-dgx1")
+    terms = cm.gshard_terms(cfg, 32, cluster, eff, cm.CostOptions(), recompute=True)
+    S, E, C, d = 2048, 32, 128, 768
+    N = S * E * C
+    assert N == 2 * S * S
+    per_update = 6 * 8  # MoE layers x micro-batches
+    assert terms.dispatch_combine_s == pytest.approx(per_update * 2 * N * d * 7 / (125e12 * 0.8))
+    routing = per_update * (N * ((31 * 2 + 3) * 2 + 14) + S * E * (516 * 2 * 2 + 110)) / 900e9
+    gate_gemm = per_update * (2 * 2 + 2) * max(2 * S * d * E / (125e12 * 0.8), 2 * (S * d + d * E + S * E) / 900e9)
+    assert terms.gating_s == pytest.approx(routing + gate_gemm)
+    assert terms.fp32_master_s == pytest.approx(28 * cm.params_per_gpu(cfg, 32) / 900e9)
+
+
+def test_capacity_padding_and_roofline_when_they_apply() -> None:
+    eff, cluster = cm.Efficiency(0.8, 1500.0), cm.load_cluster("v100-dgx1")
+    odd = preset("gpt3-small", "gshard", 3)  # E does not divide S = 2048: C = 1366, E·C = 4098 rows for 4096 routes
+    t = cm.gshard_terms(odd, 3, cluster, eff, cm.CostOptions(), recompute=True)
+    want = 6 * 8 * 4 * 4 * 768 * 3072 * 2 / (125e12 * eff.at(768))
+    assert t.capacity_padding_s == pytest.approx(want)
+    many = preset("gpt3-small", "gshard", 64)  # 32 experts per GPU on 2 GPUs, 64-row expert GEMMs: memory-bound
+    t = cm.gshard_terms(many, 2, cluster, eff, cm.CostOptions(micro_batch=1, grad_accum=16), recompute=False)
+    assert t.expert_roofline_s > 0
+
+
+def test_gshard_memory_and_recompute_fallback() -> None:
+    cluster, eff = cm.load_cluster("v100-dgx1"), cm.Efficiency(0.6, 1400.0)
+    limit = cluster.gpu_memory_bytes
+    assert limit == 32 * 2**30 and cluster.hbm_bytes_per_s == 900e9
+    none = cm.CostOptions(recompute="none")
+    for pt in cm.paper_points():
+        assert cm.memory_bytes(pt.cfg, pt.gpus, cm.CostOptions(), True) < limit  # all fit with recompute
+        too_big = cm.memory_bytes(pt.cfg, pt.gpus, none, False) > limit
+        assert too_big == (pt.size == "1.3B" and pt.arch == "gshard")  # 20 B/param x 1.32B + activations
+        pred = cm.predict(pt.cfg, pt.gpus, cluster, eff, none)
+        assert pred.recompute == ("full" if too_big else "none")
+    xl = next(p for p in _gshard_points() if p.size == "1.3B")
+    assert cm.params_per_gpu(xl.cfg, 128) == pytest.approx(1.317e9, rel=1e-3)
+    assert cm.predict(xl.cfg, 128, cluster, eff, replace(none, on_oom="ignore")).recompute == "none"
+    lean = replace(none, gshard_optimizer="memory_efficient_fp16")
+    assert cm.memory_bytes(xl.cfg, 128, lean, False) < cm.memory_bytes(xl.cfg, 128, none, False) - 8 * 1.3e9
+
+
+def test_dense_and_demix_predictions_unchanged_by_gshard_terms() -> None:
+    cluster = cm.load_cluster("v100-dgx1")
+    for opts in (cm.CostOptions(), cm.CostOptions(recompute="none"), cm.CostOptions(overlap=1.0)):
+        new, old = cm.paper_report(cluster, opts), cm.paper_report(cluster, cm.before_options(opts))
+        assert new["fitted"] == old["fitted"]
+        for a, b in zip(new["rows"], old["rows"]):
+            if a["arch"] != "gshard":
+                assert a["step_s"] == b["step_s"] and a["tflops_per_gpu"] == b["tflops_per_gpu"]
+    fit = cm.paper_report(cluster)["fitted"]  # the constants of the earlier report
+    assert fit["e_max"] == pytest.approx(0.8762, abs=1e-4) and fit["h_half"] == pytest.approx(1774.4, abs=0.1)
+
+
+def test_no_gshard_row_used_anywhere() -> None:
+    """Scrambling the paper's GShard and DEMix TFLOPs/GPU changes no prediction: only Dense rows are fitted."""
+    cluster = cm.load_cluster("v100-dgx1")
+    points = cm.paper_points()
+    scrambled = [p if p.arch == "dense" else replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 7 + 3) for p in points]
+    for opts in (cm.CostOptions(), cm.CostOptions(recompute="none")):
+        a, b = cm.fit_efficiency(points, cluster, opts), cm.fit_efficiency(scrambled, cluster, opts)
+        assert a == b
+        for p in points:
+            assert cm.predict(p.cfg, p.gpus, cluster, a, opts) == cm.predict(p.cfg, p.gpus, cluster, b, opts)
+
+
+def test_unknown_device_leaves_memory_bound_terms_out() -> None:
+    custom = replace(CLUSTER, device="mystery", peak_tflops=100.0)
+    assert custom.hbm_bytes_per_s is None and custom.gpu_memory_bytes is None
+    t = cm.gshard_terms(preset("gpt3-small", "gshard", 32), 32, custom, cm.Efficiency(0.8, 0.0), cm.CostOptions(), True)
+    assert t.fp32_master_s == 0.0 and t.dispatch_combine_s > 0 and t.gating_s > 0  # gating keeps the gate GEMM
+    given = replace(custom, memory_gbytes_per_s=1000.0, gpu_memory_gib=16.0)
+    assert given.hbm_bytes_per_s == 1e12 and given.gpu_memory_bytes == 16 * 2**30
+    assert given.problems() == [] and replace(given, memory_gbytes_per_s=0.0).problems()
+
+
+def test_gshard_options_are_validated() -> None:
+    bad = cm.CostOptions(gshard_overheads="maybe", gshard_optimizer="fp8", on_oom="crash", gate_calls=0)
+    assert len(bad.problems()) == 4
+    with pytest.raises(ConfigError):
+        cm.predict(preset("gpt3-small", "gshard", 32), 32, CLUSTER, cm.Efficiency(0.5, 0.0), bad)
