@@ -36,6 +36,7 @@ from launcher.state import (check_resumable, check_shared_run_dir, export_consol
 from model.accounting import flops_per_update, mfu, tflops_per_gpu
 from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
+from parallel.comm_stats import CommStats
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 
@@ -187,6 +188,7 @@ class Trainer:
     start: int  # the first step to run (> 0 after a resume)
     resumed_from: Optional[Path] = None
     hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
+    comm: Optional[CommStats] = None  # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
 
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
@@ -217,7 +219,7 @@ class Trainer:
         hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)
         log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
         return cls(plan, run_dir, rank, training_device(), bundle, build_rank_sampler(plan, rank), log, start, ckpt,
-                   hook)
+                   hook, CommStats.for_groups(groups).install())
 
     def batches(self, step: int, first: int = 0, count: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
         """Model inputs of micro-batches `first`.. of `step` (past the step's last they continue into the next)."""
@@ -232,6 +234,7 @@ class Trainer:
         self._announce()
         sums = torch.zeros(2, len(plan.catalog.train_domains), dtype=torch.float64, device=self.device)
         window_t, window_steps = time.perf_counter(), 0
+        self.comm.take()  # from here on, only the steps' own communication is counted
         for step in range(self.start, cfg.train.steps):
             out = train_step(self.bundle, cfg, self.batches(step), len(plan.catalog.train_domains))
             sums += out.domain_sums
@@ -241,14 +244,19 @@ class Trainer:
                 if rec is not None:
                     self.log.log({"kind": cfg.model.ffn.kind, "step": done, **rec})
             if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
-                rec = {"kind": "train", "step": done, **step_record(out, self.bundle, plan, sums, window_t, window_steps)}
+                with self.comm.paused():
+                    rec = {"kind": "train", "step": done,
+                           **step_record(out, self.bundle, plan, sums, window_t, window_steps),
+                           **self.comm.take(per=window_steps)}  # collectives per update
                 self.log.log(rec)
                 self.log.progress(done, rec)
                 window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
             if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
-                self.log.log({"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)})
+                with self.comm.paused():
+                    self.log.log({"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)})
             if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
-                save_training_state(self.run_dir, done, self.bundle, plan, rank)
+                with self.comm.paused():
+                    save_training_state(self.run_dir, done, self.bundle, plan, rank)
         final = evaluate(self.bundle, plan, rank, self.device)
         self.log.log({"kind": "eval", "step": cfg.train.steps, **final})
         if self.start < cfg.train.steps:
