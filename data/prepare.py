@@ -51,7 +51,9 @@ from data.atomic import commit_dir, write_json_atomic
 from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
 from data.blocks import SPLITS
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
-from data.tokenizer import SP_MODEL_FILE, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece
+from data.tokenizer import (
+    SP_MODEL_FILE, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
+)
 from data.cli import check_output_dir, cli_main
 
 FORMAT = "demix-tokens/1"
@@ -82,6 +84,54 @@ def _encode_chunk(task: tuple[TokenizerSpec, list[str], str]) -> list[np.ndarray
         arr[1:] = ids
         out.append(arr)
     return out
+
+
+def encode_concat(tok: Tokenizer, texts: Sequence[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """[bos] + ids of every text, concatenated into one array of `dtype`, and each document's length (bos
+    included): one allocation per chunk instead of one array per document. With a tokenizer that has
+    `encode_array` (GPT-2) the encoding releases the GIL, so threads run it in parallel."""
+    encode = getattr(tok, "encode_array", None)
+    if encode is not None:
+        parts = [encode(t) for t in texts]
+    else:
+        parts = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(list(texts))]
+    lengths = np.fromiter((len(a) + 1 for a in parts), dtype=np.int64, count=len(parts))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    starts = np.cumsum(lengths) - lengths
+    out[starts] = tok.bos_id
+    pos = 1
+    for a, n in zip(parts, lengths.tolist()):
+        out[pos:pos + n - 1] = a
+        pos += n
+    return out, lengths
+
+
+def encode_chunks_threaded(
+    tok: Tokenizer, chunks: Iterable[list[str]], dtype: str, workers: int, ahead: int = 0,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`encode_concat` of every chunk, in order, on `workers` threads (this thread when workers <= 1). At most
+    `ahead` (default 2 * workers) chunks are in flight, so memory stays bounded and the caller's writing of
+    finished chunks overlaps the encoding of the next ones."""
+    if workers <= 1:
+        for c in chunks:
+            yield encode_concat(tok, c, dtype)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead = ahead or 2 * workers
+    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as ex:
+        pending: deque = deque()
+        try:
+            for c in chunks:
+                pending.append(ex.submit(encode_concat, tok, c, dtype))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
@@ -277,7 +327,10 @@ def prepare_corpus(
 
     t0 = time.perf_counter()
     texts, problems = _read_domains(files, on_error, max_report)
-    pool = make_pool(workers, TokenizerSpec("gpt2") if tokenizer == "gpt2" else None)
+    # processes only for what threads cannot do in parallel: anonymising (pure Python) and sentencepiece encoding;
+    # GPT-2 encodes on threads in this process (see _tokenise_all)
+    need_pool = any(policy[d] for d in texts) or tokenizer == "sentencepiece"
+    pool = make_pool(workers) if need_pool else None
     t_import = time.perf_counter()
     with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to data
         warnings.simplefilter("ignore")
@@ -336,32 +389,87 @@ def _tokenizer(name, tok_dir, texts, splits, sp_vocab_size, seed, workers, say):
     return tok
 
 
+class _ChunkWriter:
+    """megatron-core `IndexedDatasetBuilder` fed a whole chunk at a time: the same .bin bytes and .idx as
+    `add_item` + `end_document` per document (one sequence and one document each), without a tensor per
+    document; the .bin's sha256 is computed as it is written."""
+
+    def __init__(self, prefix: Path, dtype: type):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.prefix, self.dtype = prefix, np.dtype(dtype)
+        self.builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+        self.sha = hashlib.sha256()
+        self.docs = self.tokens = 0
+
+    def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        data = np.ascontiguousarray(flat, dtype=self.dtype)
+        self.builder.data_file.write(data.data)
+        self.sha.update(data.data)
+        b, n = self.builder, len(lengths)
+        start = len(b.sequence_lengths)
+        b.sequence_lengths.extend(lengths.tolist())
+        b.document_indices.extend(range(start + 1, start + n + 1))
+        self.docs, self.tokens = self.docs + n, self.tokens + int(data.size)
+
+    def finalize(self) -> None:
+        self.builder.finalize(str(self.prefix) + ".idx")
+
+
 def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int):
-    """Tokenise every domain and split into a temporary directory, then move the domains into place."""
+    """Tokenise every domain and split into a temporary directory, then move the domains into place.
+
+    GPT-2 (and any tokenizer without a process pool) takes the fast path: chunks of every domain and split, in
+    order, encoded by `workers` threads (tiktoken releases the GIL) into one array per chunk, written by this
+    thread while the next chunks encode. Sentencepiece with a pool encodes in the worker processes."""
     tok_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=tok_dir))
     n_docs = sum(len(t) for t in texts.values())
     n_bytes = sum(len(t.encode("utf-8")) for ts in texts.values() for t in ts)
-    counts: dict[str, dict] = {}
+    counts: dict[str, dict] = {d: {s: {"documents": 0, "tokens": 0, "bin": None, "idx": None} for s in SPLITS}
+                               for d in texts}
+    jobs = []  # (domain, split, documents) in the order the files are written
+    for d, ts in texts.items():
+        for code, split in enumerate(SPLITS):
+            chosen = [t for t, s in zip(ts, splits[d]) if s == code]
+            if chosen:
+                jobs.append((d, split, chosen))
     bar = tqdm(total=n_docs, unit="doc", desc="tokenise", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    fast = pool is None or hasattr(tok, "encode_array")
+    name = np.dtype(dtype).name
     t0 = time.perf_counter()
     n_tokens = 0
-    try:
-        for d, ts in texts.items():
-            counts[d] = {}
-            for code, split in enumerate(SPLITS):
-                chosen = [t for t, s in zip(ts, splits[d]) if s == code]
-                info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
-                if chosen:
-                    arrays = tokenize_documents(chosen, tok.spec(), np.dtype(dtype).name, pool, progress=bar)
-                    docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
-                    rel = f"{d}/{split}"
-                    info = {"documents": docs, "tokens": tokens, "bin": rel + ".bin", "idx": rel + ".idx",
+
+    def record(d: str, split: str, docs: int, tokens: int, sha: Optional[str] = None) -> None:
+        rel = f"{d}/{split}"
+        counts[d][split] = {"documents": docs, "tokens": tokens, "bin": rel + ".bin", "idx": rel + ".idx",
                             "bin_bytes": (staging / d / f"{split}.bin").stat().st_size,
                             "idx_bytes": (staging / d / f"{split}.idx").stat().st_size,
-                            "bin_sha256": sha256_file(staging / d / f"{split}.bin")}
-                    n_tokens += tokens
-                counts[d][split] = info
+                            "bin_sha256": sha or sha256_file(staging / d / f"{split}.bin")}
+
+    try:
+        if fast:
+            tagged = [(k, c) for k, (_, _, chosen) in enumerate(jobs) for c in _chunks(chosen, CHUNK_CHARS)]
+            results = encode_chunks_threaded(tok, (c for _, c in tagged), name, workers)
+            writer, current = None, -1
+            for (k, _), (flat, lengths) in zip(tagged, results):
+                if k != current:
+                    if writer is not None:
+                        writer.finalize()
+                        record(*jobs[current][:2], writer.docs, writer.tokens, writer.sha.hexdigest())
+                    writer, current = _ChunkWriter(staging / jobs[k][0] / jobs[k][1], dtype), k
+                writer.add(flat, lengths)
+                bar.update(len(lengths))
+            if writer is not None:
+                writer.finalize()
+                record(*jobs[current][:2], writer.docs, writer.tokens, writer.sha.hexdigest())
+        else:
+            for d, split, chosen in jobs:
+                arrays = tokenize_documents(chosen, tok.spec(), name, pool, progress=bar)
+                docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
+                record(d, split, docs, tokens)
+        n_tokens = sum(info["tokens"] for splits_ in counts.values() for info in splits_.values())
         seconds = time.perf_counter() - t0
         bar.close()
         for d in texts:
@@ -372,7 +480,7 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
         shutil.rmtree(staging, ignore_errors=True)
     stats = {"documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes, "tokenise_seconds": round(seconds, 3),
              "tokens_per_s": round(n_tokens / max(seconds, 1e-9)), "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
-             "workers": workers}
+             "workers": workers, "encoder": "threads" if fast else "processes"}
     if progress:
         print(f"tokenised {n_bytes / 1e6:.1f} MB into {n_tokens:,} tokens in {seconds:.2f} s: "
               f"{stats['tokens_per_s']:,} tokens/s, {stats['mb_per_s']} MB/s ({workers} worker(s))", flush=True)

@@ -139,12 +139,27 @@ class GPT2Tokenizer(Tokenizer):
         self.vocab_size = self._enc.n_vocab  # 50257
         self.bos_id = self.eod_id = self._enc.eot_token  # 50256
         self.files = dict(GPT2_FILE_SHA256)
+        self._to_numpy = getattr(self._enc, "encode_to_numpy", None)  # tiktoken >= 0.8
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self._enc.encode_ordinary(t) for t in texts]
+
+    def encode_array(self, text: str):
+        """`encode(text)` as a numpy uint32 array, without building a Python list. Releases the GIL while the
+        Rust core encodes, so threads encode in parallel. With no special token allowed and none disallowed,
+        tiktoken's `encode_to_numpy` runs the same ordinary BPE over the whole text (a literal "<|endoftext|>" is
+        spelled out); text that UTF-8 cannot encode (lone surrogates) goes through `encode_ordinary`'s repair."""
+        import numpy as np
+
+        if self._to_numpy is not None:
+            try:
+                return self._to_numpy(text, allowed_special=frozenset(), disallowed_special=())
+            except UnicodeEncodeError:
+                pass
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

@@ -1,23 +1,41 @@
 """Every expert in one batched pass: per-expert token log-likelihoods for the inference-time mixture (DEMix §5).
 
-Shape legend: E experts evaluated, B sequences, T tokens, D model dim, F ffn dim, N rows (tokens) of one
-expert's group (= B*T), V vocabulary, R rows of a log-prob chunk.
+Shape legend: E experts evaluated, B sequences, T tokens, D model dim, N rows (tokens) of one expert's group
+(= B*T), V vocabulary, R rows and C vocabulary entries of one LM-head block.
 
 A DEMix LM routed to expert j computes p(x_t | x_<t, D = j). Since every layer is a DEMix layer, the hidden
 states of the E routings differ from the first expert layer on, so the E "models" share weights but not
-activations. Instead of E passes (or E model copies), the batch is replicated E times (E*B sequences) from the
-first expert layer on; attention, layer norms and embeddings run once on the E*B batch with the shared weights,
-and each DEMix layer runs as a grouped matmul over stacked expert weights:
+activations. Instead of E passes (or E model copies), the batch fans out E ways at the first expert layer:
 
-    h_END = gelu(x_END @ W1_EFD^T + b1_EF)        (torch.baddbmm, E independent (N x D) @ (D x F) products)
-    y_END = h_ENF @ W2_EDF^T + b2_ED
+* layers before it (GShard/CSE put dense layers first), the embeddings and that layer's attention and layer
+  norm run once on B sequences;
+* the first expert layer feeds the one shared input to every expert and adds each output to the one shared
+  residual stream (a broadcast: the batch is never replicated), giving E*B sequences, row e*B + b being
+  sequence b routed to expert expert_ids[e];
+* from there attention and layer norms run once on the E*B batch with the shared weights, and each DEMix layer
+  runs every expert on its own B*T rows (the expert's own weights, in place: no stacked copy to build or cache;
+  on CPU this is as fast as a grouped torch.baddbmm over stacked weights, which would cost a copy of every
+  evaluated expert per call or a second resident copy of the expert weights if cached).
 
-Rows e*B + b of the replicated batch are sequence b routed to expert expert_ids[e]. Layers before the first
-expert layer (GShard/CSE put dense layers first) run once on B sequences. The target log-probabilities
+`expert_log_likelihoods` fans out at most DEFAULT_FANOUT_TOKENS expert-tokens (E*B*T) at once, taking the
+experts in groups beyond that, so the activations held at once stay ~fanout x D whatever E and B are (a group
+repeats only the shared layers).
 
-    ll[e, b, t] = log softmax(h_t W_emb^T)[x_{t+1}]
+The target log-probabilities go through the tied LM head without ever materialising logits beyond one block:
 
-are computed R rows at a time, so E*B*T*V logits are never materialised. Dense models (no DEMix layer) give E = 1.
+    ll[e, b, t] = h_t . W_emb[x_{t+1}]  -  logsumexp_v (h_t . W_emb[v])
+
+The target logit is a gather of embedding rows (a D-dot per token); the log-partition is computed R rows x C
+vocabulary entries at a time (one GEMM block, then max, exp and sum in place on it) and the per-block
+(max, sum) pairs are combined exactly at the end of each row block. Peak memory of the head is one R x C block
+plus O(R * V / C) scalars, independent of E, B, T and V (DEFAULT_LOGIT_BUDGET logits per block: 2 MiB of
+float32 on CPU, sized to stay in the L2 cache, which makes the head faster than one big GEMM followed by a
+full log-softmax; larger on CUDA where a block is a kernel launch). Dense models (no DEMix layer) give E = 1.
+
+With the GPT-2 vocabulary the LM head is most of the FLOPs at small width (2*D*V per expert-token, the same in
+a batched and in a sequential pass), so the batched pass cannot beat E passes that use the same head by more
+than the shared embedding and first-layer attention; `expert_log_likelihoods(model, x, y, [j])` is that
+sequential pass for expert j. `sequential_log_likelihoods` is the reference through GPT.forward.
 """
 
 from __future__ import annotations
@@ -28,8 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from model.demix import DemixFFN
+from model.gpt import TiedLMHead
 
-DEFAULT_LOGIT_BUDGET = 1 << 23  # logits (floats) per chunk: 32 MiB in float32
+DEFAULT_LOGIT_BUDGET = 1 << 19  # logits per LM-head block on CPU: 2 MiB of float32 (one L2 cache)
+DEFAULT_LOGIT_BUDGET_CUDA = 1 << 26  # on accelerators a block is a kernel launch: 256 MiB of float32
+DEFAULT_HEAD_ROWS = 1024  # rows per block: keeps the head GEMM large (M = 1024, K = D, N = C)
+DEFAULT_FANOUT_TOKENS = 8192  # expert-tokens (E*B*T) fanned out at once: bounds the E-way activations
 
 
 def demix_expert_ids(model: torch.nn.Module) -> list[int]:
@@ -43,14 +65,13 @@ def demix_expert_ids(model: torch.nn.Module) -> list[int]:
 
 
 def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[int]) -> torch.Tensor:
-    """Group e of `x_END` through expert `expert_ids[e]` of one DEMix layer, as one batched matmul per linear."""
-    mlps = [ffn.experts[str(e)] for e in expert_ids]
-    w1_EFD = torch.stack([m.fc1.weight for m in mlps])
-    b1_E1F = torch.stack([m.fc1.bias for m in mlps])[:, None]
-    w2_EDF = torch.stack([m.fc2.weight for m in mlps])
-    b2_E1D = torch.stack([m.fc2.bias for m in mlps])[:, None]
-    h_ENF = F.gelu(torch.baddbmm(b1_E1F, x_END, w1_EFD.transpose(1, 2)))
-    return mlps[0].dropout(torch.baddbmm(b2_E1D, h_ENF, w2_EDF.transpose(1, 2)))
+    """Group e of `x_END` through expert `expert_ids[e]` of one DEMix layer, E N D. `x_END` may be a stride-0
+    expansion of one N x D input (the first expert layer): nothing is copied for it."""
+    out_END = torch.empty(x_END.shape[0], x_END.shape[1], ffn.experts[str(expert_ids[0])].fc2.out_features,
+                          dtype=x_END.dtype, device=x_END.device)
+    for e, j in enumerate(expert_ids):
+        out_END[e] = ffn.experts[str(j)](x_END[e])
+    return out_END
 
 
 def expert_hidden_states(
@@ -73,46 +94,103 @@ def expert_hidden_states(
         raise ValueError(f"sequence of {T} tokens exceeds the model's context of {model.cfg.seq_len}")
     pos_T = torch.arange(T, device=tokens_BT.device)
     x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))  # B T D until the first expert layer, then E*B T D
-    replicated = False
+    fanned = False
     for block in model.blocks:
         x = x + block.attn(block.ln1(x))
         h = block.ln2(x)
         if isinstance(block.ffn, DemixFFN):
-            if not replicated:
-                x, h = (t.unsqueeze(0).expand(E, *t.shape).reshape(E * B, T, -1) for t in (x, h))
-                replicated = True
-            y = grouped_expert_ffn(block.ffn, h.reshape(E, B * T, -1), experts).reshape(E * B, T, -1)
+            if not fanned:  # one shared input for every expert, one shared residual broadcast over E
+                y_EBTD = grouped_expert_ffn(block.ffn, h.reshape(1, B * T, -1).expand(E, -1, -1), experts)
+                x = (x + y_EBTD.view(E, B, T, -1)).view(E * B, T, -1)
+                fanned = True
+            else:
+                x = x + grouped_expert_ffn(block.ffn, h.reshape(E, B * T, -1), experts).view(E * B, T, -1)
         else:
-            y = block.ffn(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device)).hidden
-        x = x + y
-    if not replicated:
-        x = x.unsqueeze(0).expand(E, *x.shape).reshape(E * B, T, -1)
-    return model.ln_f(x).view(E, B, T, -1)
+            x = x + block.ffn(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device)).hidden
+    h = model.ln_f(x)
+    if not fanned:  # no expert layer: E = 1
+        return h.unsqueeze(0)
+    return h.view(E, B, T, -1)
+
+
+def _default_budget(device: torch.device) -> int:
+    return DEFAULT_LOGIT_BUDGET if device.type == "cpu" else DEFAULT_LOGIT_BUDGET_CUDA
 
 
 def target_log_probs(
-    model: torch.nn.Module, h_ND: torch.Tensor, targets_N: torch.Tensor, logit_budget: int = DEFAULT_LOGIT_BUDGET,
+    model: torch.nn.Module, h_ND: torch.Tensor, targets_N: torch.Tensor, logit_budget: Optional[int] = None,
+    rows: int = DEFAULT_HEAD_ROWS,
 ) -> torch.Tensor:
-    """log p(target | h) for each row, N, through the tied LM head, R rows at a time (float32 log-softmax)."""
-    rows = max(1, logit_budget // model.vocab_size)
-    out_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
-    for s in range(0, h_ND.shape[0], rows):
-        logits_RV = model.lm_head(h_ND[s:s + rows]).float()
-        tgt_R = targets_N[s:s + rows]
-        out_N[s:s + rows] = logits_RV.gather(1, tgt_R[:, None])[:, 0] - torch.logsumexp(logits_RV, dim=1)
+    """log p(target | h) for each row, N (float32), through the tied LM head, in blocks of at most
+    `logit_budget` logits: R = min(N, rows, budget) rows x C = budget // R vocabulary entries."""
+    budget = logit_budget or _default_budget(h_ND.device)
+    head = model.lm_head
+    if type(head) is not TiedLMHead:  # e.g. a vocab-parallel head: its own logits, whole rows at a time
+        return _target_log_probs_rows(head, h_ND, targets_N, budget, model.vocab_size)
+    W_VD = head.embedding[0].weight
+    (N, D), V = h_ND.shape, W_VD.shape[0]
+    R = max(1, min(N, rows, budget))
+    C = max(1, min(V, budget // R))
+    n_blocks = -(-V // C)
+    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32
+    buf = torch.empty(R * C, dtype=torch.float32, device=h_ND.device) if f32 else None
+    max_KR = torch.empty(n_blocks, R, dtype=torch.float32, device=h_ND.device)  # per block: row max
+    sum_KR = torch.empty(n_blocks, R, dtype=torch.float32, device=h_ND.device)  # per block: sum exp(l - max)
+    out_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)
+    for s in range(0, N, R):
+        h_RD = h_ND[s:s + R]
+        r = h_RD.shape[0]
+        for k, v in enumerate(range(0, V, C)):
+            w_CD = W_VD[v:v + C]
+            if f32:
+                l_RC = torch.mm(h_RD, w_CD.t(), out=buf[:r * w_CD.shape[0]].view(r, w_CD.shape[0]))
+            else:
+                l_RC = torch.mm(h_RD, w_CD.t()).float()
+            m_R = torch.amax(l_RC, dim=1, out=max_KR[k, :r])
+            torch.sum(l_RC.sub_(m_R[:, None]).exp_(), dim=1, out=sum_KR[k, :r])
+        m_KR, s_KR = max_KR[:, :r], sum_KR[:, :r]
+        top_R = m_KR.amax(dim=0)
+        lse_R = top_R + (s_KR * (m_KR - top_R).exp_()).sum(dim=0).log_()
+        tgt_R = (h_RD.float() * W_VD[targets_N[s:s + R]].float()).sum(dim=1)
+        out_N[s:s + r] = tgt_R - lse_R
     return out_N
 
 
-@torch.no_grad()
+def _target_log_probs_rows(head, h_ND, targets_N, budget: int, vocab: int) -> torch.Tensor:
+    rows = max(1, budget // vocab)
+    out_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+    for s in range(0, h_ND.shape[0], rows):
+        logits_RV = head(h_ND[s:s + rows]).float()
+        out_N[s:s + rows] = logits_RV.gather(1, targets_N[s:s + rows, None])[:, 0] - torch.logsumexp(logits_RV, 1)
+    return out_N
+
+
 def expert_log_likelihoods(
     model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None, logit_budget: int = DEFAULT_LOGIT_BUDGET,
+    expert_ids: Optional[Sequence[int]] = None, logit_budget: Optional[int] = None,
+    fanout_tokens: int = DEFAULT_FANOUT_TOKENS,
 ) -> torch.Tensor:
-    """ll[e, b, t] = log p(targets[b, t] | tokens[b, :t+1], D = expert_ids[e]), E B T, in one batched pass."""
-    h_EBTD = expert_hidden_states(model, tokens_BT, expert_ids)
-    E, B, T, D = h_EBTD.shape
-    targets_N = targets_BT.reshape(1, B * T).expand(E, B * T).reshape(-1)
-    return target_log_probs(model, h_EBTD.reshape(E * B * T, D), targets_N, logit_budget).view(E, B, T)
+    """ll[e, b, t] = log p(targets[b, t] | tokens[b, :t+1], D = expert_ids[e]), E B T, in one batched pass.
+    Experts fan out at most max(1, fanout_tokens // (B*T)) at a time, which bounds the activations held at once
+    to ~fanout_tokens x D (groups repeat only the shared layers). With one expert id this is the efficient
+    single-expert pass (the fair sequential baseline)."""
+    held = demix_expert_ids(model)
+    experts = held if expert_ids is None else list(expert_ids)
+    B, T = targets_BT.shape
+    groups: list[Optional[Sequence[int]]] = [expert_ids]  # one group (checked by expert_hidden_states)
+    if held and experts:
+        per = max(1, fanout_tokens // (B * T))
+        groups = [experts[i:i + per] for i in range(0, len(experts), per)]
+    out = []
+    with torch.inference_mode():
+        for group in groups:
+            h_EBTD = expert_hidden_states(model, tokens_BT, group)
+            D = h_EBTD.shape[-1]
+            # the head per expert: an expert's numbers never depend on which other experts run beside it
+            out += [target_log_probs(model, h_BTD.reshape(B * T, D), targets_BT.reshape(-1), logit_budget).view(1, B, T)
+                    for h_BTD in h_EBTD]
+        ll = out[0] if len(out) == 1 else torch.cat(out)
+    return ll.clone()  # an ordinary tensor: callers may update it in place
 
 
 @torch.no_grad()
@@ -120,7 +198,8 @@ def sequential_log_likelihoods(
     model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor,
     expert_ids: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
-    """The reference: E ordinary forward passes, pass e routing every sequence to expert_ids[e], E B T."""
+    """The reference: E ordinary forward passes (GPT.forward: full B x T x V logits, cross-entropy), pass e
+    routing every sequence to expert_ids[e], E B T."""
     held = demix_expert_ids(model)
     experts = list(held if expert_ids is None else expert_ids) if held else [None]
     out = []

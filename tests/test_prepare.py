@@ -138,3 +138,65 @@ def test_split_is_deterministic_and_document_level():
     assert (a != split_documents(100, "news", 2, 0.1, 0.05)).any()
     assert np.bincount(a, minlength=3).tolist() == [85, 10, 5]
     assert np.bincount(split_documents(3, "x", 0, 0.05, 0.05), minlength=3).tolist() == [1, 1, 1]
+
+
+def _reference_prepare(corpus_dir, seed, valid_fraction, test_fraction, policy, out):
+    """The straightforward single-process pipeline: read, anonymise, split, encode each document with
+    `encode_ordinary`, one `add_item` + `end_document` per document."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("gpt2")
+    for path in sorted(corpus_dir.glob("*.jsonl")):
+        d = path.stem
+        texts = []
+        for line in path.read_text().splitlines():
+            try:
+                texts.append(json.loads(line)["text"])
+            except ValueError:
+                continue
+        if policy.get(d, True):
+            texts = [anonymise(t).text for t in texts]
+        split = split_documents(len(texts), d, seed, valid_fraction, test_fraction)
+        for code, s in enumerate(SPLITS):
+            chosen = [t for t, c in zip(texts, split) if c == code]
+            if not chosen:
+                continue
+            (out / d).mkdir(parents=True, exist_ok=True)
+            b = IndexedDatasetBuilder(str(out / d / s) + ".bin", dtype=np.uint16)
+            for t in chosen:
+                b.add_item(torch.tensor([tok.bos_id] + tok.encode(t), dtype=torch.int64))
+                b.end_document()
+            b.finalize(str(out / d / s) + ".idx")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, workers):
+    """Threaded, chunk-at-a-time encoding and writing (small chunks: many per split, several in flight) gives the
+    same .bin/.idx bytes and manifest counts as the one-document-at-a-time single-process reference."""
+    import hashlib
+
+    import data.prepare as prepare_module
+
+    corpus_dir, _ = corpus
+    with open(corpus_dir / "code.jsonl", "a") as f:  # special-token text stays ordinary text
+        f.write(json.dumps({"id": "x", "domain": "code", "text": "s = '<|endoftext|>' + '<|fim_prefix|>'"}) + "\n")
+    monkeypatch.setattr(prepare_module, "CHUNK_CHARS", 300)
+    policy = {"code": False}
+    r = prepare_corpus(corpus_dir, tmp_path / "tokens", workers=workers, seed=7, valid_fraction=0.2,
+                       test_fraction=0.2, anonymise=policy, progress=False)
+    assert r.stats["encoder"] == "threads"
+    ref = tmp_path / "ref"
+    _reference_prepare(corpus_dir, 7, 0.2, 0.2, policy, ref)
+    tok_dir = tmp_path / "tokens" / "gpt2"
+    for d, splits in r.manifest["counts"].items():
+        for s in SPLITS:
+            info = splits[s]
+            assert info["documents"] > 0
+            for ext in ("bin", "idx"):
+                assert (tok_dir / d / f"{s}.{ext}").read_bytes() == (ref / d / f"{s}.{ext}").read_bytes(), (d, s, ext)
+            data = (ref / d / f"{s}.bin").read_bytes()
+            assert info["bin_sha256"] == hashlib.sha256(data).hexdigest() and info["bin_bytes"] == len(data)
+            assert info["tokens"] == len(data) // 2 and info["documents"] == len(open_indexed(ref / d / s))

@@ -61,3 +61,16 @@ def test_unknown_tokenizer_and_missing_model_are_clear_errors(tmp_path):
         load_tokenizer("bert")
     with pytest.raises(FileNotFoundError, match="run data.prepare"):
         load_tokenizer("sentencepiece", tmp_path / "missing.model")
+
+
+def test_gpt2_encode_array_matches_encode_ordinary():
+    """The GIL-free numpy path (used by data.prepare's threads) gives exactly `encode_ordinary`'s ids, also for
+    literal special tokens, lone surrogates, empty text and real code."""
+    import numpy as np
+
+    tok = load_tokenizer("gpt2")
+    stdlib = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")))
+    extra = ["", "a\ud800b", "<|endoftext|><|fim_prefix|><|endofprompt|>", "x" * 5000]
+    for text in TEXTS + extra + [Path(p).read_text() for p in stdlib]:
+        arr = tok.encode_array(text)
+        assert arr.dtype == np.uint32 and arr.tolist() == tok.encode(text)
