@@ -150,7 +150,9 @@ def test_report_renders_from_hand_written_results(tmp_path: Path) -> None:
                    "GShard TFLOPs/GPU rec.", "Dense TFLOPs/GPU no-rec.", "| tiny | 4, 128 |",
                    "Scaling with world size", "Failed points", "boom", "Cost model vs DEMix Tables 2/9"):
         assert needle in md, needle
-    assert md.count("| 1.3B | GShard | 128 |") == 1 and "+66.6%" in md  # the 12-row cost-model table, with errors
+    recorded = json.loads(Path(report.COSTMODEL_JSON).read_text())["rows"]
+    err = next(r["rel_err"] for r in recorded if r["size"] == "1.3B" and r["arch"] == "gshard")
+    assert md.count("| 1.3B | GShard | 128 |") == 1 and f"{err:+.1%}" in md  # the 12-row cost-model table, with errors
     assert "scaling eff." in md and "83.3%" in md  # dense at 2 ranks: (5000/2)/(3000/1)
     assert '<img alt="' in page and "data:image/png;base64," in page and "<table>" in page
     assert "src=\"scaling" not in page  # self-contained: no file references
