@@ -23,8 +23,10 @@ Per point (results.json, one row each):
                  overhead_share is the share of the N-rank step spent beyond the N0-rank step: communication
                  *plus* contention for cores. `core_efficiency` divides by min(N, cores) instead of N, i.e.
                  the speed-up the machine could give; with more ranks than cores it is the fairer figure.
-    comm_share   None: the trainer does not time its collectives separately, so the pure communication
-                 share is not measured (see overhead_share, and the cost model's comm share for clusters).
+    comm_share   measured: host time inside collectives per update (the trainer's `comm/<group>/<op>/seconds`,
+                 rank 0, parallel/comm_stats.py) / step time, mean over the warm intervals; with gloo the calls
+                 block, so this is the time in communication (on NCCL it would be launch time only).
+    comm_bytes   measured bytes per update handed to each collective, per group (`comm/<group>/<op>/bytes`).
 """
 
 from __future__ import annotations
@@ -353,6 +355,11 @@ def summarise_point(cfg: SweepConfig, point: Point, run_dir: Path, rc: int, wall
     row["peak_mem_gb"] = max((r.get("peak_mem_gb") or 0.0) for r in train)
     dropped = [r.get(k) for r in warm for k in r if k.startswith("dropped")]
     row["dropped_fraction"] = _mean([d for d in dropped if isinstance(d, (int, float))])
+    shares = [sum(v for k, v in r.items() if k.startswith("comm/") and k.endswith("/seconds")) / r["step_time_s"]
+              for r in warm if r.get("step_time_s")]
+    row["comm_share"] = _mean(shares) if any(k.startswith("comm/") for r in warm for k in r) else None
+    row["comm_bytes"] = {k[len("comm/"):-len("/bytes")]: v for k, v in warm[-1].items()
+                         if k.startswith("comm/") and k.endswith("/bytes")}
     return row
 
 
@@ -418,8 +425,8 @@ def run_sweep(cfg: SweepConfig, sweep_dir: Path, force: bool = False, only: Sequ
     machine["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     results = {"sweep": to_dict(cfg), "config_path": config_path, "command": command, "started": started,
                "wall_s": time.perf_counter() - t0, "machine": machine,
-               "comm_share_note": "comm_share is not measured (the trainer does not time collectives on their own); "
-                                  "overhead_share = 1 - step_time(N0)/step_time(N) bounds communication + contention.",
+               "comm_share_note": "comm_share = measured time inside collectives (rank 0, gloo: blocking) / step "
+                                  "time; overhead_share = 1 - step_time(N0)/step_time(N) is communication + contention.",
                "points": rows}
     (sweep_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     n_ok = sum(r["status"] == "ok" for r in rows)

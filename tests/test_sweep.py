@@ -98,7 +98,8 @@ def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path: Path, monkey
         recs = [{"kind": "start", "device": "cpu"}] + [
             {"kind": "train", "step": s, "loss": 5.0, "tokens_per_s": 1000.0 * s, "step_time_s": 1.0 / s,
              "tflops_per_gpu_recompute": 0.02, "tflops_per_gpu_no_recompute": 0.015, "tflops_per_gpu": 0.015,
-             "mfu": None, "peak_mem_gb": 0.5 + s} for s in (1, 2)]
+             "mfu": None, "peak_mem_gb": 0.5 + s, "comm/data_parallel/all_reduce/seconds": 0.1,
+             "comm/data_parallel/all_reduce/bytes": 1000.0} for s in (1, 2)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         log.write_text("fine\n")
         return 0, 0.1, False
@@ -109,7 +110,8 @@ def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path: Path, monkey
     bad, good = by_id["tiny-dense-w1-tp3"], by_id["tiny-dense-w1-tp1"]
     assert bad["status"] == "failed" and "tensor_parallel=3" in bad["error"]
     assert good["status"] == "ok" and good["tokens_per_s"] == 2000.0  # first interval left out
-    assert good["peak_mem_gb"] == 2.5 and good["comm_share"] is None
+    assert good["peak_mem_gb"] == 2.5
+    assert good["comm_share"] == pytest.approx(0.1 / 0.5) and good["comm_bytes"] == {"data_parallel/all_reduce": 1000.0}
     assert json.loads((tmp_path / "sw" / "results.json").read_text())["points"][0]["id"] == "tiny-dense-w1-tp3"
 
     # A rerun skips the finished point and retries the failed one.
