@@ -328,17 +328,22 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     device = next(model.parameters()).device
-    shared = torch.zeros((), dtype=torch.float64, device=device)
-    expert = torch.zeros((), dtype=torch.float64, device=device)
+    shared, expert, weights = [], [], []
     for p in model.parameters():
         if p.grad is None or (not is_model_parallel_parameter(p) and groups.tp_rank != 0):
             continue
-        sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(p):
-            expert += sq / expert_replicas(p)
+            expert.append(p.grad.detach())
+            weights.append(1.0 / expert_replicas(p))
         else:
-            shared += sq
-    total = shared / len(groups.dp_ranks) + expert
+            shared.append(p.grad.detach())
+    # One fused norm per tensor (torch._foreach_norm, as clip_grad_norm_ does), squared and summed in float64.
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if shared:
+        total += torch.stack(torch._foreach_norm(shared, 2, dtype=torch.float32)).double().pow(2).sum() / len(groups.dp_ranks)
+    if expert:
+        w = torch.tensor(weights, dtype=torch.float64, device=device)
+        total += (torch.stack(torch._foreach_norm(expert, 2, dtype=torch.float32)).double().pow(2) * w).sum()
     dist.all_reduce(total)  # over the world: sums the tp shards, the dp replicas (/N_dp) and each domain once
     return total.sqrt().float()
 
@@ -369,9 +374,12 @@ def backward_loss_factor(engine: Any) -> float:
 def clip_grads_(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
     """Scale gradients by min(1, max_norm / (norm + 1e-6)) (the same coefficient on every rank)."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(coef)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():  # fused, as clip_grad_norm_ does
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
 
 @dataclass
