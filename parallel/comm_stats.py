@@ -72,7 +72,6 @@ class CommStats:
         names = {world: "world", tuple(groups.dp_ranks): "data_parallel", tuple(groups.tp_ranks): "tensor_parallel"}
         if groups.expert_group is not None and tuple(groups.expert_ranks) not in names:
             names[tuple(groups.expert_ranks)] = "expert"
-        names.setdefault(world, "world")
         return cls(names)
 
     def _group_name(self, group: Optional[dist.ProcessGroup]) -> str:
@@ -89,6 +88,8 @@ class CommStats:
             fn = getattr(dist, name, None)
             if fn is None or name in self._originals:
                 continue
+            while getattr(fn, "__wrapped_comm_stats__", False):  # another CommStats (an earlier trainer in this
+                fn = fn.__wrapped__                                 # process): replaced, never stacked
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))
         return self

@@ -182,20 +182,6 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
     model = build_hf_model(c, weights)
-    out = Path(out)
-    tmp = atomic_dir(out)  # published whole by commit_dir below: a killed export leaves no half model at `out`
-    try:
-        record = _write_export(c, ckpt, model, tmp, domain, merge, weights, check, merge_source)
-        commit_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return record
-
-
-def _write_export(c: Consolidated, ckpt: Any, model: Any, tmp: Path, domain: Optional[str],
-                  merge: Optional[dict[str, float]], weights: Optional[list[float]], check: bool,
-                  merge_source: Optional[str]) -> dict[str, Any]:
-    model.save_pretrained(tmp, safe_serialization=True)
     record = {"format": HF_EXPORT_FORMAT, "source": None if isinstance(ckpt, Consolidated) else str(ckpt),
               "kind": c.cfg.model.ffn.kind, "domain": domain,
               "merge_weights": dict(zip(c.domains, weights)) if merge is not None else None,
@@ -204,7 +190,14 @@ def _write_export(c: Consolidated, ckpt: Any, model: Any, tmp: Path, domain: Opt
               "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)"}
     if check:
         record["max_abs_logit_diff"] = max_logit_diff(c, model, weights)
-    write_json_atomic(tmp / "demix_export.json", record)
+    out = Path(out)
+    tmp = atomic_dir(out)  # published whole by commit_dir: a killed export leaves no half model at `out`
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_json_atomic(tmp / "demix_export.json", record)
+        commit_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 
