@@ -429,6 +429,7 @@ class Prediction:
     allreduce_bytes: float  # gradient bytes each rank all-reduces (over groups of > 1 rank)
     alltoall_bytes: float  # bytes each GPU hands to all-to-all per update (its own slice included)
     internode_bytes: float  # bytes each node sends through its NICs per update (all-reduce + all-to-all)
+    bytes_from: str = "formulas"  # 'measured' when priced on a run's measured bytes (`predict(measured_bytes=)`)
 
 
 def _domains(cfg: ModelConfig, gpus: int) -> int:
@@ -471,6 +472,64 @@ def alltoall_volume(cfg: ModelConfig, opts: CostOptions) -> tuple[float, int]:
     volume = gs.capacity_factor * gs.top_k * tokens * cfg.d_model * DTYPE_BYTES[opts.act_dtype]
     per_layer = 6 if opts.recompute == "full" else 4
     return volume, len(cfg.moe_layer_ids()) * per_layer * opts.grad_accum
+
+
+NORM_BYTES = 8  # parallel/engine.py:global_grad_norm all-reduces one float64 over the data-parallel group
+
+
+def _ranks_name(ranks: Sequence[int], gpus: int) -> str:
+    """The trainer's metric name of a group (parallel/comm_stats.py) as rank 0 sees it."""
+    return "data_parallel" if len(ranks) == gpus else "ranks_" + "_".join(map(str, ranks))
+
+
+def comm_bytes_per_update(cfg: ModelConfig, gpus: int, opts: CostOptions) -> dict[str, float]:
+    """Bytes rank 0 hands to each collective per update, keyed `<group>/<op>` as the trainer's
+    `comm/<group>/<op>/bytes` metrics (ZeRO stage 0, no tensor parallelism; `cfg.vocab_size` padded as the
+    model builds it). `allreduce_plan` and `alltoall_volume` plus the 8-byte all-reduce of the global gradient
+    norm; DEMix's domain group is the trainer's `expert` group; GShard's groups follow DeepSpeed's layout
+    (expert-parallel ranks 0..E-1, expert-data-parallel ranks 0, E, 2E, ...). tests/test_comm_measured.py checks
+    this against the running trainer at 8 and 16 ranks."""
+    grad_bytes = DTYPE_BYTES[opts.grad_dtype]
+    out: dict[str, float] = {}
+    for i, (nbytes, p) in enumerate(allreduce_plan(cfg, gpus, grad_bytes)):
+        if i == 0:
+            name = "data_parallel"
+        elif cfg.ffn.kind == "demix":
+            name = "expert" if p < gpus else "data_parallel"
+        else:  # GShard's replicated experts: expert-data-parallel group of rank 0
+            name = _ranks_name(range(0, gpus, acc.resolved_num_experts(cfg)), gpus)
+        out[f"{name}/all_reduce"] = out.get(f"{name}/all_reduce", 0.0) + nbytes
+    out["data_parallel/all_reduce"] += NORM_BYTES
+    volume, count = alltoall_volume(cfg, opts)
+    if count:
+        ep = min(gpus, acc.resolved_num_experts(cfg))
+        out[f"{_ranks_name(range(ep), gpus)}/all_to_all_single"] = volume * count
+    return out
+
+
+def plan_from_measured(cfg: ModelConfig, gpus: int, opts: CostOptions,
+                       measured: dict[str, float]) -> tuple[list[tuple[float, int]], float, int]:
+    """`allreduce_plan` and `alltoall_volume` with the bytes a running trainer measured (`measured`: bytes per
+    update keyed `<group>/<op>`, as `comm_bytes_per_update` and the sweep's `comm_bytes`) in place of the
+    formulas: each measured group keeps its size from the layout, the all-to-all count stays structural
+    (layers x passes x accumulation), its volume is the measured bytes / count. A group the layout does not
+    explain is an error naming it."""
+    modelled = comm_bytes_per_update(cfg, gpus, opts)
+    unknown = sorted(set(measured) - set(modelled))
+    if unknown:
+        raise ValueError(f"measured collectives {', '.join(unknown)} are not in the cost model's plan "
+                         f"({', '.join(sorted(modelled))}) for {cfg.ffn.kind} on {gpus} GPUs")
+    sizes = {"data_parallel": gpus}
+    if cfg.ffn.kind == "demix":
+        sizes["expert"] = gpus // _domains(cfg, gpus)
+    elif cfg.ffn.kind == "gshard":
+        n_exp = acc.resolved_num_experts(cfg)
+        sizes[_ranks_name(range(0, gpus, n_exp), gpus)] = max(1, gpus // n_exp)
+    plan = [(nbytes - (NORM_BYTES if key == "data_parallel/all_reduce" else 0), sizes[key.split("/")[0]])
+            for key, nbytes in measured.items() if key.endswith("/all_reduce")]
+    _, count = alltoall_volume(cfg, opts)
+    a2a = sum(v for k, v in measured.items() if k.endswith("/all_to_all_single"))
+    return plan, (a2a / count if count else 0.0), count
 
 
 # --------------------------------------------------------------------------------------------------
@@ -603,8 +662,11 @@ def gshard_terms(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficie
     return GShardTerms(dispatch, gating, padding, roofline, master)
 
 
-def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, opts: CostOptions = CostOptions()) -> Prediction:
-    """Predicted step time and TFLOPs/GPU of one update of `cfg` data-parallel over `gpus` GPUs."""
+def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, opts: CostOptions = CostOptions(),
+            measured_bytes: Optional[dict[str, float]] = None) -> Prediction:
+    """Predicted step time and TFLOPs/GPU of one update of `cfg` data-parallel over `gpus` GPUs. With
+    `measured_bytes` (a run's bytes per update and group, `plan_from_measured`) the communication is priced on
+    the bytes the trainer handed to its collectives instead of the byte formulas."""
     problems = opts.problems()
     if problems:
         raise ConfigError(problems, "cost options")
@@ -619,9 +681,12 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     e = eff.at(cfg.d_model)
     compute = executed / (gpus * cluster.peak * 1e12 * e)
     bucket = opts.bucket_mb * 2**20
-    plan = allreduce_plan(cfg, gpus, DTYPE_BYTES[opts.grad_dtype])
+    if measured_bytes is None:
+        plan = allreduce_plan(cfg, gpus, DTYPE_BYTES[opts.grad_dtype])
+        volume, count = alltoall_volume(cfg, opts)
+    else:
+        plan, volume, count = plan_from_measured(cfg, gpus, opts, measured_bytes)
     allreduce = sum(allreduce_seconds(nbytes, p, cluster, bucket) for nbytes, p in plan)
-    volume, count = alltoall_volume(cfg, opts)
     ep_group = min(gpus, acc.resolved_num_experts(cfg)) if count else 1
     alltoall = count * alltoall_seconds(volume, ep_group, cluster)
     exposed = (1 - opts.overlap) * allreduce + alltoall
@@ -640,7 +705,7 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
         tflops_per_gpu=flops.recompute / (gpus * step) / 1e12,
         tflops_per_gpu_no_recompute=flops.no_recompute / (gpus * step) / 1e12, comm_share=exposed / step,
         allreduce_bytes=sum(nbytes for nbytes, p in plan if p > 1), alltoall_bytes=volume * count,
-        internode_bytes=internode,
+        internode_bytes=internode, bytes_from="formulas" if measured_bytes is None else "measured",
     )
 
 

@@ -1,7 +1,7 @@
 """Throughput and peak memory of scoring text with every expert: one batched all-experts pass vs E passes.
 
     python -m benchmarks.mixing_throughput [--experts 1,2,4,8] [--layers 4] [--d-model 256] [--seq-len 256]
-        [--batch 2] [--repeats 3] [--threads 1] [--device cpu] [--no-memory]
+        [--batch 2] [--repeats 3] [--threads 1] [--device cpu] [--gemm-repeats 10] [--no-memory]
 
 The model is a randomly initialised DEMix GPT with max(--experts) experts and the GPT-2 vocabulary (timing does
 not depend on the weights). For each E, three paths compute the same E x B x T token log-likelihoods
@@ -23,7 +23,17 @@ just before the pass (/proc/self/clear_refs) and the peak above the resident siz
 glibc told to return every allocation above 64 KiB to the system at once (MALLOC_MMAP_THRESHOLD_) so that freed
 memory cannot hide a peak. Because a top-k mixture with experts chosen by the cached prior runs exactly k experts,
 its cost is the batched row with E = k (plus the mixture maths, timed separately on the E x B x T log-likelihoods:
-eqs. 6-9). Results go to benchmarks/results/mixing_throughput.{md,json}.
+eqs. 6-9).
+
+To show how close each path is to what the core can compute, the same run (same device, same torch thread
+count) measures the achievable fp32 GEMM rate: `torch.mm` on the LM-head block shape the batched path uses
+(DEFAULT_HEAD_ROWS rows x the block's vocabulary entries x d_model, the weight rows transposed as in
+model/batched.py) and on a square 1024 x 1024 x 1024, best of --gemm-repeats timed samples after a warm-up, in
+GFLOP/s; the higher of the two is the reference rate. Each path's achieved rate is its expert-tokens/s times the
+forward FLOPs per expert-token of `flop_model` (the same useful work for every path; the batched pass does up to
+`ceiling_vs_sequential` less), and its fraction of the reference rate bounds what any faster implementation could
+gain: no path doing these FLOPs can beat *forward* by more than reference rate / forward's achieved rate.
+Results go to benchmarks/results/mixing_throughput.{md,json}.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("batched", "sequential", "forward")
 LOAD_WARN = 1.5
+GEMM_SAMPLE_S = 0.05  # each timed GEMM sample repeats the product until it lasts about this long
 
 
 def _build(args: argparse.Namespace, experts_held: int):
@@ -140,9 +151,40 @@ def flop_model(cfg, vocab: int, T: int, E: int) -> dict:
             "ceiling_vs_sequential": E * per_expert_token / (E * per_expert_token - (E - 1) * shared)}
 
 
+def gemm_rates(shapes: dict[str, tuple[int, int, int, bool]], device: torch.device, repeats: int,
+               sync: Callable[[], None]) -> dict:
+    """Achievable fp32 `torch.mm` rate for each named (M, K, N, B transposed) shape: best of `repeats` samples
+    (each about GEMM_SAMPLE_S long) after a warm-up, in GFLOP/s (2·M·K·N per product), with the current torch
+    thread count; `rate_gflop_s` is the highest."""
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"shapes": {}, "repeats": repeats, "threads": torch.get_num_threads()}
+    for name, (M, K, N, nt) in shapes.items():
+        a = torch.randn(M, K, generator=g).to(device)
+        b = torch.randn(N, K, generator=g).to(device) if nt else torch.randn(K, N, generator=g).to(device)
+        c = torch.empty(M, N, device=device)
+        fn = (lambda: torch.mm(a, b.t(), out=c)) if nt else (lambda: torch.mm(a, b, out=c))
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        inner = max(1, round(GEMM_SAMPLE_S / max(time.perf_counter() - t0, 1e-6)))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t0) / inner)
+        out["shapes"][name] = {"m": M, "k": K, "n": N, "b_transposed": nt, "seconds": round(best, 7),
+                               "gflop_s": round(2 * M * K * N / best / 1e9, 2)}
+    out["rate_gflop_s"] = max(v["gflop_s"] for v in out["shapes"].values())
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from model import mixture as mx
-    from model.batched import DEFAULT_HEAD_ROWS, DEFAULT_LOGIT_BUDGET
+    from model.batched import DEFAULT_HEAD_ROWS, DEFAULT_LOGIT_BUDGET, DEFAULT_LOGIT_BUDGET_CUDA
 
     sweep = [int(e) for e in args.experts.split(",")]
     E_max = max(sweep)
@@ -150,6 +192,10 @@ def run(args: argparse.Namespace) -> dict:
     dev = tokens.device
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     BT = args.batch * args.seq_len
+    budget = DEFAULT_LOGIT_BUDGET if dev.type == "cpu" else DEFAULT_LOGIT_BUDGET_CUDA
+    gemm = gemm_rates({"head_block": (DEFAULT_HEAD_ROWS, args.d_model, budget // DEFAULT_HEAD_ROWS, True),
+                       "square": (1024, 1024, 1024, False)}, dev, args.gemm_repeats, sync)
+    print(json.dumps({"gemm": gemm}), flush=True)
     rows = []
     for E in sweep:
         load0 = os.getloadavg()[0]
@@ -179,6 +225,11 @@ def run(args: argparse.Namespace) -> dict:
             "loadavg_1m_end": round(os.getloadavg()[0], 2),
         })
         row["flops"] = flop_model(model.cfg, model.vocab_size, args.seq_len, E)
+        for k in PATHS:
+            rate = row[f"{k}_expert_tok_s"] * row["flops"]["per_expert_token_flops"] / 1e9
+            row[f"{k}_gflop_s"] = round(rate, 2)
+            row[f"{k}_gemm_fraction"] = round(rate / gemm["rate_gflop_s"], 3)
+        row["ceiling_vs_forward"] = round(gemm["rate_gflop_s"] / row["forward_gflop_s"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.memory and args.device == "cpu":
@@ -194,6 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         "head_block": {"logits": DEFAULT_LOGIT_BUDGET, "rows": DEFAULT_HEAD_ROWS,
                        "mib": DEFAULT_LOGIT_BUDGET * 4 / 2**20},
         "fanout_tokens": args.fanout_tokens,
+        "gemm": gemm,
         "rows": rows,
     }
 
@@ -239,6 +291,25 @@ def write(result: dict, out: Path) -> None:
         lines.append(f"| {r['experts']} | {r['batched_cpu_s']:.4f} | {r['sequential_cpu_s']:.4f} | "
                      f"{r['forward_cpu_s']:.4f} | {r['cpu_speedup_vs_sequential']:.2f}x | "
                      f"{r['cpu_speedup_vs_forward']:.2f}x |")
+    gm = result["gemm"]
+    shp = "; ".join(f"{k.replace('_', ' ')} {v['m']} x {v['k']} x {v['n']} (M x K x N"
+                    f"{', B transposed' if v['b_transposed'] else ''}): {v['gflop_s']:.1f} GFLOP/s"
+                    for k, v in gm["shapes"].items())
+    lines += ["", "## Achieved rate", "",
+              f"Achievable fp32 GEMM rate measured in this run with the same {gm['threads']} torch thread(s) "
+              f"(`torch.mm`, best of {gm['repeats']} samples after a warm-up): {shp}. Reference = the higher, "
+              f"{gm['rate_gflop_s']:.1f} GFLOP/s. Achieved = expert-tok/s (wall) x "
+              f"{rows[-1]['flops']['per_expert_token_flops'] / 1e6:.1f} MFLOP per expert-token (forward FLOPs, the "
+              "same for every path); fraction = achieved / reference. Best possible speed-up vs forward = "
+              "reference / forward's achieved rate: the most any implementation of these FLOPs could gain.", "",
+              "| experts E | batched GFLOP/s | sequential GFLOP/s | forward GFLOP/s | batched / GEMM | "
+              "sequential / GEMM | forward / GEMM | best possible speed-up vs forward |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['experts']} | {r['batched_gflop_s']:.1f} | {r['sequential_gflop_s']:.1f} | "
+                     f"{r['forward_gflop_s']:.1f} | {r['batched_gemm_fraction']:.0%} | "
+                     f"{r['sequential_gemm_fraction']:.0%} | {r['forward_gemm_fraction']:.0%} | "
+                     f"{r['ceiling_vs_forward']:.2f}x |")
     hb = result["head_block"]
     lines += ["", "## Peak memory and parity", "",
               "Peak resident memory of one pass above the resident size just before it (fresh subprocess per cell; "
@@ -252,7 +323,7 @@ def write(result: dict, out: Path) -> None:
         lines.append(f"| {r['experts']} | {fmt(pk.get('batched'))} | {fmt(pk.get('sequential'))} | "
                      f"{fmt(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
                      f"{r['max_abs_diff_sequential']:.1e} | {r['mixture_maths_s']:.4f} |")
-    fl = rows[-1]["flops"]
+    fl, last = rows[-1]["flops"], rows[-1]
     base = rows[0]
     lines += [
         "", f"The LM head works on blocks of at most {hb['logits']:,} logits ({hb['rows']} rows x "
@@ -276,7 +347,12 @@ def write(result: dict, out: Path) -> None:
         f"E = {rows[-1]['experts']} it can beat the fair sequential baseline by at most "
         f"{fl['ceiling_vs_sequential']:.3f}x in FLOPs. Its gain over *forward* comes from the head: logits in "
         "cache-sized blocks with the target logit gathered from embedding rows, instead of a B x T x V tensor "
-        "written to memory and read back by cross-entropy; the sequential column gets that gain too.",
+        "written to memory and read back by cross-entropy; the sequential column gets that gain too. "
+        f"At E = {last['experts']} the batched pass already runs at {last['batched_gemm_fraction']:.0%} of the "
+        f"measured fp32 GEMM rate ({last['batched_gflop_s']:.1f} of {gm['rate_gflop_s']:.1f} GFLOP/s) and "
+        f"*forward* at {last['forward_gemm_fraction']:.0%}, so no path computing these FLOPs at this thread count "
+        f"can be more than {last['ceiling_vs_forward']:.2f}x faster than *forward* (GEMM rate / forward's achieved "
+        f"rate), against the {last['speedup_vs_forward']:.2f}x the batched pass gets.",
     ]
     (out / "mixing_throughput.md").write_text("\n".join(lines) + "\n")
 
@@ -294,6 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gemm-repeats", type=int, default=10, help="timed samples of each reference GEMM shape")
     ap.add_argument("--fanout-tokens", type=int, default=None,
                     help="expert-tokens fanned out at once by the batched path (default: model/batched.py's)")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses")

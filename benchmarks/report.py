@@ -282,31 +282,81 @@ def costmodel_table(cm: dict) -> Table:
     return Table(header, body, "Cost model vs DEMix Tables 2/9 (V100, 2×1024 tokens/GPU, 8 accumulation steps)", note)
 
 
+def _point_options(r: dict) -> Any:
+    """The cost model's options for a sweep point as it ran (its precision, micro-batch, accumulation)."""
+    from benchmarks.costmodel import CostOptions, DTYPE_BYTES
+
+    dtype = r.get("precision") if r.get("precision") in DTYPE_BYTES else "fp16"
+    return CostOptions(r["micro_batch"], r["grad_accum"], dtype, dtype,
+                       "full" if r.get("activation_checkpointing") == "full" else "none")
+
+
+def _point_model(r: dict, padded: bool = False) -> Any:
+    """A point's model config; `padded`: with the padded vocabulary the trainer builds (what its gradients
+    carry), for bytes (the FLOPs convention counts the real vocabulary)."""
+    from dataclasses import replace
+
+    from launcher.typed import from_dict
+    from model.config import ModelConfig
+
+    cfg = from_dict(ModelConfig, r["model"])
+    return replace(cfg, vocab_size=cfg.padded_vocab_size()) if padded else cfg
+
+
+def comm_table(rows: list[dict]) -> Optional[Table]:
+    """Measured bytes per update and group (rank 0, the trainer's counters) beside the cost model's formulas."""
+    from benchmarks.costmodel import comm_bytes_per_update
+
+    ok = [r for r in rows if r["status"] == "ok" and r.get("model") and r.get("comm_bytes") is not None]
+    if not ok:
+        return None
+    body = []
+    for r in ok:
+        measured = r["comm_bytes"]
+        why = ""
+        if (r.get("zero_stage_run") or 0) > 0 or (r.get("tensor_parallel_run") or 1) > 1:
+            modelled, why = {}, "not modelled (ZeRO > 0 or TP > 1: the cost model prices ZeRO-0 data parallelism)"
+        else:
+            try:
+                modelled = comm_bytes_per_update(_point_model(r, padded=True), r["world_size"], _point_options(r))
+            except ValueError as e:
+                modelled, why = {}, f"not modelled ({e})"
+        for key in sorted(set(measured) | set(modelled)) or ["(none)"]:
+            m, f = measured.get(key), modelled.get(key)
+            verdict = why or ("equal" if m == f else "–" if m is None or f is None else pct((m - f) / f, signed=True))
+            body.append([r["id"], key, num(m) if m is not None else "–", num(f) if f is not None else "–", verdict])
+    return Table(["point", "group/collective", "measured bytes/update", "cost model bytes/update", "measured vs model"],
+                 body, "Communication per update: measured vs cost model",
+                 "Measured: what rank 0 handed to each collective per optimizer update, counted by the trainer "
+                 "(parallel/comm_stats.py; `comm/<group>/<op>/bytes` in metrics.jsonl). Cost model: "
+                 "`benchmarks.costmodel.comm_bytes_per_update` (gradient all-reduce plan, GShard all-to-all volume, "
+                 "the 8-byte global-norm all-reduce). A group of one rank moves nothing over a network; "
+                 "tests/test_comm_measured.py holds the two equal at 8 and 16 ranks.")
+
+
 def cluster_predictions(results: dict) -> Optional[Table]:
-    """Measured vs the cost model for each point, when the sweep names a cluster preset."""
+    """Measured vs the cost model for each point, when the sweep names a cluster preset; the cost model prices
+    the bytes each point measured (`predict(measured_bytes=)`), not its byte formulas."""
     cluster_name = results.get("sweep", {}).get("cluster")
     ok = [r for r in results["points"] if r["status"] == "ok" and r.get("model")]
     if not cluster_name or not ok:
         return None
-    from benchmarks.costmodel import CostOptions, DTYPE_BYTES, cluster_efficiency, load_cluster, predict
-    from launcher.typed import from_dict
-    from model.config import ModelConfig
+    from benchmarks.costmodel import CostOptions, cluster_efficiency, load_cluster, predict
 
     cluster = load_cluster(cluster_name)
     body = []
     for r in ok:
-        dtype = r.get("precision") if r.get("precision") in DTYPE_BYTES else "fp16"
-        opts = CostOptions(r["micro_batch"], r["grad_accum"], dtype, dtype,
-                           "full" if r.get("activation_checkpointing") == "full" else "none")
-        try:
-            pred = predict(from_dict(ModelConfig, r["model"]), r["world_size"], cluster, cluster_efficiency(cluster, opts), opts)
+        opts = _point_options(r)
+        try:  # e(h) is the device's, fitted on the paper's rows with the paper's options; the point runs its own
+            pred = predict(_point_model(r), r["world_size"], cluster, cluster_efficiency(cluster, CostOptions()), opts,
+                           measured_bytes=r.get("comm_bytes") or None)
             p, err = pred.tflops_per_gpu, (pred.tflops_per_gpu - r["tflops_per_gpu_recompute"]) / r["tflops_per_gpu_recompute"]
-            share = pct(pred.comm_share)
+            share, source = pct(pred.comm_share), pred.bytes_from
         except Exception as e:  # e.g. DEMix ranks not divisible by domains: shown, not fatal
-            p, err, share = None, None, f"({e})"
-        body.append([r["id"], num(r["tflops_per_gpu_recompute"]), num(p), pct(err, signed=True), share])
-    return Table(["point", "measured TFLOPs/GPU rec.", "cost model TFLOPs/GPU rec.", "model error", "pred. comm share"],
-                 body, f"Measured vs the cost model on `{cluster_name}`")
+            p, err, share, source = None, None, f"({e})", "–"
+        body.append([r["id"], num(r["tflops_per_gpu_recompute"]), num(p), pct(err, signed=True), share, source])
+    return Table(["point", "measured TFLOPs/GPU rec.", "cost model TFLOPs/GPU rec.", "model error", "pred. comm share",
+                  "bytes from"], body, f"Measured vs the cost model on `{cluster_name}`")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -463,7 +513,10 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
                        "`comm_bytes` in results.json). The overhead share above is communication + contention from "
                        "weak scaling; the cost model below gives the predicted communication share on the paper's "
                        "cluster, and its byte formulas equal the measured bytes exactly "
-                       "(tests/test_comm_measured.py)."))
+                       "(tests/test_comm_measured.py; the table below for these points)."))
+    comm = comm_table(rows)
+    if comm is not None:
+        blocks.append(comm)
     if cm is not None:
         f = costmodel_figure(cm)
         blocks += [Heading("Cost model: the paper's 12 configurations"), costmodel_table(cm), f]

@@ -381,6 +381,7 @@ def accounting(config_yaml: Path, world_size: int) -> dict[str, Any]:
         "model": to_dict(cfg.model), "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
         "data_parallel": dp, "global_batch": batch, "seq_len": cfg.model.seq_len, "precision": cfg.train.precision,
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        "zero_stage_run": cfg.parallel.zero_stage, "tensor_parallel_run": cfg.parallel.tensor_parallel,
         "num_experts": params.num_experts, "total_params": params.total, "active_params": params.active,
         "tflops_per_update": flops.recompute / 1e12, "tflops_per_update_no_recompute": flops.no_recompute / 1e12,
     }

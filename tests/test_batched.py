@@ -51,6 +51,23 @@ def test_target_logit_head_equals_full_log_softmax(budget, rows):
     assert ref_N.min() < -20  # the case is not trivially flat
 
 
+def test_rows_outside_float32_exp_range_take_the_shifted_log_sum_exp():
+    """The head sums exp(l) unshifted; rows with a logit beyond exp's float32 range (inf) or a target logit below
+    -50 (underflow could matter) are recomputed by torch.logsumexp, so they are exact too (module docstring)."""
+    model, h_ND, targets_N, _ = _head_case(n=64)
+    h_ND = h_ND.clone()
+    h_ND[:16] *= 40  # logits of std ~180: exp overflows to inf on the fast path
+    W = model.lm_head.embedding[0].weight
+    h_ND[16:24] = -3 * h_ND[16:24].norm(dim=1, keepdim=True) * W[targets_N[16:24]] / W[targets_N[16:24]].norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        logits = model.lm_head(h_ND).double()
+        ref_N = torch.log_softmax(logits, dim=-1).gather(1, targets_N[:, None])[:, 0]
+        out_N = target_log_probs(model, h_ND, targets_N, 3_000, 50)
+    assert logits[:16].amax() > 89 and logits[16:24].gather(1, targets_N[16:24, None]).max() < -50  # both cases hit
+    assert torch.isfinite(out_N).all()
+    assert ((out_N.double() - ref_N).abs() / ref_N.abs().clamp(min=1)).max() <= 1e-5
+
+
 def test_untied_head_takes_the_whole_row_path():
     """A head that is not the plain tied one (e.g. vocab-parallel) is called as a module, whole rows at a time."""
     model, h_ND, targets_N, ref_N = _head_case()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.multirank import run_ranks
 
-NORM_BYTES = 8  # global_grad_norm: one float64 all-reduced over the world
+NORM_BYTES = 8  # global_grad_norm: one float64 all-reduced over the world (costmodel.NORM_BYTES)
 
 
 def _train(rank: int, world: int, tokens: str, kind: str, domains: str, run_dir: str) -> dict:
@@ -63,10 +63,14 @@ def test_measured_bytes_per_group_equal_the_cost_model(tiny_tokens, kind, world,
     run_dir = Path(tempfile.mkdtemp())
     model = from_dict(ModelConfig, run_ranks(_train, world, args=(str(tiny_tokens), kind, domains, str(run_dir)))[0])
     model = replace(model, vocab_size=model.padded_vocab_size())
+    opts = costmodel.CostOptions(micro_batch=2, grad_accum=2, grad_dtype="fp32", act_dtype="fp32", recompute="none")
+    modelled = costmodel.comm_bytes_per_update(model, world, opts)
     plan = costmodel.allreduce_plan(model, world, 4)
     records = _measured(run_dir)
     assert len(records) == 2
     for rec in records:
+        # every group and collective, nothing more and nothing less, to the byte
+        assert {k[len("comm/"):-len("/bytes")]: v for k, v in rec.items() if k.endswith("/bytes")} == modelled, rec
         shared_bytes, shared_group = plan[0]
         assert shared_group == world
         assert rec["comm/data_parallel/all_reduce/bytes"] == shared_bytes + NORM_BYTES, rec
@@ -76,8 +80,6 @@ def test_measured_bytes_per_group_equal_the_cost_model(tiny_tokens, kind, world,
         else:
             assert not any(k.startswith("comm/expert/") for k in rec)
         if kind == "gshard":
-            opts = costmodel.CostOptions(micro_batch=2, grad_accum=2, grad_dtype="fp32", act_dtype="fp32",
-                                         recompute="none")
             volume, count = costmodel.alltoall_volume(model, opts)
             assert rec["comm/data_parallel/all_to_all_single/calls"] == count, rec
             assert rec["comm/data_parallel/all_to_all_single/bytes"] == volume * count, rec

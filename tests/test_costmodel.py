@@ -105,6 +105,40 @@ def test_overlap_hides_allreduce_only() -> None:
     assert none.step_s == pytest.approx(none.compute_s + none.allreduce_s + none.alltoall_s + none.gshard_s)
 
 
+def test_comm_bytes_per_update_is_the_plan_under_the_trainers_group_names() -> None:
+    opts = cm.CostOptions(micro_batch=2, grad_accum=8, grad_dtype="fp16", recompute="none")
+    dense, demix = preset("gpt3-small", "dense"), preset("gpt3-small", "demix", 8)
+    (d_bytes, _), = cm.allreduce_plan(dense, 32, 2)
+    assert cm.comm_bytes_per_update(dense, 32, opts) == {"data_parallel/all_reduce": d_bytes + cm.NORM_BYTES}
+    (shared, _), (expert, _) = cm.allreduce_plan(demix, 32, 2)
+    assert cm.comm_bytes_per_update(demix, 32, opts) == {"data_parallel/all_reduce": shared + cm.NORM_BYTES,
+                                                         "expert/all_reduce": expert}
+    # GShard with 8 experts on 32 GPUs: DeepSpeed's groups as rank 0 sees them (experts 0..7, replicas 0,8,16,24)
+    gshard = preset("gpt3-small", "gshard", 8)
+    volume, count = cm.alltoall_volume(gshard, opts)
+    got = cm.comm_bytes_per_update(gshard, 32, opts)
+    assert got == {"data_parallel/all_reduce": cm.acc.param_counts(gshard).shared * 2 + cm.NORM_BYTES,
+                   "ranks_0_8_16_24/all_reduce": cm.acc.param_counts(gshard).expert // 8 * 2,
+                   "ranks_0_1_2_3_4_5_6_7/all_to_all_single": volume * count}
+    one_per_gpu = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 32), 32, opts)
+    assert set(one_per_gpu) == {"data_parallel/all_reduce", "data_parallel/all_to_all_single"}
+
+
+def test_predict_prices_measured_bytes_when_given() -> None:
+    cfg, eff = preset("gpt3-small", "gshard", 8), cm.Efficiency(0.4, 0.0)
+    opts = cm.CostOptions(recompute="none")
+    formulas = cm.predict(cfg, 32, CLUSTER, eff, opts)
+    same = cm.predict(cfg, 32, CLUSTER, eff, opts, measured_bytes=cm.comm_bytes_per_update(cfg, 32, opts))
+    assert (formulas.bytes_from, same.bytes_from) == ("formulas", "measured")
+    assert same.allreduce_s == pytest.approx(formulas.allreduce_s, rel=1e-9)
+    assert same.alltoall_s == pytest.approx(formulas.alltoall_s) and same.step_s == pytest.approx(formulas.step_s, rel=1e-9)
+    doubled = cm.predict(cfg, 32, CLUSTER, eff, opts,
+                         measured_bytes={k: 2 * v for k, v in cm.comm_bytes_per_update(cfg, 32, opts).items()})
+    assert doubled.allreduce_s > 1.5 * formulas.allreduce_s and doubled.alltoall_bytes == 2 * formulas.alltoall_bytes
+    with pytest.raises(ValueError, match="tensor_parallel/all_reduce"):
+        cm.predict(cfg, 32, CLUSTER, eff, opts, measured_bytes={"tensor_parallel/all_reduce": 1.0})
+
+
 # ---------------------------------------------------------------------------- fitting
 
 

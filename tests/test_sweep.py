@@ -160,6 +160,27 @@ def test_report_renders_from_hand_written_results(tmp_path: Path) -> None:
     assert "src=\"scaling" not in page  # self-contained: no file references
 
 
+def test_report_shows_measured_vs_modelled_bytes_and_prices_measured_bytes(tmp_path: Path) -> None:
+    from benchmarks import costmodel
+
+    rows = [_row("dense", 2, 5000), _row("gshard", 2, 4000), _row("dense", 4, 9000)]
+    rows[1]["model"] = {**rows[1]["model"], "ffn": {"kind": "gshard", "num_experts": 2}}
+    for r in rows:
+        r.update(precision="fp32", activation_checkpointing="none", zero_stage_run=0, tensor_parallel_run=1)
+        cfg = report._point_model(r, padded=True)
+        opts = costmodel.CostOptions(4, 1, "fp32", "fp32", "none")
+        r["comm_bytes"] = costmodel.comm_bytes_per_update(cfg, r["world_size"], opts)
+    rows[2]["comm_bytes"]["data_parallel/all_reduce"] *= 1.25  # a trainer that sent a quarter more than modelled
+    sweep.add_scaling(rows, cores=2)
+    results = {"sweep": {"name": "hand", "cluster": "v100-dgx1"}, "machine": {"cores": 2}, "points": rows}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    md = report.render(tmp_path, tmp_path / "out", costmodel=None)["md"].read_text()
+    assert "Communication per update: measured vs cost model" in md
+    assert md.count("| equal |") == 3  # dense w2 all-reduce, gshard w2 all-reduce and all-to-all
+    assert "| tiny-dense-w4 | data_parallel/all_reduce |" in md and "+25.0%" in md
+    assert "bytes from" in md and md.count("| measured |") == 3  # the cluster prediction priced the measured bytes
+
+
 def test_report_cli_rerenders_without_training(tmp_path: Path, capsys) -> None:
     (tmp_path / "results.json").write_text(json.dumps({"sweep": {"name": "x"}, "points": [_row("dense", 1, 1000)]}))
     assert report.main([str(tmp_path), "--costmodel", ""]) == 0
