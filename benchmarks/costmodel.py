@@ -28,8 +28,11 @@ Gradient bytes per update (grad_bytes = 2 for the paper's fairseq fp16 gradients
     DEMix   shared parameters over all n ranks, then each domain's expert parameters over its n/G ranks
             (G domains; the G groups run concurrently, placed on consecutive ranks, so a group of
             n/G <= gpus_per_node stays inside one node).
-    GShard  shared (non-expert, gates included) parameters over all n ranks; with one expert per GPU the
-            expert-data-parallel group has size 1 and expert gradients are not reduced at all.
+    GShard  shared (non-expert, gates included) parameters over all n ranks; each rank's experts over its
+            expert-data-parallel group (the n/E ranks holding the same expert). With one expert per GPU that
+            group has one rank: DeepSpeed still calls the all-reduce, which moves nothing (bytes, no time).
+    DEMix with more domains than ranks (G a multiple of n) puts G/n domains on each rank, each domain's
+    group that one rank: likewise bytes, no time.
 
 GShard all-to-all volume (per GPU, per all-to-all):
     V = c · k · T · d · act_bytes             T = micro_batch · seq_len tokens, k = top_k, d = d_model,
@@ -432,11 +435,16 @@ class Prediction:
     bytes_from: str = "formulas"  # 'measured' when priced on a run's measured bytes (`predict(measured_bytes=)`)
 
 
-def _domains(cfg: ModelConfig, gpus: int) -> int:
+def demix_groups(cfg: ModelConfig, gpus: int) -> tuple[int, int]:
+    """(ranks per domain group, domains per rank) of DEMix on `gpus` ranks: G domains on n ranks give groups of
+    n/G ranks (n a multiple of G) or, with more domains than ranks (G a multiple of n), G/n domains on each rank,
+    each domain's group being that one rank (parallel/topology.py)."""
     n = acc.resolved_num_experts(cfg)
-    if gpus % n:
-        raise ValueError(f"DEMix: {gpus} GPUs cannot be split evenly among {n} domains")
-    return n
+    if gpus % n == 0:
+        return gpus // n, 1
+    if n % gpus == 0:
+        return 1, n // gpus
+    raise ValueError(f"DEMix: {gpus} GPUs cannot be split evenly among {n} domains (nor {n} domains among {gpus} GPUs)")
 
 
 def allreduce_plan(cfg: ModelConfig, gpus: int, grad_bytes: int) -> list[tuple[float, int]]:
@@ -447,15 +455,15 @@ def allreduce_plan(cfg: ModelConfig, gpus: int, grad_bytes: int) -> list[tuple[f
         return [(params.total * grad_bytes, gpus)]
     if kind == "demix":
         per_domain = params.expert // params.num_experts
-        return [(params.shared * grad_bytes, gpus), (per_domain * grad_bytes, gpus // _domains(cfg, gpus))]
+        group, per_rank = demix_groups(cfg, gpus)
+        return [(params.shared * grad_bytes, gpus), (per_domain * per_rank * grad_bytes, group)]
     if kind == "gshard":
         n_exp = params.num_experts
         if n_exp % gpus and gpus % n_exp:
             raise ValueError(f"GShard: {n_exp} experts cannot be spread evenly over {gpus} GPUs")
-        plan = [(params.shared * grad_bytes, gpus)]
-        if n_exp < gpus:  # replicated experts: each reduced over the gpus/E ranks holding it
-            plan.append((params.expert // n_exp * grad_bytes, gpus // n_exp))
-        return plan
+        # each rank's experts over the max(1, gpus/E) ranks holding the same ones (one rank: no time)
+        local = params.expert // n_exp * max(1, n_exp // gpus)
+        return [(params.shared * grad_bytes, gpus), (local * grad_bytes, max(1, gpus // n_exp))]
     raise ValueError(f"ffn kind {kind!r} is not modelled (dense, demix, gshard)")
 
 
@@ -487,22 +495,25 @@ def comm_bytes_per_update(cfg: ModelConfig, gpus: int, opts: CostOptions) -> dic
     `comm/<group>/<op>/bytes` metrics (ZeRO stage 0, no tensor parallelism; `cfg.vocab_size` padded as the
     model builds it). `allreduce_plan` and `alltoall_volume` plus the 8-byte all-reduce of the global gradient
     norm; DEMix's domain group is the trainer's `expert` group; GShard's groups follow DeepSpeed's layout
-    (expert-parallel ranks 0..E-1, expert-data-parallel ranks 0, E, 2E, ...). tests/test_comm_measured.py checks
+    (expert-parallel ranks 0..E-1, expert-data-parallel ranks 0, E, 2E, ...; a group of rank 0 alone is `local`:
+    DeepSpeed calls the all-reduce, nothing moves). tests/test_comm_measured.py checks
     this against the running trainer at 8 and 16 ranks."""
     grad_bytes = DTYPE_BYTES[opts.grad_dtype]
     out: dict[str, float] = {}
     for i, (nbytes, p) in enumerate(allreduce_plan(cfg, gpus, grad_bytes)):
-        if i == 0:
+        if i == 0 or p == gpus:  # the world (one rank alone: everything is its data-parallel all-reduce)
             name = "data_parallel"
         elif cfg.ffn.kind == "demix":
-            name = "expert" if p < gpus else "data_parallel"
+            name = "expert"
+        elif p == 1:  # GShard, one rank per expert-data-parallel group
+            name = "local"
         else:  # GShard's replicated experts: expert-data-parallel group of rank 0
             name = _ranks_name(range(0, gpus, acc.resolved_num_experts(cfg)), gpus)
         out[f"{name}/all_reduce"] = out.get(f"{name}/all_reduce", 0.0) + nbytes
     out["data_parallel/all_reduce"] += NORM_BYTES
     volume, count = alltoall_volume(cfg, opts)
-    if count:
-        ep = min(gpus, acc.resolved_num_experts(cfg))
+    ep = min(gpus, acc.resolved_num_experts(cfg))
+    if count and ep > 1:  # DeepSpeed exchanges nothing in a one-rank expert-parallel group
         out[f"{_ranks_name(range(ep), gpus)}/all_to_all_single"] = volume * count
     return out
 
@@ -519,9 +530,9 @@ def plan_from_measured(cfg: ModelConfig, gpus: int, opts: CostOptions,
     if unknown:
         raise ValueError(f"measured collectives {', '.join(unknown)} are not in the cost model's plan "
                          f"({', '.join(sorted(modelled))}) for {cfg.ffn.kind} on {gpus} GPUs")
-    sizes = {"data_parallel": gpus}
+    sizes = {"data_parallel": gpus, "local": 1}
     if cfg.ffn.kind == "demix":
-        sizes["expert"] = gpus // _domains(cfg, gpus)
+        sizes["expert"] = demix_groups(cfg, gpus)[0]
     elif cfg.ffn.kind == "gshard":
         n_exp = acc.resolved_num_experts(cfg)
         sizes[_ranks_name(range(0, gpus, n_exp), gpus)] = max(1, gpus // n_exp)

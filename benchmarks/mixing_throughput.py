@@ -182,6 +182,34 @@ def gemm_rates(shapes: dict[str, tuple[int, int, int, bool]], device: torch.devi
     return out
 
 
+def head_floor(model, tokens: torch.Tensor, targets: torch.Tensor, repeats: int, sync: Callable[[], None]) -> dict:
+    """One expert's LM head over the batch, split into what it cannot avoid: the blocked GEMM over the whole
+    vocabulary alone, the GEMM with the in-place exp of every logit (torch's vectorised exp), and the real head
+    (`target_log_probs`: + sums, target gather, log) -- best wall seconds of each, round-robin."""
+    from model.batched import DEFAULT_HEAD_ROWS, _default_budget, expert_hidden_states, target_log_probs
+
+    with torch.inference_mode():
+        ids = [model.blocks[0].ffn.expert_ids[0]] if hasattr(model.blocks[0].ffn, "expert_ids") else None
+        h_ND = expert_hidden_states(model, tokens, ids)[0].reshape(-1, model.cfg.d_model).contiguous()
+        W_VD, t_N = model.lm_head.embedding[0].weight, targets.reshape(-1)
+        R = min(h_ND.shape[0], DEFAULT_HEAD_ROWS)
+        C = _default_budget(h_ND.device) // R
+        buf = torch.empty(R * C, device=h_ND.device)
+
+        def blocks(exp: bool) -> None:
+            for s in range(0, h_ND.shape[0], R):
+                h = h_ND[s:s + R]
+                for v in range(0, W_VD.shape[0], C):
+                    w = W_VD[v:v + C]
+                    l = torch.mm(h, w.t(), out=buf[:h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0]))
+                    if exp:
+                        l.exp_()
+
+        t = _round_robin({"gemm": lambda: blocks(False), "gemm_exp": lambda: blocks(True),
+                          "head": lambda: target_log_probs(model, h_ND, t_N)}, repeats, sync)["wall"]
+    return {k: round(v, 5) for k, v in t.items()}
+
+
 def run(args: argparse.Namespace) -> dict:
     from model import mixture as mx
     from model.batched import DEFAULT_HEAD_ROWS, DEFAULT_LOGIT_BUDGET, DEFAULT_LOGIT_BUDGET_CUDA
@@ -195,6 +223,7 @@ def run(args: argparse.Namespace) -> dict:
     budget = DEFAULT_LOGIT_BUDGET if dev.type == "cpu" else DEFAULT_LOGIT_BUDGET_CUDA
     gemm = gemm_rates({"head_block": (DEFAULT_HEAD_ROWS, args.d_model, budget // DEFAULT_HEAD_ROWS, True),
                        "square": (1024, 1024, 1024, False)}, dev, args.gemm_repeats, sync)
+    gemm["head_floor_s"] = head_floor(model, tokens, targets, max(3, args.repeats), sync)
     print(json.dumps({"gemm": gemm}), flush=True)
     rows = []
     for E in sweep:
@@ -354,6 +383,18 @@ def write(result: dict, out: Path) -> None:
         f"can be more than {last['ceiling_vs_forward']:.2f}x faster than *forward* (GEMM rate / forward's achieved "
         f"rate), against the {last['speedup_vs_forward']:.2f}x the batched pass gets.",
     ]
+    hf = gm.get("head_floor_s")
+    if hf:
+        e1 = rows[0]
+        rest = e1["batched_s"] / e1["experts"] - hf["head"]
+        best = rest + hf["gemm_exp"]
+        lines += ["", f"The head's floor, one expert over the batch: the blocked GEMM over the whole vocabulary alone "
+                  f"takes {hf['gemm']:.4f} s, with torch's in-place exp of every logit {hf['gemm_exp']:.4f} s "
+                  f"({hf['gemm_exp'] / hf['gemm'] - 1:.0%} more: the exp of B·T·V values cannot be skipped for an "
+                  f"exact log-partition), and the whole head (`target_log_probs`) {hf['head']:.4f} s. With the rest "
+                  f"of the pass ({rest:.4f} s per expert at E = {e1['experts']}) a pass built from these torch ops "
+                  f"takes at least {best:.4f} s per expert, which is "
+                  f"{e1['forward_s'] / e1['experts'] / best:.2f}x *forward*."]
     (out / "mixing_throughput.md").write_text("\n".join(lines) + "\n")
 
 

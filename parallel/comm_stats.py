@@ -67,11 +67,18 @@ class CommStats:
 
     @classmethod
     def for_groups(cls, groups: Any) -> "CommStats":
-        """Names from a `parallel.groups.ProcessGroups` (the most specific wins when two have the same ranks)."""
+        """Names from a `parallel.groups.ProcessGroups`. Groups with the same ranks get one name, by priority
+        data_parallel > expert > tensor_parallel > world: one rank alone is data_parallel (its gradient
+        all-reduces); a one-rank expert group beside it (several domains per rank) is expert. Any other group of
+        one rank (TP = 1, DeepSpeed's expert-data-parallel group with one expert per rank) is `local`: collectives
+        called on it move nothing."""
         world = tuple(range(dist.get_world_size()))
-        names = {world: "world", tuple(groups.dp_ranks): "data_parallel", tuple(groups.tp_ranks): "tensor_parallel"}
-        if groups.expert_group is not None and tuple(groups.expert_ranks) not in names:
+        names = {world: "world"}
+        if len(groups.tp_ranks) > 1:
+            names[tuple(groups.tp_ranks)] = "tensor_parallel"
+        if groups.expert_group is not None:
             names[tuple(groups.expert_ranks)] = "expert"
+        names[tuple(groups.dp_ranks)] = "data_parallel"
         return cls(names)
 
     def _group_name(self, group: Optional[dist.ProcessGroup]) -> str:
@@ -80,7 +87,7 @@ class CommStats:
             self._ranks[key] = tuple(dist.get_process_group_ranks(group)) if group is not None else \
                 tuple(range(dist.get_world_size()))
         ranks = self._ranks[key]
-        return self.names.get(ranks, "ranks_" + "_".join(map(str, ranks)))
+        return self.names.get(ranks, "local" if len(ranks) == 1 else "ranks_" + "_".join(map(str, ranks)))
 
     def install(self) -> "CommStats":
         """Wrap torch.distributed's collectives (idempotent); returns self."""

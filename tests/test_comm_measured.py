@@ -77,7 +77,7 @@ def test_measured_bytes_per_group_equal_the_cost_model(tiny_tokens, kind, world,
         if kind == "demix":  # each domain's experts only inside its domain's group (rank 0's: its own domain)
             expert_bytes, expert_group = plan[1]
             assert rec["comm/expert/all_reduce/bytes"] == expert_bytes, rec
-        else:
+        else:  # GShard's one expert per rank: DeepSpeed all-reduces it over the rank alone (`local`)
             assert not any(k.startswith("comm/expert/") for k in rec)
         if kind == "gshard":
             volume, count = costmodel.alltoall_volume(model, opts)

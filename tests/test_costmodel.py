@@ -83,7 +83,9 @@ def test_plans_per_architecture() -> None:
     (shared, s_group), (expert, e_group) = cm.allreduce_plan(demix, 32, 2)
     assert (s_group, e_group) == (32, 4)
     assert shared + expert == d_bytes  # the paper's footnote: DEMix's bandwidth cost (bytes/rank) = Dense's
-    assert cm.allreduce_plan(gshard, 32, 4) == [(cm.acc.param_counts(gshard).shared * 4, 32)]  # experts not reduced
+    # one expert per GPU: its expert-data-parallel group is the rank alone (an all-reduce that moves nothing)
+    g = cm.acc.param_counts(gshard)
+    assert cm.allreduce_plan(gshard, 32, 4) == [(g.shared * 4, 32), (g.expert // 32 * 4, 1)]
 
 
 def test_demix_communicates_less_than_dense_when_domains_fit_in_nodes() -> None:
@@ -121,7 +123,26 @@ def test_comm_bytes_per_update_is_the_plan_under_the_trainers_group_names() -> N
                    "ranks_0_8_16_24/all_reduce": cm.acc.param_counts(gshard).expert // 8 * 2,
                    "ranks_0_1_2_3_4_5_6_7/all_to_all_single": volume * count}
     one_per_gpu = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 32), 32, opts)
-    assert set(one_per_gpu) == {"data_parallel/all_reduce", "data_parallel/all_to_all_single"}
+    assert set(one_per_gpu) == {"data_parallel/all_reduce", "local/all_reduce", "data_parallel/all_to_all_single"}
+    alone = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 1), 1, opts)  # one rank: no all-to-all
+    assert alone == {"data_parallel/all_reduce": cm.acc.param_counts(preset("gpt3-small", "gshard", 1)).total * 2 + 8}
+
+
+def test_demix_with_more_domains_than_ranks() -> None:
+    """8 domains on 2 ranks: 4 experts per rank, each domain's group that one rank (all-reduced over a group of
+    one, as DeepSpeed does: bytes, no network time); on one rank every all-reduce is data_parallel's."""
+    demix, opts = preset("gpt3-small", "demix", 8), cm.CostOptions(grad_dtype="fp32")
+    params = cm.acc.param_counts(demix)
+    per_domain = params.expert // params.num_experts
+    assert cm.allreduce_plan(demix, 2, 4) == [(params.shared * 4, 2), (per_domain * 4 * 4, 1)]
+    assert cm.comm_bytes_per_update(demix, 2, opts) == {"data_parallel/all_reduce": params.shared * 4 + cm.NORM_BYTES,
+                                                        "expert/all_reduce": per_domain * 4 * 4}
+    assert cm.comm_bytes_per_update(demix, 1, opts) == {
+        "data_parallel/all_reduce": (params.shared + 8 * per_domain) * 4 + cm.NORM_BYTES}
+    pred = cm.predict(demix, 2, CLUSTER, cm.Efficiency(0.4, 0.0), opts)
+    assert pred.allreduce_s == pytest.approx(cm.allreduce_seconds(params.shared * 4, 2, CLUSTER, 25 * 2**20))
+    with pytest.raises(ValueError, match="3 GPUs cannot be split evenly among 8 domains"):
+        cm.allreduce_plan(demix, 3, 4)
 
 
 def test_predict_prices_measured_bytes_when_given() -> None:

@@ -176,7 +176,7 @@ def test_report_shows_measured_vs_modelled_bytes_and_prices_measured_bytes(tmp_p
     (tmp_path / "results.json").write_text(json.dumps(results))
     md = report.render(tmp_path, tmp_path / "out", costmodel=None)["md"].read_text()
     assert "Communication per update: measured vs cost model" in md
-    assert md.count("| equal |") == 3  # dense w2 all-reduce, gshard w2 all-reduce and all-to-all
+    assert md.count("| equal |") == 4  # dense w2 all-reduce; gshard w2 all-reduce, local all-reduce, all-to-all
     assert "| tiny-dense-w4 | data_parallel/all_reduce |" in md and "+25.0%" in md
     assert "bytes from" in md and md.count("| measured |") == 3  # the cluster prediction priced the measured bytes
 
