@@ -24,8 +24,23 @@ Priors p(D = j) (§5.1):
   used):  p_k(D = j) ∝ sum_{k' < k} λ^(k - k') π_k'(j),  π_k'(j) = p(D = j | x_block k'),  λ = 0.3.
   Recursively, with S_0 = 0:  S_{k+1} = λ (S_k + π_k),  p_{k+1} = S_{k+1} / sum_j S_{k+1}(j); block 0 (empty
   sum) uses the uniform prior.
-* cached:  the updating prior after n = 100 development blocks (the "posterior estimated on 100 sequences of
-  development data" that Figure 4 plots), then fixed for the whole test set.
+* cached:  estimated on n = 100 development blocks (the "posterior estimated on 100 sequences of development
+  data" that Figure 4 plots), then fixed for the whole test set. Estimators (`CACHED_ESTIMATORS`), each over the
+  end-of-block posteriors π_b of the development blocks taken under the uniform prior:
+    mean      (default, the paper's text):  p(D = j) = (1/n) sum_b π_b(j);
+    ewm       (the reference implementation's exponentially weighted mean, α = 0.3):  s_0 = π_0,
+              s_b = (1 - α) s_{b-1} + α π_b, p = s_{n-1};
+    updating  the updating prior (eq. 9) after the n blocks (each π_b under the prior of the blocks before it):
+              with λ = 0.3 the latest block weighs 0.7, so this is close to the last two or three blocks.
+
+Posterior modes (`POSTERIORS`), the evidence the posterior at token t conditions on:
+* prefix          (default, eqs. 7-8): every scored token of the block before t, as above;
+* previous_token  (the reference implementation's `ensemble_weighted_average`): the previous token only,
+                  log p(D = j | x_{t-1}) = mask_{t-1} ll[j, b, t-1] + log p(D = j) - logsumexp_j' [ same ];
+                  at the first token of a block (no previous scored token) the prior itself. One token of
+                  evidence keeps the weights soft where the whole-prefix posterior is one-hot after a few tokens.
+The end-of-block posterior π_b (eq. 9, cached priors) conditions on the same evidence at the end of the block:
+all scored tokens (prefix) or the last one (previous_token).
 
 Baselines (§5.3): naive = one expert's likelihood (the known domain's expert in-domain; on a novel domain the
 best single expert on that test set, an oracle choice); average = fixed uniform weights 1/E at every token,
@@ -50,6 +65,9 @@ import torch
 
 UPDATING_DECAY = 0.3  # λ in eq. 9 (the paper's grid {0.1, 0.3, 0.5, 1.0}; 0.3 "worked well for most settings")
 CACHED_PRIOR_BLOCKS = 100  # development blocks used to estimate the cached prior
+EWM_ALPHA = 0.3  # weight of the newest block in the reference implementation's exponentially weighted mean
+POSTERIORS: tuple[str, ...] = ("prefix", "previous_token")
+CACHED_ESTIMATORS: tuple[str, ...] = ("mean", "ewm", "updating")
 CACHED_PRIOR_FORMAT = "demix-cached-prior/1"
 
 
@@ -80,18 +98,49 @@ def uniform_log_prior(num_experts: int) -> torch.Tensor:
     return torch.full((num_experts,), -math.log(num_experts), dtype=torch.float64)
 
 
+def _check_posterior(posterior: str) -> None:
+    if posterior not in POSTERIORS:
+        raise ValueError(f"posterior={posterior!r}: choose one of {', '.join(POSTERIORS)}")
+
+
 def prefix_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
     """log p(x_<t | D = j) = sum_{s < t} mask_s ll[j, b, s] (exclusive cumulative sum over the block), E B T."""
     cum_EBT = torch.cumsum(_masked_ll(ll_EBT, mask_BT), dim=2)
     return torch.cat([torch.zeros_like(cum_EBT[..., :1]), cum_EBT[..., :-1]], dim=2)
 
 
+def evidence_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+                            posterior: str = "prefix") -> torch.Tensor:
+    """The log-likelihood the posterior at each position conditions on, E B T: the whole prefix (eqs. 7-8) or
+    the previous token only (mask_{t-1} ll[j, b, t-1]; 0 at t = 0)."""
+    _check_posterior(posterior)
+    if posterior == "prefix":
+        return prefix_log_likelihood(ll_EBT, mask_BT)
+    prev_EBT = _masked_ll(ll_EBT, mask_BT)
+    return torch.cat([torch.zeros_like(prev_EBT[..., :1]), prev_EBT[..., :-1]], dim=2)
+
+
+def end_of_block_evidence(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+                          posterior: str = "prefix") -> torch.Tensor:
+    """The evidence after the last token of each block, E B: all its scored tokens (prefix) or the last scored
+    one (previous_token)."""
+    _check_posterior(posterior)
+    masked_EBT = _masked_ll(ll_EBT, mask_BT)
+    if posterior == "prefix":
+        return masked_EBT.sum(dim=2)
+    m_BT = _mask(ll_EBT, mask_BT).bool()
+    pos_B = torch.arange(m_BT.shape[1], device=m_BT.device).expand_as(m_BT).masked_fill(~m_BT, -1).amax(dim=1)
+    last_EB = masked_EBT.gather(2, pos_B.clamp(min=0)[None, :, None].expand(masked_EBT.shape[0], -1, 1))[..., 0]
+    return torch.where(pos_B[None] >= 0, last_EB, torch.zeros_like(last_EB))
+
+
 def log_posterior(
-    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix",
 ) -> torch.Tensor:
-    """log p(D = j | x_<t) (eqs. 7-8) at every position, E B T; `log_prior` is E or E B (one per block)."""
+    """log p(D = j | evidence before t) at every position, E B T: eqs. 7-8 over the whole prefix, or the previous
+    token only (`posterior`, module docstring); `log_prior` is E or E B (one per block)."""
     E, B, _ = ll_EBT.shape
-    joint_EBT = prefix_log_likelihood(ll_EBT, mask_BT) + _log_prior_EB(log_prior, E, B)[..., None]
+    joint_EBT = evidence_log_likelihood(ll_EBT, mask_BT, posterior) + _log_prior_EB(log_prior, E, B)[..., None]
     return torch.log_softmax(joint_EBT, dim=0)
 
 
@@ -101,10 +150,10 @@ def mixture_log_probs(ll_EBT: torch.Tensor, log_weights_EBT: torch.Tensor) -> to
 
 
 def posterior_mixture_log_probs(
-    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
+    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix",
 ) -> torch.Tensor:
-    """Eq. 6 with g_j = the posterior of eqs. 7-8 under `log_prior` (E or E B), B T."""
-    return mixture_log_probs(ll_EBT, log_posterior(ll_EBT, log_prior, mask_BT))
+    """Eq. 6 with g_j = the posterior (eqs. 7-8, or previous-token) under `log_prior` (E or E B), B T."""
+    return mixture_log_probs(ll_EBT, log_posterior(ll_EBT, log_prior, mask_BT, posterior))
 
 
 def average_log_probs(ll_EBT: torch.Tensor) -> torch.Tensor:
@@ -148,13 +197,13 @@ class UpdatingPrior:
 
 def updating_priors(
     ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, decay: float = UPDATING_DECAY,
-    state: Optional[UpdatingPrior] = None,
+    state: Optional[UpdatingPrior] = None, posterior: str = "prefix",
 ) -> UpdatingPriors:
     """Run eq. 9 over the blocks b = 0..B-1 in order (each block's posterior uses the prior from the blocks
-    before it). `state` continues an earlier stream (it is updated in place)."""
+    before it; its evidence per `posterior`). `state` continues an earlier stream (it is updated in place)."""
     E, B, _ = ll_EBT.shape
     state = state or UpdatingPrior(E, decay)
-    block_ll_EB = _masked_ll(ll_EBT, mask_BT).sum(dim=2)
+    block_ll_EB = end_of_block_evidence(ll_EBT, mask_BT, posterior)
     priors, posts = [], []
     for b in range(B):
         lp_E = state.log_prior()
@@ -177,7 +226,9 @@ class CachedPrior:
     domains: list[str]
     probs: list[float]
     blocks: int = 0  # development blocks it was estimated on
-    decay: float = UPDATING_DECAY
+    decay: float = UPDATING_DECAY  # λ (estimator "updating") or α (estimator "ewm"); unused by "mean"
+    estimator: str = "updating"  # how it was estimated (CACHED_ESTIMATORS); files without it were "updating"
+    posterior: str = "prefix"  # the posterior mode of the end-of-block posteriors (POSTERIORS)
 
     def log_prior(self, domains: Optional[Sequence[str]] = None) -> torch.Tensor:
         """log p(D = j), E; in the order of `domains` if given (names must match)."""
@@ -191,7 +242,8 @@ class CachedPrior:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"format": CACHED_PRIOR_FORMAT, "domains": self.domains, "probs": self.probs,
-                                    "blocks": self.blocks, "decay": self.decay}, indent=2) + "\n")
+                                    "blocks": self.blocks, "decay": self.decay, "estimator": self.estimator,
+                                    "posterior": self.posterior}, indent=2) + "\n")
         return path
 
     @classmethod
@@ -201,20 +253,49 @@ class CachedPrior:
             raise ValueError(f"{path}: format {data.get('format')!r}, expected {CACHED_PRIOR_FORMAT!r}")
         if len(data["domains"]) != len(data["probs"]):
             raise ValueError(f"{path}: {len(data['domains'])} domains but {len(data['probs'])} probabilities")
-        return cls(list(data["domains"]), [float(p) for p in data["probs"]], int(data["blocks"]), float(data["decay"]))
+        estimator, posterior = data.get("estimator", "updating"), data.get("posterior", "prefix")
+        if estimator not in CACHED_ESTIMATORS or posterior not in POSTERIORS:
+            raise ValueError(f"{path}: estimator {estimator!r} / posterior {posterior!r}: expected one of "
+                             f"{', '.join(CACHED_ESTIMATORS)} / {', '.join(POSTERIORS)}")
+        return cls(list(data["domains"]), [float(p) for p in data["probs"]], int(data["blocks"]), float(data["decay"]),
+                   estimator, posterior)
 
 
 def estimate_cached_prior(
     dev_ll_EBT: torch.Tensor, domains: Sequence[str], mask_BT: Optional[torch.Tensor] = None,
-    max_blocks: int = CACHED_PRIOR_BLOCKS, decay: float = UPDATING_DECAY,
+    max_blocks: int = CACHED_PRIOR_BLOCKS, decay: Optional[float] = None, estimator: str = "mean",
+    posterior: str = "prefix",
 ) -> CachedPrior:
-    """The cached prior: the updating prior (eq. 9) after the first `max_blocks` development blocks."""
+    """The cached prior from the first `max_blocks` development blocks (module docstring): the mean of their
+    end-of-block posteriors under the uniform prior (estimator "mean", the paper's text), their exponentially
+    weighted mean with α = `decay` (default EWM_ALPHA; "ewm", the reference implementation), or the updating
+    prior (eq. 9, λ = `decay`, default UPDATING_DECAY) after them ("updating")."""
     if dev_ll_EBT.shape[0] != len(domains):
         raise ValueError(f"{len(domains)} domain names for {dev_ll_EBT.shape[0]} experts")
-    n = min(max_blocks, dev_ll_EBT.shape[1])
+    if estimator not in CACHED_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r}: choose one of {', '.join(CACHED_ESTIMATORS)}")
+    _check_posterior(posterior)
+    E, n = dev_ll_EBT.shape[0], min(max_blocks, dev_ll_EBT.shape[1])
     mask = None if mask_BT is None else mask_BT[:n]
-    final = updating_priors(dev_ll_EBT[:, :n], mask, decay).final_log_prior_E
-    return CachedPrior(list(domains), [float(p) for p in final.exp()], blocks=n, decay=decay)
+    if estimator == "updating":
+        decay = UPDATING_DECAY if decay is None else decay
+        final_E = updating_priors(dev_ll_EBT[:, :n], mask, decay, posterior=posterior).final_log_prior_E.exp()
+    else:
+        decay = (EWM_ALPHA if decay is None else decay) if estimator == "ewm" else 0.0
+        if estimator == "ewm" and not 0.0 < decay <= 1.0:
+            raise ValueError(f"α={decay}: must be in (0, 1]")
+        post_EB = torch.softmax(end_of_block_evidence(dev_ll_EBT[:, :n], mask, posterior), dim=0)
+        if n == 0:
+            final_E = uniform_log_prior(E).exp()
+        elif estimator == "mean":
+            final_E = post_EB.mean(dim=1)
+        else:
+            final_E = post_EB[:, 0]
+            for b in range(1, n):
+                final_E = (1 - decay) * final_E + decay * post_EB[:, b]
+    final_E = final_E / final_E.sum()
+    return CachedPrior(list(domains), [float(p) for p in final_E], blocks=n, decay=decay, estimator=estimator,
+                       posterior=posterior)
 
 
 def topk_experts(log_prior_E: torch.Tensor, k: int) -> list[int]:
@@ -234,7 +315,7 @@ class TopKResult:
 
 def topk_mixture_log_probs(
     ll_EBT: torch.Tensor, log_prior_E: torch.Tensor, k: int, mask_BT: Optional[torch.Tensor] = None,
-    select: str = "prior",
+    select: str = "prior", posterior: str = "prefix",
 ) -> TopKResult:
     """Sparse eq. 6: keep the k experts with the highest posterior and renormalise their weights.
 
@@ -246,12 +327,12 @@ def topk_mixture_log_probs(
     if select == "prior":
         keep = topk_experts(log_prior_E, k)
         lp_K = log_prior_E.to(torch.float64)[keep]
-        lp = posterior_mixture_log_probs(ll_EBT[keep], lp_K - torch.logsumexp(lp_K, 0), mask_BT)
+        lp = posterior_mixture_log_probs(ll_EBT[keep], lp_K - torch.logsumexp(lp_K, 0), mask_BT, posterior)
         return TopKResult(lp, keep, k)
     if select == "posterior":
         if not 1 <= k <= E:
             raise ValueError(f"k={k}: need 1 <= k <= {E} experts")
-        post_EBT = log_posterior(ll_EBT, log_prior_E, mask_BT)
+        post_EBT = log_posterior(ll_EBT, log_prior_E, mask_BT, posterior)
         kth_BT = torch.topk(post_EBT, k, dim=0).values[-1]
         kept_EBT = torch.where(post_EBT >= kth_BT, post_EBT, torch.full_like(post_EBT, -math.inf))
         return TopKResult(mixture_log_probs(ll_EBT, torch.log_softmax(kept_EBT, dim=0)), None, E)

@@ -110,6 +110,31 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     assert json.loads((out / "eval.json").read_text())["tables"] == json.loads(json.dumps(res["tables"]))
 
 
+def test_posterior_mode_and_cached_estimator_are_applied_and_recorded(data_root, demix_ckpt, tmp_path):
+    """--posterior previous_token and --cached-estimator ewm reach every mixture and are written down: the
+    uniform-prior mixture equals model/mixture.py's previous-token mixture on the same log-likelihoods, the cached
+    prior file says how it was made, and the default run (prefix, mean) differs."""
+    from launcher.evaluation.evaluate import evaluate_checkpoint, main
+    from model import mixture as mx
+
+    kw = dict(max_blocks=3, cached_blocks=3, modes=["uniform", "cached"], domains=["legal"], progress=False)
+    default = evaluate_checkpoint(demix_ckpt, data_root, **kw)
+    ref = evaluate_checkpoint(demix_ckpt, data_root, posterior="previous_token", cached_estimator="ewm",
+                              out_dir=tmp_path / "ref", **kw)
+    assert (default["posterior"], default["cached_estimator"]) == ("prefix", "mean")
+    assert (ref["posterior"], ref["cached_estimator"]) == ("previous_token", "ewm")
+    legal = ref["domains"]["legal"]
+    assert legal["cached_prior"]["estimator"] == "ewm" and legal["cached_prior"]["posterior"] == "previous_token"
+    saved = mx.CachedPrior.load(tmp_path / "ref" / "cached_priors" / "legal.json")
+    assert (saved.estimator, saved.posterior, saved.decay) == ("ewm", "previous_token", mx.EWM_ALPHA)
+    assert legal["ppl"]["uniform"] != pytest.approx(default["domains"]["legal"]["ppl"]["uniform"], rel=1e-9)
+    assert "posterior: previous_token" in (tmp_path / "ref" / "eval.md").read_text()
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main([str(demix_ckpt), "--data", str(data_root), "--posterior", "last"])
+    with pytest.raises(ValueError, match="cached_estimator='median'"):
+        evaluate_checkpoint(demix_ckpt, data_root, cached_estimator="median", **kw)
+
+
 def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
     from launcher.evaluation.evaluate import evaluate_checkpoint
 

@@ -120,8 +120,8 @@ def test_mixture_of_identical_experts_equals_one_expert():
 
 def test_cached_prior_round_trips_through_json(tmp_path):
     dev = torch.randn(3, 120, 5, dtype=torch.float64) - 3.0
-    est = mx.estimate_cached_prior(dev, ["news", "code", "legal"], max_blocks=100)
-    assert est.blocks == 100
+    est = mx.estimate_cached_prior(dev, ["news", "code", "legal"], max_blocks=100, estimator="updating")
+    assert est.blocks == 100 and est.estimator == "updating"
     assert torch.allclose(est.log_prior(), mx.updating_priors(dev[:, :100]).final_log_prior_E)
     loaded = mx.CachedPrior.load(est.save(tmp_path / "prior.json"))
     assert loaded == est
@@ -153,3 +153,75 @@ def test_naive_and_perplexity():
     assert mx.naive_expert(LL) == 1
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert mx.perplexity(LL[0], mask) == pytest.approx(math.exp(1.5))
+
+
+# ---------------------------------------------------------------------------- posterior modes, cached estimators
+
+
+def test_previous_token_posterior_by_hand():
+    """weights at t = softmax_j(log prior_j + mask_{t-1} ll[j, b, t-1]); the prior itself at t = 0 and after an
+    unscored token."""
+    ll = torch.tensor([[[-1.0, -2.0, -3.0, -0.5]], [[-2.0, -1.0, -0.5, -4.0]]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    prior = torch.log(torch.tensor([0.7, 0.3], dtype=torch.float64))
+    post = mx.log_posterior(ll, prior, mask, posterior="previous_token").exp()[:, 0]
+    expect = torch.stack([torch.softmax(prior + e, 0) for e in (torch.zeros(2), ll[:, 0, 0], torch.zeros(2),
+                                                                ll[:, 0, 2])], dim=1)
+    assert torch.allclose(post, expect, atol=1e-12)
+    # end of block: the last scored token only (here t = 3); a block with nothing scored gives no evidence
+    assert torch.equal(mx.end_of_block_evidence(ll, mask, "previous_token")[:, 0], ll[:, 0, 3])
+    assert torch.equal(mx.end_of_block_evidence(ll, torch.zeros(1, 4), "previous_token"), torch.zeros(2, 1,
+                                                                                                        dtype=torch.float64))
+    with pytest.raises(ValueError, match="posterior='last'"):
+        mx.log_posterior(ll, prior, mask, posterior="last")
+
+
+def test_previous_token_weights_stay_soft_where_the_prefix_posterior_is_one_hot():
+    """Expert 0 is slightly better on every token of a 256-token block: the whole-prefix posterior is one-hot by
+    the end, one token of evidence keeps both experts in play (Figure 4 of the reference comes out soft)."""
+    ll = torch.stack([torch.full((1, 256), -3.0), torch.full((1, 256), -3.2)]).double()
+    prefix = mx.log_posterior(ll, mx.uniform_log_prior(2)).exp()[0, 0, -1]
+    prev = mx.log_posterior(ll, mx.uniform_log_prior(2), posterior="previous_token").exp()[0, 0, -1]
+    assert prefix > 1 - 1e-15 and 0.5 < prev < 0.6
+
+
+def test_cached_estimators_by_hand():
+    g = torch.Generator().manual_seed(0)
+    dev = torch.randn(3, 5, 4, generator=g, dtype=torch.float64) - 2.0
+    post_EB = torch.softmax(dev.sum(dim=2), dim=0)  # end-of-block posteriors under the uniform prior
+    mean = mx.estimate_cached_prior(dev, ["a", "b", "c"])
+    assert (mean.estimator, mean.posterior, mean.blocks) == ("mean", "prefix", 5)
+    assert mean.probs == pytest.approx(post_EB.mean(dim=1).tolist(), abs=1e-12)
+    s = post_EB[:, 0]
+    for b in range(1, 5):
+        s = 0.7 * s + 0.3 * post_EB[:, b]
+    ewm = mx.estimate_cached_prior(dev, ["a", "b", "c"], estimator="ewm")
+    assert ewm.decay == mx.EWM_ALPHA and ewm.probs == pytest.approx(s.tolist(), abs=1e-12)
+    prev = mx.estimate_cached_prior(dev, ["a", "b", "c"], max_blocks=3, posterior="previous_token")
+    assert prev.probs == pytest.approx(torch.softmax(dev[:, :3, -1], dim=0).mean(dim=1).tolist(), abs=1e-12)
+    with pytest.raises(ValueError, match="estimator='median'"):
+        mx.estimate_cached_prior(dev, ["a", "b", "c"], estimator="median")
+
+
+def test_mean_cached_prior_is_softer_than_the_updating_one():
+    """Dev blocks won by expert 0 (60 %) and expert 1 (40 %), interleaved: the mean prior is about 0.6/0.4, the
+    updating prior (λ = 0.3: the latest block weighs 0.7) follows the last blocks."""
+    wins = [0, 1, 0, 1, 0] * 20
+    dev = torch.full((2, 100, 8), -5.0, dtype=torch.float64)
+    for b, j in enumerate(wins):
+        dev[j, b] = -1.0
+    mean = mx.estimate_cached_prior(dev, ["x", "y"])
+    upd = mx.estimate_cached_prior(dev, ["x", "y"], estimator="updating")
+    assert mean.probs[0] == pytest.approx(0.6, abs=1e-6)
+    assert upd.probs[0] > 0.69  # the last block (expert 0) dominates
+
+
+def test_old_cached_prior_files_load_as_updating(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"format": "demix-cached-prior/1", "domains": ["a", "b"], "probs": [0.9, 0.1], "blocks": 100, '
+                    '"decay": 0.3}')
+    old = mx.CachedPrior.load(path)
+    assert (old.estimator, old.posterior) == ("updating", "prefix")
+    path.write_text(path.read_text()[:-1] + ', "estimator": "mode"}')
+    with pytest.raises(ValueError, match="estimator 'mode'"):
+        mx.CachedPrior.load(path)

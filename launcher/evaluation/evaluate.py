@@ -11,7 +11,11 @@ come from one batched pass (model/batched.py), the mixtures from model/mixture.p
 * naive    - expert of the known domain (training domains); the best single expert on that test set (novel).
 * average  - uniform average of the experts' probabilities at every token.
 * uniform / updating / cached - the posterior mixture (eqs. 6-8) with that prior (eq. 9 for updating, λ = 0.3,
-  over the test blocks in order; cached = the updating prior after `cached_blocks` blocks of the `dev_split`).
+  over the test blocks in order; cached = estimated on `cached_blocks` blocks of the `dev_split`: by default the
+  mean of their posteriors, the paper's text; `--cached-estimator ewm|updating` for the reference implementation's
+  exponentially weighted mean or eq. 9). `--posterior previous_token` conditions every posterior on the previous
+  token only (the reference implementation) instead of the whole prefix (eqs. 7-8, default). Both choices are
+  recorded in eval.json (`posterior`, `cached_estimator`) and in each cached prior file.
 * topk     - the posterior mixture restricted to the k experts with the highest cached prior (k of E experts run).
 
 Dense / GShard / CSE checkpoints get one number per domain (mode `ppl`). +Domain-Token checkpoints
@@ -136,13 +140,15 @@ def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int
     return torch.stack(out)
 
 
-def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size) -> Optional[mx.CachedPrior]:
+def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, estimator: str = "mean",
+                  posterior: str = "prefix") -> Optional[mx.CachedPrior]:
     """The cached prior of one domain from its development blocks (None without any)."""
     if not len(dev_blocks):
         return None
     tokens, targets, mask = block_inputs(dev_blocks)
     ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
-    return mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay)
+    return mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if estimator == "updating" else None,
+                                    estimator, posterior)
 
 
 def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
@@ -160,13 +166,14 @@ def _mean(values: list[float]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
-def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay) -> dict[str, Any]:
+def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay,
+                  posterior: str = "prefix") -> dict[str, Any]:
     """Every mode's perplexity and the posterior statistics of one test domain."""
     E = ll_EBT.shape[0]
     uniform = mx.uniform_log_prior(E)
     exp_ppl = mx.expert_perplexities(ll_EBT, mask_BT)
     naive = mx.naive_expert(ll_EBT, own, mask_BT)
-    upd = mx.updating_priors(ll_EBT, mask_BT, decay)
+    upd = mx.updating_priors(ll_EBT, mask_BT, decay, posterior=posterior)
     res: dict[str, Any] = {
         "expert_ppl": dict(zip(experts, exp_ppl)), "naive_expert": experts[naive], "ppl": {},
         "posterior": {
@@ -180,17 +187,17 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
         elif mode == "average":
             lp = mx.average_log_probs(ll_EBT)
         elif mode == "uniform":
-            lp = mx.posterior_mixture_log_probs(ll_EBT, uniform, mask_BT)
+            lp = mx.posterior_mixture_log_probs(ll_EBT, uniform, mask_BT, posterior)
         elif mode == "updating":
-            lp = mx.posterior_mixture_log_probs(ll_EBT, upd.log_prior_EB, mask_BT)
+            lp = mx.posterior_mixture_log_probs(ll_EBT, upd.log_prior_EB, mask_BT, posterior)
         elif mode in ("cached", "topk"):
             if cached_prior is None:
                 continue
             lp_E = cached_prior.log_prior(experts)
             if mode == "cached":
-                lp = mx.posterior_mixture_log_probs(ll_EBT, lp_E, mask_BT)
+                lp = mx.posterior_mixture_log_probs(ll_EBT, lp_E, mask_BT, posterior)
             else:
-                top = mx.topk_mixture_log_probs(ll_EBT, lp_E, min(topk, E), mask_BT)
+                top = mx.topk_mixture_log_probs(ll_EBT, lp_E, min(topk, E), mask_BT, posterior=posterior)
                 lp = top.log_probs_BT
                 res["topk"] = {"k": min(topk, E), "experts": [experts[j] for j in top.experts],
                                "experts_evaluated": top.experts_evaluated, "of": E}
@@ -199,7 +206,8 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
         res["ppl"][mode] = mx.perplexity(lp, mask_BT)
     if cached_prior is not None:
         res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)),
-                               "blocks": cached_prior.blocks}
+                               "blocks": cached_prior.blocks, "estimator": cached_prior.estimator,
+                               "posterior": cached_prior.posterior}
     return res
 
 
@@ -210,24 +218,30 @@ def evaluate_model(
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
     seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
     extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
+    posterior: str = "prefix", cached_estimator: str = "mean",
 ) -> dict[str, Any]:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data. `cached_priors` maps a
     domain to a prior to use instead of estimating one on `dev_split`. Returns
 
         {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
          DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
-         "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "seconds": s, **extra (evaluate_checkpoint:
+         "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "posterior": "prefix"|"previous_token",
+         "cached_estimator": "mean"|"ewm"|"updating", "seconds": s, **extra (evaluate_checkpoint:
          "checkpoint": path|None, "step": int),
          "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
                             DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
                             DEMix only: "posterior": {"updating_mean_end_of_block": {expert: p},
                                                       "updating_final_prior": {expert: p}},
-                                        "cached_prior": {"probs": {expert: p}, "blocks": n},
+                                        "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
+                                                         "posterior"},
                                         "topk": {"k", "experts", "experts_evaluated", "of"}}},
          "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
                     "per_domain": {domain: {mode: ppl}}},
          "files": {"json", "markdown", "posteriors", "specialisation"}  (when out_dir is given)}
     """
+    if posterior not in mx.POSTERIORS or cached_estimator not in mx.CACHED_ESTIMATORS:
+        raise ValueError(f"posterior={posterior!r} / cached_estimator={cached_estimator!r}: choose from "
+                         f"{', '.join(mx.POSTERIORS)} / {', '.join(mx.CACHED_ESTIMATORS)}")
     t0 = time.perf_counter()
     tokenizer = tokenizer or cfg.data.tokenizer
     seq_len = seq_len or cfg.model.seq_len
@@ -245,6 +259,7 @@ def evaluate_model(
         "format": EVAL_FORMAT, "kind": cfg.model.ffn.kind, "data_mixture": cfg.data.mixture, "experts": experts,
         "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
         "max_blocks": max_blocks, "modes": modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
+        "posterior": posterior, "cached_estimator": cached_estimator,
         **(extra or {}), "domains": {},
     }
     for dom in all_domains:
@@ -264,10 +279,11 @@ def evaluate_model(
                 cached = cached_priors[dom]
             elif any(m in modes for m in ("cached", "topk")):
                 dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
-                cached = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size)
+                cached = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size, cached_estimator,
+                                       posterior)
                 if cached is not None and out_dir is not None and _dist()[0] == 0:
                     cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
-            entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay))
+            entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay, posterior))
         elif domain_token:
             base = int(manifest["tokenizer"]["vocab_size"])
             entry.update(_domain_token_entry(model, blocks, base, list(train_domains), own, batch_size))
@@ -287,6 +303,7 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
+    posterior, cached_estimator,
     seq_len, out_dir, progress, cached_priors). Returns the result dict documented there, plus "checkpoint" and
     "step"."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
@@ -319,6 +336,10 @@ def markdown_report(results: dict[str, Any]) -> str:
              + (f", at most {results['max_blocks']} blocks per domain" if results["max_blocks"] else "") + ")", ""]
     if results.get("checkpoint"):
         lines += [f"checkpoint: `{results['checkpoint']}` (step {results.get('step')})", ""]
+    if results["experts"]:
+        lines += [f"posterior: {results.get('posterior', 'prefix')} (evidence of every posterior); cached prior: "
+                  f"{results.get('cached_estimator', 'updating')} over {results['cached_blocks']} "
+                  f"{results['dev_split']} blocks; updating prior λ = {results['decay']}", ""]
     lines += ["## In-domain average perplexity (cf. Table 3)", "", "| model | avg ppl |", "|---|---|"]
     lines += [f"| {label(m)} | {_fmt(t['in_domain_average'][m])} |" for m in modes]
     for role, title in (("train", "Training domains (cf. Table 4)"), ("novel", "Novel domains")):
@@ -371,6 +392,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cached-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS)
     ap.add_argument("--decay", type=float, default=mx.UPDATING_DECAY, help="λ of the updating prior (eq. 9)")
     ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--posterior", choices=mx.POSTERIORS, default="prefix",
+                    help="evidence of every posterior: the whole prefix (eqs. 7-8) or the previous token (reference code)")
+    ap.add_argument("--cached-estimator", choices=mx.CACHED_ESTIMATORS, default="mean",
+                    help="cached prior: mean of the dev posteriors (paper), ewm (reference code, α=0.3) or eq. 9")
     ap.add_argument("--batch-size", type=int, default=4, help="blocks per batched pass (x E sequences)")
     ap.add_argument("--seq-len", type=int, help="block length (default: the model's context)")
     ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval)")
@@ -386,6 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.checkpoint, args.data, tokenizer=args.tokenizer, split=args.split, dev_split=args.dev_split,
         max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,
         batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
+        posterior=args.posterior, cached_estimator=args.cached_estimator,
         seq_len=args.seq_len, out_dir=args.out or str(Path(args.checkpoint) / "eval"),
     )
     if _dist()[0] == 0:

@@ -110,13 +110,15 @@ def domain_log_likelihoods(model: torch.nn.Module, data_root: str, tokenizer: st
 
 def masked_mixture(ll_EBT: torch.Tensor, mask_BT: torch.Tensor, dev_ll_EBT: torch.Tensor, dev_mask_BT: torch.Tensor,
                    names: Sequence[str], keep: Sequence[int], cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
-                   decay: float = mx.UPDATING_DECAY) -> tuple[float, mx.CachedPrior]:
+                   estimator: str = "mean") -> tuple[float, mx.CachedPrior]:
     """Perplexity of the cached-prior mixture (eqs. 6-8) restricted to the experts `keep`: the prior is estimated
-    (eq. 9) on the development blocks over those experts only, as a model holding only them would."""
+    (`mx.estimate_cached_prior`, `estimator`) on the development blocks over those experts only, as a model holding
+    only them would."""
     keep = list(keep)
     if not keep:
         raise ValueError("a mixture needs at least one expert")
-    prior = mx.estimate_cached_prior(dev_ll_EBT[keep], [names[j] for j in keep], dev_mask_BT, cached_blocks, decay)
+    prior = mx.estimate_cached_prior(dev_ll_EBT[keep], [names[j] for j in keep], dev_mask_BT, cached_blocks,
+                                     estimator=estimator)
     lp_BT = mx.posterior_mixture_log_probs(ll_EBT[keep], prior.log_prior(), mask_BT)
     return mx.perplexity(lp_BT, mask_BT), prior
 
@@ -135,7 +137,7 @@ def _keep_indices(domains: Sequence[str], experts: Optional[Sequence[str]] = Non
 def evaluate_experts(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Optional[str] = None, *,
                      domains: Optional[Sequence[str]] = None, experts: Optional[Sequence[str]] = None,
                      without: Sequence[str] = (), split: str = "test", dev_split: str = "valid",
-                     max_blocks: Optional[int] = 16, cached_blocks: int = 16, decay: float = mx.UPDATING_DECAY,
+                     max_blocks: Optional[int] = 16, cached_blocks: int = 16, estimator: str = "mean",
                      ) -> dict[str, Any]:
     """Evaluation-time removal: per-domain perplexity of the cached-prior mixture over a subset of experts
     (`experts`, default all, minus `without`). Returns {"experts": [kept names], "domains": {d: {"ppl", "prior"}}}."""
@@ -148,7 +150,7 @@ def evaluate_experts(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Opti
     for dom in (domains or c.domains):
         ll, mask = domain_log_likelihoods(model, data, tokenizer, dom, split, max_blocks)
         dev_ll, dev_mask = domain_log_likelihoods(model, data, tokenizer, dom, dev_split, cached_blocks)
-        ppl, prior = masked_mixture(ll, mask, dev_ll, dev_mask, c.domains, keep, cached_blocks, decay)
+        ppl, prior = masked_mixture(ll, mask, dev_ll, dev_mask, c.domains, keep, cached_blocks, estimator)
         out["domains"][dom] = {"ppl": ppl, "prior": dict(zip(prior.domains, prior.probs))}
     return out
 
@@ -161,13 +163,14 @@ def evaluate_experts(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Opti
 @torch.no_grad()
 def estimate_domain_prior(ckpt: CkptLike, domain: str, data: Optional[str] = None, tokenizer: Optional[str] = None,
                           split: str = "valid", dev_blocks: int = mx.CACHED_PRIOR_BLOCKS,
-                          decay: float = mx.UPDATING_DECAY) -> mx.CachedPrior:
-    """p(D = j | held-out blocks of `domain`): the cached prior (§5.1, eq. 9) over the checkpoint's experts."""
+                          estimator: str = "mean") -> mx.CachedPrior:
+    """p(D = j | held-out blocks of `domain`): the cached prior (§5.1; `mx.estimate_cached_prior`) over the
+    checkpoint's experts."""
     c = _load(ckpt)
     _require_demix(c, "estimating a domain posterior")
     data, tokenizer = data_source(c, data, tokenizer)
     ll, mask = domain_log_likelihoods(c.build_model().eval(), data, tokenizer, domain, split, dev_blocks)
-    return mx.estimate_cached_prior(ll, c.domains, mask, dev_blocks, decay)
+    return mx.estimate_cached_prior(ll, c.domains, mask, dev_blocks, estimator=estimator)
 
 
 def add_expert_state(c: Consolidated, domain: str, source: int) -> Consolidated:
