@@ -1,6 +1,7 @@
 """All-experts batched evaluation, the evaluation command end to end on a tiny prepared corpus, and generation."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -102,6 +103,15 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     assert res["tables"]["novel_average"]["cached"] == pytest.approx(doms["legal"]["ppl"]["cached"])
     mean = (doms["news"]["ppl"]["uniform"] + doms["code"]["ppl"]["uniform"]) / 2
     assert res["tables"]["in_domain_average"]["uniform"] == pytest.approx(mean)
+    for d, r in doms.items():  # per-block NLLs recorded: they give the perplexity and its interval back
+        assert len(r["block_tokens"]) == r["blocks"] and sum(r["block_tokens"]) == r["tokens"]
+        for m, nll in r["block_nll"].items():
+            assert math.exp(sum(nll) / r["tokens"]) == pytest.approx(r["ppl"][m], rel=1e-9)
+            lo, hi = res["tables"]["per_domain_ci"][d][m]
+            assert lo <= r["ppl"][m] <= hi
+    for m in DEMIX_MODES:
+        lo, hi = res["tables"]["in_domain_average_ci"][m]
+        assert lo <= res["tables"]["in_domain_average"][m] <= hi
     for name in ("eval.json", "eval.md", "posteriors.png", "specialisation.png", "cached_priors/legal.json"):
         assert (out / name).is_file(), name
     assert (out / "posteriors.png").read_bytes()[:4] == b"\x89PNG"

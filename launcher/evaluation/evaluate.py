@@ -47,6 +47,7 @@ import torch
 from data.blocks import BlockDataset
 from data.catalog import check_tokenizer, read_token_manifest
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
+from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.cli import cli_main
@@ -158,8 +159,9 @@ def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own:
     mask = torch.ones(ll.shape[1:])
     exp_ppl = mx.expert_perplexities(ll, mask)
     best = mx.naive_expert(ll, own, mask)
+    nll, tokens = block_sums(ll[best], mask)
     return {"expert_ppl": dict(zip(train_domains, exp_ppl)), "naive_expert": train_domains[best],
-            "ppl": {"ppl": exp_ppl[best]}}
+            "ppl": {"ppl": exp_ppl[best]}, "block_nll": {"ppl": nll}, "block_tokens": tokens}
 
 
 def _mean(values: list[float]) -> Optional[float]:
@@ -204,6 +206,7 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
         else:
             raise ValueError(f"mode {mode!r}: choose from {', '.join(DEMIX_MODES)}")
         res["ppl"][mode] = mx.perplexity(lp, mask_BT)
+        res.setdefault("block_nll", {})[mode], res["block_tokens"] = block_sums(lp, mask_BT)
     if cached_prior is not None:
         res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)),
                                "blocks": cached_prior.blocks, "estimator": cached_prior.estimator,
@@ -235,8 +238,10 @@ def evaluate_model(
                                         "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
                                                          "posterior"},
                                         "topk": {"k", "experts", "experts_evaluated", "of"}}},
+         every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
          "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
-                    "per_domain": {domain: {mode: ppl}}},
+                    "per_domain": {domain: {mode: ppl}}, "in_domain_average_ci" / "novel_average_ci": {mode: [lo, hi]},
+                    "per_domain_ci": {domain: {mode: [lo, hi]}}}  (95 % bootstrap over blocks, stats.py),
          "files": {"json", "markdown", "posteriors", "specialisation"}  (when out_dir is given)}
     """
     if posterior not in mx.POSTERIORS or cached_estimator not in mx.CACHED_ESTIMATORS:
@@ -290,6 +295,8 @@ def evaluate_model(
         else:
             ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
             entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
+            nll, entry["block_tokens"] = block_sums(ll[0], mask)
+            entry["block_nll"] = {"ppl": nll}
         results["domains"][dom] = entry
     results["tables"] = summary_tables(results)
     results["seconds"] = round(time.perf_counter() - t0, 3)
@@ -313,14 +320,25 @@ def evaluate_checkpoint(
 
 
 def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
-    """Table 3 (mean over training domains), Table 4 (per domain), Table 5 (mean over novel domains)."""
+    """Table 3 (mean over training domains), Table 4 (per domain), Table 5 (mean over novel domains), each with
+    95 % bootstrap intervals over blocks (launcher/evaluation/stats.py) where the per-block NLLs were recorded."""
     doms = results["domains"]
     per_domain = {d: r["ppl"] for d, r in doms.items()}
-    avg = {}
+    avg, avg_ci = {}, {}
     for role in ("train", "novel"):
         avg[role] = {m: _mean([r["ppl"][m] for r in doms.values() if r["role"] == role and m in r["ppl"]])
                      for m in results["modes"]}
-    return {"in_domain_average": avg["train"], "novel_average": avg["novel"], "per_domain": per_domain}
+        avg_ci[role] = {}
+        for m in results["modes"]:
+            blocks = [(r["block_nll"][m], r["block_tokens"]) for r in doms.values()
+                      if r["role"] == role and m in r.get("block_nll", {})]
+            if blocks:
+                avg_ci[role][m] = list(bootstrap_mean_ppl(blocks)[1:])
+    per_domain_ci = {d: {m: list(bootstrap_ppl(nll, r["block_tokens"])[1:]) for m, nll in r.get("block_nll", {}).items()}
+                     for d, r in doms.items()}
+    return {"in_domain_average": avg["train"], "novel_average": avg["novel"], "per_domain": per_domain,
+            "in_domain_average_ci": avg_ci["train"], "novel_average_ci": avg_ci["novel"],
+            "per_domain_ci": per_domain_ci}
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -340,8 +358,11 @@ def markdown_report(results: dict[str, Any]) -> str:
         lines += [f"posterior: {results.get('posterior', 'prefix')} (evidence of every posterior); cached prior: "
                   f"{results.get('cached_estimator', 'updating')} over {results['cached_blocks']} "
                   f"{results['dev_split']} blocks; updating prior λ = {results['decay']}", ""]
-    lines += ["## In-domain average perplexity (cf. Table 3)", "", "| model | avg ppl |", "|---|---|"]
-    lines += [f"| {label(m)} | {_fmt(t['in_domain_average'][m])} |" for m in modes]
+    lines += ["## In-domain average perplexity (cf. Table 3)", "", "| model | avg ppl | 95% interval (blocks) |",
+              "|---|---|---|"]
+    ci = t.get("in_domain_average_ci", {})
+    lines += [f"| {label(m)} | {_fmt(t['in_domain_average'][m])} | "
+              + (f"{_fmt(ci[m][0])} – {_fmt(ci[m][1])}" if m in ci else "–") + " |" for m in modes]
     for role, title in (("train", "Training domains (cf. Table 4)"), ("novel", "Novel domains")):
         names = [d for d, r in doms.items() if r["role"] == role]
         if not names:
