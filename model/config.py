@@ -77,8 +77,10 @@ class CSEConfig:
     warmup_fraction: Float = 0.01
     num_samples: StrictInt = 1024
     projection_dim: StrictInt = 64
-    dbscan_eps: Float = 0.5
+    dbscan_eps: Float = 0.5  # <= 0: chosen from the data by `dbscan_auto` (parallel/cse.py)
     dbscan_min_samples: StrictInt = 5
+    dbscan_auto: str = "median"  # eps from the data: median (2 x median k-distance), knee, or target (cluster counts)
+    min_clusters: StrictInt = 2  # dbscan_auto=target: eps giving min_clusters..max_clusters clusters, least noise
     centre_momentum: Float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
     max_clusters: StrictInt = 16
 
@@ -92,6 +94,10 @@ class CSEConfig:
             out.append(f"{prefix}.centre_momentum={self.centre_momentum}: must be in [0, 1)")
         if self.projection_dim < 1 or self.num_samples < 1 or self.max_clusters < 1:
             out.append(f"{prefix}: projection_dim, num_samples and max_clusters must be >= 1")
+        if self.dbscan_auto not in ("median", "knee", "target"):
+            out.append(f"{prefix}.dbscan_auto={self.dbscan_auto!r}: choose median, knee or target")
+        if not 1 <= self.min_clusters <= self.max_clusters:
+            out.append(f"{prefix}.min_clusters={self.min_clusters}: must be in [1, max_clusters={self.max_clusters}]")
         return out
 
 

@@ -34,8 +34,15 @@ and written into the copy's fragment (a collective over the data-parallel group,
 per-parameter state. Experts K..E-1 stay unused (their gradient is exactly zero; AdamW weight decay still shrinks
 them, which is harmless: they are never read).
 
-`dbscan_eps <= 0` selects eps automatically: twice the median distance of each sample to its `dbscan_min_samples`-th
-nearest neighbour (the usual k-distance heuristic), since the scale of the projected embeddings depends on the model.
+`dbscan_eps <= 0` selects eps from the data (`dbscan_auto`), since the scale of the projected embeddings depends on
+the model. All three read the k-distances d_i (distance of sample i to its `dbscan_min_samples`-th nearest neighbour):
+* median  2 x median_i d_i (a density heuristic; on embeddings that have not separated yet it joins everything
+          into one cluster);
+* knee    the knee of the sorted k-distance curve (Ester et al. 1996's "valley"; found as the point farthest below
+          the chord from the smallest to the largest d, both axes scaled to [0, 1]);
+* target  DBSCAN at eps = each of 49 quantiles (2 %..98 %) of d; of the eps whose cluster count lies in
+          [min_clusters, max_clusters] the one leaving the fewest samples as noise (ties: the smaller eps); if no
+          eps reaches the range, the count closest to it. Every candidate's (eps, clusters, noise) is recorded.
 """
 
 from __future__ import annotations
@@ -66,24 +73,66 @@ class ClusterResult:
     radii_K: torch.Tensor
     dbscan_labels_N: np.ndarray  # DBSCAN's label per sample after re-indexing by size (-1: noise or dropped)
     eps: float
+    eps_method: str = "fixed"  # fixed (configured) or the automatic method that chose it
+    eps_scan: Optional[list[dict[str, float]]] = None  # dbscan_auto=target: every candidate's eps, clusters, noise
 
     @property
     def num_clusters(self) -> int:
         return int(self.centres_KP.shape[0])
 
 
-def auto_eps(v_NP: np.ndarray, min_samples: int) -> float:
-    """Twice the median distance to the `min_samples`-th nearest neighbour (k-distance heuristic for DBSCAN's eps;
-    the factor 2 lets small long-tail clusters, whose k-distances are larger than the big ones', still form)."""
+AUTO_METHODS: tuple[str, ...] = ("median", "knee", "target")
+
+
+def k_distances(v_NP: np.ndarray, min_samples: int) -> np.ndarray:
+    """Distance of every sample to its `min_samples`-th nearest neighbour (itself excluded), N."""
     from sklearn.neighbors import NearestNeighbors
 
     k = max(1, min(min_samples, len(v_NP) - 1))
     dist_NK, _ = NearestNeighbors(n_neighbors=k + 1).fit(v_NP).kneighbors(v_NP)
-    return 2.0 * float(np.median(dist_NK[:, k])) or 1e-6
+    return dist_NK[:, k]
 
 
-def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clusters: int) -> ClusterResult:
+def auto_eps(v_NP: np.ndarray, min_samples: int) -> float:
+    """Twice the median distance to the `min_samples`-th nearest neighbour (k-distance heuristic for DBSCAN's eps;
+    the factor 2 lets small long-tail clusters, whose k-distances are larger than the big ones', still form)."""
+    return 2.0 * float(np.median(k_distances(v_NP, min_samples))) or 1e-6
+
+
+def knee_eps(v_NP: np.ndarray, min_samples: int) -> float:
+    """The knee of the ascending k-distance curve: the point farthest below its chord (axes scaled to [0, 1])."""
+    d = np.sort(k_distances(v_NP, min_samples))
+    if len(d) < 3 or d[-1] <= d[0]:
+        return float(d[-1]) or 1e-6
+    x, y = np.linspace(0.0, 1.0, len(d)), (d - d[0]) / (d[-1] - d[0])
+    return float(d[int(np.argmax(x - y))]) or 1e-6
+
+
+def _count(labels: np.ndarray) -> tuple[int, int]:
+    return int(len(np.unique(labels[labels >= 0]))), int((labels < 0).sum())
+
+
+def target_eps(v_NP: np.ndarray, min_samples: int, lo: int, hi: int) -> tuple[float, list[dict[str, float]]]:
+    """The eps (among 49 quantiles of the k-distances) whose DBSCAN gives lo..hi clusters with the least noise;
+    else the count closest to [lo, hi]. Returns it and every candidate's {eps, clusters, noise}."""
+    from sklearn.cluster import DBSCAN
+
+    d = k_distances(v_NP, min_samples)
+    cands = np.unique(np.quantile(d, np.linspace(0.02, 0.98, 49)))
+    scan = []
+    for eps in cands[cands > 0]:
+        k, noise = _count(DBSCAN(eps=float(eps), min_samples=min_samples).fit(v_NP).labels_)
+        scan.append({"eps": float(eps), "clusters": k, "noise": noise})
+    if not scan:
+        return 1e-6, scan
+    best = min(scan, key=lambda r: (max(lo - r["clusters"], r["clusters"] - hi, 0), r["noise"], r["eps"]))
+    return best["eps"], scan
+
+
+def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clusters: int, auto: str = "median",
+                       min_clusters: int = 2) -> ClusterResult:
     """DBSCAN on the projected embeddings; clusters sorted by size (largest first), at most `max_clusters` kept.
+    `eps <= 0`: chosen from the data by `auto` (module docstring; `min_clusters`..`max_clusters` for "target").
 
         c_j = mean of cluster j's members,   r_j = mean_i ||v'_i - c_j|| over its members   (CSE §3 "Initialization")
 
@@ -93,8 +142,19 @@ def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clu
     """
     from sklearn.cluster import DBSCAN
 
+    if auto not in AUTO_METHODS:
+        raise ValueError(f"dbscan_auto={auto!r}: choose one of {', '.join(AUTO_METHODS)}")
     x = v_NP.detach().double().cpu().numpy()
-    eps = float(eps) if eps > 0 else auto_eps(x, min_samples)
+    scan: list[dict[str, float]] = []
+    method = "fixed" if eps > 0 else auto
+    if eps > 0:
+        eps = float(eps)
+    elif auto == "median":
+        eps = auto_eps(x, min_samples)
+    elif auto == "knee":
+        eps = knee_eps(x, min_samples)
+    else:
+        eps, scan = target_eps(x, min_samples, min_clusters, max_clusters)
     raw = DBSCAN(eps=eps, min_samples=min_samples).fit(x).labels_
     ids, sizes = np.unique(raw[raw >= 0], return_counts=True)
     order = ids[np.argsort(-sizes, kind="stable")][:max_clusters]
@@ -107,7 +167,20 @@ def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clu
     centres = np.stack([x[labels == j].mean(0) for j in range(k)])
     radii = np.array([np.linalg.norm(x[labels == j] - centres[j], axis=1).mean() for j in range(k)])
     return ClusterResult(torch.tensor(centres, dtype=torch.float32), torch.tensor(radii, dtype=torch.float32).clamp_min(1e-6),
-                         labels, eps)
+                         labels, eps, method, scan)
+
+
+def purity(clusters_N: np.ndarray, domains_N: np.ndarray) -> float:
+    """Cluster purity against the true domains: (1/N) sum_j max_d |{i : cluster_i = j, domain_i = d}|
+    (1.0 = every cluster holds one domain; one cluster of everything scores the largest domain's share)."""
+    clusters_N, domains_N = np.asarray(clusters_N), np.asarray(domains_N)
+    if not len(clusters_N):
+        return 0.0
+    total = 0
+    for j in np.unique(clusters_N):
+        _, cnt = np.unique(domains_N[clusters_N == j], return_counts=True)
+        total += int(cnt.max())
+    return total / len(clusters_N)
 
 
 def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[np.ndarray],
@@ -118,7 +191,7 @@ def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[n
     routed = dispatch(v_NP.float(), res.centres_KP, res.radii_K).numpy()
     k = res.num_clusters
     rec: dict[str, Any] = {
-        "num_clusters": k, "eps": res.eps, "noise": int((res.dbscan_labels_N < 0).sum()),
+        "num_clusters": k, "eps": res.eps, "eps_method": res.eps_method, "noise": int((res.dbscan_labels_N < 0).sum()),
         "dbscan_sizes": [int((res.dbscan_labels_N == j).sum()) for j in range(k)],
         "dispatch_sizes": [int((routed == j).sum()) for j in range(k)],
         "radii": res.radii_K.tolist(),
@@ -132,6 +205,9 @@ def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[n
             vals, cnt = np.unique(members, return_counts=True)
             share[str(j)] = {name(int(d)): round(float(c) / max(1, len(members)), 4) for d, c in zip(vals, cnt)}
         rec["domain_share"] = share
+        rec["purity"] = purity(routed, domains_N)
+    if res.eps_scan:
+        rec["eps_scan"] = res.eps_scan
     return rec
 
 
@@ -309,7 +385,8 @@ class CSEController:
             labels = dom_n.numpy() if bool((dom_n >= 0).all()) else None
             for li, layer in enumerate(self.layers):
                 res = cluster_embeddings(v_nLP[:, li], self.cse.dbscan_eps, self.cse.dbscan_min_samples,
-                                         min(self.cse.max_clusters, layer.num_slots))
+                                         min(self.cse.max_clusters, layer.num_slots), self.cse.dbscan_auto,
+                                         min(self.cse.min_clusters, layer.num_slots))
                 k = res.num_clusters
                 state[li, : k * P] = res.centres_KP.flatten()
                 state[li, E * P: E * P + k] = res.radii_K

@@ -166,3 +166,37 @@ def test_config_and_seam():
     model = GPT(cfg, init_seed=0)
     assert [type(b.ffn) for b in model.blocks] == [DenseFFN, DenseFFN, CSEFFN, CSEFFN]
     assert all(layer.num_slots == 5 for layer in cse_layers(model))  # num_experts=0 -> max_clusters slots
+
+
+def test_eps_from_the_data_knee_and_target_cluster_counts():
+    """Six blobs of unequal spread: 'target' scans eps and picks one giving min..max clusters with least noise
+    (every candidate recorded); 'knee' reads the k-distance curve; purity is 1.0 for a perfect clustering and the
+    largest domain's share for one cluster of everything."""
+    from parallel.cse import cluster_embeddings, cluster_record, knee_eps, purity
+
+    g = torch.Generator().manual_seed(3)
+    centres = 12.0 * torch.eye(8)[:6]
+    sizes = [80, 60, 40, 30, 20, 20]
+    v = torch.cat([centres[j] + (0.3 + 0.1 * j) * torch.randn(n, 8, generator=g) for j, n in enumerate(sizes)])
+    truth = np.repeat(np.arange(6), sizes)
+    res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)
+    assert res.eps_method == "target" and 4 <= res.num_clusters <= 8 and res.eps_scan
+    assert res.eps == min((r for r in res.eps_scan if 4 <= r["clusters"] <= 8),
+                          key=lambda r: (r["noise"], r["eps"]))["eps"]
+    rec = cluster_record(res, v, truth)
+    assert rec["num_clusters"] == 6 and rec["purity"] == 1.0 and rec["eps_method"] == "target"
+    assert len(rec["eps_scan"]) == len(res.eps_scan)
+    knee = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="knee")
+    assert knee.eps == knee_eps(v.double().numpy(), 5) and 2 <= knee.num_clusters <= 6  # the dense blobs at least
+    assert purity(np.zeros(len(truth), dtype=int), truth) == pytest.approx(80 / 250)
+    with pytest.raises(ValueError, match="dbscan_auto='kmeans'"):
+        cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="kmeans")
+
+
+def test_cse_eps_options_are_validated():
+    from launcher.config import load_run_config
+    from launcher.typed import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, ["model.ffn.kind=cse", "model.ffn.cse.dbscan_auto=kmeans", "model.ffn.cse.min_clusters=40"])
+    assert "dbscan_auto='kmeans'" in str(e.value) and "min_clusters=40" in str(e.value)
