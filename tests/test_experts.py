@@ -133,6 +133,18 @@ def test_masking_an_expert_equals_the_checkpoint_without_it(demix_ckpt, tiny_tok
     no_own = evaluate_experts(demix_ckpt, without=["cooking"], **kw)  # -Expert: the domain's own expert masked
     assert row["minus_expert"] == pytest.approx(no_own["domains"]["cooking"]["ppl"], rel=1e-6)
     assert "| cooking |" in removal_markdown(rep)
+    # the full matrix: every expert removed, the change on every evaluated domain, each cell a masked mixture
+    full = removal_report(demix_ckpt, domains=kw["domains"], max_blocks=3, cached_blocks=3)
+    experts = full["experts"]
+    for e in experts:
+        for d in kw["domains"]:
+            masked_e = evaluate_experts(demix_ckpt, without=[e], **kw)["domains"][d]["ppl"]
+            assert full["matrix_ppl"][e][d] == pytest.approx(masked_e, rel=1e-6)
+            assert full["matrix"][e][d] == pytest.approx(100 * (masked_e / full["plus_expert"][d] - 1), rel=1e-6)
+    diag = [full["matrix"][d][d] for d in kw["domains"] if d in experts]
+    assert full["own_change_mean"] == pytest.approx(sum(diag) / len(diag))
+    md = removal_markdown(full)
+    assert "rows: expert removed" in md and all(f"| -{e} |" in md for e in experts)
 
 
 def test_dapt_overrides_follow_the_paper(demix_ckpt, dense_ckpt, tmp_path):

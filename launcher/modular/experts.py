@@ -353,25 +353,39 @@ def adaptation_report(demix_before: CkptLike, demix_after: CkptLike, dense_befor
 def removal_report(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Optional[str] = None,
                    domains: Optional[Sequence[str]] = None, max_blocks: Optional[int] = 16,
                    cached_blocks: int = 16) -> dict[str, Any]:
-    """Table 7: for each training domain d, the cached-prior mixture with all experts (+Expert) and with expert d
-    masked out (-Expert), from one all-experts pass per domain."""
+    """Table 7 as a full matrix: for each evaluated domain d (`domains`, default every expert's), the cached-prior
+    mixture with all experts (+Expert) and with each expert r masked out, from one all-experts pass per domain.
+    `per_domain[d]` is Table 7's row (r = d); `matrix[r][d]` the change on every domain when r is removed;
+    `own_change_mean` / `other_change_mean` average the diagonal / the off-diagonal cells."""
     c = _load(ckpt)
     _require_demix(c, "the removal table")
     data, tokenizer = data_source(c, data, tokenizer)
     model = c.build_model().eval()
-    rows = {}
+    every = list(range(len(c.domains)))
+    rows, matrix, matrix_ppl = {}, {r: {} for r in c.domains}, {r: {} for r in c.domains}
     for d in (domains or c.domains):
         ll, mask = domain_log_likelihoods(model, data, tokenizer, d, "test", max_blocks)
         dev_ll, dev_mask = domain_log_likelihoods(model, data, tokenizer, d, "valid", cached_blocks)
-        every = list(range(len(c.domains)))
         plus, prior = masked_mixture(ll, mask, dev_ll, dev_mask, c.domains, every, cached_blocks)
-        minus, _ = masked_mixture(ll, mask, dev_ll, dev_mask, c.domains, [j for j in every if c.domains[j] != d],
-                                  cached_blocks)
-        rows[d] = {"plus_expert": plus, "minus_expert": minus, "change_pct": _pct(minus, plus),
-                   "prior_on_own_expert": dict(zip(prior.domains, prior.probs)).get(d)}
-    avg = {k: float(np.mean([r[k] for r in rows.values()])) for k in ("plus_expert", "minus_expert")}
-    return {"format": "demix-removal-report/1", "experts": c.domains, "max_blocks": max_blocks,
-            "cached_blocks": cached_blocks, "per_domain": rows, "average": avg}
+        for r in c.domains:
+            minus, _ = masked_mixture(ll, mask, dev_ll, dev_mask, c.domains, [j for j in every if c.domains[j] != r],
+                                      cached_blocks)
+            matrix[r][d], matrix_ppl[r][d] = _pct(minus, plus), minus
+        if d in c.domains:
+            rows[d] = {"plus_expert": plus, "minus_expert": matrix_ppl[d][d], "change_pct": matrix[d][d],
+                       "prior_on_own_expert": dict(zip(prior.domains, prior.probs)).get(d)}
+        else:
+            rows[d] = {"plus_expert": plus}
+    own = [matrix[d][d] for d in rows if d in c.domains]
+    other = [matrix[r][d] for r in c.domains for d in rows if d != r]
+    table7 = {d: r for d, r in rows.items() if "minus_expert" in r}
+    avg = {k: float(np.mean([r[k] for r in table7.values()])) for k in ("plus_expert", "minus_expert")} if table7 else {}
+    return {"format": "demix-removal-report/2", "experts": c.domains, "max_blocks": max_blocks,
+            "cached_blocks": cached_blocks, "per_domain": table7, "average": avg,
+            "evaluated_domains": list(rows), "plus_expert": {d: r["plus_expert"] for d, r in rows.items()},
+            "matrix": matrix, "matrix_ppl": matrix_ppl,
+            "own_change_mean": float(np.mean(own)) if own else None,
+            "other_change_mean": float(np.mean(other)) if other else None}
 
 
 def adaptation_markdown(r: dict[str, Any]) -> str:
@@ -408,8 +422,17 @@ def removal_markdown(r: dict[str, Any]) -> str:
     for d, row in r["per_domain"].items():
         lines.append(f"| {d} | {row['plus_expert']:.2f} | {row['minus_expert']:.2f} | {row['change_pct']:+.1f}% |")
     a = r["average"]
-    lines.append(f"| **average** | {a['plus_expert']:.2f} | {a['minus_expert']:.2f} | "
-                 f"{_pct(a['minus_expert'], a['plus_expert']):+.1f}% |")
+    if a:
+        lines.append(f"| **average** | {a['plus_expert']:.2f} | {a['minus_expert']:.2f} | "
+                     f"{_pct(a['minus_expert'], a['plus_expert']):+.1f}% |")
+    if r.get("matrix"):
+        doms = r["evaluated_domains"]
+        lines += ["", "### Removing each expert: perplexity change on every domain (rows: expert removed)", "",
+                  "| removed \\ domain | " + " | ".join(doms) + " |", "|---" * (len(doms) + 1) + "|"]
+        lines += [f"| -{e} | " + " | ".join(f"{r['matrix'][e][d]:+.1f}%" for d in doms) + " |" for e in r["experts"]]
+        own, other = r.get("own_change_mean"), r.get("other_change_mean")
+        lines += ["", f"Mean change on the removed expert's own domain: {own:+.1f}%; on the other domains: "
+                  f"{other:+.1f}%." if own is not None and other is not None else ""]
     lines += ["", f"Experts: {', '.join(r['experts'])}. -Expert masks the domain's expert out of the prior and the "
               f"posterior. Test blocks per domain: {r['max_blocks']}; cached prior from {r['cached_blocks']} dev blocks."]
     return "\n".join(lines) + "\n"
