@@ -58,3 +58,20 @@ def test_mean_of_domains_and_seed_spread():
         stats.bootstrap_ppl([1.0, 2.0], [1])
     with pytest.raises(ValueError, match="at least one scored token"):
         stats.bootstrap_ppl([1.0], [0])
+
+
+def test_unigram_fit_by_hand_and_k_chosen_on_dev():
+    from launcher.evaluation.unigram import ADD_K_GRID, fit_unigram, unigram_log_probs
+
+    train = np.array([0, 0, 0, 1, 2, 2])
+    log_p, k = fit_unigram(train, 4, dev_targets=np.array([0, 2, 2, 0]))
+    assert k in ADD_K_GRID and np.exp(log_p).sum() == pytest.approx(1.0)
+    expect = np.log((np.bincount(train, minlength=4) + k) / (6 + 4 * k))
+    assert log_p == pytest.approx(expect)
+    assert k == min(ADD_K_GRID)  # the dev set has no unseen token: as little smoothing as the grid allows
+    _, k_unseen = fit_unigram(train, 4, dev_targets=np.array([3, 3, 3, 0]))
+    assert k_unseen > k  # a dev set full of an unseen token asks for more
+    lp = unigram_log_probs(log_p, torch.tensor([[0, 3]]))
+    assert lp[0, 1] == pytest.approx(np.log(k / (6 + 4 * k)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fit_unigram(np.array([5]), 4)

@@ -109,6 +109,10 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
             assert math.exp(sum(nll) / r["tokens"]) == pytest.approx(r["ppl"][m], rel=1e-9)
             lo, hi = res["tables"]["per_domain_ci"][d][m]
             assert lo <= r["ppl"][m] <= hi
+        u = r["unigram"]  # the domain's own add-k unigram on the same test targets
+        assert u["train_tokens"] > 0 and math.exp(sum(u["block_nll"]) / r["tokens"]) == pytest.approx(u["ppl"])
+    assert res["tables"]["unigram_in_domain_average"] == pytest.approx(
+        (doms["news"]["unigram"]["ppl"] + doms["code"]["unigram"]["ppl"]) / 2)
     for m in DEMIX_MODES:
         lo, hi = res["tables"]["in_domain_average_ci"][m]
         assert lo <= res["tables"]["in_domain_average"][m] <= hi
@@ -117,6 +121,7 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     assert (out / "posteriors.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "eval.md").read_text()
     assert "Table 3" in md and "Table 4" in md and "Table 5" in md and "DEMix (cached)" in md
+    assert "| unigram (own train split) |" in md
     assert json.loads((out / "eval.json").read_text())["tables"] == json.loads(json.dumps(res["tables"]))
 
 

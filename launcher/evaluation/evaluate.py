@@ -48,6 +48,7 @@ from data.blocks import BlockDataset
 from data.catalog import check_tokenizer, read_token_manifest
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
+from launcher.evaluation.unigram import domain_unigram
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.cli import cli_main
@@ -221,7 +222,7 @@ def evaluate_model(
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
     seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
     extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
-    posterior: str = "prefix", cached_estimator: str = "mean",
+    posterior: str = "prefix", cached_estimator: str = "mean", unigram: bool = True,
 ) -> dict[str, Any]:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data. `cached_priors` maps a
     domain to a prior to use instead of estimating one on `dev_split`. Returns
@@ -239,6 +240,8 @@ def evaluate_model(
                                                          "posterior"},
                                         "topk": {"k", "experts", "experts_evaluated", "of"}}},
          every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
+         and with `unigram`: "unigram": {"ppl", "k", "train_tokens", "block_nll"} (launcher/evaluation/unigram.py: the
+         domain's own add-k unigram on the same test targets),
          "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
                     "per_domain": {domain: {mode: ppl}}, "in_domain_average_ci" / "novel_average_ci": {mode: [lo, hi]},
                     "per_domain_ci": {domain: {mode: [lo, hi]}}}  (95 % bootstrap over blocks, stats.py),
@@ -277,6 +280,12 @@ def evaluate_model(
         _say(progress, f"[eval] {dom} ({role}): {len(blocks)} blocks")
         tokens, targets, mask = block_inputs(blocks)
         entry: dict[str, Any] = {"role": role, "blocks": int(len(blocks)), "tokens": int(mask.sum())}
+        if unigram:
+            try:
+                entry["unigram"] = domain_unigram(data_root, tokenizer, dom, seq_len,
+                                                  int(manifest["tokenizer"]["vocab_size"]), targets, mask, dev_split)
+            except ValueError as e:
+                _say(progress, f"[eval] {dom}: no unigram baseline ({e})")
         if is_demix:
             ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
             cached = None
@@ -336,7 +345,10 @@ def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
                 avg_ci[role][m] = list(bootstrap_mean_ppl(blocks)[1:])
     per_domain_ci = {d: {m: list(bootstrap_ppl(nll, r["block_tokens"])[1:]) for m, nll in r.get("block_nll", {}).items()}
                      for d, r in doms.items()}
+    unigram = {role: _mean([r["unigram"]["ppl"] for r in doms.values() if r["role"] == role and "unigram" in r])
+               for role in ("train", "novel")}
     return {"in_domain_average": avg["train"], "novel_average": avg["novel"], "per_domain": per_domain,
+            "unigram_in_domain_average": unigram["train"], "unigram_novel_average": unigram["novel"],
             "in_domain_average_ci": avg_ci["train"], "novel_average_ci": avg_ci["novel"],
             "per_domain_ci": per_domain_ci}
 
@@ -372,6 +384,10 @@ def markdown_report(results: dict[str, Any]) -> str:
             cells = [_fmt(doms[d]["ppl"].get(m)) for d in names]
             avg = t["in_domain_average" if role == "train" else "novel_average"][m]
             lines.append(f"| {label(m)} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
+        if any("unigram" in doms[d] for d in names):
+            uni = t.get("unigram_in_domain_average" if role == "train" else "unigram_novel_average")
+            lines.append("| unigram (own train split) | " + " | ".join(
+                _fmt(doms[d]["unigram"]["ppl"]) if "unigram" in doms[d] else "–" for d in names) + f" | {_fmt(uni)} |")
     lines += ["", "## Novel-domain average perplexity (cf. Table 5)", "", "| model | avg ppl |", "|---|---|"]
     lines += [f"| {label(m)} | {_fmt(t['novel_average'][m])} |" for m in modes]
     naive = {d: r["naive_expert"] for d, r in doms.items() if "naive_expert" in r}
