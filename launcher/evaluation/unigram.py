@@ -11,6 +11,7 @@ has learnt little beyond the domain's token frequencies; `make reproduce` asks f
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -49,14 +50,34 @@ def domain_unigram(data_root: Union[str, Path], tokenizer: str, domain: str, seq
                    test_targets_BT: torch.Tensor, mask_BT: torch.Tensor, dev_split: str = "valid") -> dict[str, Any]:
     """The domain's unigram perplexity on the given test targets, fitted on its train split (k by `dev_split`):
     {"ppl", "k", "train_tokens", "block_nll"} (block_nll: per-block NLL sums, as the models' in eval.json)."""
-    from launcher.evaluation.evaluate import load_blocks
     from launcher.evaluation.stats import block_sums
 
-    train = load_blocks(data_root, tokenizer, domain, "train", seq_len, None)[:, 1:]
-    dev = load_blocks(data_root, tokenizer, domain, dev_split, seq_len, None)[:, 1:]
-    if not train.size:
-        raise ValueError(f"{domain}: no training blocks of {seq_len}+1 tokens to fit a unigram on")
-    log_p, k = fit_unigram(train, vocab_size, dev if dev.size else None)
+    log_p, k, n_train = _fitted(str(Path(data_root).resolve()), tokenizer, domain, seq_len, vocab_size, dev_split)
     lp_BT = unigram_log_probs(log_p, test_targets_BT)
     nll, tokens = block_sums(lp_BT, mask_BT)
-    return {"ppl": math.exp(sum(nll) / sum(tokens)), "k": k, "train_tokens": int(train.size), "block_nll": nll}
+    return {"ppl": math.exp(sum(nll) / sum(tokens)), "k": k, "train_tokens": n_train, "block_nll": nll}
+
+
+@functools.lru_cache(maxsize=64)
+def _fitted(data_root: str, tokenizer: str, domain: str, seq_len: int, vocab_size: int,
+            dev_split: str) -> tuple[np.ndarray, float, int]:
+    """The fitted unigram of one domain, once per process (several models are evaluated on the same data). The
+    counts come straight from the split's token file (megatron-core .bin: the documents' tokens, [bos] included,
+    back to back: every token a cross-document block can have as a target)."""
+    train, dev = _split_tokens(data_root, tokenizer, domain, "train"), _split_tokens(data_root, tokenizer, domain, dev_split)
+    if not train.size:
+        raise ValueError(f"{domain}: no training tokens to fit a unigram on")
+    log_p, k = fit_unigram(train, vocab_size, dev if dev.size else None)
+    return log_p, k, int(train.size)
+
+
+def _split_tokens(data_root: str, tokenizer: str, domain: str, split: str) -> np.ndarray:
+    """Every token of a prepared domain split (empty when the split has none)."""
+    from data.catalog import read_token_manifest
+
+    tok_dir = Path(data_root) / tokenizer
+    manifest = read_token_manifest(tok_dir / "manifest.json")
+    entry = manifest.get("counts", {}).get(domain, {}).get(split)
+    if not entry:
+        return np.zeros(0, dtype=np.int64)
+    return np.fromfile(tok_dir / entry["bin"], dtype=np.dtype(manifest["dtype"])).astype(np.int64)
