@@ -119,6 +119,13 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     for name in ("eval.json", "eval.md", "posteriors.png", "specialisation.png", "cached_priors/legal.json"):
         assert (out / name).is_file(), name
     assert (out / "posteriors.png").read_bytes()[:4] == b"\x89PNG"
+    # Figure 4 for every cached-prior estimator x posterior mode, from the same dev log-likelihoods
+    variants = doms["legal"]["cached_prior_variants"]
+    assert set(variants) == {f"{e}/{p}" for e in ("mean", "ewm", "updating") for p in ("prefix", "previous_token")}
+    assert variants["mean/prefix"] == pytest.approx(doms["legal"]["cached_prior"]["probs"])
+    for e in ("mean", "ewm", "updating"):
+        for p in ("prefix", "previous_token"):
+            assert (out / f"cached_prior_{e}_{p}.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "eval.md").read_text()
     assert "Table 3" in md and "Table 4" in md and "Table 5" in md and "DEMix (cached)" in md
     assert "| unigram (own train split) |" in md

@@ -143,14 +143,22 @@ def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int
 
 
 def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, estimator: str = "mean",
-                  posterior: str = "prefix") -> Optional[mx.CachedPrior]:
-    """The cached prior of one domain from its development blocks (None without any)."""
+                  posterior: str = "prefix") -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
+    """The cached prior of one domain from its development blocks (None without any), and every estimator x
+    posterior variant of it on the same log-likelihoods ({"<estimator>/<posterior>": {expert: p}}, Figure 4 for
+    each choice)."""
     if not len(dev_blocks):
-        return None
+        return None, {}
     tokens, targets, mask = block_inputs(dev_blocks)
     ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
-    return mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if estimator == "updating" else None,
-                                    estimator, posterior)
+    variants = {}
+    for est in mx.CACHED_ESTIMATORS:
+        for post in mx.POSTERIORS:
+            v = mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if est == "updating" else None, est, post)
+            variants[f"{est}/{post}"] = dict(zip(v.domains, v.probs))
+    prior = mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if estimator == "updating" else None,
+                                     estimator, posterior)
+    return prior, variants
 
 
 def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
@@ -238,6 +246,7 @@ def evaluate_model(
                                                       "updating_final_prior": {expert: p}},
                                         "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
                                                          "posterior"},
+                                        "cached_prior_variants": {"<estimator>/<posterior>": {expert: p}},
                                         "topk": {"k", "experts", "experts_evaluated", "of"}}},
          every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
          and with `unigram`: "unigram": {"ppl", "k", "train_tokens", "block_nll"} (launcher/evaluation/unigram.py: the
@@ -293,8 +302,10 @@ def evaluate_model(
                 cached = cached_priors[dom]
             elif any(m in modes for m in ("cached", "topk")):
                 dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
-                cached = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size, cached_estimator,
-                                       posterior)
+                cached, variants = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size,
+                                                 cached_estimator, posterior)
+                if variants:
+                    entry["cached_prior_variants"] = variants
                 if cached is not None and out_dir is not None and _dist()[0] == 0:
                     cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
             entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay, posterior))

@@ -6,6 +6,9 @@
 * posteriors.png: rows = test domains (training domains, then novel ones below a rule), columns = experts, cell =
   mean over the test blocks of the domain posterior p(D = j | block) at the end of each block, under the updating
   prior (eq. 9), the quantity the paper plots after 100 sequences.
+* cached_prior_<estimator>_<posterior>.png: the same rows and columns, cell = the cached prior estimated on the
+  domain's development blocks, one figure per estimator (mean | ewm | updating) x posterior mode (prefix |
+  previous_token) (model/mixture.py), the quantity the paper's Figure 4 shows.
 * specialisation.png: rows = training domains i, columns = experts j, cell = ppl(expert j on domain i) /
   ppl(expert i on domain i); the diagonal is 1, cells > 1 mean expert j is worse than domain i's own expert.
 """
@@ -73,6 +76,16 @@ def posterior_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], li
     return m.reshape(len(rows), len(experts)), rows, experts, len(train)
 
 
+def cached_prior_matrix(results: dict[str, Any], variant: str) -> tuple[np.ndarray, list[str], list[str], int]:
+    """(matrix, row domains, expert names, training rows) of one cached-prior variant ("<estimator>/<posterior>")."""
+    experts = results["experts"]
+    doms = [d for d, r in results["domains"].items() if variant in r.get("cached_prior_variants", {})]
+    train = [d for d in doms if results["domains"][d]["role"] == "train"]
+    rows = train + [d for d in doms if d not in train]
+    m = np.array([[results["domains"][d]["cached_prior_variants"][variant][e] for e in experts] for d in rows])
+    return m.reshape(len(rows), len(experts)), rows, experts, len(train)
+
+
 def specialisation_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], list[str]]:
     """(ppl ratio matrix, training-domain rows, expert names) for Figure 2."""
     experts = results["experts"]
@@ -93,6 +106,15 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
             m, rows, cols, out_dir / "posteriors.png", cbar="p(D = expert | block)",
             title=f"Domain posteriors, updating prior (λ={results['decay']}), mean at the end of "
                   f"{results['split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
+            rule_after=n_train))
+    names = sorted({v for r in results["domains"].values() for v in r.get("cached_prior_variants", {})})
+    for name in names:
+        m, rows, cols, n_train = cached_prior_matrix(results, name)
+        est, post = name.split("/")
+        written[f"cached_prior_{est}_{post}"] = str(heatmap(
+            m, rows, cols, out_dir / f"cached_prior_{est}_{post}.png", cbar="cached p(D = expert)",
+            title=f"Cached prior, estimator {est}, posterior {post}, from {results['cached_blocks']} "
+                  f"{results['dev_split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
             rule_after=n_train))
     m, rows, cols = specialisation_matrix(results)
     if len(rows):
