@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo data flops bench clean help
+.PHONY: venv test test-fast demo data flops bench reproduce clean help
 
 help:
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
@@ -19,6 +19,7 @@ help:
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
 	@echo "make bench  - run the CPU benchmarks"
+	@echo "make reproduce - every architecture with seeds on the demo corpus, each paper claim with a verdict (long; resumable)"
 	@echo "make modular - add a novel-domain expert to the demo DEMix model, DEMix-DAPT vs Dense-DAPT, remove an expert (Tables 6/7/13)"
 
 venv: $(STAMP)
@@ -48,6 +49,11 @@ flops: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# Not in CI: every architecture with seeds on the demo corpus, claims with verdicts (resumable: rerun after a kill).
+reproduce: $(STAMP)
+	$(BIN)/python -m data.build_demo --tokenizers sentencepiece
+	$(BIN)/python -m benchmarks.reproduce --record benchmarks/results/reproduce
 
 clean:
 	rm -rf runs artifacts .pytest_cache
