@@ -80,7 +80,7 @@ class CSEConfig:
     dbscan_eps: Float = 0.5  # <= 0: chosen from the data by `dbscan_auto` (parallel/cse.py)
     dbscan_min_samples: StrictInt = 5
     dbscan_auto: str = "median"  # eps from the data: median (2 x median k-distance), knee, or target (cluster counts)
-    min_clusters: StrictInt = 2  # dbscan_auto=target: eps giving min_clusters..max_clusters clusters, least noise
+    min_clusters: StrictInt = 2  # dbscan_auto=target: at least this many clusters (then most, then least noise)
     centre_momentum: Float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
     max_clusters: StrictInt = 16
 

@@ -169,8 +169,8 @@ def test_config_and_seam():
 
 
 def test_eps_from_the_data_knee_and_target_cluster_counts():
-    """Six blobs of unequal spread: 'target' scans eps and picks one giving min..max clusters with least noise
-    (every candidate recorded); 'knee' reads the k-distance curve; purity is 1.0 for a perfect clustering and the
+    """Six blobs of unequal spread: 'target' scans eps and picks the one giving the most clusters (>= min, counted
+    up to max), then the least noise (every candidate recorded); 'knee' reads the k-distance curve; purity is 1.0 for a perfect clustering and the
     largest domain's share for one cluster of everything."""
     from parallel.cse import cluster_embeddings, cluster_record, knee_eps, purity
 
@@ -181,8 +181,8 @@ def test_eps_from_the_data_knee_and_target_cluster_counts():
     truth = np.repeat(np.arange(6), sizes)
     res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)
     assert res.eps_method == "target" and 4 <= res.num_clusters <= 8 and res.eps_scan
-    assert res.eps == min((r for r in res.eps_scan if 4 <= r["clusters"] <= 8),
-                          key=lambda r: (r["noise"], r["eps"]))["eps"]
+    assert res.eps == min((r for r in res.eps_scan if r["clusters"] >= 4),
+                          key=lambda r: (-min(r["clusters"], 8), r["noise"], r["eps"]))["eps"]
     rec = cluster_record(res, v, truth)
     assert rec["num_clusters"] == 6 and rec["purity"] == 1.0 and rec["eps_method"] == "target"
     assert len(rec["eps_scan"]) == len(res.eps_scan)
@@ -193,10 +193,25 @@ def test_eps_from_the_data_knee_and_target_cluster_counts():
         cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="kmeans")
 
 
+def test_target_eps_does_not_merge_neighbouring_domains():
+    """Eight domains in four close pairs: a larger eps joins pairs with no noise left, which "least noise among
+    4..8 clusters" (the old rule) chooses (purity <= 0.65); `target` keeps the eight domains apart."""
+    from parallel.cse import cluster_embeddings, cluster_record
+
+    g = torch.Generator().manual_seed(5)
+    pair = 20.0 * torch.eye(8)[:4]
+    centres = torch.cat([pair, pair + 1.5 * torch.eye(8)[4]])  # domain j and j+4 are 1.5 apart, pairs 20 apart
+    v = torch.cat([c + 0.25 * torch.randn(40, 8, generator=g) for c in centres])
+    truth = np.repeat(np.arange(8), 40)
+    res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)
+    old = min((r for r in res.eps_scan if 4 <= r["clusters"] <= 8), key=lambda r: (r["noise"], r["eps"]))
+    assert old["clusters"] < 8 and cluster_record(cluster_embeddings(v, old["eps"], 5, 8), v, truth)["purity"] < 0.65
+    assert res.num_clusters == 8 and cluster_record(res, v, truth)["purity"] > 0.95
+
+
 def test_cse_eps_options_are_validated():
     from launcher.config import load_run_config
     from launcher.typed import ConfigError
-
     with pytest.raises(ConfigError) as e:
         load_run_config(None, ["model.ffn.kind=cse", "model.ffn.cse.dbscan_auto=kmeans", "model.ffn.cse.min_clusters=40"])
     assert "dbscan_auto='kmeans'" in str(e.value) and "min_clusters=40" in str(e.value)

@@ -57,3 +57,8 @@ def test_smoke_budget_end_to_end_and_resumed(tmp_path: Path, tiny_tokens: Path, 
     log = capsys.readouterr().out
     assert log.count("finished earlier, reused") == 2 and "[reproduce] training" not in log
     assert (out / "arms" / "demix-s1" / "eval" / "eval.json").stat().st_mtime == mtime
+    # a budget that asks for other settings does not silently reuse (or resume) runs trained differently
+    budget["sets"].append("train.lr=1.0e-3")
+    (tmp_path / "smoke.yaml").write_text(yaml.safe_dump(budget))
+    with pytest.raises(SystemExit, match="trained with other settings"):
+        reproduce.main(args)
