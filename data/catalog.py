@@ -29,6 +29,7 @@ class Catalog:
     novel_domains: tuple[str, ...]
     counts: dict  # domain -> split -> {"documents", "tokens", ...}
     tokenizer_sha256: str = ""  # `tokenizer_fingerprint` of the tokenizer that made these tokens
+    eod_id: Optional[int] = None  # end-of-document id (manifests before it was recorded: None)
 
     def domain_id(self, name: str) -> int:
         return self.train_domains.index(name)
@@ -67,7 +68,7 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
         raise DataError(f"training domains {empty} have no training tokens in {manifest_path}")
     tok = m["tokenizer"]
     return Catalog(root, tokenizer, int(tok["vocab_size"]), int(tok["bos_id"]), tuple(train), tuple(novel), m["counts"],
-                   tokenizer_fingerprint(tok))
+                   tokenizer_fingerprint(tok), None if tok.get("eod_id") is None else int(tok["eod_id"]))
 
 
 def tokenizer_fingerprint(description: dict) -> str:

@@ -414,6 +414,8 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
     if rank == 0:
         finish_consolidated(tmp, out, plan.cfg, domains, step,
                             extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size,
-                                   "tokenizer_sha256": plan.catalog.tokenizer_sha256})
+                                   "tokenizer_sha256": plan.catalog.tokenizer_sha256, "bos_id": plan.catalog.bos_id,
+                                   "eod_id": plan.catalog.eod_id, "train_tokens": step * plan.cfg.train.micro_batch
+                                   * plan.cfg.train.grad_accum * plan.topo.dp_size * plan.cfg.model.seq_len})
     dist.barrier()
     return out if rank == 0 else None

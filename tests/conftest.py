@@ -43,6 +43,33 @@ def tiny_tokens(tmp_path_factory) -> Path:
     return root / "tokens"
 
 
+def save_random_checkpoint(out: Path, tokens_root: Path, kind: str, seed: int = 3) -> Path:
+    """A randomly initialised 2-layer GPT (`kind` dense or demix, one expert per domain of `tiny_tokens`) saved as a
+    consolidated checkpoint with the meta the trainer writes (tokenizer fingerprint, bos/eod ids, train_tokens)."""
+    from dataclasses import replace
+
+    from data.catalog import tokenizer_fingerprint
+    from launcher.checkpoint import save_consolidated
+    from launcher.config import RunConfig
+    from model.config import FFNConfig, ModelConfig
+    from model.gpt import GPT
+
+    tok = json.loads((tokens_root / "gpt2" / "manifest.json").read_text())["tokenizer"]
+    domains = list(_WORDS)
+    cfg = RunConfig(model=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=50257,
+                                      ffn=FFNConfig(kind=kind, num_experts=len(domains) if kind == "demix" else 0)))
+    cfg = replace(cfg, data=replace(cfg.data, path=str(tokens_root), tokenizer="gpt2"))
+    extra = {"tokenizer": "gpt2", "vocab_size": tok["vocab_size"], "tokenizer_sha256": tokenizer_fingerprint(tok),
+             "bos_id": tok["bos_id"], "eod_id": tok["eod_id"], "train_tokens": 12345}
+    return save_consolidated(out, GPT(cfg.model, init_seed=seed).state_dict(), cfg, domains, step=7, extra=extra)
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tiny_tokens):
+    """`random_checkpoint(out, kind, seed=3)`: `save_random_checkpoint` over the `tiny_tokens` corpus."""
+    return lambda out, kind, seed=3: save_random_checkpoint(Path(out), tiny_tokens, kind, seed)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped elsewhere with the reason (run them all with scripts/gpu_checks.sh)."""
     import torch

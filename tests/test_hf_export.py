@@ -1,5 +1,7 @@
 """Export to Hugging Face: a domain's model (its expert + shared weights), a merged model and a dense model load
-with `transformers.GPT2LMHeadModel.from_pretrained` (safetensors) and reproduce the project's logits."""
+with `transformers.GPT2LMHeadModel.from_pretrained` (safetensors) and reproduce the project's logits; with the
+project's tokenizer the folder alone serves `transformers.pipeline` with the same greedy text as
+`launcher.evaluation.generate`."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_merged_export_is_the_weighted_average_of_experts(tmp_path):
     prior = tmp_path / "prior.json"
     prior.write_text(json.dumps({"format": "demix-cached-prior/1", "domains": DOMAINS, "probs": [0.5, 0.3, 0.2],
                                  "blocks": 4, "decay": 0.3}))
-    assert main([str(path), "--merge-prior", str(prior), "--out", str(tmp_path / "hf_m")]) == 0
+    assert main([str(path), "--merge-prior", str(prior), "--out", str(tmp_path / "hf_m"), "--no-tokenizer"]) == 0
     sd = c.state_dict
     ref = dense_model(c, [0.5, 0.3, 0.2])
     want = sum(w * sd[f"blocks.1.ffn.experts.{j}.fc1.weight"] for j, w in enumerate([0.5, 0.3, 0.2]))
@@ -86,3 +88,49 @@ def test_dense_export_and_cli_errors(tmp_path):
     demix = _ckpt(tmp_path, "demix")
     assert main([str(demix), "--out", str(tmp_path / "x")]) == 2  # DEMix needs a domain or merge weights
     assert main([str(demix), "--domain", "zz", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("kind", ["demix", "dense"])
+def test_folder_alone_generates_what_the_project_generates(tmp_path, tiny_tokens, random_checkpoint, kind):
+    """From only the exported folder: AutoTokenizer ids equal the project's tokenizer (BOS prepended), the
+    vocabulary is the tokenizer's (no padding id can be sampled), special ids are set, the model card is there, and
+    `pipeline("text-generation")` greedy text equals `launcher.evaluation.generate`'s for the same expert."""
+    pytest.importorskip("launcher.modular.hf_tokenizer")
+    from transformers import AutoTokenizer, pipeline
+
+    from data.tokenizer import load_prepared_tokenizer
+    from launcher.evaluation.generate import generate
+
+    path = random_checkpoint(tmp_path / kind / "model", kind)
+    out = tmp_path / f"hf_{kind}"
+    args = [str(path), "--out", str(out), "--data", str(tiny_tokens)] + (["--domain", "sailing"] if kind == "demix" else [])
+    assert main(args) == 0
+    tok = load_prepared_tokenizer(tiny_tokens, "gpt2")
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    prompt = "The hull and the mast of"
+    assert hf_tok(prompt)["input_ids"] == [tok.bos_id] + tok.encode(prompt)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == tok.vocab_size == 50257
+    assert cfg["bos_token_id"] == cfg["eos_token_id"] == cfg["pad_token_id"] == 50256
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50256
+    card = (out / "README.md").read_text()
+    assert "training tokens: 12,345" in card and "cooking, sailing, finance" in card and str(path) in card
+    c = load_consolidated(path)
+    model = c.build_model().eval()
+    ours = generate(model, [tok.bos_id] + tok.encode(prompt), expert=1 if kind == "demix" else None,
+                    temperature=0.0, max_new_tokens=12, stop_id=tok.eod_id, vocab_limit=tok.vocab_size)
+    pipe = pipeline("text-generation", model=str(out))
+    theirs = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert theirs == tok.decode(ours.new_ids) and len(ours.new_ids) > 0
+    rec = json.loads((out / "demix_export.json").read_text())
+    assert rec["trimmed"] and rec["max_abs_logit_diff"] < 1e-4
+
+
+def test_export_refuses_a_tokenizer_that_is_not_the_models(tmp_path, tiny_tokens, random_checkpoint):
+    path = random_checkpoint(tmp_path / "dense" / "model", "dense")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["tokenizer_sha256"] = "0" * 64
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert main([str(path), "--out", str(tmp_path / "x"), "--data", str(tiny_tokens)]) == 2
+    assert not (tmp_path / "x").exists()
+    assert main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0  # gpt2: offline files

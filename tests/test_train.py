@@ -91,6 +91,10 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     # the consolidated export holds every expert and names the domains
     meta = json.loads((killed / "model" / "meta.json").read_text())
     assert meta["domains"] == ["cooking", "finance", "sailing"] and meta["experts"]["2"] == "sailing"
+    # the ids a Hugging Face export needs, and the tokens trained on (6 steps x global batch x seq_len)
+    assert meta["bos_id"] == meta["eod_id"] == 50256
+    cfg = meta["config"]
+    assert meta["train_tokens"] == 6 * cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"] * 3 * cfg["model"]["seq_len"]
     # keep_checkpoints=2 on the resumed run: of steps 2, 4, 6 only the newest two remain
     assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
 

@@ -6,6 +6,7 @@ GPT2LMHeadModel (safetensors), with the same logits as the project's model.
     python -m launcher.modular.hf_export CKPT --merge-domain-data speeches [--data DIR --tokenizer TOK --dev-blocks 100] --out DIR
     python -m launcher.modular.hf_export CKPT --merge-weights legal=0.7,news=0.3 --out DIR
     python -m launcher.modular.hf_export DENSE_CKPT --out DIR                  # a dense checkpoint as it is
+    [--data TOKENS_ROOT]  the prepared data the model was trained on, for its tokenizer (default: its data.path)
 
 Shape legend: D model dim, F ffn dim (4D), H heads, K head dim, V (padded) vocabulary, E experts.
 
@@ -17,8 +18,17 @@ Our GPT and GPT-2 are the same network up to layout:
 * every other Linear (attn proj, fc1, fc2) -> Conv1D: transpose. LayerNorms, wte, wpe copy; the LM head is tied.
 * activation: our F.gelu is the exact erf GELU -> `activation_function="gelu"` (not GPT-2's default gelu_new);
   layer norm eps 1e-5; n_inner = F; attention scaled by 1/sqrt(K) in both; dropout 0 (evaluation).
-* vocabulary: the padded embedding (V = cfg.padded_vocab_size) is exported whole, so logits have the same width;
-  rows past the tokenizer's vocabulary are padding and never targets.
+* vocabulary: the embedding is trimmed to the tokenizer's real tokens (the rows past them are padding for
+  tensor-parallel divisibility, never targets): the exported logits are ours without the padding columns, so
+  `generate` can never emit an id that is no token. Without a tokenizer (`tokenizer=None`, CLI `--no-tokenizer`)
+  the padded embedding is exported whole.
+
+What a user with only the folder gets (CLI default): config.json (bos/eos/pad ids), generation_config.json,
+model.safetensors, the tokenizer as a Hugging Face fast tokenizer that reproduces the project's ids and prepends the
+beginning-of-document token as training and `launcher.evaluation.generate` do (launcher/modular/hf_tokenizer.py),
+README.md (a model card: domains, the expert or merge weights, training tokens, the source model's perplexities)
+and demix_export.json (the record). The tokenizer comes from the prepared data the model was trained on (`--data`,
+default the checkpoint's `data.path`), checked against the checkpoint's tokenizer fingerprint.
 
 Merged model (a single-expert model standing for a mixture): every expert tensor is the weighted average
 W = sum_j w_j W_j with w the domain posterior of the target domain (the cached prior of §5.1 from a file, estimated
@@ -44,7 +54,8 @@ from model import mixture as mx
 from data.atomic import atomic_dir, commit_dir
 from data.cli import check_output_dir, cli_main
 
-HF_EXPORT_FORMAT = "demix-hf-export/1"
+HF_EXPORT_FORMAT = "demix-hf-export/2"
+_READ_FORMATS = ("demix-hf-export/1", HF_EXPORT_FORMAT)  # an older export folder may be replaced
 _EXPERT_PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
@@ -95,16 +106,22 @@ def dense_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None) ->
     return model.eval()
 
 
-def gpt2_config(c: Consolidated, vocab_rows: int) -> Any:
+def special_ids(c: Consolidated, tok: Any = None) -> dict[str, Optional[int]]:
+    """bos/eos/pad ids: the tokenizer's (pad = end of document: GPT-2 has no pad token), else the checkpoint's
+    meta.json (written by the trainer), else None."""
+    bos = tok.bos_id if tok is not None else c.meta.get("bos_id")
+    eos = tok.eod_id if tok is not None else c.meta.get("eod_id", bos)
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
+
+
+def gpt2_config(c: Consolidated, vocab_rows: int, ids: Optional[dict[str, Optional[int]]] = None) -> Any:
     from transformers import GPT2Config
 
     m = c.cfg.model
-    bos = c.meta.get("bos_id")
     return GPT2Config(vocab_size=vocab_rows, n_positions=m.seq_len, n_embd=m.d_model, n_layer=m.n_layers,
                       n_head=m.n_heads, n_inner=m.d_ffn, activation_function="gelu", resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, initializer_range=m.init_std,
-                      scale_attn_weights=True, tie_word_embeddings=True,
-                      bos_token_id=bos, eos_token_id=bos)
+                      scale_attn_weights=True, tie_word_embeddings=True, **(ids or special_ids(c)))
 
 
 def to_gpt2_state_dict(dense: dict[str, torch.Tensor], n_layers: int, n_heads: int) -> dict[str, torch.Tensor]:
@@ -131,16 +148,27 @@ def to_gpt2_state_dict(dense: dict[str, torch.Tensor], n_layers: int, n_heads: i
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None) -> Any:
-    """A GPT2LMHeadModel with the (single-domain or merged) weights of `c`, in eval mode."""
-    from transformers import GPT2LMHeadModel
+def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None, tok: Any = None) -> Any:
+    """A GPT2LMHeadModel with the (single-domain or merged) weights of `c`, in eval mode; with the project's
+    tokenizer `tok`, its vocabulary trimmed to the real tokens and its special ids set (generation config too)."""
+    from transformers import GenerationConfig, GPT2LMHeadModel
 
     rows = c.state_dict["wte.weight"].shape[0]
     paddings = sorted({c.cfg.model.padded_vocab_size(t) for t in (1, c.cfg.parallel.tensor_parallel)})
     if rows not in paddings:
         raise CheckpointError(f"{rows} embedding rows match none of the config's padded vocabularies {paddings}")
     dense = dense_state_dict(c, weights_E)
-    model = GPT2LMHeadModel(gpt2_config(c, dense["wte.weight"].shape[0]))
+    if tok is not None:
+        if c.cfg.data.mixture == "domain_token":
+            raise CheckpointError("a +Domain-Token model reads its domain's token before every document, which a "
+                                  "Hugging Face tokenizer cannot add per domain: export it with --no-tokenizer")
+        if tok.vocab_size > rows:
+            raise CheckpointError(f"the tokenizer has {tok.vocab_size} tokens but the model only {rows} embedding "
+                                  "rows: this is not the tokenizer the model was trained with")
+        dense["wte.weight"] = dense["wte.weight"][: tok.vocab_size]
+    ids = special_ids(c, tok)
+    model = GPT2LMHeadModel(gpt2_config(c, dense["wte.weight"].shape[0], ids))
+    model.generation_config = GenerationConfig(**ids)
     sd = to_gpt2_state_dict(dense, c.cfg.model.n_layers, c.cfg.model.n_heads)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
@@ -159,10 +187,10 @@ def max_logit_diff(c: Consolidated, hf_model: Any, weights_E: Optional[Sequence[
     ours = dense_model(c, weights_E)
     if tokens_BT is None:
         gen = torch.Generator().manual_seed(seed)
-        vocab = int(c.meta.get("vocab_size") or c.cfg.model.vocab_size)
+        vocab = min(int(c.meta.get("vocab_size") or c.cfg.model.vocab_size), hf_model.config.vocab_size)
         tokens_BT = torch.randint(0, vocab, (2, c.cfg.model.seq_len), generator=gen)
-    a = ours(tokens_BT).logits
     b = hf_model(input_ids=tokens_BT).logits
+    a = ours(tokens_BT).logits[..., : b.shape[-1]]  # a trimmed export has no padding columns
     return float((a - b).abs().max())
 
 
@@ -174,26 +202,106 @@ def merge_weights_from_data(c: Consolidated, domain: str, data: Optional[str], t
     return estimate_domain_prior(c, domain, data, tokenizer, "valid", dev_blocks)
 
 
+def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = None) -> Any:
+    """The tokenizer `c` was trained with, from the prepared data root `data` (default: the checkpoint's
+    `data.path`), checked against the checkpoint's tokenizer fingerprint. GPT-2 needs no data (offline files)."""
+    from data.tokenizer import load_prepared_tokenizer, load_tokenizer
+    from launcher.evaluation.evaluate import check_checkpoint_data
+
+    name = c.meta.get("tokenizer", c.cfg.data.tokenizer)
+    root = Path(data if data is not None else c.cfg.data.path)
+    if not (root / name / "manifest.json").is_file():
+        if name == "gpt2":
+            return load_tokenizer("gpt2")
+        raise CheckpointError(f"the {name} tokenizer of this checkpoint is not under {root / name}: pass --data DIR, "
+                              "the prepared tokens root the model was trained on (or --no-tokenizer)")
+    check_checkpoint_data(c, root, name)
+    return load_prepared_tokenizer(root, name)
+
+
+def _eval_table(eval_json: Optional[Path], domain: Optional[str]) -> list[str]:
+    """Markdown rows of the source model's test perplexities (launcher.evaluation.evaluate's eval.json)."""
+    if eval_json is None or not eval_json.is_file():
+        return ["No evaluation of the source checkpoint was found (run `python -m launcher.evaluation.evaluate CKPT`; "
+                "its eval/eval.json beside the checkpoint is read by the export)."]
+    res = json.loads(eval_json.read_text())
+    modes = [m for m in ("ppl", "naive", "cached") if any(m in r.get("ppl", {}) for r in res["domains"].values())]
+    lines = [f"Test perplexity of the source checkpoint ({res.get('max_blocks')} blocks of {res.get('seq_len')} "
+             f"tokens per domain; `naive` = each domain's own expert, `cached` = the expert mixture with the cached "
+             "prior, DEMix §5; unigram = the domain's own unigram model):", "",
+             "| domain | role | " + " | ".join(modes) + " | unigram |", "|---|---|" + "---|" * (len(modes) + 1)]
+    for d, r in sorted(res["domains"].items()):
+        mark = " (this export)" if d == domain else ""
+        vals = " | ".join(f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes)
+        uni = r.get("unigram", {}).get("ppl")
+        lines.append(f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |" if uni else f"| {d}{mark} | {r['role']} | {vals} | – |")
+    return lines
+
+
+def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None) -> str:
+    """README.md of the export: what the model is, how to load it, what it was trained on, how well it does."""
+    m = c.cfg.model
+    if record["domain"]:
+        what = f"the **{record['domain']}** expert of a DEMix model (its expert FFNs with the shared weights)"
+    elif record["merge_weights"]:
+        w = ", ".join(f"{d} {x:.3f}" for d, x in record["merge_weights"].items() if x)
+        what = (f"a DEMix model with its experts' parameters averaged by the weights {w} ({record['merge_source']}): "
+                "an approximation of the output mixture (DEMix eq. 6), exact only where the experts agree")
+    else:
+        what = f"a {record['kind']} GPT"
+    tokens = c.meta.get("train_tokens")
+    lines = [f"# {Path(record['out']).name}", "", f"Exported from `{record['source']}` (step {c.step}): {what}.", "",
+             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+             "tok = AutoTokenizer.from_pretrained(DIR)         # prepends the beginning-of-document token",
+             "model = AutoModelForCausalLM.from_pretrained(DIR)",
+             'print(pipeline("text-generation", model=DIR)("The patient", max_new_tokens=20, do_sample=False))', "```", "",
+             f"- architecture: GPT-2 layout, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, FFN {m.d_ffn}, "
+             f"exact-erf GELU, context {m.seq_len} tokens (the model has no positions past it: keep prompt + new tokens "
+             f"<= {m.seq_len})",
+             f"- tokenizer: {record['tokenizer']} ({record['tokenizer_vocab_size']} tokens; vocabulary "
+             f"{'trimmed to them' if record['trimmed'] else 'padded to ' + str(record['padded_vocab_size'])})",
+             f"- training domains: {', '.join(c.domains)}"
+             + (f"; experts opted out (not in this model; their weights were never read): "
+                f"{', '.join(record['excluded_experts'])}" if record["excluded_experts"] else ""),
+             f"- training tokens: {tokens:,}" if tokens else "- training tokens: not recorded by this checkpoint",
+             f"- logits vs the project's model: max |diff| {record.get('max_abs_logit_diff')}", "", *_eval_table(eval_json, record["domain"]), ""]
+    return "\n".join(lines)
+
+
 def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: Optional[str] = None,
-           merge: Optional[dict[str, float]] = None, check: bool = True, merge_source: Optional[str] = None
+           merge: Optional[dict[str, float]] = None, check: bool = True, merge_source: Optional[str] = None,
+           tokenizer: Any = None, eval_json: Optional[Union[str, Path]] = None, source: Optional[str] = None
            ) -> dict[str, Any]:
-    """Write `out` (config.json + model.safetensors via save_pretrained, and demix_export.json). Returns the record
-    (source, domain or merge weights, logit check)."""
+    """Write `out` (config.json, generation_config.json, model.safetensors via save_pretrained; with the project's
+    `tokenizer`, the fast tokenizer files and a trimmed vocabulary; README.md; demix_export.json). Returns the record
+    (source, domain or merge weights, logit check). `eval_json`: the source's evaluation for the model card
+    (default: eval/eval.json beside the checkpoint directory, if there); `source`: the checkpoint's path when
+    `ckpt` is already loaded."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
-    model = build_hf_model(c, weights)
-    record = {"format": HF_EXPORT_FORMAT, "source": None if isinstance(ckpt, Consolidated) else str(ckpt),
-              "kind": c.cfg.model.ffn.kind, "domain": domain,
+    model = build_hf_model(c, weights, tokenizer)
+    record = {"format": HF_EXPORT_FORMAT, "source": source if isinstance(ckpt, Consolidated) else str(ckpt),
+              "out": str(out), "kind": c.cfg.model.ffn.kind, "domain": domain,
               "merge_weights": dict(zip(c.domains, weights)) if merge is not None else None,
               "merge_source": merge_source, "tokenizer": c.meta.get("tokenizer", c.cfg.data.tokenizer),
-              "tokenizer_vocab_size": c.meta.get("vocab_size"), "padded_vocab_size": model.config.vocab_size,
+              "tokenizer_vocab_size": tokenizer.vocab_size if tokenizer is not None else c.meta.get("vocab_size"),
+              "padded_vocab_size": c.state_dict["wte.weight"].shape[0], "trimmed": tokenizer is not None,
+              "vocab_size": model.config.vocab_size, **special_ids(c, tokenizer),
+              "excluded_experts": list(c.meta.get("removed_experts", [])),
               "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)"}
     if check:
         record["max_abs_logit_diff"] = max_logit_diff(c, model, weights)
+    if eval_json is None and record["source"] is not None:
+        eval_json = Path(record["source"]).parent / "eval" / "eval.json"
     out = Path(out)
     tmp = atomic_dir(out)  # published whole by commit_dir: a killed export leaves no half model at `out`
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            from launcher.modular.hf_tokenizer import save_hf_tokenizer
+
+            record["hf_tokenizer"] = save_hf_tokenizer(tokenizer, tmp)
+        (tmp / "README.md").write_text(model_card(c, record, Path(eval_json) if eval_json else None))
         write_json_atomic(tmp / "demix_export.json", record)
         commit_dir(tmp, out)
     finally:
@@ -221,10 +329,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--merge-prior", metavar="FILE", help="merge experts weighted by a cached prior (CachedPrior JSON)")
     g.add_argument("--merge-domain-data", metavar="DOMAIN", help="merge weighted by DOMAIN's posterior on its dev data")
     g.add_argument("--merge-weights", metavar="A=W,...", help="merge with these weights")
-    p.add_argument("--data", help="prepared tokens root (--merge-domain-data; default: the checkpoint's)")
+    p.add_argument("--data", help="prepared tokens root: the tokenizer, and --merge-domain-data's dev blocks "
+                                  "(default: the checkpoint's data.path)")
     p.add_argument("--tokenizer", help="tokenizer directory name (default: the checkpoint's)")
     p.add_argument("--dev-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS)
     p.add_argument("--no-check", action="store_true", help="skip the logit comparison with the project's model")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="export the weights only (padded vocabulary, no tokenizer files): not usable on its own")
+    p.add_argument("--exclude-experts", default="", help="comma-separated DEMix experts to opt out: never read, "
+                   "no part in the export (merges renormalise over the rest)")
+    p.add_argument("--eval-json", help="the source's eval.json for the model card (default: eval/eval.json beside it)")
     return p.parse_args(argv)
 
 
@@ -232,9 +346,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        check_output_dir(Path(args.out), (HF_EXPORT_FORMAT,), ["config.json", "model.safetensors", "demix_export.json"],
+        check_output_dir(Path(args.out), _READ_FORMATS, ["config.json", "model.safetensors", "demix_export.json",
+                                                          "tokenizer.json", "README.md", "generation_config.json"],
                          inputs=[Path(args.checkpoint)], manifest="demix_export.json")
-        c = load_consolidated(args.checkpoint)
+        exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
+        if exclude:  # opt-out: those experts' weights are never read (launcher/modular/experts.py load_without)
+            from launcher.modular.experts import load_without
+
+            c = load_without(args.checkpoint, exclude)
+        else:
+            c = load_consolidated(args.checkpoint)
+        tok = None if args.no_tokenizer else load_export_tokenizer(c, args.data)
         merge, source = None, None
         if args.merge_prior:
             prior = mx.CachedPrior.load(args.merge_prior)
@@ -246,7 +368,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             merge, source = _parse_weights(args.merge_weights), "given"
         if ffn_kind(c.cfg).domain_experts and args.domain is None and merge is None:
             raise CheckpointError("a DEMix checkpoint needs --domain or one of the --merge-* options")
-        rec = export(c, args.out, args.domain, merge, check=not args.no_check, merge_source=source)
+        if merge is not None and exclude:
+            merge = {d: w for d, w in merge.items() if d not in exclude}  # renormalised by expert_weights
+        rec = export(c, args.out, args.domain, merge, check=not args.no_check, merge_source=source, tokenizer=tok,
+                     eval_json=args.eval_json or Path(args.checkpoint).parent / "eval" / "eval.json",
+                     source=args.checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
