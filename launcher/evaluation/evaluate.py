@@ -326,16 +326,26 @@ def evaluate_model(
 
 
 def evaluate_checkpoint(
-    ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], **kwargs: Any,
+    ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], exclude_experts: Sequence[str] = (),
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
-    posterior, cached_estimator,
-    seq_len, out_dir, progress, cached_priors). Returns the result dict documented there, plus "checkpoint" and
-    "step"."""
-    c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
+    posterior, cached_estimator, seq_len, out_dir, progress, cached_priors). Returns the result dict documented
+    there, plus "checkpoint", "step" and "excluded_experts".
+
+    `exclude_experts` (opt-out): the model is built without those DEMix experts, their weights never read; every
+    mode mixes the remaining experts only and an excluded expert's domain is evaluated as a novel domain - the
+    same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`)."""
+    if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/experts.py)
+        from launcher.modular.experts import load_without
+
+        c = load_without(ckpt, exclude_experts)
+    else:
+        c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step,
-             "tokenizer_sha256": c.meta.get("tokenizer_sha256"), "vocab_size": c.meta.get("vocab_size")}
+             "tokenizer_sha256": c.meta.get("tokenizer_sha256"), "vocab_size": c.meta.get("vocab_size"),
+             "excluded_experts": list(exclude_experts)}
     return evaluate_model(c.build_model(), c.cfg, c.domains, data_root, extra=extra, **kwargs)
 
 
@@ -446,7 +456,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="cached prior: mean of the dev posteriors (paper), ewm (reference code, α=0.3) or eq. 9")
     ap.add_argument("--batch-size", type=int, default=4, help="blocks per batched pass (x E sequences)")
     ap.add_argument("--seq-len", type=int, help="block length (default: the model's context)")
-    ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval)")
+    ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval, with --exclude-experts "
+                    "CKPT_DIR/eval-without-<names>)")
+    ap.add_argument("--exclude-experts", default="",
+                    help="comma-separated DEMix experts to opt out: never read, no part in any output")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in DEMIX_MODES]
@@ -455,12 +468,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
+    exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
+    default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
     res = evaluate_checkpoint(
         args.checkpoint, args.data, tokenizer=args.tokenizer, split=args.split, dev_split=args.dev_split,
         max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,
         batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
         posterior=args.posterior, cached_estimator=args.cached_estimator,
-        seq_len=args.seq_len, out_dir=args.out or str(Path(args.checkpoint) / "eval"),
+        seq_len=args.seq_len, out_dir=args.out or str(default_out), exclude_experts=exclude,
     )
     if _dist()[0] == 0:
         print(markdown_report(res))

@@ -45,12 +45,12 @@ import yaml
 
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
                                  save_consolidated, write_json_atomic)
-from launcher.config import ConfigError
+from launcher.config import ConfigError, RunConfig
 from data.catalog import read_token_manifest
 from launcher.evaluation.evaluate import (block_inputs, check_checkpoint_data, evaluate_checkpoint, load_blocks,
                                          stream_log_likelihoods)
 from launcher.ffn_kinds import ffn_kind
-from launcher.typed import to_dict
+from launcher.typed import from_dict, to_dict
 from model import mixture as mx
 from data.cli import cli_main
 
@@ -235,6 +235,25 @@ def remove_experts_state(c: Consolidated, names: Sequence[str]) -> Consolidated:
             state[f"{m.group(1)}{new_id[int(m.group(2))]}{m.group(3)}"] = value
     removed = list(c.meta.get("removed_experts", [])) + [d for d in c.domains if d in set(names)]
     return _with_experts(c, state, [c.domains[j] for j in keep], removed_experts=removed)
+
+
+def load_without(ckpt: CkptLike, exclude: Sequence[str]) -> Consolidated:
+    """Opt-out: the checkpoint with the experts `exclude` taken out, as `remove_experts_state` (and so a checkpoint
+    saved without them) gives it. From a path, the excluded experts' shards are never read (format 2: one file per
+    expert; a format-1 file holds every expert and they are dropped as it is read), so their weights cannot take
+    part in anything computed from the result: tests/test_opt_out.py corrupts them and checks bit-identical
+    outputs. An empty `exclude` is a plain load."""
+    if not exclude:
+        return _load(ckpt)
+    if isinstance(ckpt, Consolidated):
+        return remove_experts_state(ckpt, exclude)
+    meta = read_meta(ckpt)
+    if not ffn_kind(from_dict(RunConfig, meta["config"], source=str(ckpt))).domain_experts:
+        raise CheckpointError(f"{ckpt} has no domain experts to exclude ({meta['config']['model']['ffn']['kind']})")
+    keep = _keep_indices(meta["domains"], None, exclude)
+    if not keep:
+        raise CheckpointError(f"excluding {list(exclude)} would leave no expert")
+    return remove_experts_state(load_consolidated(ckpt, experts=keep), exclude)
 
 
 def remove_experts(ckpt: CkptLike, names: Sequence[str], out: Union[str, Path]) -> dict[str, Any]:
