@@ -29,5 +29,5 @@ def test_demo_report_has_the_unigram_floor_and_points_to_reproduce(tmp_path: Pat
     md = demo.markdown(report)
     header = next(line for line in md.splitlines() if line.startswith("| domain"))
     assert header.endswith("| unigram |")
-    assert "What a run this short can show" in md and "bootstrap interval" in md
+    assert "What a run this short can show" in md and "bootstrap interval" in md and "make reproduce" in md
     assert "**600.0**" in md
