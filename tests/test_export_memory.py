@@ -41,7 +41,8 @@ def _export_worker(rank: int, world: int, out: str) -> dict:
     topo = build_topology(world, 1, DOMAINS, domain_names=NAMES)
     groups = ProcessGroups.create(topo)
     model = GPT(cfg.model, expert_ids=list(topo.rank_info(rank).domains), init_seed=0)
-    catalog = SimpleNamespace(train_domains=tuple(NAMES), tokenizer="gpt2", vocab_size=512, tokenizer_sha256="0" * 64)
+    catalog = SimpleNamespace(train_domains=tuple(NAMES), tokenizer="gpt2", vocab_size=512, tokenizer_sha256="0" * 64,
+                              bos_id=1, eod_id=2)
     plan = Plan(cfg, catalog, topo)
     bundle = SimpleNamespace(engine=SimpleNamespace(module=model), groups=groups)
     expert_bytes = sum(p.numel() * p.element_size() for ps in model.expert_parameters().values() for p in ps)

@@ -337,8 +337,8 @@ def evaluate_checkpoint(
     `exclude_experts` (opt-out): the model is built without those DEMix experts, their weights never read; every
     mode mixes the remaining experts only and an excluded expert's domain is evaluated as a novel domain - the
     same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`)."""
-    if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/experts.py)
-        from launcher.modular.experts import load_without
+    if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/surgery.py)
+        from launcher.modular.surgery import load_without
 
         c = load_without(ckpt, exclude_experts)
     else:

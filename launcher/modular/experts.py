@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -45,35 +43,19 @@ import yaml
 
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
                                  save_consolidated, write_json_atomic)
-from launcher.config import ConfigError, RunConfig
+from launcher.config import ConfigError
 from data.catalog import read_token_manifest
 from launcher.evaluation.evaluate import (block_inputs, check_checkpoint_data, evaluate_checkpoint, load_blocks,
                                          stream_log_likelihoods)
 from launcher.ffn_kinds import ffn_kind
-from launcher.typed import from_dict, to_dict
+from launcher.modular.surgery import (EXPERT_KEY, CkptLike, _keep_indices, _load, _require_demix, _with_experts,  # noqa: F401
+                                      load_without, remove_experts_state)
+from launcher.typed import to_dict
 from model import mixture as mx
 from data.cli import cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXPERT_KEY = re.compile(r"^(blocks\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
 _META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
-CkptLike = Union[str, Path, Consolidated]
-
-
-def _load(ckpt: CkptLike) -> Consolidated:
-    return ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
-
-
-def _require_demix(c: Consolidated, what: str) -> None:
-    if not ffn_kind(c.cfg).domain_experts:
-        raise CheckpointError(f"{what} needs a DEMix checkpoint, not a {c.cfg.model.ffn.kind!r} one")
-
-
-def _with_experts(c: Consolidated, state: dict[str, torch.Tensor], domains: list[str], **meta: Any) -> Consolidated:
-    """A copy of `c` with another expert set (config's expert count follows the domain list)."""
-    cfg = c.cfg
-    cfg = replace(cfg, model=replace(cfg.model, ffn=replace(cfg.model.ffn, num_experts=len(domains))))
-    return Consolidated(cfg=cfg, domains=list(domains), state_dict=state, step=c.step, meta={**c.meta, **meta})
 
 
 def save(c: Consolidated, out: Union[str, Path]) -> Path:
@@ -121,16 +103,6 @@ def masked_mixture(ll_EBT: torch.Tensor, mask_BT: torch.Tensor, dev_ll_EBT: torc
                                      estimator=estimator)
     lp_BT = mx.posterior_mixture_log_probs(ll_EBT[keep], prior.log_prior(), mask_BT)
     return mx.perplexity(lp_BT, mask_BT), prior
-
-
-def _keep_indices(domains: Sequence[str], experts: Optional[Sequence[str]] = None,
-                  without: Sequence[str] = ()) -> list[int]:
-    names = list(domains)
-    unknown = [e for e in list(experts or []) + list(without) if e not in names]
-    if unknown:
-        raise CheckpointError(f"no expert named {unknown}; experts: {', '.join(names)}")
-    wanted = set(experts) if experts is not None else set(names)
-    return [j for j, d in enumerate(names) if d in wanted and d not in set(without)]
 
 
 @torch.no_grad()
@@ -217,43 +189,6 @@ def add_expert(ckpt: CkptLike, domain: str, out: Optional[Union[str, Path]], dat
     if out is not None:
         save(new, out)
     return new, {**record, "out": None if out is None else str(out), "domains": new.domains}
-
-
-def remove_experts_state(c: Consolidated, names: Sequence[str]) -> Consolidated:
-    """Drop the experts `names`; the kept ones are renumbered 0.. in their old order, every other tensor kept."""
-    _require_demix(c, "removing experts")
-    keep = _keep_indices(c.domains, None, names)
-    if not keep:
-        raise CheckpointError(f"removing {list(names)} would leave no expert")
-    new_id = {old: new for new, old in enumerate(keep)}
-    state = {}
-    for key, value in c.state_dict.items():
-        m = EXPERT_KEY.match(key)
-        if not m:
-            state[key] = value
-        elif int(m.group(2)) in new_id:
-            state[f"{m.group(1)}{new_id[int(m.group(2))]}{m.group(3)}"] = value
-    removed = list(c.meta.get("removed_experts", [])) + [d for d in c.domains if d in set(names)]
-    return _with_experts(c, state, [c.domains[j] for j in keep], removed_experts=removed)
-
-
-def load_without(ckpt: CkptLike, exclude: Sequence[str]) -> Consolidated:
-    """Opt-out: the checkpoint with the experts `exclude` taken out, as `remove_experts_state` (and so a checkpoint
-    saved without them) gives it. From a path, the excluded experts' shards are never read (format 2: one file per
-    expert; a format-1 file holds every expert and they are dropped as it is read), so their weights cannot take
-    part in anything computed from the result: tests/test_opt_out.py corrupts them and checks bit-identical
-    outputs. An empty `exclude` is a plain load."""
-    if not exclude:
-        return _load(ckpt)
-    if isinstance(ckpt, Consolidated):
-        return remove_experts_state(ckpt, exclude)
-    meta = read_meta(ckpt)
-    if not ffn_kind(from_dict(RunConfig, meta["config"], source=str(ckpt))).domain_experts:
-        raise CheckpointError(f"{ckpt} has no domain experts to exclude ({meta['config']['model']['ffn']['kind']})")
-    keep = _keep_indices(meta["domains"], None, exclude)
-    if not keep:
-        raise CheckpointError(f"excluding {list(exclude)} would leave no expert")
-    return remove_experts_state(load_consolidated(ckpt, experts=keep), exclude)
 
 
 def remove_experts(ckpt: CkptLike, names: Sequence[str], out: Union[str, Path]) -> dict[str, Any]:

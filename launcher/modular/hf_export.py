@@ -350,8 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                           "tokenizer.json", "README.md", "generation_config.json"],
                          inputs=[Path(args.checkpoint)], manifest="demix_export.json")
         exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
-        if exclude:  # opt-out: those experts' weights are never read (launcher/modular/experts.py load_without)
-            from launcher.modular.experts import load_without
+        if exclude:  # opt-out: those experts' weights are never read (launcher/modular/surgery.py)
+            from launcher.modular.surgery import load_without
 
             c = load_without(args.checkpoint, exclude)
         else:

@@ -123,7 +123,7 @@ def sentencepiece_merges(pieces: Sequence[tuple[str, float, int]]) -> list[tuple
     """HF merges for sentencepiece BPE `pieces` ((piece, score, type) by id): every (left, right) of normal pieces
     whose concatenation is a normal piece, the highest-scoring result first (then lower id; splits of one piece:
     shorter left part first). User-defined, control and byte pieces never merge in sentencepiece."""
-    normal = {p: (score, i) for i, (p, score, kind) in enumerate(pieces) if kind == _SP_NORMAL}
+    normal = {p: (score, i) for i, (p, score, ptype) in enumerate(pieces) if ptype == _SP_NORMAL}
     ranked = []
     for piece, (score, i) in normal.items():
         for cut in range(1, len(piece)):
@@ -147,7 +147,7 @@ def sentencepiece_backend(model_file: Union[str, Path]):
     backend = Backend(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk, fuse_unk=True,
                                  byte_fallback=True))
     backend.normalizer = normalizers.Replace(" ", "▁")
-    frozen = [p for p, _, kind in pieces if kind == _SP_USER_DEFINED]  # "\n", "\t": never merged
+    frozen = [p for p, _, ptype in pieces if ptype == _SP_USER_DEFINED]  # "\n", "\t": never merged
     if frozen:
         # after the normaliser, so a space in a user-defined piece reads "▁"; longest first, like its prefix match
         alternatives = "|".join(re.escape(s.replace(" ", "▁")) for s in sorted(frozen, key=len, reverse=True))
