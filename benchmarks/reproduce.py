@@ -239,6 +239,16 @@ def _avg(res: dict[str, Any], mode: str, role: str = "train") -> Optional[tuple[
     return bootstrap_mean_ppl(blocks) if blocks else None
 
 
+def _seed_pairs(evals: dict[str, dict[int, dict]], mode: str, role: str):
+    """(seed, DEMix eval, Dense eval, paired DEMix `mode` / Dense ratio pooled over the `role` domains) for every
+    seed both arms ran."""
+    for seed in sorted(set(evals["demix"]) & set(evals["dense"])):
+        dm, dn = evals["demix"][seed], evals["dense"][seed]
+        a, tok = _pooled(dm, mode, _domains(dm, role))
+        b, _ = _pooled(dn, "ppl", _domains(dm, role))
+        yield seed, dm, dn, paired_ratio(a, b, tok)
+
+
 def _ppl(res: dict[str, Any], mode: str, domain: str) -> Optional[float]:
     """One domain's test perplexity under `mode` from its per-block NLL sums (None when not evaluated)."""
     r = res["domains"].get(domain, {})
@@ -275,11 +285,7 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
     # Tables 3/4
     if evals.get("demix") and evals.get("dense"):
         nums, ok = {}, True
-        for seed in sorted(set(evals["demix"]) & set(evals["dense"])):
-            dm, dn = evals["demix"][seed], evals["dense"][seed]
-            a, _ = _pooled(dm, "naive", _domains(dm, "train"))
-            b, tok = _pooled(dn, "ppl", _domains(dm, "train"))
-            r = paired_ratio(a, b, tok)
+        for seed, dm, dn, r in _seed_pairs(evals, "naive", "train"):
             nums[f"seed {seed}"] = {"demix_naive": _avg(dm, "naive"), "demix_cached": _avg(dm, "cached"),
                                     "dense": _avg(dn, "ppl"), "ratio_demix_over_dense": r}
             ok &= r[2] < 1
@@ -312,11 +318,7 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
         out.append(_missing("novel domains: cached <= updating <= uniform < average", "Table 5", "needs the demix arm"))
     if evals.get("demix") and evals.get("dense") and res is not None and _domains(res, "novel"):  # Table 5 vs Dense
         nums, ok = {}, True
-        for seed in sorted(set(evals["demix"]) & set(evals["dense"])):
-            dm, dn = evals["demix"][seed], evals["dense"][seed]
-            a, tok = _pooled(dm, "cached", _domains(dm, "novel"))
-            b, _ = _pooled(dn, "ppl", _domains(dm, "novel"))
-            r = paired_ratio(a, b, tok)
+        for seed, dm, dn, r in _seed_pairs(evals, "cached", "novel"):
             nums[f"seed {seed}"] = {"demix_cached": _avg(dm, "cached", "novel"), "dense": _avg(dn, "ppl", "novel"),
                                     "ratio_demix_over_dense": r}
             ok &= r[2] < 1
