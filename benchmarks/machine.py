@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+import time
+from typing import Any, Optional
 
 
 def machine_info() -> dict[str, Any]:
@@ -29,3 +30,56 @@ def machine_info() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def _busy_jiffies() -> Optional[tuple[int, int]]:
+    """(all busy jiffies, of which niced) summed over every CPU, from /proc/stat's aggregate line; None where
+    there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return user + nice + system + irq + softirq + steal, nice
+
+
+class OtherLoad:
+    """CPU used by *other* processes while a block runs, in cores:
+
+        others = (busy CPU time of the whole machine - this process's and its children's CPU time) / wall time
+
+    The 1-minute load average cannot say this for a benchmark that itself keeps every core busy (its own threads
+    count in it, and it lags by a minute); this reads the kernel's busy counters (/proc/stat) before and after.
+    `niced` is the part of the machine's busy time spent at a positive nice level (others' background jobs
+    usually; a niced benchmark would count its own time there too). Both are None where /proc/stat is missing.
+
+        with OtherLoad() as ol:
+            work()
+        ol.result()  # {"others_cores": 0.03, "niced_cores": 0.0, "own_cores": 1.98, "wall_s": 2.1}
+    """
+
+    def __enter__(self) -> "OtherLoad":
+        self._t0, self._own0, self._busy0 = time.perf_counter(), _own_cpu(), _busy_jiffies()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._t1, self._own1, self._busy1 = time.perf_counter(), _own_cpu(), _busy_jiffies()
+
+    def result(self) -> dict[str, Optional[float]]:
+        wall = max(self._t1 - self._t0, 1e-9)
+        own = (self._own1 - self._own0) / wall
+        out: dict[str, Optional[float]] = {"others_cores": None, "niced_cores": None, "own_cores": round(own, 3),
+                                           "wall_s": round(wall, 3)}
+        if self._busy0 is not None and self._busy1 is not None:
+            hz = os.sysconf("SC_CLK_TCK")
+            busy = (self._busy1[0] - self._busy0[0]) / hz / wall
+            out["others_cores"] = round(max(0.0, busy - own), 3)
+            out["niced_cores"] = round((self._busy1[1] - self._busy0[1]) / hz / wall, 3)
+        return out
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
