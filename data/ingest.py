@@ -131,12 +131,13 @@ def _parse_line(
     text = obj[text_field]
     if not isinstance(text, str):
         return Problem(path, lineno, "text_not_string", type(text).__name__)
-    if not text.strip():
+    if not text or text.isspace():  # (no stripped copy of a long text)
         return Problem(path, lineno, "empty_text")
-    try:
-        text.encode("utf-8")  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
-    except UnicodeEncodeError as e:
-        return Problem(path, lineno, "non_utf8", f"unpaired surrogate at character {e.start}")
+    if not text.isascii():  # isascii is O(1) on CPython's compact strings; ASCII cannot hold a surrogate
+        try:
+            text.encode("utf-8")  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
+        except UnicodeEncodeError as e:
+            return Problem(path, lineno, "non_utf8", f"unpaired surrogate at character {e.start}")
     domain = obj.get(domain_field, default_domain)
     if domain is None or domain == "":
         return Problem(path, lineno, "missing_domain", f"no field {domain_field!r}")
@@ -159,7 +160,7 @@ def read_jsonl(
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
+            if not raw or raw.isspace():
                 continue  # blank lines carry nothing: not a document, not a problem
             yield _parse_line(raw, str(path), lineno, text_field, domain_field, id_field, allowed, default_domain)
 

@@ -58,6 +58,7 @@ from data.cli import check_output_dir, cli_main
 
 FORMAT = "demix-tokens/1"
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
+THREAD_CHUNK_CHARS = 1 << 17  # text per encoding-thread task: no pickling, so smaller: less idle time at the end
 
 
 @dataclass
@@ -106,32 +107,58 @@ def encode_concat(tok: Tokenizer, texts: Sequence[str], dtype: str) -> tuple[np.
     return out, lengths
 
 
-def encode_chunks_threaded(
-    tok: Tokenizer, chunks: Iterable[list[str]], dtype: str, workers: int, ahead: int = 0,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """`encode_concat` of every chunk, in order, on `workers` threads (this thread when workers <= 1). At most
-    `ahead` (default 2 * workers) chunks are in flight, so memory stays bounded and the caller's writing of
-    finished chunks overlaps the encoding of the next ones."""
-    if workers <= 1:
-        for c in chunks:
-            yield encode_concat(tok, c, dtype)
-        return
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
+class ThreadEncoder:
+    """GPT-2 encoding on `workers` threads that starts while the corpus is still being read.
 
-    ahead = ahead or 2 * workers
-    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as ex:
-        pending: deque = deque()
-        try:
-            for c in chunks:
-                pending.append(ex.submit(encode_concat, tok, c, dtype))
-                if len(pending) >= ahead:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+    `add(domain, text)` queues a document; every THREAD_CHUNK_CHARS of text becomes one `encode_concat` task on
+    the thread pool (tiktoken releases the GIL while it encodes, so the threads run on separate cores while this
+    thread goes on parsing JSON). `end(domain)` queues the domain's last partial chunk. `results(domain)` yields
+    the (flat, lengths) of the domain's chunks in document order as they finish. The queue is not bounded: the
+    texts are in memory already, and a finished chunk's tokens (2 bytes per ~4 characters) are written and
+    dropped as soon as its turn comes. `close()` cancels what has not started (an error, a raise in the caller)."""
+
+    def __init__(self, tok: Tokenizer, dtype: str, workers: int, chunk_chars: int = 0):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.tok, self.dtype = tok, dtype
+        self.chunk_chars = chunk_chars or THREAD_CHUNK_CHARS
+        self._ex = ThreadPoolExecutor(max(1, workers), thread_name_prefix="encode")
+        self._futures: dict[str, list] = {}
+        self._batch: dict[str, tuple[list[str], int]] = {}
+
+    def add(self, domain: str, text: str) -> None:
+        batch, size = self._batch.get(domain) or ([], 0)
+        batch.append(text)
+        size += len(text)
+        if size >= self.chunk_chars:
+            self._submit(domain, batch)
+            batch, size = [], 0
+        self._batch[domain] = (batch, size)
+
+    def end(self, domain: str) -> None:
+        batch, _ = self._batch.pop(domain, ([], 0))
+        self._futures.setdefault(domain, [])
+        if batch:
+            self._submit(domain, batch)
+
+    def feed(self, domain: str, texts: Iterable[str]) -> None:
+        for t in texts:
+            self.add(domain, t)
+        self.end(domain)
+
+    def __contains__(self, domain: str) -> bool:
+        return domain in self._futures
+
+    def results(self, domain: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        futures = self._futures[domain]
+        while futures:
+            yield futures.pop(0).result()
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, domain: str, batch: list[str]) -> None:
+        self._futures.setdefault(domain, []).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
 
 
 def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
@@ -206,16 +233,23 @@ def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[st
     return {d: found[d] for d in domains}
 
 
-def _read_domains(files: dict[str, Path], on_error: str, keep: int) -> tuple[dict[str, list[str]], ProblemLog]:
-    """Validated texts per domain; with on_error="fail" every file is checked before returning or raising."""
+def _read_domains(files: dict[str, Path], on_error: str, keep: int, sink: Optional["ThreadEncoder"] = None,
+                  stream: Sequence[str] = ()) -> tuple[dict[str, list[str]], ProblemLog]:
+    """Validated texts per domain; with on_error="fail" every file is checked before returning or raising. The
+    texts of the domains in `stream` also go to `sink` as they are read (`sink.end` after each)."""
     log, texts = ProblemLog(keep), {}
     for domain, path in files.items():
-        texts[domain] = []
+        texts[domain] = kept = []
+        streamed = sink is not None and domain in stream
         for r in read_jsonl(path, domains=[domain], default_domain=domain):
             if isinstance(r, Problem):
                 log.add(r)
             else:
-                texts[domain].append(r.text)
+                kept.append(r.text)
+                if streamed:
+                    sink.add(domain, r.text)
+        if streamed:
+            sink.end(domain)
     if on_error == "fail" and log.total:
         raise CorpusError(log, str(next(iter(files.values())).parent))
     return texts, log
@@ -325,18 +359,25 @@ def prepare_corpus(
         say(f"{tok_dir}: up to date (inputs_sha256 {inputs_sha256[:12]}), nothing to do")
         return PrepareResult(tok_dir, done, skipped=True)
 
-    t0 = time.perf_counter()
-    texts, problems = _read_domains(files, on_error, max_report)
-    # processes only for what threads cannot do in parallel: anonymising (pure Python) and sentencepiece encoding;
-    # GPT-2 encodes on threads in this process (see _tokenise_all)
-    need_pool = any(policy[d] for d in texts) or tokenizer == "sentencepiece"
-    pool = make_pool(workers) if need_pool else None
     t_import = time.perf_counter()
     with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to data
         warnings.simplefilter("ignore")
         import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: off the throughput clock)
     import_seconds = time.perf_counter() - t_import
+    t0 = time.perf_counter()
+    # GPT-2 encodes on threads in this process (ThreadEncoder); a domain that needs nothing between reading and
+    # encoding (not anonymised, and no bad line can fail the run) is encoded while it is still being read
+    encoder, tok = None, None
+    if tokenizer == "gpt2":
+        tok = load_tokenizer("gpt2")
+        encoder = ThreadEncoder(tok, np.dtype(_token_dtype(tok, len(files))).name, workers)
+    stream = [d for d in files if encoder is not None and not policy[d] and on_error == "skip"]
+    pool = None
     try:
+        texts, problems = _read_domains(files, on_error, max_report, encoder, stream)
+        # processes only for what threads cannot do in parallel: anonymising (pure Python), sentencepiece encoding
+        if any(policy[d] for d in texts) or tokenizer == "sentencepiece":
+            pool = make_pool(workers)
         anon_counts: dict[str, dict[str, int]] = {}
         for d in texts:
             if policy[d]:
@@ -346,13 +387,17 @@ def prepare_corpus(
                     texts[d].extend(out)
                     add_counts(anon_counts[d], counts)
         splits = {d: split_documents(len(t), d, seed, valid_fraction, test_fraction) for d, t in texts.items()}
-        tok = _tokenizer(tokenizer, tok_dir, texts, splits, sp_vocab_size, seed, workers, say)
-        dtype = np.uint16 if tok.total_vocab_size(len(files)) < 65536 else np.int32
-        counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, tok_dir, progress, workers)
+        if tok is None:
+            tok = _tokenizer(tokenizer, tok_dir, texts, splits, sp_vocab_size, seed, workers, say)
+        dtype = _token_dtype(tok, len(files))
+        counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, tok_dir, progress, workers, encoder,
+                                      started=t0 if stream else None)
     finally:
         if pool is not None:
             pool.close()
             pool.join()
+        if encoder is not None:
+            encoder.close()
     manifest = {
         "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
         "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
@@ -360,7 +405,7 @@ def prepare_corpus(
         "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
                   "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
         "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
-        "stats": {**stats, "total_seconds": round(time.perf_counter() - t0 - import_seconds, 3),
+        "stats": {**stats, "total_seconds": round(time.perf_counter() - t0, 3),
                   "megatron_import_seconds": round(import_seconds, 3)},
     }
     write_json_atomic(tok_dir / "manifest.json", manifest)
@@ -369,6 +414,10 @@ def prepare_corpus(
         if problems.total:
             say(f"skipped {problems.total} bad line(s): {dict(problems.counts)} (first ones in the manifest)")
     return PrepareResult(tok_dir, manifest, skipped=False, stats=manifest["stats"])
+
+
+def _token_dtype(tok: Tokenizer, num_domains: int) -> type:
+    return np.uint16 if tok.total_vocab_size(num_domains) < 65536 else np.int32
 
 
 def _tokenizer(name, tok_dir, texts, splits, sp_vocab_size, seed, workers, say):
@@ -417,28 +466,34 @@ class _ChunkWriter:
         self.builder.finalize(str(self.prefix) + ".idx")
 
 
-def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int):
+def _by_split(flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """A chunk's documents grouped by split code: (code, their tokens, their lengths), each group in document order.
+    `flat` is the documents' tokens back to back, `lengths` their token counts, `codes` their split codes."""
+    if (codes == codes[0]).all():
+        return [(int(codes[0]), flat, lengths)]
+    per_token = np.repeat(codes, lengths)
+    return [(int(c), flat[per_token == c], lengths[codes == c]) for c in np.unique(codes)]
+
+
+def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int,
+                  encoder: Optional[ThreadEncoder] = None, started: Optional[float] = None):
     """Tokenise every domain and split into a temporary directory, then move the domains into place.
 
-    GPT-2 (and any tokenizer without a process pool) takes the fast path: chunks of every domain and split, in
-    order, encoded by `workers` threads (tiktoken releases the GIL) into one array per chunk, written by this
-    thread while the next chunks encode. Sentencepiece with a pool encodes in the worker processes."""
+    GPT-2 takes the fast path: `encoder` (a ThreadEncoder) encodes chunks of each domain's documents in corpus
+    order on `workers` threads, streamed while reading for the domains it already holds, queued here for the others
+    (e.g. after anonymisation); this thread routes each finished chunk's documents to their split's file
+    (`_by_split`) while the next chunks encode. Sentencepiece encodes in the worker processes of `pool` (or here
+    without one), one split after another. `started`: when encoding began, if before this call (streaming), so
+    that the throughput covers all of it."""
     tok_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=tok_dir))
     n_docs = sum(len(t) for t in texts.values())
-    n_bytes = sum(len(t.encode("utf-8")) for ts in texts.values() for t in ts)
+    n_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8")) for ts in texts.values() for t in ts)
     counts: dict[str, dict] = {d: {s: {"documents": 0, "tokens": 0, "bin": None, "idx": None} for s in SPLITS}
                                for d in texts}
-    jobs = []  # (domain, split, documents) in the order the files are written
-    for d, ts in texts.items():
-        for code, split in enumerate(SPLITS):
-            chosen = [t for t, s in zip(ts, splits[d]) if s == code]
-            if chosen:
-                jobs.append((d, split, chosen))
     bar = tqdm(total=n_docs, unit="doc", desc="tokenise", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    fast = pool is None or hasattr(tok, "encode_array")
     name = np.dtype(dtype).name
-    t0 = time.perf_counter()
+    t0 = started if started is not None else time.perf_counter()
     n_tokens = 0
 
     def record(d: str, split: str, docs: int, tokens: int, sha: Optional[str] = None) -> None:
@@ -449,26 +504,35 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
                             "bin_sha256": sha or sha256_file(staging / d / f"{split}.bin")}
 
     try:
-        if fast:
-            tagged = [(k, c) for k, (_, _, chosen) in enumerate(jobs) for c in _chunks(chosen, CHUNK_CHARS)]
-            results = encode_chunks_threaded(tok, (c for _, c in tagged), name, workers)
-            writer, current = None, -1
-            for (k, _), (flat, lengths) in zip(tagged, results):
-                if k != current:
-                    if writer is not None:
-                        writer.finalize()
-                        record(*jobs[current][:2], writer.docs, writer.tokens, writer.sha.hexdigest())
-                    writer, current = _ChunkWriter(staging / jobs[k][0] / jobs[k][1], dtype), k
-                writer.add(flat, lengths)
-                bar.update(len(lengths))
-            if writer is not None:
-                writer.finalize()
-                record(*jobs[current][:2], writer.docs, writer.tokens, writer.sha.hexdigest())
+        if encoder is not None:
+            for d in texts:
+                if d not in encoder:  # not streamed while reading
+                    encoder.feed(d, texts[d])
+            for d in texts:
+                writers: dict[int, _ChunkWriter] = {}
+                first = 0
+                for flat, lengths in encoder.results(d):
+                    codes = splits[d][first:first + len(lengths)]
+                    first += len(lengths)
+                    for code, part, part_lengths in _by_split(flat, lengths, codes):
+                        if code not in writers:
+                            writers[code] = _ChunkWriter(staging / d / SPLITS[code], dtype)
+                        writers[code].add(part, part_lengths)
+                    bar.update(len(lengths))
+                if first != len(texts[d]):
+                    raise RuntimeError(f"{d}: encoded {first} documents of {len(texts[d])}")  # a bug, not bad input
+                for code in sorted(writers):
+                    w = writers[code]
+                    w.finalize()
+                    record(d, SPLITS[code], w.docs, w.tokens, w.sha.hexdigest())
         else:
-            for d, split, chosen in jobs:
-                arrays = tokenize_documents(chosen, tok.spec(), name, pool, progress=bar)
-                docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
-                record(d, split, docs, tokens)
+            for d, ts in texts.items():
+                for code, split in enumerate(SPLITS):
+                    chosen = [t for t, s in zip(ts, splits[d]) if s == code]
+                    if chosen:
+                        arrays = tokenize_documents(chosen, tok.spec(), name, pool, progress=bar)
+                        docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
+                        record(d, split, docs, tokens)
         n_tokens = sum(info["tokens"] for splits_ in counts.values() for info in splits_.values())
         seconds = time.perf_counter() - t0
         bar.close()
@@ -480,7 +544,7 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
         shutil.rmtree(staging, ignore_errors=True)
     stats = {"documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes, "tokenise_seconds": round(seconds, 3),
              "tokens_per_s": round(n_tokens / max(seconds, 1e-9)), "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
-             "workers": workers, "encoder": "threads" if fast else "processes"}
+             "workers": workers, "encoder": "threads" if encoder is not None else "processes" if pool else "in-process"}
     if progress:
         print(f"tokenised {n_bytes / 1e6:.1f} MB into {n_tokens:,} tokens in {seconds:.2f} s: "
               f"{stats['tokens_per_s']:,} tokens/s, {stats['mb_per_s']} MB/s ({workers} worker(s))", flush=True)

@@ -175,7 +175,8 @@ def _reference_prepare(corpus_dir, seed, valid_fraction, test_fraction, policy, 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, workers):
     """Threaded, chunk-at-a-time encoding and writing (small chunks: many per split, several in flight) gives the
-    same .bin/.idx bytes and manifest counts as the one-document-at-a-time single-process reference."""
+    same .bin/.idx bytes and manifest counts as the one-document-at-a-time single-process reference, both for the
+    domain encoded while it is read (code: not anonymised) and for those queued after anonymisation."""
     import hashlib
 
     import data.prepare as prepare_module
@@ -183,7 +184,10 @@ def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, wor
     corpus_dir, _ = corpus
     with open(corpus_dir / "code.jsonl", "a") as f:  # special-token text stays ordinary text
         f.write(json.dumps({"id": "x", "domain": "code", "text": "s = '<|endoftext|>' + '<|fim_prefix|>'"}) + "\n")
+        f.write("{not json\n")  # skipped while streaming: the split still counts only the good documents
+        f.write(json.dumps({"id": "y", "domain": "code", "text": "caf\u00e9 = 'na\u00efve'"}) + "\n")
     monkeypatch.setattr(prepare_module, "CHUNK_CHARS", 300)
+    monkeypatch.setattr(prepare_module, "THREAD_CHUNK_CHARS", 300)
     policy = {"code": False}
     r = prepare_corpus(corpus_dir, tmp_path / "tokens", workers=workers, seed=7, valid_fraction=0.2,
                        test_fraction=0.2, anonymise=policy, progress=False)
