@@ -13,6 +13,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -249,10 +250,11 @@ def _four_domain_demix(root: Path) -> tuple[Path, Path]:
     return tokens, ckpt
 
 
-def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, float]:
-    """(loss over every rank's first micro-batch, rank 0's aux loss) of the upcycled model evaluated directly on the
-    batches the trainer's samplers give each rank at step 0, in training mode with the run's routing settings (the
-    deterministic `all` policy, the training capacity factor)."""
+def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[float]]:
+    """(loss over every rank's first micro-batch, rank 0's aux loss: None without one, e.g. DEMix) of checkpoint
+    `btx` (upcycled, or branched: tests/test_btx_branch.py) evaluated directly on the batches the trainer's samplers
+    give each rank at step 0, in training mode with the run's routing settings (the deterministic `all` policy, the
+    training capacity factor)."""
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import build_rank_sampler, to_model_batch
@@ -267,7 +269,8 @@ def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, float]:
             out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"])
             total += float(out.token_loss.double().sum())
             count += float(b["loss_mask"].sum())
-            aux0 = float(out.aux_loss) if rank == 0 else aux0
+            if rank == 0 and out.aux_loss is not None:
+                aux0 = float(out.aux_loss)
     return total / count, aux0
 
 

@@ -1,10 +1,13 @@
-"""Branch-Train-MiX (Sukhbaatar et al. 2024) from a DEMix checkpoint: upcycle the domain experts into a GShard
-top-2 MoE, then finetune it (the MiX stage) through the same trainer, on DeepSpeed's MoE layer.
+"""Branch-Train-MiX (Sukhbaatar et al. 2024): branch a dense seed model into a DEMix one, upcycle a DEMix
+checkpoint's domain experts into a GShard top-2 MoE, then finetune it (the MiX stage) through the same trainer, on
+DeepSpeed's MoE layer.
 
-    python -m launcher.modular.btx CKPT --out DIR [--layers every_other|all] [--router-init data|zero]
+    python -m launcher.modular.btx branch DENSE --out DIR [--domains a,b,...] [--overwrite]
+    python -m launcher.launch --config configs/demo/demix.yaml --nproc N --set train.init_from=DIR ...   # Train
+    python -m launcher.modular.btx [upcycle] CKPT --out DIR [--layers every_other|all] [--router-init data|zero]
         [--data TOKENS_ROOT] [--tokenizer TOK] [--blocks 16] [--router-entropy 0.5] [--experts-per-rank K]
         [--world-size N] [--overwrite]
-    python -m launcher.launch --config configs/btx/finetune.yaml --nproc 4 --set train.init_from=DIR ...
+    python -m launcher.launch --config configs/btx/finetune.yaml --nproc 4 --set train.init_from=DIR ...  # MiX
 
 Shape legend: G domains (= E experts: expert j is domain j's FFN), E experts, L layers, D model dim, N token rows
 sampled per domain, S token rows.
@@ -63,6 +66,21 @@ The output keeps the source's metadata (tokenizer fingerprint, bos/eod ids, toke
 (source, layers, router statistics per layer), so that `train.init_from` of a GShard run accepts it
 (launcher/plan.py: same model shape, same tokenizer). Its config's expert placement (`experts_per_rank`) is only a
 default: a finetune run may change it (the expert count E may not).
+
+Branching (BTX §2.1, `branch`): every branch starts as a copy of one trained dense seed model. `branch` writes the
+DEMix checkpoint of that starting point, in the format a DEMix run's `model/` folder has:
+
+    experts.j.<name> of layer l  =  mlp.<name> of layer l of the dense model, for every domain j   (bit for bit)
+
+and every other tensor (embeddings, attention, layer norms) is the dense one. Routed to any expert, or mixed with
+any weights summing to 1, it computes exactly the dense model's function; `upcycle` of it gives, with any router,
+the dense FFN in every MoE layer and the same FFN as their mean in averaged layers (coherence 1). Its config is the
+dense run's with `model.ffn.kind=demix`, one expert per domain and `data.mixture=by_domain`, i.e. the run config of
+a DEMix run over those domains with the dense run's recipe; expert j is `domains[j]`, the order a DEMix run's
+catalog gives them (the dense run's training domains by default, `data.domains` when another list is named).
+`demix_overrides` gives the `--set` values that start a DEMix run (the Train stage: each expert trains on its own
+domain, everything else on all) from it. Its meta keeps the dense source's (tokenizer, tokens seen, step) and adds
+`branch` (source, its step, "branched from dense").
 """
 
 from __future__ import annotations
@@ -70,6 +88,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import sys
 import time
@@ -79,18 +98,21 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from data.catalog import read_token_manifest
+from data.catalog import DataError, load_catalog, read_token_manifest
 from data.cli import cli_main
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
                                  save_consolidated)
 from launcher.config import ConfigError, RunConfig
 from launcher.evaluation.evaluate import block_inputs, check_checkpoint_data, load_blocks
 from launcher.ffn_kinds import ffn_kind
+from launcher.modular.surgery import EXPERT_KEY
+from launcher.typed import from_dict
 
 LAYERS: dict[str, int] = {"every_other": 2, "all": 1}  # --layers -> model.ffn.gshard.moe_every
 ROUTER_INITS: tuple[str, ...] = ("data", "zero")
 _META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
 CkptLike = Union[str, Path, Consolidated]
+_SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -322,12 +344,153 @@ def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
     (`model.ffn.gshard.experts_per_rank`) is left to the run: it depends on the number of ranks."""
     meta = read_meta(ckpt)
     m, d = meta["config"]["model"], meta["config"]["data"]
-    keys = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by")
-    return ([f"model.{k}={m[k]}" for k in keys]
+    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
             + [f"model.ffn.kind={m['ffn']['kind']}", f"model.ffn.num_experts={m['ffn']['num_experts']}",
                f"model.ffn.gshard.moe_every={m['ffn']['gshard']['moe_every']}",
                f"data.path={d['path']}", f"data.tokenizer={d['tokenizer']}",
                f"train.init_from={Path(ckpt).resolve()}"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Branching a dense seed model (BTX §2.1)
+# ----------------------------------------------------------------------------------------------------
+
+_DENSE_FFN_KEY = re.compile(r"^(blocks\.(\d+)\.ffn\.)mlp\.(.+)$")  # blocks.<l>.ffn.mlp.<name> (model/mlp.py DenseFFN)
+
+
+def branch_source_problems(cfg: RunConfig) -> list[str]:
+    """Why a checkpoint of run config `cfg` cannot be branched: it must be a plain dense model (no experts of any
+    kind, no domain tokens in its inputs)."""
+    name = cfg.model.ffn.kind
+    if ffn_kind(cfg).domain_experts:
+        return [f"it is a {name!r} checkpoint: its experts are branches already; upcycle it directly "
+                "(`python -m launcher.modular.btx CKPT --out DIR`)"]
+    if ffn_kind(cfg).has_experts:
+        return [f"it is a {name!r} checkpoint (experts of its own, not one FFN per layer): branch the dense "
+                "checkpoint of a `model.ffn.kind=dense` run"]
+    if cfg.data.mixture == "domain_token":
+        return ["it is a +Domain-Token model (data.mixture=domain_token: a domain token before every block, rows for "
+                "them in its embedding), which a DEMix run never feeds: branch a dense model trained with the "
+                "natural or balanced mixture"]
+    return []
+
+
+def branch_domains(cfg: RunConfig, trained: Sequence[str], domains: Optional[Sequence[str]] = None) -> list[str]:
+    """The experts' domains in expert-id order: `domains` as given (each must be a domain of the dense run's data,
+    `data.path`/`data.tokenizer`), else the dense run's training domains `trained` (its meta's order, the catalog's)."""
+    if domains is None:
+        if not trained:
+            raise CheckpointError("the dense checkpoint's meta.json lists no training domains: name the experts' "
+                                  "domains with --domains")
+        return list(trained)
+    domains = list(domains)
+    if not domains:
+        raise CheckpointError("--domains is empty: name at least one domain, or leave it out for the dense run's "
+                              f"training domains ({', '.join(trained)})")
+    dup = sorted({d for d in domains if domains.count(d) > 1})
+    if dup:
+        raise CheckpointError(f"--domains names {dup} more than once: one expert per domain")
+    manifest = Path(cfg.data.path) / cfg.data.tokenizer / "manifest.json"
+    try:
+        known, where = list(read_token_manifest(manifest)["domains"]), f"the dense run's data ({manifest})"
+    except DataError:
+        known, where = list(trained), f"the dense run's training domains ({manifest} is unreadable)"
+    unknown = [d for d in domains if d not in known]
+    if unknown:
+        raise CheckpointError(f"--domains {unknown}: not a domain of {where}; known: {', '.join(known)}. Prepare "
+                              "data for it first (python -m data.prepare), or choose among these")
+    return domains
+
+
+def catalog_domains(cfg: RunConfig, trained: Sequence[str]) -> list[str]:
+    """The training domains, in order, that a run of `cfg` reads (launcher/plan.py's catalog: `data.domains`, else the
+    data's non-novel domains sorted by name); `trained` (the checkpoint's list) when the data cannot be read."""
+    try:
+        return list(load_catalog(cfg.data.path, cfg.data.tokenizer, cfg.data.domains).train_domains)
+    except DataError:
+        return list(trained)
+
+
+def branch_config(cfg: RunConfig, domains: Sequence[str], trained: Sequence[str]) -> RunConfig:
+    """The DEMix run config of the branched model: the dense run's shape and recipe with `kind=demix`, one expert per
+    domain, the by-domain mixture (each expert trains on its own domain, DEMix §3), no init checkpoint. `data.domains`
+    stays the dense run's when its catalog gives exactly `domains` in this order, else lists `domains`: a DEMix run of
+    this config numbers its domains as the experts are numbered (`domains[j]` is expert j)."""
+    ffn = replace(cfg.model.ffn, kind="demix", num_experts=len(domains))
+    listed = cfg.data.domains if catalog_domains(cfg, trained) == list(domains) else list(domains)
+    return replace(cfg, model=replace(cfg.model, ffn=ffn),
+                   data=replace(cfg.data, mixture="by_domain", domains=listed),
+                   parallel=replace(cfg.parallel, allocation=None),
+                   train=replace(cfg.train, init_from=None, trainable="all"))
+
+
+def branch_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int) -> dict[str, torch.Tensor]:
+    """The DEMix state dict of `num_experts` branches of a dense one: `blocks.<l>.ffn.mlp.<name>` becomes
+    `blocks.<l>.ffn.experts.<j>.<name>` (surgery.EXPERT_KEY) for every j, each the same tensor object; every other
+    tensor is kept (the same object: bit-identical)."""
+    if any(EXPERT_KEY.match(k) for k in state):
+        raise CheckpointError("the state dict already has expert tensors (blocks.<l>.ffn.experts.<j>.*): not dense")
+    out: dict[str, torch.Tensor] = {}
+    layers = set()
+    for k, v in state.items():
+        m = _DENSE_FFN_KEY.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        layers.add(int(m.group(2)))
+        out.update({f"{m.group(1)}experts.{j}.{m.group(3)}": v for j in range(num_experts)})
+    missing = sorted(set(range(n_layers)) - layers)
+    if missing:
+        raise CheckpointError(f"layers {missing} have no dense FFN (blocks.<l>.ffn.mlp.*): not a dense state dict")
+    return out
+
+
+def branch(dense_ckpt: CkptLike, out: Union[str, Path], domains: Optional[Sequence[str]] = None, *,
+           overwrite: bool = False) -> dict[str, Any]:
+    """Write the DEMix checkpoint whose every expert, in every layer, is dense checkpoint `dense_ckpt`'s FFN of that
+    layer (BTX's branch step; module docstring) to `out`; returns a record: source, domains, the `--set` values that
+    start a DEMix run from it (`demix_sets`). `domains` (default: the dense run's training domains) orders the
+    experts. Refuses (CheckpointError) a source with experts or domain tokens, an unknown domain and an existing
+    `out` (unless `overwrite` and it holds a consolidated checkpoint: check_checkpoint_out)."""
+    t0 = time.perf_counter()
+    if isinstance(dense_ckpt, Consolidated):
+        meta, cfg, source = dense_ckpt.meta, dense_ckpt.cfg, None
+    else:  # every refusal below reads meta.json only, before any tensor
+        check_checkpoint_out(out, [dense_ckpt], overwrite)
+        meta, source = read_meta(dense_ckpt), str(Path(dense_ckpt).resolve())
+        cfg = from_dict(RunConfig, meta["config"], source=f"{dense_ckpt}/meta.json")
+    bad = branch_source_problems(cfg)
+    if bad:
+        raise CheckpointError(f"branching needs a dense checkpoint (one FFN per layer) to copy into every expert; "
+                              f"{source or 'the checkpoint'}: {bad[0]}")
+    names = branch_domains(cfg, meta["domains"], domains)
+    c = _load(dense_ckpt)
+    state = branch_state(c.state_dict, len(names), c.cfg.model.n_layers)
+    rec = {"source": source, "source_step": c.step, "method": "branched from dense: every expert of every layer is "
+           "a copy of the dense model's FFN of that layer (BTX branch)", "expert_domains":
+           {str(j): d for j, d in enumerate(names)}}
+    extra = {k: v for k, v in c.meta.items() if k not in _META_OWN and k not in ("btx", "branch")}
+    save_consolidated(out, state, branch_config(c.cfg, names, c.domains), names, c.step, extra={**extra, "branch": rec})
+    return {"out": str(out), **rec, "domains": names, "num_experts": len(names),
+            "demix_sets": demix_overrides(out), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
+    """`--set` values that make a DEMix run config (e.g. configs/demo/demix.yaml) train the experts of DEMix checkpoint
+    `ckpt` (a branched one) on their domains: its model shape and expert count, the by-domain mixture over its experts'
+    domains in its order (`data.domains`; null: the data's training domains, which are then the experts'), its data
+    and `train.init_from`."""
+    meta = read_meta(ckpt)
+    m, d = meta["config"]["model"], meta["config"]["data"]
+    if not ffn_kind(m["ffn"]["kind"]).domain_experts:
+        raise CheckpointError(f"{ckpt} is a {m['ffn']['kind']!r} checkpoint; a DEMix run starts from a DEMix one "
+                              "(branch a dense checkpoint first: python -m launcher.modular.btx branch DENSE "
+                              "--out DIR)")
+    listed = "null" if d.get("domains") is None else json.dumps(list(d["domains"]))
+    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
+            + [f"model.ffn.kind={m['ffn']['kind']}", f"model.ffn.num_experts={len(meta['domains'])}",
+               "data.mixture=by_domain", f"data.domains={listed}", f"data.path={d['path']}",
+               f"data.tokenizer={d['tokenizer']}", f"train.init_from={Path(ckpt).resolve()}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -336,7 +499,9 @@ def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The upcycle command's arguments (`[upcycle] CKPT --out DIR ...`)."""
+    p = argparse.ArgumentParser(prog="python -m launcher.modular.btx [upcycle]", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a consolidated DEMix checkpoint (RUN_DIR/model)")
     p.add_argument("--out", required=True, help="where to write the GShard checkpoint (must not exist)")
     p.add_argument("--layers", choices=tuple(LAYERS), default="every_other",
@@ -355,9 +520,40 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_branch_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The branch command's arguments (`branch DENSE --out DIR [--domains a,b]`)."""
+    p = argparse.ArgumentParser(prog="python -m launcher.modular.btx branch",
+                                description="Branch a dense checkpoint into a DEMix one whose every expert is a copy "
+                                            "of the dense FFN of its layer (BTX's branch step).")
+    p.add_argument("checkpoint", help="a consolidated dense checkpoint (RUN_DIR/model of a model.ffn.kind=dense run)")
+    p.add_argument("--out", required=True, help="where to write the DEMix checkpoint (must not exist)")
+    p.add_argument("--domains", help="comma-separated expert domains, in expert-id order (default: the dense run's "
+                                     "training domains)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    return p.parse_args(argv)
+
+
+def _branch_main(argv: Sequence[str]) -> int:
+    args = parse_branch_args(argv)
+    domains = None if args.domains is None else [d.strip() for d in args.domains.split(",") if d.strip()]
+    try:
+        rec = branch(args.checkpoint, args.out, domains, overwrite=args.overwrite)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec, indent=1))
+    sets = " ".join(f"--set {shlex.quote(s)}" for s in rec["demix_sets"])
+    print(f"train the branches (DEMix): python -m launcher.launch --config configs/demo/demix.yaml --nproc N {sets}",
+          file=sys.stderr)
+    return 0
+
+
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["branch"]:  # a checkpoint folder named `branch` is ./branch
+        return _branch_main(argv[1:])
+    args = parse_args(argv[1:] if argv[:1] == ["upcycle"] else argv)
     try:
         rec = upcycle(args.checkpoint, args.out, layers=args.layers, router_init=args.router_init, data=args.data,
                       tokenizer=args.tokenizer, blocks=args.blocks, router_entropy=args.router_entropy,
@@ -370,7 +566,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if low:
         print(f"note: the experts of averaged layers {low} (||mean|| / mean ||expert||; 1 = equal, "
               f"{rec['num_experts'] ** -0.5:.3f} = unrelated) look independently initialised: their average keeps "
-              "little of any of them; --layers all averages nothing", file=sys.stderr)
+              "little of any of them; --layers all averages nothing, and `branch` gives experts of one seed",
+              file=sys.stderr)
     sets = " ".join(f"--set {shlex.quote(s)}" for s in rec["finetune_sets"])
     print(f"finetune (MiX): python -m launcher.launch --config configs/btx/finetune.yaml --nproc N "
           f"--set model.ffn.gshard.experts_per_rank=K {sets}   # {rec['num_experts']} / K must divide N",
