@@ -15,22 +15,10 @@ import pytest
 from benchmarks.merge_quality import main, merge_quality
 from launcher.checkpoint import CheckpointError, load_consolidated
 from launcher.evaluation.evaluate import evaluate_checkpoint
-from launcher.modular.btx import branch
 from launcher.modular.hf_export import merge_weights_from_data
+from tests.test_btx_branch import branched, dense  # noqa: F401  (fixtures: a random dense checkpoint, its branches)
 
 BLOCKS, DEV_BLOCKS = 4, 4  # tiny_tokens has more of both (32-token blocks) in every domain
-
-
-@pytest.fixture(scope="module")
-def dense(random_checkpoint, tmp_path_factory) -> Path:
-    return random_checkpoint(tmp_path_factory.mktemp("merge") / "dense", "dense")
-
-
-@pytest.fixture(scope="module")
-def branched(dense, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("merge") / "branched"
-    branch(dense, out)
-    return out
 
 
 def test_equal_experts_merge_exactly(branched, dense, tiny_tokens):
