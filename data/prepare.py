@@ -40,6 +40,7 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -123,7 +124,7 @@ class ThreadEncoder:
         self.tok, self.dtype = tok, dtype
         self.chunk_chars = chunk_chars or THREAD_CHUNK_CHARS
         self._ex = ThreadPoolExecutor(max(1, workers), thread_name_prefix="encode")
-        self._futures: dict[str, list] = {}
+        self._futures: dict[str, deque] = {}
         self._batch: dict[str, tuple[list[str], int]] = {}
 
     def add(self, domain: str, text: str) -> None:
@@ -137,7 +138,7 @@ class ThreadEncoder:
 
     def end(self, domain: str) -> None:
         batch, _ = self._batch.pop(domain, ([], 0))
-        self._futures.setdefault(domain, [])
+        self._futures.setdefault(domain, deque())
         if batch:
             self._submit(domain, batch)
 
@@ -152,13 +153,13 @@ class ThreadEncoder:
     def results(self, domain: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         futures = self._futures[domain]
         while futures:
-            yield futures.pop(0).result()
+            yield futures.popleft().result()
 
     def close(self) -> None:
         self._ex.shutdown(wait=True, cancel_futures=True)
 
     def _submit(self, domain: str, batch: list[str]) -> None:
-        self._futures.setdefault(domain, []).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
+        self._futures.setdefault(domain, deque()).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
 
 
 def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:

@@ -343,12 +343,18 @@ def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
     its model shape, GShard expert count and MoE placement, its data, and `train.init_from`. The expert placement
     (`model.ffn.gshard.experts_per_rank`) is left to the run: it depends on the number of ranks."""
     meta = read_meta(ckpt)
+    m = meta["config"]["model"]
+    return _start_from_sets(ckpt, meta, [f"model.ffn.kind={m['ffn']['kind']}",
+                                         f"model.ffn.num_experts={m['ffn']['num_experts']}",
+                                         f"model.ffn.gshard.moe_every={m['ffn']['gshard']['moe_every']}"])
+
+
+def _start_from_sets(ckpt: Union[str, Path], meta: dict[str, Any], ffn_sets: list[str]) -> list[str]:
+    """`--set` values for a run starting from `ckpt` (meta `meta`): its model shape, then `ffn_sets`, then its data
+    and `train.init_from`."""
     m, d = meta["config"]["model"], meta["config"]["data"]
-    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
-            + [f"model.ffn.kind={m['ffn']['kind']}", f"model.ffn.num_experts={m['ffn']['num_experts']}",
-               f"model.ffn.gshard.moe_every={m['ffn']['gshard']['moe_every']}",
-               f"data.path={d['path']}", f"data.tokenizer={d['tokenizer']}",
-               f"train.init_from={Path(ckpt).resolve()}"])
+    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS] + ffn_sets
+            + [f"data.path={d['path']}", f"data.tokenizer={d['tokenizer']}", f"train.init_from={Path(ckpt).resolve()}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -487,10 +493,9 @@ def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
                               "(branch a dense checkpoint first: python -m launcher.modular.btx branch DENSE "
                               "--out DIR)")
     listed = "null" if d.get("domains") is None else json.dumps(list(d["domains"]))
-    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
-            + [f"model.ffn.kind={m['ffn']['kind']}", f"model.ffn.num_experts={len(meta['domains'])}",
-               "data.mixture=by_domain", f"data.domains={listed}", f"data.path={d['path']}",
-               f"data.tokenizer={d['tokenizer']}", f"train.init_from={Path(ckpt).resolve()}"])
+    return _start_from_sets(ckpt, meta, [f"model.ffn.kind={m['ffn']['kind']}",
+                                         f"model.ffn.num_experts={len(meta['domains'])}",
+                                         "data.mixture=by_domain", f"data.domains={listed}"])
 
 
 # ----------------------------------------------------------------------------------------------------
