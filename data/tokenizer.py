@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -139,7 +141,9 @@ class GPT2Tokenizer(Tokenizer):
         self.vocab_size = self._enc.n_vocab  # 50257
         self.bos_id = self.eod_id = self._enc.eot_token  # 50256
         self.files = dict(GPT2_FILE_SHA256)
-        self._to_numpy = getattr(self._enc, "encode_to_numpy", None)  # tiktoken >= 0.8
+        self._numpy = hasattr(self._enc, "encode_to_numpy")  # tiktoken >= 0.8
+        self._local = threading.local()  # .enc: an encoding of this thread's own (encoding_threads)
+        self._pools: tuple[int, dict] = (os.getpid(), {})  # encoding_threads' pools, per process
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
@@ -154,12 +158,46 @@ class GPT2Tokenizer(Tokenizer):
         spelled out); text that UTF-8 cannot encode (lone surrogates) goes through `encode_ordinary`'s repair."""
         import numpy as np
 
-        if self._to_numpy is not None:
+        enc = getattr(self._local, "enc", self._enc)
+        if self._numpy:
             try:
-                return self._to_numpy(text, allowed_special=frozenset(), disallowed_special=())
+                return enc.encode_to_numpy(text, allowed_special=frozenset(), disallowed_special=())
             except UnicodeEncodeError:
                 pass
-        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+        return np.asarray(enc.encode_ordinary(text), dtype=np.uint32)
+
+    def encoding_threads(self, workers: int):
+        """A pool of `workers` threads for parallel `encode_array`, kept while this tokenizer lives (per process),
+        each thread encoding with a tiktoken encoding of its own. The first call per process and `workers` starts
+        every thread and waits until each has built its encoding (about 25 ms each, holding the GIL), so that
+        this one-off cost is paid here and not in the middle of the first encoding.
+
+        Why not share the encoding, or make new threads per use: tiktoken's regex (the Rust `regex` crate) keeps
+        its matching caches in a pool whose first user thread becomes the owner and takes a cache without locking;
+        every other thread locks a mutex for each of the many searches one encode makes. Threads sharing the
+        process's encoding spent 15-20% more CPU than one thread on the same texts, and forked processes did not
+        (benchmarks/results/tokenize_throughput.md). So each thread builds its own encoding when it starts (the
+        rank tables are shared, not copied) and is the first to use it, and the threads are reused: a new thread
+        would not own the old encodings. After a fork the child gets new threads (threads do not survive a fork)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pid, pools = self._pools
+        if pid != os.getpid():
+            self._pools = pid, pools = os.getpid(), {}
+        if workers not in pools:
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="gpt2-encode", initializer=self._own_encoding)
+            ready = threading.Barrier(workers)  # one task per thread: each waits until all have started
+            list(pool.map(lambda _: ready.wait(timeout=120), range(workers)))
+            pools[workers] = pool
+        return pools[workers]
+
+    def _own_encoding(self) -> None:
+        """Thread initializer of `encoding_threads`: this thread's own encoding, the same vocabulary and pattern."""
+        import tiktoken
+
+        e = self._enc
+        self._local.enc = tiktoken.Encoding(e.name, pat_str=e._pat_str, mergeable_ranks=e._mergeable_ranks,
+                                            special_tokens=e._special_tokens, explicit_n_vocab=e.n_vocab)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]

@@ -74,3 +74,63 @@ def test_gpt2_encode_array_matches_encode_ordinary():
     for text in TEXTS + extra + [Path(p).read_text() for p in stdlib]:
         arr = tok.encode_array(text)
         assert arr.dtype == np.uint32 and arr.tolist() == tok.encode(text)
+
+
+def _own_encodings(tok, workers: int) -> list:
+    """(thread ident, the thread's encoding, its encode_array ids of TEXTS) from each thread of the pool."""
+    import threading
+    import time
+
+    barrier = threading.Barrier(workers)
+
+    def probe(_):
+        barrier.wait(timeout=30)  # every thread of the pool takes one task
+        time.sleep(0.01)
+        return threading.get_ident(), tok._local.enc, [tok.encode_array(t).tolist() for t in TEXTS]
+
+    return list(tok.encoding_threads(workers).map(probe, range(workers)))
+
+
+def test_gpt2_encoding_threads_own_their_encodings_and_are_kept():
+    """Each encoding thread encodes with a tiktoken encoding of its own (not the process's, not another
+    thread's) and gives the same ids; a second use gets the same threads (a new thread would not own the regex
+    caches of the old encodings: the reason for the pool, see GPT2Tokenizer.encoding_threads)."""
+    tok = load_tokenizer("gpt2")
+    want = [tok.encode(t) for t in TEXTS]
+    first = _own_encodings(tok, 2)
+    encodings = [e for _, e, _ in first]
+    assert len({id(e) for e in encodings}) == 2 and all(e is not tok._enc for e in encodings)
+    assert all(ids == want for _, _, ids in first)
+    assert tok.encoding_threads(2) is tok.encoding_threads(2)
+    again = _own_encodings(tok, 2)
+    assert {t for t, _, _ in again} == {t for t, _, _ in first}
+    assert {id(e) for _, e, _ in again} == {id(e) for e in encodings}
+    assert not hasattr(tok._local, "enc")  # this thread keeps the process's encoding
+
+
+def _encode_in_forked_child(q) -> None:
+    tok = load_tokenizer("gpt2")
+    q.put([ids for _, _, ids in _own_encodings(tok, 2)])
+
+
+def test_gpt2_encoding_threads_after_fork():
+    """A forked child inherits the pool object but none of its threads: it gets a pool of its own and encodes
+    (with the parent's pool it would wait forever)."""
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("needs the fork start method")
+    tok = load_tokenizer("gpt2")
+    _own_encodings(tok, 2)  # the parent's pool has run its threads before the fork
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_encode_in_forked_child, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=30)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+    assert got == [[tok.encode(t) for t in TEXTS]] * 2
