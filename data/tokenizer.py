@@ -176,20 +176,27 @@ class GPT2Tokenizer(Tokenizer):
         its matching caches in a pool whose first user thread becomes the owner and takes a cache without locking;
         every other thread locks a mutex for each of the many searches one encode makes. Threads sharing the
         process's encoding spent 15-20% more CPU than one thread on the same texts, and forked processes did not
-        (benchmarks/results/tokenize_throughput.md). So each thread builds its own encoding when it starts (the
-        rank tables are shared, not copied) and is the first to use it, and the threads are reused: a new thread
+        (benchmarks/results/tokenize_throughput.md). So each thread builds its own encoding when it starts (its own
+        copy of the rank tables, a few MB) and is the first to use it, and the threads are reused: a new thread
         would not own the old encodings. After a fork the child gets new threads (threads do not survive a fork)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        pid, pools = self._pools
-        if pid != os.getpid():
-            self._pools = pid, pools = os.getpid(), {}
+        if self._pools[0] != os.getpid():  # forked: the parent's pools have no threads here
+            self._pools = (os.getpid(), {})
+        pools = self._pools[1]
         if workers not in pools:
             pool = ThreadPoolExecutor(workers, thread_name_prefix="gpt2-encode", initializer=self._own_encoding)
             ready = threading.Barrier(workers)  # one task per thread: each waits until all have started
             list(pool.map(lambda _: ready.wait(timeout=120), range(workers)))
             pools[workers] = pool
         return pools[workers]
+
+    def __getstate__(self) -> dict:  # threads and thread-locals do not pickle; the copy makes its own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_local", "_pools")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local, self._pools = threading.local(), (os.getpid(), {})
 
     def _own_encoding(self) -> None:
         """Thread initializer of `encoding_threads`: this thread's own encoding, the same vocabulary and pattern."""

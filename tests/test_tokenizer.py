@@ -106,6 +106,11 @@ def test_gpt2_encoding_threads_own_their_encodings_and_are_kept():
     assert {t for t, _, _ in again} == {t for t, _, _ in first}
     assert {id(e) for _, e, _ in again} == {id(e) for e in encodings}
     assert not hasattr(tok._local, "enc")  # this thread keeps the process's encoding
+    import copy
+    import pickle
+
+    for twin in (pickle.loads(pickle.dumps(tok)), copy.deepcopy(tok)):  # a copy starts with no threads of its own
+        assert twin._pools[1] == {} and [ids for _, _, ids in _own_encodings(twin, 2)] == [want] * 2
 
 
 def _encode_in_forked_child(q) -> None:
