@@ -59,11 +59,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from benchmarks.machine import uptime
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "configs" / "btx" / "finetune.yaml"
@@ -316,7 +317,7 @@ def markdown(rep: dict[str, Any]) -> str:
               "expert overflows that expert's C = S/E x 2 x 2.0 = S/2 slots, which a domain-agnostic router never "
               "does.", ""]
     lines += _table(rep["rows"]) + [""] + _upcycle_lines(rep["upcycle"]) + [""]
-    lines += _training_lines({a: f for a, f in rep["finetune"].items()}, "Finetuning")
+    lines += _training_lines(rep["finetune"], "Finetuning")
     return "\n".join(lines + _footer(rep)) + "\n"
 
 
@@ -346,7 +347,7 @@ def _finish(rep: dict[str, Any], out: Path, record: Optional[str], render: Any, 
     """Add the closing load and time, write report.json / report.md (and `record`), print the markdown."""
     from launcher.checkpoint import write_json_atomic
 
-    rep["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    rep["uptime_after"] = uptime()
     rep["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "report.json", rep)
     (out / "report.md").write_text(render(rep))
@@ -361,7 +362,7 @@ def _start(argv: Sequence[str]) -> dict[str, Any]:
 
     return {"command": "python -m benchmarks.btx_compare " + shlex.join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info(),
-            "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+            "uptime_before": uptime()}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:

@@ -32,6 +32,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def uptime() -> str:
+    """`uptime`'s line (load averages), recorded before and after a long benchmark; "" where there is no `uptime`."""
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
 def _busy_jiffies() -> Optional[tuple[int, int]]:
     """(all busy jiffies, of which niced) summed over every CPU, from /proc/stat's aggregate line; None where
     there is no /proc/stat."""

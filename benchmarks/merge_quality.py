@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -231,7 +230,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.machine import machine_info
+    from benchmarks.machine import machine_info, uptime
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -240,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            + shlex.join(argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": machine_info(), "max_blocks": args.max_blocks,
                            "cached_blocks": args.cached_blocks,
-                           "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+                           "uptime_before": uptime()}
     domains = [d.strip() for d in args.domains.split(",") if d.strip()] if args.domains else None
     try:
         rep["checkpoints"] = [merge_quality(ck, args.data, tokenizer=args.tokenizer, max_blocks=args.max_blocks,
@@ -249,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rep["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    rep["uptime_after"] = uptime()
     rep["seconds"] = time.perf_counter() - t0
     if args.interpretation:
         rep["interpretation"] = Path(args.interpretation).read_text().strip()

@@ -59,7 +59,6 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("batched", "sequential", "forward")
-LOAD_WARN = 1.5
 OTHERS_WARN = 0.25  # cores used by other processes during a timed row above which the results say "under load"
 TARGET_VS_FORWARD = 1.5  # issue 17 point 4: batched >= 1.5x the E forward passes at E = 8
 NOISE = 0.98  # batched / sequential below this is "slower"; at E = 1 both run identical code and differ by ~1-2 %
@@ -328,9 +327,7 @@ def write(result: dict, out: Path) -> None:
         oc = [r["others"]["others_cores"] for r in run["rows"] if r["others"]["others_cores"] is not None]
         met = last["speedup_vs_forward"] >= TARGET_VS_FORWARD and low >= NOISE
         lines.append(f"| {run['threads']} | {last['speedup_vs_forward']:.2f}x (E = {last['experts']}) | {low:.3f}x | "
-                     f"{max(oc):.2f} | {'yes' if met else 'no'} |" if oc else
-                     f"| {run['threads']} | {last['speedup_vs_forward']:.2f}x (E = {last['experts']}) | {low:.3f}x | "
-                     f"n/a | {'yes' if met else 'no'} |")
+                     f"{_cores(max(oc) if oc else None)} | {'yes' if met else 'no'} |")
     lines += ["", "At E = 1 the batched and sequential paths run the same computation, so their ratio there is timing "
               f"noise; \"never slower\" is read as no ratio below {NOISE} (that noise band)."]
     for run in runs:

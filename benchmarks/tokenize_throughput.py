@@ -135,8 +135,9 @@ print(json.dumps({"single_seconds": single, "call_seconds": call, **r.stats}))
 
 
 def first_call(corpus: Path, out: Path, workers: int) -> dict:
-    """The single-process baseline, then `prepare_corpus`'s first call, in a fresh Python process: the encoding
-    threads and their encodings are built inside the timed call (the steady-state rounds reuse them)."""
+    """The single-process baseline, then `prepare_corpus`'s first call, in a fresh Python process: the call starts
+    the encoding threads, each building its encoding, before its clock (`setup_seconds`, with the megatron-core
+    import); the steady-state rounds reuse them."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, str(corpus), str(out), str(workers)], cwd=root,
@@ -178,8 +179,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
 
-    from benchmarks.machine import machine_info
-    from benchmarks.machine import OtherLoad
+    from benchmarks.machine import OtherLoad, machine_info
     from data.prepare import ThreadEncoder, make_pool, tokenize_documents
     from data.tokenizer import TokenizerSpec, load_tokenizer
 

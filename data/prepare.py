@@ -53,7 +53,7 @@ from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_po
 from data.blocks import SPLITS
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
 from data.tokenizer import (
-    SP_MODEL_FILE, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
+    SP_MODEL_FILE, GPT2Tokenizer, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
 )
 from data.cli import check_output_dir, cli_main
 
@@ -115,19 +115,15 @@ class ThreadEncoder:
     the thread pool (tiktoken releases the GIL while it encodes, so the threads run on separate cores while this
     thread goes on parsing JSON). `end(domain)` queues the domain's last partial chunk. `results(domain)` yields
     the (flat, lengths) of the domain's chunks in document order as they finish. The threads are the tokenizer's
-    `encoding_threads` where it has them (GPT-2: kept for the process, each with an encoding of its own, which saves
-    the 15-20% more CPU that threads sharing one encoding spend; see there). The queue is not bounded: the
+    `encoding_threads` (kept for the process, each with an encoding of its own, which saves the 15-20% more CPU that
+    threads sharing one encoding spend; see there). The queue is not bounded: the
     texts are in memory already, and a finished chunk's tokens (2 bytes per ~4 characters) are written and
     dropped as soon as its turn comes. `close()` cancels what has not started (an error, a raise in the caller)."""
 
-    def __init__(self, tok: Tokenizer, dtype: str, workers: int, chunk_chars: int = 0):
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, tok: GPT2Tokenizer, dtype: str, workers: int, chunk_chars: int = 0):
         self.tok, self.dtype = tok, dtype
         self.chunk_chars = chunk_chars or THREAD_CHUNK_CHARS
-        shared = getattr(tok, "encoding_threads", None)  # GPT-2: kept threads with encodings of their own
-        self._ex = shared(max(1, workers)) if shared else ThreadPoolExecutor(max(1, workers), thread_name_prefix="encode")
-        self._own_pool = shared is None
+        self._ex = tok.encoding_threads(max(1, workers))  # kept for the process: not shut down here
         self._futures: dict[str, deque] = {}
         self._batch: dict[str, tuple[list[str], int]] = {}
 
@@ -160,14 +156,12 @@ class ThreadEncoder:
             yield futures.popleft().result()
 
     def close(self) -> None:
-        """Cancel the chunks not started and wait for the running ones (the pool may be the tokenizer's, kept)."""
+        """Cancel the chunks not started and wait for the running ones (the threads are the tokenizer's, kept)."""
         from concurrent.futures import wait
 
         pending = [f for q in self._futures.values() for f in q if not f.cancel()]
         self._futures.clear()
         wait(pending)
-        if self._own_pool:
-            self._ex.shutdown(wait=True)
 
     def _submit(self, domain: str, batch: list[str]) -> None:
         self._futures.setdefault(domain, deque()).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
@@ -245,7 +239,7 @@ def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[st
     return {d: found[d] for d in domains}
 
 
-def _read_domains(files: dict[str, Path], on_error: str, keep: int, sink: Optional["ThreadEncoder"] = None,
+def _read_domains(files: dict[str, Path], on_error: str, keep: int, sink: Optional[ThreadEncoder] = None,
                   stream: Sequence[str] = ()) -> tuple[dict[str, list[str]], ProblemLog]:
     """Validated texts per domain; with on_error="fail" every file is checked before returning or raising. The
     texts of the domains in `stream` also go to `sink` as they are read (`sink.end` after each)."""

@@ -100,18 +100,17 @@ import torch
 
 from data.catalog import DataError, load_catalog, read_token_manifest
 from data.cli import cli_main
-from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
+from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, read_meta,
                                  save_consolidated)
 from launcher.config import ConfigError, RunConfig
 from launcher.evaluation.evaluate import block_inputs, check_checkpoint_data, load_blocks
 from launcher.ffn_kinds import ffn_kind
-from launcher.modular.surgery import EXPERT_KEY
+from launcher.modular.surgery import EXPERT_KEY, CkptLike, _load
 from launcher.typed import from_dict
 
 LAYERS: dict[str, int] = {"every_other": 2, "all": 1}  # --layers -> model.ffn.gshard.moe_every
 ROUTER_INITS: tuple[str, ...] = ("data", "zero")
 _META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
-CkptLike = Union[str, Path, Consolidated]
 _SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by")
 
 
@@ -269,10 +268,6 @@ def fit_router(mean_GD: torch.Tensor, x_GND: torch.Tensor, router_entropy: float
 # ----------------------------------------------------------------------------------------------------
 # Upcycling
 # ----------------------------------------------------------------------------------------------------
-
-
-def _load(ckpt: CkptLike) -> Consolidated:
-    return ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
 
 
 def upcycle(ckpt: CkptLike, out: Union[str, Path], *, layers: str = "every_other", router_init: str = "data",
