@@ -141,7 +141,11 @@ def target_log_probs(
     R = max(1, min(N, rows, budget))
     C = max(1, min(V, budget // R))
     n_blocks = -(-V // C)
-    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32
+    # torch.mm(..., out=) is never autocast: under autocast (evaluation in the training precision) take the
+    # allocating mm, which is, and upcast its bf16/fp16 block
+    kind = h_ND.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32 and not autocast
     buf = torch.empty(R * C, dtype=torch.float32, device=h_ND.device) if f32 else None
     sum_KR = torch.empty(n_blocks, R, dtype=torch.float32, device=h_ND.device)  # per block: sum exp(l)
     out_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)

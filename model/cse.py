@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.mlp import MLP, FFNOutput
+from model.mlp import MLP, FFNOutput, expert_output_like
 
 PROJECTION_SEED = 0xC5E  # fixed: the projection is a pure function of (layer, D, P)
 
@@ -138,7 +138,7 @@ class CSEFFN(nn.Module):
             with torch.no_grad():
                 self.pending_sum_EP.index_add_(0, ids_B, v_BP.double())
                 self.pending_count_E.index_add_(0, ids_B, torch.ones_like(ids_B, dtype=torch.float64))
-        out_BTD = torch.zeros_like(x_BTD)
+        out_BTD = expert_output_like(x_BTD)  # bf16 under autocast, as the experts' outputs
         for e in ids_B.unique().tolist():
             rows_N = (ids_B == e).nonzero(as_tuple=True)[0]
             out_BTD = out_BTD.index_put((rows_N,), self.experts[str(e)](x_BTD[rows_N]))

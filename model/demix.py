@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.mlp import MLP, FFNOutput
+from model.mlp import MLP, FFNOutput, expert_output_like
 
 
 class DemixFFN(nn.Module):
@@ -43,7 +43,7 @@ class DemixFFN(nn.Module):
                 missing = sorted(set(domain_ids_B.tolist()) - {only})
                 raise ValueError(f"domain ids {missing} have no expert here (this layer holds expert {only})")
             return FFNOutput(hidden=self.experts[str(only)](x_BTD))
-        out_BTD = torch.zeros_like(x_BTD)
+        out_BTD = expert_output_like(x_BTD)  # bf16 under autocast, as the experts' outputs
         seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
         for e in self.expert_ids:
             rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]

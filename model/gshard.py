@@ -77,6 +77,21 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return -(-c // multiple_of) * multiple_of
 
 
+def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise shaped, placed and typed like `like` (floating point):
+
+        n = -log(-log u),   u = tiny + r (1 - eps - tiny),   r ~ U[0, 1) (torch.rand)
+
+    with tiny and eps of `like.dtype`. This is torch.distributions.Gumbel(0, 1).rsample (DeepSpeed's
+    `gumbel_rsample`) number for number from the same RNG state, drawn on the device without building a
+    distribution, whose argument validation reads a device tensor back to the host.
+    """
+    finfo = torch.finfo(like.dtype)
+    low, high = like.new_full((), finfo.tiny), like.new_full((), 1 - finfo.eps)  # in the dtype, as torch rounds them
+    u = low + torch.rand(like.shape, dtype=like.dtype, device=like.device) * (high - low)
+    return -torch.log(-torch.log(u))
+
+
 def route_tokens(
     logits_SE: torch.Tensor,
     top_k: int,
@@ -107,7 +122,7 @@ def route_tokens(
                        mask1_SE.sum(0), capacity, l_aux)
     noisy_SE = logits_SE
     if policy == "sampling" and training:
-        noisy_SE = logits_SE + torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits_SE.shape)
+        noisy_SE = logits_SE + gumbel_noise(logits_SE)
     e2_S = torch.argmax(noisy_SE.masked_fill(mask1_SE.bool(), float("-inf")), dim=1)
     mask2_SE = F.one_hot(e2_S, E)
     p1_S, p2_S = probs_SE.gather(1, e1_S[:, None])[:, 0], probs_SE.gather(1, e2_S[:, None])[:, 0]

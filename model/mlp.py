@@ -44,3 +44,13 @@ class DenseFFN(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
         return FFNOutput(hidden=self.mlp(x_BTD))
+
+
+def expert_output_like(x_BTD: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like `x_BTD` in the dtype an MLP computes from it: the autocast dtype where autocast is on for
+    its device (bf16/fp16 mixed precision: the experts' outputs are that dtype), else `x_BTD`'s. The buffer that
+    several experts' rows are scattered into."""
+    kind = x_BTD.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) and x_BTD.is_floating_point()
+    dtype = torch.get_autocast_dtype(kind) if autocast else x_BTD.dtype
+    return torch.zeros_like(x_BTD, dtype=dtype)
