@@ -30,9 +30,11 @@ master weights and Adam moments (exp_avg, exp_avg_sq) as well as its weights - "
 so the first update after the boundary is the same for all K copies given the same gradient (no re-warm-up of
 Adam on fresh zero moments, which would make the copies take lr-sized sign steps). ZeRO 1/2 and DeepSpeed's bf16
 optimizer hold the fp32 copies in flat partitions; each rank's fragment is read, all-reduced into the full tensor
-and written into the copy's fragment (a collective over the data-parallel group, in the same order on every rank). ZeRO 0 uses the torch optimizer's
-per-parameter state. Experts K..E-1 stay unused (their gradient is exactly zero; AdamW weight decay still shrinks
-them, which is harmless: they are never read).
+and written into the copy's fragment (a collective over the data-parallel group, in the same order on every rank).
+ZeRO 0 uses the torch optimizer's per-parameter state; with fp16 at ZeRO 0 that state is keyed by the fp32 masters of
+DeepSpeed's FP16_UnfusedOptimizer, which are copied too (each step writes the masters back into the fp16 module).
+Experts K..E-1 stay unused (their gradient is exactly zero; AdamW weight decay still shrinks them, which is harmless:
+they are never read).
 
 `dbscan_eps <= 0` selects eps from the data (`dbscan_auto`), since the scale of the projected embeddings depends on
 the model. All three read the k-distances d_i (distance of sample i to its `dbscan_min_samples`-th nearest neighbour):
@@ -278,17 +280,84 @@ def partitioned_state(p: torch.Tensor, optimizer: Any, key: Optional[str] = None
     return _full_state(p, _torch_optimizer(optimizer), key).view_as(p)
 
 
+@dataclass
+class _Master:
+    """Where a model parameter's fp32 master lives: `numel` elements from `start` of `key`, the tensor the torch
+    optimizer's state is keyed by (the parameter itself, its own fp32 copy, or a flat group holding several)."""
+    key: torch.Tensor
+    start: int
+    numel: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This parameter's slice of `key` or of a state tensor shaped like it."""
+        return t.view(-1).narrow(0, self.start, self.numel)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.numel == self.key.numel()
+
+
+def _fp16_masters(optimizer: Any) -> dict[int, _Master]:
+    """id(model parameter) -> its fp32 master under DeepSpeed's ZeRO-0 fp16 wrappers (empty for any other optimizer).
+
+    FP16_UnfusedOptimizer (what the engine wraps our AdamW in at ZeRO 0 fp16) keeps one fp32 copy per parameter
+    (`fp32_groups`); FP16_Optimizer (picked for a FusedAdam client optimizer) one flat fp32 tensor per group
+    (`fp32_groups_flat`, parameters concatenated in `fp16_groups` order). Each step writes the masters back into
+    the module, so a copy that skips them is undone."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return {}  # a plain torch optimizer (ZeRO 0 fp32, bf16 autocast): no deepspeed import needed
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    masters: dict[int, _Master] = {}
+    opt = optimizer
+    while opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        if isinstance(opt, FP16_UnfusedOptimizer):
+            for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups):
+                masters.update((id(lp), _Master(hp, 0, hp.numel())) for lp, hp in zip(lp_group, hp_group))
+        elif isinstance(opt, FP16_Optimizer):
+            for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+                start = 0
+                for lp in lp_group:
+                    masters[id(lp)] = _Master(flat, start, lp.numel())
+                    start += lp.numel()
+        opt = getattr(opt, "optimizer", None)
+    return masters
+
+
+def _copy_master(src: _Master, dst: _Master, opt: torch.optim.Optimizer) -> None:
+    """dst's fp32 master and optimizer state <- src's (per-parameter state is cloned whole, step count included;
+    in a flat group only the parameter's slices of the element-wise state tensors are copied)."""
+    dst.of(dst.key).copy_(src.of(src.key))
+    state = opt.state.get(src.key)
+    if src.whole and dst.whole:
+        if state:
+            opt.state[dst.key] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+        else:
+            opt.state.pop(dst.key, None)
+        return
+    into = opt.state.get(dst.key, {})
+    for k, v in (state or {}).items():
+        if torch.is_tensor(v) and v.shape == src.key.shape and k in into:
+            dst.of(into[k]).copy_(src.of(v))
+
+
 @torch.no_grad()
 def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
-    """dst <- src: weights, fp32 master weights and Adam moments (see the module docstring)."""
+    """dst <- src: weights, fp32 master weights and Adam moments (see the module docstring), under every optimizer
+    the engine builds: ZeRO 1/2 partitions, DeepSpeed's ZeRO-0 fp16 masters, or the torch optimizer's own state."""
     opt = _torch_optimizer(optimizer)
+    masters = _fp16_masters(optimizer)
     for p_src, p_dst in zip(src.parameters(), dst.parameters()):
         p_dst.data.copy_(p_src.data)
-        if hasattr(p_src, "_hp_mapping") and opt is not None:  # ZeRO 1/2, bf16 optimizer: flat fp32 partitions
+        if opt is None:
+            continue
+        if hasattr(p_src, "_hp_mapping"):  # ZeRO 1/2, bf16 optimizer: flat fp32 partitions
             for key in (None, "exp_avg", "exp_avg_sq"):
                 _set_state(p_dst, opt, key, _full_state(p_src, opt, key))
-        elif opt is not None and p_src in opt.state:
-            opt.state[p_dst] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p_src].items()}
+        else:  # the parameter is its own master, unless a ZeRO-0 fp16 wrapper holds one
+            _copy_master(masters.get(id(p_src), _Master(p_src, 0, p_src.numel())),
+                         masters.get(id(p_dst), _Master(p_dst, 0, p_dst.numel())), opt)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ fails later still, in the first kernel. The same rules, asked up front:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
 import torch
@@ -37,7 +38,8 @@ def local_precision_problems(precision: str) -> list[str]:
         return []
     if torch.cuda.is_available():
         name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
-        if p == "bf16" and not torch.cuda.is_bf16_supported():
+        # not torch.cuda.is_bf16_supported(): it is True on sm70 (V100) through emulation, which would crawl
+        if p == "bf16" and (major, minor) < (8, 0):
             return [f"train.precision=bf16: {name} (compute capability {major}.{minor}) has no bf16; use "
                     "train.precision=fp16 (loss-scaled, as the DEMix paper on V100) or fp32"]
         return []
@@ -59,3 +61,30 @@ def device_precision_problems(precision: str, device: DeviceSpec) -> list[str]:
 def precision_problems(precision: str, device: Optional[DeviceSpec] = None) -> list[str]:
     """For a named device when given, else for this machine."""
     return device_precision_problems(precision, device) if device is not None else local_precision_problems(precision)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The precision a forward pass runs in (training step, in-run evaluation, standalone evaluator alike)
+# ----------------------------------------------------------------------------------------------------
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def forward_precision(module: torch.nn.Module, precision: str, device_type: str) -> AbstractContextManager[None]:
+    """The context a forward pass of `module` in `precision` runs under: the training step's regime, so that every
+    evaluation scores the model as it was trained.
+
+    DeepSpeed, configured by parallel/engine.py's `deepspeed_config`, trains bf16 at ZeRO 0 by torch autocast over
+    fp32 weights (`torch_autocast`: engine.forward enters `torch.autocast(device, bfloat16)`), and otherwise casts
+    the module itself (bf16 at ZeRO >= 1, fp16 at every stage). Hence one rule:
+
+    * bf16/fp16 over fp32 parameters -> `torch.autocast(device_type, dtype)`: linears and matmuls in half
+      precision, everything autocast keeps in fp32 (and the model's fp32 cross-entropy / log-prob sums) in fp32;
+    * parameters already in half precision (a module DeepSpeed cast), or fp32 -> as is (no context).
+
+    A bare `module(...)` on the engine's module at ZeRO 0 bf16 would otherwise run entirely in fp32."""
+    dtype = AUTOCAST_DTYPES.get(normalise_precision(precision))
+    first = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is None or first is None or first.dtype != torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type, dtype=dtype)

@@ -65,7 +65,7 @@ def test_bf16_where_the_gpu_has_it(tiny_tokens, tmp_path):
     run = tmp_path / "bf16"
     proc = _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=3),
                     "--set", "train.precision=bf16"], check=False)
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.get_device_capability() >= (8, 0):  # not is_bf16_supported(): True on V100 by emulation
         assert proc.returncode == 0, proc.stderr[-2000:]
     else:  # refused at plan time, before any process starts
         assert proc.returncode == 2 and "has no bf16" in proc.stderr

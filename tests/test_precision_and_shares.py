@@ -32,6 +32,24 @@ def test_this_machine_precision_follows_deepspeeds_rules():
         assert "oneDNN" in fp16[0] and "bf16" in fp16[0]
 
 
+@pytest.mark.parametrize("name,capability,bf16_ok", [
+    ("Tesla V100-SXM2-32GB", (7, 0), False), ("Tesla T4", (7, 5), False), ("NVIDIA A100-SXM4-80GB", (8, 0), True),
+    ("NVIDIA H100 80GB HBM3", (9, 0), True),
+])
+def test_bf16_needs_compute_capability_8(monkeypatch, name, capability, bf16_ok):
+    """torch.cuda.is_bf16_supported() is True on sm70 through emulation (stubbed here as torch answers there):
+    the rule is the compute capability, and the refusal names the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    problems = local_precision_problems("bf16")
+    assert (problems == []) == bf16_ok, problems
+    if not bf16_ok:
+        assert name in problems[0] and f"{capability[0]}.{capability[1]}" in problems[0] and "fp16" in problems[0]
+    assert local_precision_problems("fp16") == [] and local_precision_problems("fp32") == []
+
+
 @pytest.mark.parametrize("world,domains,alloc,shares", [
     (4, 2, None, [0.5, 0.5]),
     (1, 2, None, [0.5, 0.5]),

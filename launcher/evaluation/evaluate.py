@@ -2,7 +2,15 @@
 
     python -m launcher.evaluation.evaluate CKPT_DIR --data artifacts/demo/tokens [--tokenizer gpt2] [--split test]
         [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk] [--topk 2] [--out DIR]
-    torchrun --nproc-per-node 2 -m launcher.evaluation.evaluate CKPT_DIR ...     # blocks sharded over ranks (gloo)
+        [--device auto|cpu|cuda] [--precision auto|fp32|bf16|fp16]
+    torchrun --nproc-per-node 2 -m launcher.evaluation.evaluate CKPT_DIR ...     # blocks sharded over ranks
+
+Device and precision: by default (`auto`) the training device - `cuda:LOCAL_RANK` where CUDA is available (an
+NCCL group across ranks, launcher/distributed.py), the CPU otherwise (gloo) - in the checkpoint's `train.precision`
+where that device has it (parallel/precision.py), as torch autocast over the fp32 weights (`forward_precision`, the
+trainer's own rule): matmuls in bf16/fp16, log-likelihoods and every sum in fp32. On the CPU `auto` is fp32 (the
+numbers evaluations always gave there); `--precision bf16` asks for bf16 autocast there too. Both are recorded in
+eval.json (`device`, `precision`).
 
 Domains: the checkpoint's training domains (`role: train`) and every other domain of the data manifest
 (`role: novel`). One process holds all experts; the E experts' token log-likelihoods ll[j, b, t] of each block
@@ -47,14 +55,19 @@ import torch
 from data.blocks import BlockDataset
 from data.catalog import check_tokenizer, read_token_manifest
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
+from launcher.distributed import scheduler_env, training_device
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from launcher.evaluation.unigram import domain_unigram
 from model import mixture as mx
+from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.cli import cli_main
+from parallel.precision import forward_precision, local_precision_problems
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
 EVAL_FORMAT = "demix-eval/1"
+EVAL_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+EVAL_PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 
 
 def _dist() -> tuple[int, int]:
@@ -66,6 +79,42 @@ def _dist() -> tuple[int, int]:
 def _say(progress: bool, *a: Any) -> None:
     if progress and _dist()[0] == 0:
         print(*a, file=sys.stderr, flush=True)
+
+
+def resolve_eval_device(choice: str = "auto") -> torch.device:
+    """The device to evaluate on: `cpu`; `cuda`, this rank's GPU (the training device: `torch.cuda.current_device()`,
+    which `start_distributed` binds to LOCAL_RANK), refused (ValueError) where CUDA is not available; `auto`, the GPU
+    where CUDA is available unless this process already joined a gloo group (its collectives run on the host),
+    else the CPU."""
+    if choice not in EVAL_DEVICES:
+        raise ValueError(f"device {choice!r}: choose from {', '.join(EVAL_DEVICES)}")
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if choice == "cuda":
+            raise ValueError(f"--device cuda: CUDA is not available on this machine (torch {torch.__version__}, "
+                             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu")
+        return torch.device("cpu")
+    if choice == "auto" and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_backend() == "gloo":
+        return torch.device("cpu")
+    return training_device()
+
+
+def resolve_eval_precision(choice: str, trained: str, device: torch.device) -> str:
+    """fp32, bf16 or fp16 for `choice` (`auto` or one of them) on `device`, for a checkpoint trained in `trained`.
+
+    `auto`: on a GPU the training precision where the GPU has it (`local_precision_problems`; e.g. a V100 has no
+    bf16: fp32 then), on the CPU fp32 (the numbers CPU evaluations always gave; CPU autocast is real bf16
+    arithmetic, slower than fp32 without AMX). An explicit precision the GPU lacks is refused (ValueError)."""
+    if choice == "auto":
+        p = normalise_precision(trained)
+        return p if device.type != "cpu" and not local_precision_problems(p) else "fp32"
+    p = normalise_precision(choice)
+    problems = local_precision_problems(p) if device.type == "cuda" else []
+    if problems:
+        raise ValueError(f"--precision {p} on {device}: " + "; ".join(problems))
+    return p
 
 
 def data_manifest(data_root: Union[str, Path], tokenizer: str, model_tokenizer_sha256: Optional[str] = None,
@@ -113,18 +162,21 @@ def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> 
 @torch.no_grad()
 def stream_log_likelihoods(
     model: torch.nn.Module, tokens_NT: torch.Tensor, targets_NT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None, batch_size: int = 4,
+    expert_ids: Optional[Sequence[int]] = None, batch_size: int = 4, precision: str = "fp32",
 ) -> torch.Tensor:
-    """ll E x N x T over a stream of N blocks; blocks are sharded over ranks and summed back (all_reduce)."""
+    """ll E x N x T (fp32, on the host) over a stream of N blocks, scored on the model's device in `precision`
+    (`forward_precision`); blocks are sharded over ranks and summed back (all_reduce)."""
     rank, world = _dist()
     N, T = tokens_NT.shape
     mine = list(range(rank, N, world))
+    device = next(model.parameters()).device  # the blocks are scored and summed over ranks there (NCCL: no CPU)
     parts = {}
     for s in range(0, len(mine), batch_size):
         idx = mine[s:s + batch_size]
-        parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx], targets_NT[idx], expert_ids)
+        with forward_precision(model, precision, device.type):
+            parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx].to(device), targets_NT[idx].to(device),
+                                                       expert_ids)
     E = next(iter(parts.values())).shape[0] if parts else max(1, len(expert_ids or demix_expert_ids(model)))
-    device = next(model.parameters()).device  # the sum over ranks runs there (NCCL has no CPU backend)
     full = torch.zeros(E, N, T, dtype=torch.float32, device=device)
     for idx, ll in parts.items():
         full[:, list(idx)] = ll.float()
@@ -133,24 +185,26 @@ def stream_log_likelihoods(
     return full.cpu()
 
 
-def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int) -> torch.Tensor:
+def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int, precision: str = "fp32"
+                     ) -> torch.Tensor:
     """+Domain-Token: ll under each domain token d (the token plays the expert's part), G x N x T."""
     out = []
     for d in range(num_domains):
         tokens, targets, _ = block_inputs(blocks, base + d)
-        out.append(stream_log_likelihoods(model, tokens, targets, None, batch_size)[0])
+        out.append(stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)[0])
     return torch.stack(out)
 
 
 def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, estimator: str = "mean",
-                  posterior: str = "prefix") -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
+                  posterior: str = "prefix", precision: str = "fp32",
+                  ) -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
     """The cached prior of one domain from its development blocks (None without any), and every estimator x
     posterior variant of it on the same log-likelihoods ({"<estimator>/<posterior>": {expert: p}}, Figure 4 for
     each choice)."""
     if not len(dev_blocks):
         return None, {}
     tokens, targets, mask = block_inputs(dev_blocks)
-    ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+    ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
     variants = {}
     for est in mx.CACHED_ESTIMATORS:
         for post in mx.POSTERIORS:
@@ -162,9 +216,9 @@ def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, 
 
 
 def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
-                        batch_size: int) -> dict[str, Any]:
+                        batch_size: int, precision: str = "fp32") -> dict[str, Any]:
     """+Domain-Token: own token in-domain, the best token on a novel domain (DEMix §5.3)."""
-    ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size)
+    ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size, precision)
     mask = torch.ones(ll.shape[1:])
     exp_ppl = mx.expert_perplexities(ll, mask)
     best = mx.naive_expert(ll, own, mask)
@@ -230,16 +284,17 @@ def evaluate_model(
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
     seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
     extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
-    posterior: str = "prefix", cached_estimator: str = "mean", unigram: bool = True,
+    posterior: str = "prefix", cached_estimator: str = "mean", unigram: bool = True, precision: str = "fp32",
 ) -> dict[str, Any]:
-    """Evaluate an in-memory model (all experts held) on every domain of the prepared data. `cached_priors` maps a
+    """Evaluate an in-memory model (all experts held) on every domain of the prepared data, on the model's device in
+    `precision` (fp32, or bf16/fp16 autocast over fp32 weights: `forward_precision`). `cached_priors` maps a
     domain to a prior to use instead of estimating one on `dev_split`. Returns
 
         {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
          DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
          "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "posterior": "prefix"|"previous_token",
-         "cached_estimator": "mean"|"ewm"|"updating", "seconds": s, **extra (evaluate_checkpoint:
-         "checkpoint": path|None, "step": int),
+         "cached_estimator": "mean"|"ewm"|"updating", "device": "cpu"|"cuda:i", "precision": "fp32"|"bf16"|"fp16",
+         "seconds": s, **extra (evaluate_checkpoint: "checkpoint": path|None, "step": int),
          "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
                             DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
                             DEMix only: "posterior": {"updating_mean_end_of_block": {expert: p},
@@ -259,6 +314,7 @@ def evaluate_model(
     if posterior not in mx.POSTERIORS or cached_estimator not in mx.CACHED_ESTIMATORS:
         raise ValueError(f"posterior={posterior!r} / cached_estimator={cached_estimator!r}: choose from "
                          f"{', '.join(mx.POSTERIORS)} / {', '.join(mx.CACHED_ESTIMATORS)}")
+    precision = normalise_precision(precision)
     t0 = time.perf_counter()
     tokenizer = tokenizer or cfg.data.tokenizer
     seq_len = seq_len or cfg.model.seq_len
@@ -277,6 +333,7 @@ def evaluate_model(
         "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
         "max_blocks": max_blocks, "modes": modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
         "posterior": posterior, "cached_estimator": cached_estimator,
+        "device": str(next(model.parameters()).device), "precision": precision,
         **(extra or {}), "domains": {},
     }
     for dom in all_domains:
@@ -296,14 +353,14 @@ def evaluate_model(
             except ValueError as e:
                 _say(progress, f"[eval] {dom}: no unigram baseline ({e})")
         if is_demix:
-            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
             cached = None
             if cached_priors and dom in cached_priors:  # given (e.g. loaded with CachedPrior.load): not re-estimated
                 cached = cached_priors[dom]
             elif any(m in modes for m in ("cached", "topk")):
                 dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
                 cached, variants = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size,
-                                                 cached_estimator, posterior)
+                                                 cached_estimator, posterior, precision)
                 if variants:
                     entry["cached_prior_variants"] = variants
                 if cached is not None and out_dir is not None and _dist()[0] == 0:
@@ -311,9 +368,9 @@ def evaluate_model(
             entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay, posterior))
         elif domain_token:
             base = int(manifest["tokenizer"]["vocab_size"])
-            entry.update(_domain_token_entry(model, blocks, base, list(train_domains), own, batch_size))
+            entry.update(_domain_token_entry(model, blocks, base, list(train_domains), own, batch_size, precision))
         else:
-            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size)
+            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
             entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
             nll, entry["block_tokens"] = block_sums(ll[0], mask)
             entry["block_nll"] = {"ppl": nll}
@@ -327,16 +384,21 @@ def evaluate_model(
 
 def evaluate_checkpoint(
     ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], exclude_experts: Sequence[str] = (),
-    **kwargs: Any,
+    device: Union[str, torch.device] = "auto", precision: str = "auto", **kwargs: Any,
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
     posterior, cached_estimator, seq_len, out_dir, progress, cached_priors). Returns the result dict documented
     there, plus "checkpoint", "step" and "excluded_experts".
 
+    `device` (auto|cpu|cuda or a torch.device, `resolve_eval_device`) and `precision` (auto|fp32|bf16|fp16,
+    `resolve_eval_precision` against the checkpoint's train.precision): on a CPU machine the defaults are the CPU
+    in fp32, the numbers this function always gave; on a GPU, the GPU in the training precision.
+
     `exclude_experts` (opt-out): the model is built without those DEMix experts, their weights never read; every
     mode mixes the remaining experts only and an excluded expert's domain is evaluated as a novel domain - the
     same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`)."""
+    dev = device if isinstance(device, torch.device) else resolve_eval_device(device)  # before loading anything
     if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/surgery.py)
         from launcher.modular.surgery import load_without
 
@@ -346,7 +408,10 @@ def evaluate_checkpoint(
     extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step,
              "tokenizer_sha256": c.meta.get("tokenizer_sha256"), "vocab_size": c.meta.get("vocab_size"),
              "excluded_experts": list(exclude_experts)}
-    return evaluate_model(c.build_model(), c.cfg, c.domains, data_root, extra=extra, **kwargs)
+    prec = resolve_eval_precision(precision, c.cfg.train.precision, dev)
+    if precision == "auto" and prec != normalise_precision(c.cfg.train.precision):
+        _say(kwargs.get("progress", True), f"[eval] trained in {c.cfg.train.precision}, evaluated in {prec} on {dev}")
+    return evaluate_model(c.build_model().to(dev), c.cfg, c.domains, data_root, extra=extra, precision=prec, **kwargs)
 
 
 def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
@@ -387,6 +452,10 @@ def markdown_report(results: dict[str, Any]) -> str:
              + (f", at most {results['max_blocks']} blocks per domain" if results["max_blocks"] else "") + ")", ""]
     if results.get("checkpoint"):
         lines += [f"checkpoint: `{results['checkpoint']}` (step {results.get('step')})", ""]
+    if results.get("precision", "fp32") != "fp32" or results.get("device", "cpu") != "cpu":
+        lines += [f"device: {results.get('device', 'cpu')}; precision: {results.get('precision', 'fp32')}"
+                  + (" (autocast: matmuls in half precision, log-likelihoods and sums in fp32)"
+                     if results.get("precision", "fp32") != "fp32" else ""), ""]
     if results["experts"]:
         lines += [f"posterior: {results.get('posterior', 'prefix')} (evidence of every posterior); cached prior: "
                   f"{results.get('cached_estimator', 'updating')} over {results['cached_blocks']} "
@@ -436,6 +505,22 @@ def write_outputs(results: dict[str, Any], out_dir: Union[str, Path]) -> dict[st
     return files
 
 
+def _join_ranks(device_choice: str) -> torch.device:
+    """Under a launcher of several ranks (torchrun, deepspeed, MPI, srun), join them - on GPUs through the trainer's
+    `start_distributed` (each rank binds its own GPU, NCCL), on the CPU a gloo group - and return this rank's
+    evaluation device. A single process joins nothing."""
+    found = scheduler_env(os.environ)  # MPI/SLURM ranks: torch's variables, from the launcher's own
+    if int(found.get("WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) > 1 and not torch.distributed.is_initialized():
+        if resolve_eval_device(device_choice).type == "cuda":
+            from launcher.distributed import start_distributed
+
+            start_distributed()
+        else:  # a gloo group, as before: no DeepSpeed (its CPU start-up JIT-compiles a shared-memory op)
+            os.environ.update(found)
+            torch.distributed.init_process_group("gloo")
+    return resolve_eval_device(device_choice)
+
+
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -460,14 +545,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "CKPT_DIR/eval-without-<names>)")
     ap.add_argument("--exclude-experts", default="",
                     help="comma-separated DEMix experts to opt out: never read, no part in any output")
+    ap.add_argument("--device", choices=EVAL_DEVICES, default="auto",
+                    help="auto: this rank's GPU (cuda:LOCAL_RANK) where CUDA is available, else the CPU")
+    ap.add_argument("--precision", choices=EVAL_PRECISIONS, default="auto",
+                    help="auto: the checkpoint's train.precision on a GPU that has it (bf16/fp16 as autocast), fp32 "
+                         "on the CPU")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in DEMIX_MODES]
     if bad:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
+    resolve_eval_device(args.device)  # e.g. --device cuda without CUDA: refused before anything is read
     check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo")
+    device = _join_ranks(args.device)
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
     res = evaluate_checkpoint(
@@ -476,6 +566,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
         posterior=args.posterior, cached_estimator=args.cached_estimator,
         seq_len=args.seq_len, out_dir=args.out or str(default_out), exclude_experts=exclude,
+        device=device, precision=args.precision,
     )
     if _dist()[0] == 0:
         print(markdown_report(res))
