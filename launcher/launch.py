@@ -134,9 +134,16 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
             cmd += ["--no_ssh", "--node_rank", str(args.node_rank)]
     else:
         cmd += ["--num_gpus", str(args.nproc or 1)]
+    rendezvous = []
+    if args.hostfile and args.launcher not in (None, "pdsh"):
+        # MPI runners and srun start the ranks themselves: no RANK/MASTER_ADDR/MASTER_PORT reach them (DeepSpeed
+        # expects mpi4py to discover them), so the trainer is told the rendezvous and reads its rank from the
+        # launcher's variables (launcher/distributed.py: scheduler_env). Default master: the first active host.
+        args.master_addr = args.master_addr or next(iter(node_resources(args)))
+        rendezvous = ["--master-addr", args.master_addr, "--master-port", str(port)]
     if args.master_addr:
         cmd += ["--master_addr", args.master_addr]
-    cmd += ["--module", "launcher.train", "--run-dir", str(run_dir), "--resume", args.resume]
+    cmd += ["--module", "launcher.train", "--run-dir", str(run_dir), "--resume", args.resume, *rendezvous]
     if args.config:
         cmd += ["--config", str(args.config)]
     for o in args.overrides:

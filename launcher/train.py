@@ -27,7 +27,7 @@ from data.blocks import BlockDataset
 from data.sampler import build_sampler
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
-from launcher.distributed import start_distributed, training_device
+from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
@@ -114,7 +114,13 @@ def reduce_domain_sums(sums: torch.Tensor, bundle: Any) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[str, float]:
     """Validation loss per training domain: each rank scores the first `eval_batches` micro-batches of its
-    domains' validation blocks (disjoint shards within a domain group), summed over ranks."""
+    domains' validation blocks (disjoint shards within a domain group), summed over ranks.
+
+    The forward runs in the training step's precision (`forward_precision`): the engine's module is called bare
+    (no engine side effects), and at ZeRO 0 with bf16 DeepSpeed trains by autocast, which only its engine.forward
+    enters; loss sums stay fp32/fp64."""
+    from parallel.precision import forward_precision
+
     cfg = plan.cfg
     sampler = build_rank_sampler(plan, rank, "valid")
     model = bundle.engine.module
@@ -124,7 +130,9 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     sums = torch.zeros(2, n, dtype=torch.float64, device=device)
     for i in range(cfg.train.eval_batches):
         b = to_model_batch(sampler.batch(i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan)
-        out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"], return_logits=False)
+        with forward_precision(model, cfg.train.precision, device.type):
+            out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"],
+                        return_logits=False)
         sums += domain_loss_sums(out.token_loss, b["loss_mask"], b["domain_ids"], n)
     model.train(was_training)
     sums = reduce_domain_sums(sums, bundle)
@@ -355,21 +363,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
     p.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir), never, or a checkpoint path")
+    p.add_argument("--master-addr", help="rendezvous address where the launcher sets no MASTER_ADDR (MPI, srun)")
+    p.add_argument("--master-port", type=int, help="rendezvous port where the launcher sets no MASTER_PORT (MPI, srun)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        world = ensure_env(args.master_addr, args.master_port)  # MPI/SLURM ranks: their world, before planning
         cfg = load_run_config(args.config, args.overrides, check=False)
-        plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), check_local_device=True)
-    except (ConfigError, CheckpointError) as e:
+        plan = make_plan(cfg, world, check_local_device=True)
+    except (ConfigError, CheckpointError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)
     try:
         final = train(plan, run_dir, args.resume)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, LaunchEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:

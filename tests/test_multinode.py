@@ -191,3 +191,95 @@ def test_a_rank_without_the_shared_run_directory_stops_the_run_at_start(tmp_path
     assert run_ranks(_shared_dir_worker, 3, args=([str(shared)] * 3,), device_strict=True) == ["ok"] * 3
     out = run_ranks(_shared_dir_worker, 3, args=([str(shared), str(shared), str(other)],), device_strict=True)
     assert all("ranks [2] do not see the run directory" in o for o in out), out
+
+
+# -- launchers that do not set torch's RANK (MPI runners, srun): launcher/distributed.py scheduler_env --------------
+
+_MPI_ENVS = {
+    "openmpi": lambda r, n: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": str(n),
+                             "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": str(n)},
+    "mvapich": lambda r, n: {"MV2_COMM_WORLD_RANK": str(r), "MV2_COMM_WORLD_SIZE": str(n),
+                             "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_LOCAL_SIZE": str(n)},
+    "mpich": lambda r, n: {"PMI_RANK": str(r), "PMI_SIZE": str(n), "MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": str(n)},
+    "srun": lambda r, n: {"SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": str(n), "SLURM_NTASKS": str(n),
+                          "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost"},
+}
+
+
+def _bare_env() -> dict[str, str]:
+    """This process's environment without any launcher's variables."""
+    launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in _env().items()
+            if k not in launcher_vars and not k.startswith(("OMPI_", "MV2_", "PMI_", "MPI_LOCAL", "SLURM_"))}
+
+
+@pytest.mark.parametrize("launcher", sorted(_MPI_ENVS))
+def test_launcher_variables_become_torchs(launcher):
+    from launcher.distributed import scheduler_env
+
+    env = dict(_MPI_ENVS[launcher](3, 4), MASTER_ADDR="node0", MASTER_PORT="29511")
+    assert scheduler_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "node0",
+                                  "MASTER_PORT": "29511", **({} if launcher == "srun" else {"LOCAL_WORLD_SIZE": "4"})}
+    assert scheduler_env(dict(env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")) == {}  # torch's own win (torchrun inside srun)
+
+
+def test_srun_rendezvous_defaults_and_batch_shell():
+    """srun without MASTER_*: the step's first host and the port slurm_node.sh uses; a batch script's own shell
+    (SLURM_PROCID=0 and the job's SLURM_NTASKS, no SLURM_STEP_NUM_TASKS) is no rank of a world."""
+    from launcher.distributed import first_slurm_host, scheduler_env
+
+    env = dict(_MPI_ENVS["srun"](1, 2), SLURM_STEP_NODELIST="gpu[007-009,12],cpu1")
+    assert scheduler_env(env)["MASTER_ADDR"] == "gpu007" and scheduler_env(env)["MASTER_PORT"] == str(29500 + 242)
+    assert [first_slurm_host(h) for h in ("node1", "n1,n2", "a[1-2]b[3-4],c", "x[05]")] == ["node1", "n1", "a1b3", "x05"]
+    assert scheduler_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}) == {}
+
+
+def test_launcher_without_a_rendezvous_or_a_local_rank_is_refused():
+    from launcher.distributed import LaunchEnvError, scheduler_env
+
+    with pytest.raises(LaunchEnvError, match="without MASTER_ADDR/MASTER_PORT.*mpirun -x MASTER_ADDR"):
+        scheduler_env(_MPI_ENVS["openmpi"](0, 2))
+    with pytest.raises(LaunchEnvError, match="LOCAL_RANK is not set"):
+        scheduler_env({"RANK": "1", "WORLD_SIZE": "2"})
+    assert scheduler_env({"RANK": "1", "WORLD_SIZE": "2", "SLURM_LOCALID": "1"}) == {"LOCAL_RANK": "1"}
+    assert scheduler_env({"RANK": "0", "WORLD_SIZE": "1"}) == {"LOCAL_RANK": "0"}
+
+
+def test_each_rank_binds_its_own_gpu_also_when_it_sees_only_one():
+    from launcher.distributed import LaunchEnvError, local_device_index
+
+    assert [local_device_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
+    assert local_device_index(5, 1) == 0  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU only
+    with pytest.raises(LaunchEnvError, match="sees 2 GPUs"):
+        local_device_index(3, 2)
+    with pytest.raises(LaunchEnvError, match="no CUDA device"):
+        local_device_index(0, 0)
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mvapich", "slurm"])
+def test_mpi_and_slurm_launches_tell_the_ranks_the_rendezvous(tmp_path, launcher):
+    args = _args(tmp_path, "--launcher", launcher)
+    joined = " ".join(build_command(args, tmp_path / "run", 29533))
+    assert "--master_addr node0" in joined and "--master-addr node0 --master-port 29533" in joined, joined
+    pdsh = " ".join(build_command(_args(tmp_path), tmp_path / "run", 29533))
+    assert "--master-port" not in pdsh  # DeepSpeed's own launch sets RANK and MASTER_* on every pdsh rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["openmpi", "srun"])
+def test_mpi_or_srun_ranks_train_as_one_world(tiny_tokens, tmp_path, launcher):
+    """Two trainer processes started as mpirun (launcher.launch --launcher openmpi passes --master-addr/port) or
+    srun starts them: only the launcher's variables, no RANK. They must train as one world of 2, not as two
+    worlds of one writing into the same run directory."""
+    run, port = tmp_path / "run", free_port()
+    extra = ["--master-addr", "127.0.0.1"] if launcher == "openmpi" else []
+    env = dict(_bare_env(), DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), MASTER_PORT=str(port))
+    ranks = [subprocess.Popen([sys.executable, "-m", "launcher.train", "--run-dir", str(run), *extra,
+                               *_sets(tiny_tokens, steps=2)],
+                              cwd=REPO, env=dict(env, **_MPI_ENVS[launcher](r, 2)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=600)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    starts = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "start"]
+    assert [s["world_size"] for s in starts] == [2]
+    assert sorted(_losses(run)) == [1, 2]
