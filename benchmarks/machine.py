@@ -93,3 +93,50 @@ class OtherLoad:
 def _own_cpu() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def gpu_versions() -> dict[str, Any]:
+    """The GPU stack a GPU result was taken on: GPU, compute capability, memory, driver; Python, torch, CUDA,
+    cuDNN, NCCL, DeepSpeed, megatron-core. Information only: what cannot be read is None."""
+    import subprocess
+
+    import torch
+
+    def _version(module: str) -> Optional[str]:
+        try:
+            return __import__(module.replace("-", "_")).__version__
+        except Exception:  # noqa: BLE001 - information only
+            try:
+                from importlib.metadata import version
+
+                return version(module)
+            except Exception:  # noqa: BLE001
+                return None
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cudnn": None, "nccl": None, "deepspeed": _version("deepspeed"),
+                           "megatron_core": _version("megatron-core"), "gpus": 0, "gpu": None, "capability": None,
+                           "gpu_memory_gib": None, "driver": None}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpus=torch.cuda.device_count(), gpu=props.name, capability=f"{props.major}.{props.minor}",
+                   gpu_memory_gib=round(props.total_memory / 2**30, 2), cudnn=torch.backends.cudnn.version())
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            out["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--versions"]:
+        sys.exit("usage: python -m benchmarks.machine --versions")
+    print(" ".join(f"{k}={v}" for k, v in gpu_versions().items()))

@@ -41,7 +41,6 @@ posteriors.png (Figure 4) and specialisation.png (Figure 2).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
