@@ -11,11 +11,12 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo data flops bench reproduce clean help
+.PHONY: venv wheels test test-fast demo data flops bench reproduce clean help
 
 help:
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
 	@echo "make test   - run the test suite (unit, multi-rank gloo, parity)"
+	@echo "make wheels - wheelhouse/ for an offline GPU node (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
 	@echo "make bench  - run the CPU benchmarks"
@@ -24,13 +25,44 @@ help:
 
 venv: $(STAMP)
 
+# Online (default): the pinned torch, then the project with every extra, from the package index.
+# Offline GPU node: `make venv OFFLINE=1 SYSTEM_TORCH=1` builds .venv on the node's own torch (a venv that sees the
+# system site-packages; no torch install) from wheelhouse/ (`make wheels` on a connected machine), with no network.
+TORCH_PIN := torch==2.13.0
+OFFLINE ?= 0
+SYSTEM_TORCH ?= 0
+WHEELHOUSE ?= wheelhouse
+EXTRAS_WHEELS := $(wildcard $(WHEELHOUSE)/extras/*.whl)
+PIP_SOURCE := $(if $(filter 1,$(OFFLINE)),--no-index --find-links $(WHEELHOUSE)/core $(if $(EXTRAS_WHEELS),--find-links $(WHEELHOUSE)/extras),)
+ALL_EXTRAS := dev,tracking,harness
+# Offline without wheelhouse/extras: no wandb, no lm-eval (their tests skip, saying so).
+PROJECT_EXTRAS := $(if $(filter 1,$(OFFLINE)),$(if $(EXTRAS_WHEELS),$(ALL_EXTRAS),dev),$(ALL_EXTRAS))
+
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	@# The pinned torch first: on a machine without CUDA this is the local CPU wheel, never a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	@if [ "$(SYSTEM_TORCH)" = 1 ]; then \
+	  $(PYTHON) -c 'import torch' 2>/dev/null || { echo "SYSTEM_TORCH=1: $(PYTHON) has no torch (load the site's module, or PYTHON=/path/to/python)" >&2; exit 2; }; \
+	  $(PYTHON) scripts/torch_range.py || exit 2; \
+	  test ! -e $(VENV) || grep -q "include-system-site-packages = true" $(VENV)/pyvenv.cfg || { echo "SYSTEM_TORCH=1: $(VENV) exists without the system torch: remove it first" >&2; exit 2; }; \
+	  test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	fi
+	@if [ "$(OFFLINE)" = 1 ]; then \
+	  test -d $(WHEELHOUSE)/core || { echo "OFFLINE=1: no $(WHEELHOUSE)/core: run 'make wheels PY=<the node's python>' on a machine with network and copy it here" >&2; exit 2; }; \
+	else \
+	  $(BIN)/python -m pip install -q --upgrade pip; \
+	fi
+	@# Online without SYSTEM_TORCH: the pinned torch first (on a machine without CUDA the local CPU wheel, never a multi-GB CUDA build).
+	@if [ "$(SYSTEM_TORCH)" != 1 ] && [ "$(OFFLINE)" != 1 ]; then $(BIN)/python -m pip install -q "$(TORCH_PIN)"; fi
+	@if [ "$(OFFLINE)" = 1 ]; then $(BIN)/python -m pip install -q $(PIP_SOURCE) setuptools; fi
+	$(BIN)/python -m pip install -q $(PIP_SOURCE) $(if $(filter 1,$(OFFLINE)),--no-build-isolation,) -e ".[$(PROJECT_EXTRAS)]"
 	@touch $@
+
+# A wheelhouse for an offline node: every dependency but torch, for Python $(PY) (default: this machine's), at the
+# versions .venv was tested with: wheelhouse/core (training, evaluation, tests) and wheelhouse/extras (wandb, lm-eval).
+PY ?=
+wheels: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py $(if $(PY),--python-version $(PY),) $(if $(ARCH),--arch $(ARCH),) $(if $(NODE),--node-has $(NODE),)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
