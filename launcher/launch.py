@@ -151,11 +151,14 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
     return cmd
 
 
-def launch_env(nproc_per_node: int) -> dict[str, str]:
-    """Environment for the ranks: CPU runs get gloo-friendly settings (one thread per rank)."""
+def launch_env(nproc_per_node: int, ranks_run_here: bool = True) -> dict[str, str]:
+    """Environment for the ranks: CPU runs get gloo-friendly settings (one thread per rank). Only for ranks that run
+    on this machine: srun (`--launcher slurm`, `--export=ALL`) and mpirun carry this environment to the other nodes,
+    and a login node without a GPU would otherwise send DS_ACCELERATOR=cpu to every GPU rank (each rank's own
+    start-up picks the CPU accelerator where it has no CUDA)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if not torch.cuda.is_available():
+    if ranks_run_here and not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, nproc_per_node))))
@@ -237,7 +240,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
             print(f"note: {note}", file=sys.stderr)
     port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
-    env = launch_env(max(len(slots) for slots in resources.values()))
+    env = launch_env(max(len(slots) for slots in resources.values()), ranks_run_here=not args.hostfile or args.no_ssh)
     shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     run_dir.mkdir(parents=True, exist_ok=True)

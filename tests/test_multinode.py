@@ -283,3 +283,17 @@ def test_mpi_or_srun_ranks_train_as_one_world(tiny_tokens, tmp_path, launcher):
     starts = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "start"]
     assert [s["world_size"] for s in starts] == [2]
     assert sorted(_losses(run)) == [1, 2]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU settings are for machines without CUDA")
+def test_a_login_node_without_gpu_sends_no_cpu_settings_to_other_nodes(tiny_tokens, tmp_path):
+    """srun (--launcher slurm) exports the launcher's whole environment to every rank: DS_ACCELERATOR=cpu from a
+    GPU-less login node would put every GPU rank on DeepSpeed's CPU accelerator. Local and --no-ssh runs keep it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    remote = _args(tmp_path, "--launcher", "slurm", "--run-dir", str(tmp_path / "a"), *_sets(tiny_tokens))
+    here = parse_args(["--nproc", "2", "--run-dir", str(tmp_path / "b"), *_sets(tiny_tokens)])
+    import unittest.mock
+
+    with unittest.mock.patch.dict(os.environ, env, clear=True):
+        assert "DS_ACCELERATOR" not in prepare_run(remote)[2]
+        assert prepare_run(here)[2]["DS_ACCELERATOR"] == "cpu"
