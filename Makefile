@@ -54,8 +54,15 @@ $(STAMP): pyproject.toml
 	fi
 	@# Online without SYSTEM_TORCH: the pinned torch first (on a machine without CUDA the local CPU wheel, never a multi-GB CUDA build).
 	@if [ "$(SYSTEM_TORCH)" != 1 ] && [ "$(OFFLINE)" != 1 ]; then $(BIN)/python -m pip install -q "$(TORCH_PIN)"; fi
-	@if [ "$(OFFLINE)" = 1 ]; then $(BIN)/python -m pip install -q $(PIP_SOURCE) setuptools; fi
-	$(BIN)/python -m pip install -q $(PIP_SOURCE) $(if $(filter 1,$(OFFLINE)),--no-build-isolation,) -e ".[$(PROJECT_EXTRAS)]"
+	@# Offline: the requirements from wheelhouse/, and the repository on the path (.pth) as an editable install puts
+	@# it, with no build of the project (its setuptools could conflict with the node's torch).
+	@if [ "$(OFFLINE)" = 1 ]; then \
+	  $(BIN)/python scripts/project_requirements.py $(PROJECT_EXTRAS) > $(VENV)/requirements.txt && \
+	  $(BIN)/python -m pip install -q $(PIP_SOURCE) -r $(VENV)/requirements.txt && \
+	  $(BIN)/python -c 'import site, sys; open(site.getsitepackages()[0] + "/demix-repo.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"; \
+	else \
+	  $(BIN)/python -m pip install -q -e ".[$(PROJECT_EXTRAS)]"; \
+	fi
 	@touch $@
 
 # A wheelhouse for an offline node: every dependency but torch, for Python $(PY) (default: this machine's), at the

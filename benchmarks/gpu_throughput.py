@@ -22,8 +22,8 @@ Per cell (size x arm) two phases run in the same process, one after the other, o
 * framework - the project's real training path: the plan (`launcher.plan.plan_layout`), process groups, the GPT
               with this rank's experts, activation recompute, `FFNKind.build_engine` (the DeepSpeed engine with
               the generated config, ZeRO stage and precision), then `launcher.train.train_step` per update, as
-              `Trainer.setup` / `Trainer.run` do (this file repeats Trainer.setup's model and engine lines, because
-              Trainer.setup also opens the prepared data; see `build_bundle`);
+              `Trainer.setup` / `Trainer.run` do (`build_rank_model`, `build_rank_engine`: Trainer.setup's own
+              functions; the prepared data it also opens is replaced by random tokens);
 * bare      - the same model (a copy of the same initial weights; GShard keeps the plain single-process layer
               of model/gshard.py) in the loop anyone would write: autocast(bf16) forward, loss (+ aux),
               backward / grad_accum, `clip_grad_norm_`, `torch.optim.AdamW` (fp32 weights), zero_grad.
@@ -149,29 +149,19 @@ def plan_random_tokens(cfg, domain_names: Sequence[str]):
 
 
 def build_model(plan):
-    """This rank's GPT as `Trainer.setup` builds it (its experts, the run's init seed), on the host."""
-    from launcher.ffn_kinds import ffn_kind
-    from model.gpt import GPT
+    """This rank's GPT as the trainer builds it (launcher.train.build_rank_model), on the host."""
+    from launcher.train import build_rank_model
 
-    cfg = plan.cfg
-    torch.manual_seed(cfg.train.seed)
-    expert_ids = ffn_kind(cfg).rank_experts(cfg, plan.topo, 0, plan.expert_of_domain)
-    return GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
+    return build_rank_model(plan, 0)
 
 
 def build_bundle(plan, model):
-    """`Trainer.setup`'s parallel part on a built model: process groups, activation recompute, the FFN kind's
-    DeepSpeed engine (parallel/engine.py build_engine with the generated config). The process group must exist
-    (`launcher.distributed.start_distributed`)."""
-    from launcher.ffn_kinds import ffn_kind
-    from parallel.activation_recompute import apply_activation_recompute
+    """The trainer's engine on a built model (launcher.train.build_rank_engine: recompute, the FFN kind's DeepSpeed
+    engine with the generated config), over this layout's process groups (the process group must exist)."""
+    from launcher.train import build_rank_engine
     from parallel.groups import ProcessGroups
 
-    cfg = plan.cfg
-    groups = ProcessGroups.create(plan.topo)
-    if cfg.train.activation_checkpointing == "full":
-        apply_activation_recompute(model)
-    return ffn_kind(cfg).build_engine(model, cfg, groups)
+    return build_rank_engine(plan, model, ProcessGroups.create(plan.topo))
 
 
 def random_batches(plan, updates: int, device: torch.device, seed: int = 0) -> list[list[dict[str, Any]]]:

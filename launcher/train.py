@@ -63,9 +63,22 @@ def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan)
     (model/demix.py), so a training step has no device-to-host synchronisation."""
     dom = b["domain_ids_B"]
     experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
-    return {"tokens": b["tokens_BT"].to(device), "targets": b["targets_BT"].to(device), "domain_ids": dom.to(device),
-            "expert_ids": experts, "loss_mask": b["loss_mask_BT"].to(device),
+    return {"tokens": to_device(b["tokens_BT"], device), "targets": to_device(b["targets_BT"], device),
+            "domain_ids": to_device(dom, device), "expert_ids": experts, "loss_mask": to_device(b["loss_mask_BT"], device),
             "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"])}  # host numbers: no device sync
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor on the training device without blocking the host where the device is CUDA.
+
+    A copy from pageable memory makes the host wait until the data is staged; from page-locked memory it is
+    queued on the current stream. `pin_memory()` makes a new page-locked copy (the sampler's array is never
+    the source, so it may be reused at once), and torch's caching host allocator keeps that block until the
+    queued copy has run even after the pinned tensor is freed. Kernels that read the result are queued on the
+    same stream, after the copy. Elsewhere (CPU) this is the plain `.to(device)` it always was."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def expert_token_counts(expert_ids_B: torch.Tensor, mask_BT: torch.Tensor) -> dict[int, float]:
@@ -182,6 +195,28 @@ class StepResult:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # routing statistics, means over micro-batches
 
 
+def build_rank_model(plan: Plan, rank: int) -> GPT:
+    """This rank's GPT on the host: only its experts, the run's seed, `train.init_from` weights, frozen shared
+    weights for `train.trainable: experts`."""
+    cfg = plan.cfg
+    torch.manual_seed(cfg.train.seed)
+    expert_ids = ffn_kind(cfg).rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)
+    model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
+    if cfg.train.init_from:
+        load_init_weights(model, cfg)
+    if cfg.train.trainable == "experts":
+        freeze_all_but_experts(model)
+    return model
+
+
+def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
+    """The FFN kind's DeepSpeed engine bundle (parallel/engine.py) on `model`, with activation recompute as planned.
+    The process group must exist (`start_distributed`)."""
+    if plan.cfg.train.activation_checkpointing == "full":
+        apply_activation_recompute(model)
+    return ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
+
+
 @dataclass
 class Trainer:
     """One rank's training run, set up (`Trainer.setup`) apart from the loop (`run`)."""
@@ -210,18 +245,8 @@ class Trainer:
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
-        torch.manual_seed(cfg.train.seed)
         groups = ProcessGroups.create(plan.topo)
-        expert_ids = kind.rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)  # only this rank's experts
-        model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel,
-                    init_seed=cfg.train.seed)
-        if cfg.train.init_from:
-            load_init_weights(model, cfg)
-        if cfg.train.trainable == "experts":
-            freeze_all_but_experts(model)
-        if cfg.train.activation_checkpointing == "full":
-            apply_activation_recompute(model)
-        bundle = kind.build_engine(model, cfg, groups)
+        bundle = build_rank_engine(plan, build_rank_model(plan, rank), groups)
         if ckpt is not None:
             start = load_training_state(ckpt, bundle, plan, rank)
         hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)

@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = "demix"
 EXTRAS_ROOTS = ("wandb", "lm-eval")  # the project's `tracking` and `harness` extras  # heavy and optional: their own folder
 NEVER = ("torch",)  # the node's own build; what only torch needs is reached through it alone, so never walked
-BUILD = ("setuptools",)  # `pip install --no-build-isolation -e .` on the node builds the project with it
 
 
 def _env(py: str, extras: Iterable[str] = ()) -> list[dict[str, str]]:
@@ -66,6 +65,7 @@ def closure(roots: Iterable[Requirement], py: str, skip: set[str]) -> tuple[dict
     package needed only on the target Python and absent here keeps its specifier (`name>=x`), resolved by pip."""
     pins: dict[str, str] = {}
     wants: dict[str, SpecifierSet] = {}
+    walked: set[tuple[str, str]] = set()  # (name, extra): `fsspec[http]` after `fsspec` still needs aiohttp
     todo = list(roots)
     while todo:
         req = todo.pop()
@@ -73,15 +73,17 @@ def closure(roots: Iterable[Requirement], py: str, skip: set[str]) -> tuple[dict
         if name in skip:
             continue
         wants[name] = wants.get(name, SpecifierSet()) & req.specifier
-        if name in pins:
+        extras = {"", *req.extras} - {e for n, e in walked if n == name}
+        if not extras:
             continue
+        walked |= {(name, e) for e in extras}
         try:
             dist = metadata.distribution(req.name)
         except metadata.PackageNotFoundError:
-            pins[name] = f"{req.name}{req.specifier}"
+            pins.setdefault(name, f"{req.name}{req.specifier}")
             continue
         pins[name] = f"{req.name}=={dist.version}"
-        envs = _env(py, req.extras)
+        envs = [e for e in _env(py, extras - {""}) if e["extra"] in extras]
         todo += [r for r in map(Requirement, dist.requires or []) if _applies(r, envs)]
     return pins, wants
 
@@ -158,12 +160,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: the project is not installed in {sys.prefix}: run `make venv` first", file=sys.stderr)
         return 2
     extra_roots = [r for r in roots if canonicalize_name(r.name) in EXTRAS_ROOTS]
-    core_roots = [r for r in roots if r not in extra_roots] + [Requirement(b) for b in BUILD]
-    core, core_wants = closure(core_roots, a.python_version, skip=set(NEVER))
-    extras, extras_wants = ({}, {}) if a.no_extras else closure(extra_roots, a.python_version, skip=set(NEVER) | set(core))
+    core_roots = [r for r in roots if r not in extra_roots]
+    core, _ = closure(core_roots, a.python_version, skip=set(NEVER))
+    # the extras' own closure walked whole: an extra of a core package (`fsspec[http]`) brings extras-only needs
+    every, wants = closure(core_roots + ([] if a.no_extras else extra_roots), a.python_version, skip=set(NEVER))
+    extras = {n: pin for n, pin in every.items() if n not in core}
+    core = {n: every[n] for n in core}
     if a.node_has:
         node = node_packages(a.node_has)
-        core, extras = not_on_node(core, core_wants, node), not_on_node(extras, extras_wants, node)
+        core, extras = not_on_node(core, wants, node), not_on_node(extras, wants, node)
     failed = []
     for folder, pins in (("core", core), ("extras", extras)):
         if pins:

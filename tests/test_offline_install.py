@@ -30,6 +30,11 @@ def test_the_wheelhouse_takes_everything_but_torch_at_the_tested_versions():
 
     assert core["deepspeed"] == f"deepspeed=={version('deepspeed')}" and "hjson" in core and "msgpack" in core
     assert str(wants["pydantic"]) == ">=2.0.0"
+    # an extra asked for after the bare package still brings its own needs (datasets asks fsspec[http]: aiohttp)
+    from packaging.requirements import Requirement
+
+    later, _ = wheelhouse.closure([Requirement("fsspec[http]"), Requirement("fsspec")], "3.12", {"torch"})
+    assert "aiohttp" in later and "aiohttp" not in wheelhouse.closure([Requirement("fsspec")], "3.12", set())[0]
 
 
 def test_what_the_node_already_satisfies_is_left_out(tmp_path):
