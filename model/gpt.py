@@ -16,11 +16,12 @@ import math
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
 from model.ffn import FFNOutput, build_ffn
@@ -91,6 +92,45 @@ class TokenCrossEntropy(nn.Module):
         return F.cross_entropy(logits_BTV.float().view(B * T, V), targets_BT.reshape(-1), reduction="none").view(B, T)
 
 
+# A chunk of the loss holds at most this many logits: 2^26, i.e. 256 MiB as float32 (1334 rows of a 50,304-entry
+# vocabulary). Whole-vocabulary logits at micro-batch 8 x 2048 are 824 M entries: 6.1 GiB of loss temporaries
+# plus ~3 GiB saved for backward at gpt3-small (benchmarks/results/loss_memory.md); one chunk's temporaries
+# measured 0.59 GiB (bf16 logits, fp32 copy, log-softmax and its gradient, ~9.4 bytes per entry), while
+# 1334 x 50k x d matmuls are still large enough to run at full speed on a GPU (M >= 1024). Smaller budgets save
+# little more (the model's other activations are GiBs) and launch more, smaller kernels.
+LOSS_CHUNK_LOGITS = 1 << 26
+
+
+def chunked_token_loss(
+    head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x_BTX: torch.Tensor,
+    targets_BT: torch.Tensor,
+    rows: int,
+) -> torch.Tensor:
+    """head_loss(x, targets) -> per-token loss, evaluated `rows` tokens at a time so that no B x T x V
+    logits (or their fp32 copies) ever exist; returns B T.
+
+    Each chunk runs under non-reentrant activation checkpointing: its forward keeps nothing but its loss
+    (the inputs are views of `x_BTX`), and backward recomputes that chunk's logits and differentiates them,
+    one chunk at a time. Every row's arithmetic is today's (the cross-entropy is row-wise), so loss and
+    gradients equal the unchunked ones up to matmul blocking; the gradient of a weight shared by the chunks
+    (the tied embedding) is summed by autograd in the weight's own dtype (fp32 master weights under autocast).
+    Cost: the head's forward runs twice (8 N V D FLOPs instead of 6 N V D). With B T <= rows it is one plain
+    call, no recompute."""
+    B, T = targets_BT.shape
+    N = B * T
+    if N <= rows:
+        return head_loss(x_BTX, targets_BT)
+    x_NX, t_N = x_BTX.reshape(N, -1), targets_BT.reshape(N)
+    chunks = zip(x_NX.split(rows), t_N.split(rows))  # split: its backward concatenates the chunks' gradients once
+    if not (torch.is_grad_enabled() and x_BTX.requires_grad):  # evaluation: nothing to save, nothing to recompute
+        parts = [head_loss(x_cX[None], t_c[None]) for x_cX, t_c in chunks]
+    else:
+        parts = [checkpoint(head_loss, x_cX[None], t_c[None], use_reentrant=False, preserve_rng_state=False)
+                 for x_cX, t_c in chunks]
+    return torch.cat(parts, dim=1).view(B, T)
+
+
 class GPT(nn.Module):
     """The decoder. `expert_ids` are the global expert ids this instance holds in its expert layers
     (default: all of them). `num_experts` is the resolved number of experts (domains for DEMix)."""
@@ -124,6 +164,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = TiedLMHead(self.wte)
         self.loss_fn = TokenCrossEntropy()
+        self.loss_chunk_logits = LOSS_CHUNK_LOGITS  # see chunked_token_loss; a plain attribute, not state
         self.reset_parameters(init_seed)
 
     @torch.no_grad()
@@ -153,7 +194,9 @@ class GPT(nn.Module):
         return_logits: bool = True,
     ) -> GPTOutput:
         """Run the decoder. With `targets_BT`, also the LM loss (mean over tokens where `loss_mask_BT`
-        is 1, e.g. excluding a prepended domain token) and per-token losses."""
+        is 1, e.g. excluding a prepended domain token) and per-token losses. With `return_logits=False` (the
+        trainer's path) the head and the loss run `chunked_token_loss`'s chunks of tokens, so B x T x V logits
+        never exist, and without targets the head is not run at all."""
         B, T = tokens_BT.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds the model's context of {self.cfg.seq_len}")
@@ -165,10 +208,17 @@ class GPT(nn.Module):
             if f.aux_loss is not None:
                 aux = f.aux_loss if aux is None else aux + f.aux_loss
             stats.update({f"layer{i}/{k}": v for k, v in f.stats.items()})
-        logits_BTV = self.lm_head(self.ln_f(x_BTD))
-        out = GPTOutput(logits=logits_BTV if return_logits else None, aux_loss=aux, ffn_stats=stats)
+        h_BTD = self.ln_f(x_BTD)
+        # Without logits to return, the loss goes from hidden states to per-token losses a chunk of tokens at a
+        # time and the full B x T x V logits never exist; nothing is computed when there is no loss either.
+        logits_BTV = self.lm_head(h_BTD) if return_logits else None
+        out = GPTOutput(logits=logits_BTV, aux_loss=aux, ffn_stats=stats)
         if targets_BT is not None:
-            tok_BT = self.loss_fn(logits_BTV, targets_BT)
+            if logits_BTV is None:
+                tok_BT = chunked_token_loss(self._head_loss, h_BTD, targets_BT, self._loss_chunk_rows())
+            else:  # the logits exist anyway: chunk only the float32 loss over them
+                rows = max(1, self.loss_chunk_logits // logits_BTV.shape[-1])
+                tok_BT = chunked_token_loss(self.loss_fn, logits_BTV, targets_BT, rows)
             if loss_mask_BT is None:
                 out.loss = tok_BT.mean()
             else:
@@ -177,6 +227,15 @@ class GPT(nn.Module):
                 out.loss = tok_BT.sum() / mask_BT.sum().clamp_min(1.0)
             out.token_loss = tok_BT
         return out
+
+    def _head_loss(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.lm_head(h_BTD), targets_BT)
+
+    def _loss_chunk_rows(self) -> int:
+        """Tokens per loss chunk: the budget over the head's (local, under tensor parallelism) vocabulary."""
+        emb = getattr(self.lm_head, "embedding", None)
+        V = emb[0].weight.shape[0] if emb else self.vocab_size
+        return max(1, self.loss_chunk_logits // V)
 
     def expert_parameters(self) -> dict[int, list[nn.Parameter]]:
         """Parameters of each global expert id held here (empty for dense)."""

@@ -18,6 +18,12 @@ copying this rank's shard of the full weight, so that a TP=tp model computes wha
     lm_head          -> VocabParallelTiedLMHead     logits_BTVl = copy_to_tp_region(h_BTD) @ W_emb_local^T
     loss_fn          -> VocabParallelTokenCrossEntropy (per-token loss B T, like TokenCrossEntropy)
 
+The GPT calls lm_head and loss_fn together a chunk of tokens at a time when no logits are returned (the
+trainer's path; model/gpt.py: chunked_token_loss), so no B x T x Vl tensor exists here either: each chunk's
+local logits and fp32 softmax live only inside that chunk, its three all-reduces run per chunk in forward and
+again when backward recomputes the chunk, and copy_to_tensor_model_parallel_region all-reduces each chunk's
+dL/dh (the same bytes in total as one all-reduce of B T D). Every rank chunks identically (same B T, same Vl).
+
 The attention and the MLP are the f/g conjugate pairs of the Megatron paper: a column-parallel layer
 (identity forward, all-reduce of dX backward) then a row-parallel one (all-reduce forward, identity
 backward), so each block costs one all-reduce forward and one backward per sub-layer. The row-parallel

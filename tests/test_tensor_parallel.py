@@ -145,6 +145,35 @@ def _autocast_scenario(cfg: ModelConfig, group, seed: int) -> dict:
     }
 
 
+def _chunked_loss_scenario(cfg: ModelConfig, group, seed: int) -> dict:
+    """The chunked vocab-parallel loss (return_logits=False, 7 tokens per chunk: 128 rows do not divide) against
+    the same TP model's unchunked loss and against TP=1, with a loss mask and ignored targets."""
+    from parallel.tensor_parallel import apply_tensor_parallel, gather_full_grads
+
+    torch.manual_seed(seed)
+    ref = _randomised(GPT(cfg, tensor_parallel=group.size()), seed)
+    whole = apply_tensor_parallel(copy.deepcopy(ref), group)
+    chunked = apply_tensor_parallel(copy.deepcopy(ref), group)
+    chunked.loss_chunk_logits = 7 * chunked.lm_head.embedding[0].weight.shape[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, T), generator=g) for _ in range(2))
+    targets[0, :3] = -100
+    mask = (torch.rand(B, T, generator=g) > 0.2).long()
+    outs = {}
+    for name, m in (("ref", ref), ("whole", whole), ("chunked", chunked)):
+        o = m(tokens, targets_BT=targets, loss_mask_BT=mask, return_logits=name != "chunked")
+        (o.loss + 0.5 * o.token_loss[:, -1].sum()).backward()  # a general upstream gradient
+        grads = gather_full_grads(m, group) if m is not ref else {n: p.grad for n, p in m.named_parameters()}
+        outs[name] = (o.loss.detach(), o.token_loss.detach(), grads)
+
+    def rel(a: str, b: str) -> float:
+        (la, ta, ga), (lb, tb, gb) = outs[a], outs[b]
+        return max([_rel(la, lb), _rel(ta, tb)] + [_rel(ga[n], gb[n]) for n in gb])
+
+    return {"chunked_vs_whole": rel("chunked", "whole"), "chunked_vs_tp1": rel("chunked", "ref"),
+            "rows": chunked._loss_chunk_rows(), "ignored_loss": outs["chunked"][1][0, :3].abs().max().item()}
+
+
 def _megatron_ce_crosscheck(seed: int) -> float:
     """Our explicit-group cross-entropy against megatron-core's global-state one (same TP=world layout)."""
     from megatron.core import parallel_state
@@ -183,6 +212,7 @@ def _tp2_worker(rank: int, world: int, dense: ModelConfig, demix: ModelConfig) -
         "demix": _scenario(demix, None, [0, 2, 1, 2], group, seed=2),
         "demix_subset": _scenario(demix, [1, 2], [2, 1, 1, 2], group, seed=3),
         "autocast": _autocast_scenario(dense, group, seed=8),
+        "chunked_loss": _chunked_loss_scenario(dense, group, seed=9),
         "global_state_untouched": not parallel_state.model_parallel_is_initialized(),
     }
     out["megatron_ce"] = _megatron_ce_crosscheck(seed=4)
@@ -270,6 +300,14 @@ def test_tp2_runs_under_cpu_bf16_autocast_and_deep_copies(tp2):
         assert res["grad_dtypes"] == ["torch.float32"]
         assert res["loss"] < 1e-3 and res["grad_norm_rel"] < 5e-2, res  # bf16 matmuls, different reduction split
         assert res["deepcopy_loss"] == 0.0
+
+
+@pytest.mark.slow
+def test_tp2_chunked_vocab_parallel_loss_matches_whole_and_tp1(tp2):
+    for rank_res in tp2:
+        res = rank_res["chunked_loss"]
+        assert res["rows"] == 7 and res["ignored_loss"] == 0.0
+        assert res["chunked_vs_whole"] < TOL and res["chunked_vs_tp1"] < TOL, res
 
 
 # ---------------------------------------------------------------- multi-rank (4 processes)
