@@ -178,16 +178,18 @@ def _layout(r: dict) -> str:
 
 def points_table(rows: list[dict]) -> Table:
     header = ["point", "ranks", "status", "tokens/s", "tokens/s/rank", "step s", "TFLOPs/GPU rec.", "TFLOPs/GPU no-rec.",
-              "MFU", "peak mem GB", "scaling eff.", "eff. vs cores", "overhead share", "comm share", "final loss"]
+              "MFU", "HFU", "peak mem GB", "scaling eff.", "eff. vs cores", "overhead share", "comm share", "final loss"]
     body = []
     for r in rows:
         ok = r["status"] == "ok"
         mfu = pct(r.get("mfu")) if r.get("mfu") is not None else ("n/a" if ok else "–")
+        hfu = pct(r.get("hfu")) if r.get("hfu") is not None else ("n/a" if ok else "–")
         body.append([r["id"], str(r["world_size"]), r["status"], num(r.get("tokens_per_s")), num(r.get("tokens_per_s_per_rank")),
                      num(r.get("step_time_s")), num(r.get("tflops_per_gpu_recompute")), num(r.get("tflops_per_gpu_no_recompute")),
-                     mfu, num(r.get("peak_mem_gb")), pct(r.get("scaling_efficiency")), pct(r.get("core_efficiency")),
+                     mfu, hfu, num(r.get("peak_mem_gb")), pct(r.get("scaling_efficiency")), pct(r.get("core_efficiency")),
                      pct(r.get("overhead_share")), pct(r.get("comm_share")), num(r.get("final_loss"))])
-    note = ("Means over the logged intervals after the first (warm-up). MFU is n/a where the device's peak is "
+    note = ("Means over the logged intervals after the first (warm-up). MFU: model FLOPs (no recompute) / peak; "
+            "HFU: executed FLOPs (with recompute when it is on) / peak; both n/a where the device's peak is "
             "unknown (CPU). Scaling columns compare with the same size/arch at the smallest world size N0 "
             "(weak scaling, per-rank batch fixed): scaling eff. = (tok/s/N)/(tok/s(N0)/N0); eff. vs cores divides "
             "by min(N, cores) instead of N; overhead share = 1 − step(N0)/step(N) = communication + contention. "

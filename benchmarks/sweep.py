@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARCHS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
 DEFAULT_MIXTURE: dict[str, str] = {"dense": "natural", "demix": "by_domain", "gshard": "natural", "cse": "natural"}
 MEAN_KEYS: tuple[str, ...] = ("tokens_per_s", "step_time_s", "tflops_per_gpu_recompute", "tflops_per_gpu_no_recompute",
-                              "tflops_per_gpu", "mfu", "aux_loss")
+                              "tflops_per_gpu", "mfu", "hfu", "aux_loss")
 
 
 # --------------------------------------------------------------------------------------------------

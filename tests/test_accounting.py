@@ -254,3 +254,20 @@ def test_peaks_and_mfu() -> None:
     assert acc.mfu(1.0, "v100", "bf16") is None  # V100 has no bf16 tensor cores
     with pytest.raises(ValueError, match="precision"):
         acc.mfu(1.0, "a100", "int3")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_logged_mfu_counts_model_flops_and_hfu_the_executed_ones(monkeypatch, recompute: str) -> None:
+    """With activation recompute the hardware runs a second forward of every layer: MFU must not count it (it was
+    logged as MFU before, overstating it by ~4/3), HFU does."""
+    import launcher.train as train
+    from benchmarks.gpu_throughput import plan_random_tokens
+
+    cfg = load_run_config(None, ["model.preset=tiny", f"train.activation_checkpointing={recompute}"], check=False)
+    plan = plan_random_tokens(cfg, ["a"])
+    monkeypatch.setattr(train, "device_name", lambda: "h100-sxm")
+    rec = train.throughput_record(plan, seconds=2.0, steps=4)
+    peak = acc.peak_tflops("h100-sxm", cfg.train.precision)
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_gpu_no_recompute"] / peak)
+    assert rec["hfu"] == pytest.approx(rec["tflops_per_gpu"] / peak)
+    assert (rec["hfu"] > rec["mfu"]) == (recompute == "full")  # the tiny preset's vocabulary makes it < 4/3
