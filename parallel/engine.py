@@ -49,6 +49,10 @@ def deepspeed_config(t: TrainConfig, parallel: ParallelConfig, extra: Optional[d
         "zero_optimization": {"stage": zero},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) calls the accelerator's synchronize() in every
+        # engine.forward and engine.step: two full device waits per micro-batch, which make a GPU step
+        # host-bound. The trainer measures its own throughput over log intervals (launcher/train.py).
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if zero > 0:
         ds["zero_optimization"].update(reduce_scatter=True, overlap_comm=False, contiguous_gradients=True)
@@ -72,6 +76,8 @@ OWNED_DEEPSPEED_KEYS: dict[str, str] = {
     "fp16": "train.precision", "bf16": "train.precision", "torch_autocast": "train.precision",
     "optimizer": "train (lr, betas, eps, weight_decay: the trainer builds AdamW)",
     "scheduler": "train.schedule / warmup_fraction",
+    "timers": "the trainer's own tokens_per_s / step_time_s (DeepSpeed's throughput timer synchronises the device "
+              "twice per micro-batch)",
 }
 
 
@@ -328,22 +334,21 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     device = next(model.parameters()).device
-    shared, expert, weights = [], [], []
+    shared: list[torch.Tensor] = []
+    expert: dict[int, list[torch.Tensor]] = {}  # by replica count: weight 1/R, a Python scalar (no host->device copy)
     for p in model.parameters():
         if p.grad is None or (not is_model_parallel_parameter(p) and groups.tp_rank != 0):
             continue
         if is_expert_param(p):
-            expert.append(p.grad.detach())
-            weights.append(1.0 / expert_replicas(p))
+            expert.setdefault(expert_replicas(p), []).append(p.grad.detach())
         else:
             shared.append(p.grad.detach())
     # One fused norm per tensor (torch._foreach_norm, as clip_grad_norm_ does), squared and summed in float64.
     total = torch.zeros((), dtype=torch.float64, device=device)
     if shared:
         total += torch.stack(torch._foreach_norm(shared, 2, dtype=torch.float32)).double().pow(2).sum() / len(groups.dp_ranks)
-    if expert:
-        w = torch.tensor(weights, dtype=torch.float64, device=device)
-        total += (torch.stack(torch._foreach_norm(expert, 2, dtype=torch.float32)).double().pow(2) * w).sum()
+    for replicas, grads in sorted(expert.items()):
+        total += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum() / replicas
     dist.all_reduce(total)  # over the world: sums the tp shards, the dp replicas (/N_dp) and each domain once
     return total.sqrt().float()
 
