@@ -131,6 +131,10 @@ def start_distributed() -> tuple[int, int]:
     ensure_env()
     if torch.cuda.is_available():  # before the first NCCL communicator exists, so each rank binds its own GPU
         torch.cuda.set_device(local_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
+        # fp32 matmuls and convolutions on tensor cores (TF32, Ampere and later): what a GPU user expects of fp32
+        # training; bf16/fp16 runs are unaffected
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not dist.is_initialized():

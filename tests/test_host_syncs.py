@@ -208,3 +208,28 @@ def test_batch_copies_to_cuda_are_pinned_and_exact():
     t.zero_()  # the sampler's array may be reused at once: the queued copy reads a pinned copy of it
     torch.cuda.synchronize()
     assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
+def test_adamw_is_fused_on_cuda_and_unchanged_elsewhere():
+    """torch's fused AdamW (one kernel for all parameters) on CUDA; on CPU the default implementation, so every
+    CPU parity stays bit-identical. The fused update is the same rule: checked here on CPU, where torch has it too."""
+    import torch
+
+    from parallel.config import TrainConfig
+    from parallel.engine import adamw_options
+
+    t = TrainConfig()
+    assert adamw_options(t, "cuda")["fused"] is True and "fused" not in adamw_options(t, "cpu")
+    torch.manual_seed(0)
+    ref = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    fused = [p.detach().clone().requires_grad_() for p in ref]
+    opts = [torch.optim.AdamW([{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}], **o)
+            for ps, o in ((ref, adamw_options(t, "cpu")), (fused, dict(adamw_options(t, "cuda")) | {"fused": True}))]
+    for step in range(3):
+        for ps, opt in zip((ref, fused), opts):
+            g = torch.Generator().manual_seed(step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+    for a, b in zip(ref, fused):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
