@@ -150,16 +150,21 @@ def memory_report(cfg: RunConfig, topo: Topology, ranks: list[dict], device: Opt
     """Per-GPU memory by ZeRO stage (parallel/memory.py) for the summarised rank holding the most parameters,
     against the GPU's memory (`--gpu-memory-gb`, else the device table's, else no verdict)."""
     from model.accounting import lookup_device
-    from parallel.memory import GIB, RankParams, memory_rows
+    from parallel.memory import GIB, RankParams, estimate_activations, memory_rows
+    from parallel.precision import normalise_precision
 
     dev = lookup_device(device) if device else None
     gib = gpu_memory_gb if gpu_memory_gb is not None else (dev.memory_gb if dev is not None else None)
     r = max(ranks, key=lambda x: x["params"]["per_tp_rank"])
     p = r["params"]
     params = RankParams(p["shared_per_tp_rank"], p["expert_per_tp_rank"], topo.dp_size, r["expert_replicas"])
+    precision = normalise_precision(cfg.train.precision)
+    act = estimate_activations(cfg.model, cfg.train.micro_batch, topo.tensor_parallel, precision,
+                               r["expert_ids"] or None)
     rows = memory_rows(params, cfg.model, cfg.train.micro_batch, topo.tensor_parallel, cfg.train.precision,
-                       None if gib is None else gib * GIB)
+                       None if gib is None else gib * GIB, act)
     return {"rank": r["rank"], "gpu": dev.label if dev else None, "gpu_memory_gib": gib,
+            "activations": {"method": act.method, "fallback_reason": act.reason, "seconds": round(act.seconds, 2)},
             "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
             "recompute_configured": cfg.train.activation_checkpointing == "full",
             "params": {"shared": params.shared, "expert": params.expert, "dp_size": params.dp_size,
@@ -174,6 +179,11 @@ def _print_memory(mem: dict) -> None:
     print(f"memory per GPU (rank {mem['rank']}: {pr['shared']:,} shared params over {pr['dp_size']} data-parallel "
           f"ranks, {pr['expert']:,} expert params over {pr['expert_replicas']}; {mem['precision']}, micro-batch "
           f"{mem['micro_batch']}) against {gpu}, GiB:")
+    a = mem["activations"]
+    if a["method"] == "traced":
+        print(f"  activations: traced (this rank's model, forward+backward on fake tensors, {a['seconds']:.1f} s)")
+    else:
+        print(f"  activations: formula (Korthikanti et al.; not traced: {a['fallback_reason']})")
     print("  ZeRO | params | grads | optim | buffers | activ. | activ. recompute | total | total recompute | fits "
           "(no recompute / recompute)")
     for row in mem["rows"]:

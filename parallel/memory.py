@@ -17,7 +17,19 @@ replicated over the domain group only (R_e ranks): eq. Z applies to each part wi
 expert parameters over the expert-data-parallel group). GShard experts likewise over their expert-data-parallel
 group.
 
-Activations per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Activations, traced (the default, `traced_activation_bytes`): this rank's GPT (its experts, FFN kind, recompute,
+the precision's parameter dtype or autocast, micro-batch, sequence length, the chunked loss) is built under torch's
+FakeTensorMode and one forward+backward runs inside torch's MemTracker: every tensor's storage is counted as a
+device would hold it, nothing is allocated. Gradients are preallocated (as after the first micro-batch), so
+
+    activations = peak(total) - params - grads       (MemTracker's ACT + TEMP + OTH + BUFFER at the peak)
+
+Data-dependent shapes are planned, not observed: a DEMix layer's rows per local domain are B / (its domains), a
+GShard expert's rows K S / E (balanced routing). Tensor parallel > 1, GShard layouts whose rank does not hold every
+expert (the layer is DeepSpeed's MoE, its all-to-all needs the expert-parallel process group) and any trace that
+fails fall back to the formula below, and the result says which was used and why.
+
+Activations by formula (the fallback), per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation", §4.1 and Table 2; 16-bit activations, 1-byte dropout masks; s sequence, b micro-batch,
 h hidden, a heads, t tensor parallel):
 
@@ -33,8 +45,16 @@ buckets (5e8 elements each, 16-bit or fp32 as the gradients).
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from functools import lru_cache
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from model.config import ModelConfig
 
@@ -83,6 +103,224 @@ def activation_bytes(m: ModelConfig, micro_batch: int, tensor_parallel: int, rec
     return scale * layers + logits
 
 
+PRECISION_TRACE: dict[str, tuple[torch.dtype, Optional[torch.dtype]]] = {
+    # precision -> (parameter dtype, autocast dtype) as parallel/precision.py's forward_precision runs the model
+    "fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
+}
+
+
+def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional[torch.dtype]]:
+    """(parameter dtype, autocast dtype) of training: bf16 at ZeRO 0 is torch autocast over fp32 weights."""
+    if precision == "bf16" and zero_stage == 0:
+        return torch.float32, torch.bfloat16
+    return PRECISION_TRACE[precision]
+
+
+class _PlannedRouting(TorchDispatchMode):
+    """Under FakeTensorMode: ops whose tensors are all real (the host-side domain ids the trainer passes, and
+    what the layer computes from them: `tolist`, checks) run for real; `nonzero` of a fake mask, whose row count
+    depends on values a fake tensor lacks, returns a planned count (`share` of the mask's elements: the balanced
+    case, e.g. K S / E routes per GShard expert)."""
+
+    def __init__(self, share: float) -> None:
+        super().__init__()
+        self.share = share
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten.nonzero.default:
+            x = args[0]
+            return torch.zeros((max(1, round(x.numel() * self.share)), x.dim()), dtype=torch.long, device=x.device)
+        return func(*args, **kwargs)
+
+
+def routing_share(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> float:
+    """The planned share of a routing mask's elements that select one expert (see _PlannedRouting)."""
+    if m.ffn.kind == "gshard":
+        return 1.0 / max(1, m.ffn.num_experts)
+    return 1.0 / max(1, len(expert_ids or [0]))
+
+
+class PeakBytes(TorchDispatchMode):
+    """A lean peak-memory counter: every storage an op returns is counted once, from its creation until Python
+    drops it (a weakref finalizer), and the running total's maximum is kept. The same accounting as torch's
+    MemTracker without its per-operator walk over every live tensor (~20 s for a gpt3-small step on a busy core,
+    against a few seconds here); `tests/test_memory_estimate.py` checks the two agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st in self._seen:
+            return
+        n = st.nbytes()
+        self._seen[st] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def _forward_backward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> None:
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = model(**batch, return_logits=False)
+    loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+    loss.backward()
+
+
+def _preallocate_grads(model: torch.nn.Module) -> None:
+    """As after the first micro-batch: gradients live, backward accumulates into them."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None) -> dict[str, int]:
+    """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads)."""
+    _preallocate_grads(model)
+    tracker = PeakBytes()
+    with tracker:
+        for p in model.parameters():
+            tracker.track(p)
+            tracker.track(p.grad)
+        states = tracker.live
+        _forward_backward(model, batch, autocast)
+    return {"total": tracker.peak, "activations": tracker.peak - states}
+
+
+def measure_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
+                 preallocate_grads: bool = True) -> dict[str, int]:
+    """Peak bytes of one forward+backward of `model(**batch, return_logits=False)` by torch's MemTracker kind
+    (PARAM, GRAD, ACT, TEMP, ...) plus `total` and `activations` (total - PARAM - GRAD - OPT), at the moment of
+    the total peak. Works on fake tensors (nothing allocated) and on real ones (the measurement the tests trust)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if preallocate_grads:
+        _preallocate_grads(model)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        _forward_backward(model, batch, autocast)
+    per_device = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    kinds = {str(k).split(".")[-1]: v for k, v in per_device.items()}
+    total = kinds.pop("Total")
+    states = kinds.get("PARAM", 0) + kinds.get("GRAD", 0) + kinds.get("OPT", 0)
+    return {"total": total, "activations": total - states, **kinds}
+
+
+def rank_batch(m: ModelConfig, micro_batch: int) -> dict:
+    """A training micro-batch (tokens, targets, loss mask); fake when built under FakeTensorMode."""
+    B, T = micro_batch, m.seq_len
+    return {"tokens_BT": torch.randint(0, m.vocab_size, (B, T)), "targets_BT": torch.randint(0, m.vocab_size, (B, T)),
+            "loss_mask_BT": torch.ones(B, T)}
+
+
+def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]]) -> dict:
+    """DEMix's domain ids, on the host as the trainer passes them: the micro-batch spread evenly over the rank's
+    domains ({} for other kinds)."""
+    if m.ffn.kind != "demix":
+        return {}
+    ids = sorted(expert_ids) if expert_ids else list(range(max(1, m.ffn.num_experts)))
+    return {"domain_ids_B": torch.tensor([ids[i * len(ids) // micro_batch] for i in range(micro_batch)])}
+
+
+def trace_peak(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]], recompute: bool,
+               dtype: torch.dtype = torch.bfloat16, autocast: Optional[torch.dtype] = None,
+               loss_chunk_logits: Optional[int] = None, memtracker: bool = False) -> dict[str, int]:
+    """`count_peak` (or with `memtracker`, torch's MemTracker: `measure_peak`) of this rank's GPT under
+    FakeTensorMode (nothing allocated), routing planned."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.gpt import GPT
+    from parallel.activation_recompute import apply_activation_recompute
+
+    domains = rank_domain_ids(m, micro_batch, expert_ids)  # real host tensors, made before the fake mode
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), _PlannedRouting(routing_share(m, expert_ids)):
+            model = GPT(m, expert_ids=expert_ids, init_seed=0)
+            if recompute:
+                apply_activation_recompute(model)
+            if loss_chunk_logits is not None:
+                model.loss_chunk_logits = loss_chunk_logits
+            measure = measure_peak if memtracker else count_peak
+            return measure(model, {**rank_batch(m, micro_batch), **domains}, autocast)
+    finally:
+        torch.set_default_dtype(old)
+
+
+@lru_cache(maxsize=64)
+def _cached_trace(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[int, ...]], recompute: bool,
+                  dtype: torch.dtype, autocast: Optional[torch.dtype]) -> int:
+    return trace_peak(m, micro_batch, expert_ids, recompute, dtype, autocast)["activations"]
+
+
+def trace_fallback_reason(m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int) -> Optional[str]:
+    """Why this rank's activations cannot be traced in one process (None: they can)."""
+    if tensor_parallel > 1:
+        return f"tensor_parallel={tensor_parallel}: the tensor-parallel layers need their process group"
+    if m.ffn.kind == "gshard" and expert_ids is not None and len(expert_ids) < max(1, m.ffn.num_experts):
+        return (f"ffn=gshard with {len(expert_ids)} of {m.ffn.num_experts} experts on this rank: the layer is "
+                "DeepSpeed's MoE, whose all-to-all needs the expert-parallel process group")
+    return None
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of one micro-batch by (ZeRO stage, recompute), and how they were obtained."""
+
+    method: str  # "traced" or "formula"
+    reason: Optional[str]  # why the formula was used
+    seconds: float
+    bytes: dict[tuple[int, bool], float]
+
+    def __call__(self, zero_stage: int, recompute: bool) -> float:
+        return self.bytes[(zero_stage, recompute)]
+
+
+def estimate_activations(m: ModelConfig, micro_batch: int, tensor_parallel: int, precision: str,
+                         expert_ids: Optional[Sequence[int]] = None, stages: Sequence[int] = (0, 1, 2)
+                         ) -> ActivationEstimate:
+    """Traced activations for every ZeRO stage and recompute mode (one trace per distinct precision setup, cached),
+    else the formula (eqs. A1/A2) with the reason."""
+    start = time.perf_counter()
+    ids = tuple(sorted(expert_ids)) if expert_ids is not None else None
+    reason = trace_fallback_reason(m, ids, tensor_parallel)
+    out: dict[tuple[int, bool], float] = {}
+    if reason is None:
+        try:
+            for zero in stages:
+                for recompute in (False, True):
+                    out[(zero, recompute)] = float(_cached_trace(m, micro_batch, ids, recompute,
+                                                                 *trace_dtypes(precision, zero)))
+        except Exception as e:  # noqa: BLE001 - any trace failure falls back, and says why
+            reason = f"tracing failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if reason is not None:
+        out = {(z, r): activation_bytes(m, micro_batch, tensor_parallel, r, precision) for z in stages
+               for r in (False, True)}
+    return ActivationEstimate("formula" if reason else "traced", reason, time.perf_counter() - start, out)
+
+
 def buffer_bytes(precision: str, zero_stage: int) -> float:
     """DeepSpeed's ZeRO 1/2 reduce and all-gather buckets at their defaults (none at ZeRO 0)."""
     if zero_stage == 0:
@@ -103,15 +341,17 @@ def deepspeed_zero2_estimate(p: RankParams) -> float:
 
 
 def memory_rows(p: RankParams, m: ModelConfig, micro_batch: int, tensor_parallel: int, precision: str,
-                gpu_bytes: Optional[float]) -> list[dict]:
+                gpu_bytes: Optional[float], activations: Optional[Callable[[int, bool], float]] = None) -> list[dict]:
     """One row per ZeRO stage (0, 1, 2): model states, buffers, activations with and without recompute, totals,
-    and whether each total fits `gpu_bytes` (None: unknown GPU, no verdict)."""
+    and whether each total fits `gpu_bytes` (None: unknown GPU, no verdict). `activations(zero_stage, recompute)`
+    gives the activation bytes (an `ActivationEstimate`); by default the formula."""
     rows = []
     for zero in (0, 1, 2):
         states = model_state_bytes(p, precision, zero)
         row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffer_bytes(precision, zero)}
         for mode, recompute in (("no_recompute", False), ("recompute", True)):
-            act = activation_bytes(m, micro_batch, tensor_parallel, recompute, precision)
+            act = (activations(zero, recompute) if activations is not None
+                   else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision))
             row[f"activations_{mode}"] = act
             row[f"total_{mode}"] = row["model_states"] + row["buffers"] + act
             row[f"fits_{mode}"] = None if gpu_bytes is None else row[f"total_{mode}"] <= gpu_bytes

@@ -159,7 +159,7 @@ def test_memory_table_for_gpt3_xl_demix_on_128_v100(tmp_path, capsys):
 
 def test_memory_table_says_no_when_it_does_not_fit(tmp_path, capsys):
     rc, s = _run(tmp_path, "--world-size", "8", "--gpu-memory-gb", "16", "--set", "model.preset=gpt3-xl",
-                 "data.mixture=natural", "train.precision=fp32", "train.micro_batch=8")
+                 "data.mixture=natural", "train.precision=fp32", "train.micro_batch=8", "model.seq_len=256")
     assert rc == 0
     assert [r["fits_no_recompute"] for r in s["memory"]["rows"]] == [False, False, False]
     assert "NO" in capsys.readouterr().out
@@ -183,3 +183,27 @@ def test_memory_arithmetic_matches_the_papers_formulas():
     assert activation_bytes(m, 3, 1, False, "fp16") == pytest.approx(2 * per_layer + 6 * s * b * v)
     assert activation_bytes(m, 3, 1, True, "fp16") == pytest.approx(2 * 2 * s * b * h + per_layer + 6 * s * b * v)
     assert activation_bytes(m, 3, 1, False, "fp32") == pytest.approx(2 * 2 * per_layer + 6 * s * b * v)
+
+
+def test_memory_activations_traced_from_the_rank_model_and_labelled(tmp_path, capsys):
+    """Activations come from a fake-tensor trace of this rank's model (here a DEMix rank holding two domains),
+    smaller than the formula's O(s^2) attention term; tensor parallel falls back to the formula and says why."""
+    from launcher.config import load_run_config
+    from parallel.memory import activation_bytes
+
+    argv = ["--world-size", "2", "--set", "model.preset=tiny", "model.ffn.kind=demix", "data.domains=[a,b,c,d]",
+            "train.precision=bf16", "train.micro_batch=4"]
+    rc, s = _run(tmp_path, *argv)
+    assert rc == 0 and s["memory"]["activations"]["method"] == "traced"
+    assert s["memory"]["activations"]["fallback_reason"] is None
+    printed = capsys.readouterr().out
+    assert "activations: traced" in printed
+    rows = s["memory"]["rows"]
+    assert rows[0]["activations_recompute"] < rows[0]["activations_no_recompute"]
+    assert rows[1]["activations_no_recompute"] != activation_bytes(load_run_config(
+        None, argv[3:]).model, 4, 1, False, "bf16")
+    rc, s = _run(tmp_path, *argv[:2], "--set", "model.preset=tiny", "parallel.tensor_parallel=2",
+                 "data.mixture=natural")
+    assert rc == 0 and s["memory"]["activations"]["method"] == "formula"
+    assert "tensor_parallel=2" in s["memory"]["activations"]["fallback_reason"]
+    assert "activations: formula" in capsys.readouterr().out
