@@ -35,7 +35,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = "demix"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # project_requirements beside this file
 EXTRAS_ROOTS = ("wandb", "lm-eval")  # the project's `tracking` and `harness` extras  # heavy and optional: their own folder
 NEVER = ("torch",)  # the node's own build; what only torch needs is reached through it alone, so never walked
 
@@ -54,9 +54,11 @@ def _applies(req: Requirement, envs: list[dict[str, str]]) -> bool:
 
 def project_roots(py: str) -> list[Requirement]:
     """The project's own requirements with its extras (`dev`: the tests run on the node; `tracking`, `harness`: wandb
-    and lm-eval) for the target Python."""
+    and lm-eval) for the target Python, read from pyproject.toml (scripts/project_requirements.py)."""
+    from project_requirements import requirements
+
     envs = _env(py, ("dev", "tracking", "harness"))
-    return [r for r in map(Requirement, metadata.requires(PROJECT) or []) if _applies(r, envs)]
+    return [r for r in map(Requirement, requirements(["dev", "tracking", "harness"])) if _applies(r, envs)]
 
 
 def closure(roots: Iterable[Requirement], py: str, skip: set[str]) -> tuple[dict[str, str], dict[str, SpecifierSet]]:
@@ -138,6 +140,14 @@ def download(pins: dict[str, str], dest: Path, py: str, arch: str) -> list[str]:
     return failed
 
 
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def size_mb(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.glob("*.whl")) / 2**20
 
@@ -154,10 +164,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", a.python_version):
         p.error(f"--python-version {a.python_version!r}: expected MAJOR.MINOR, e.g. 3.12")
-    try:
-        roots = project_roots(a.python_version)
-    except metadata.PackageNotFoundError:
-        print(f"error: the project is not installed in {sys.prefix}: run `make venv` first", file=sys.stderr)
+    roots = project_roots(a.python_version)
+    missing = [r.name for r in roots if canonicalize_name(r.name) not in NEVER and not _installed(r.name)]
+    if missing:
+        print(f"error: {', '.join(missing)} not installed in {sys.prefix}: the wheelhouse takes the versions tested "
+              "there; run `make venv` first", file=sys.stderr)
         return 2
     extra_roots = [r for r in roots if canonicalize_name(r.name) in EXTRAS_ROOTS]
     core_roots = [r for r in roots if r not in extra_roots]
