@@ -44,7 +44,8 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.mlp import MLP, FFNOutput, expert_output_like
+from model.demix import run_grouped
+from model.mlp import MLP, FFNOutput
 
 PROJECTION_SEED = 0xC5E  # fixed: the projection is a pure function of (layer, D, P)
 
@@ -138,14 +139,15 @@ class CSEFFN(nn.Module):
             with torch.no_grad():
                 self.pending_sum_EP.index_add_(0, ids_B, v_BP.double())
                 self.pending_count_E.index_add_(0, ids_B, torch.ones_like(ids_B, dtype=torch.float64))
-        out_BTD = expert_output_like(x_BTD)  # bf16 under autocast, as the experts' outputs
-        for e in ids_B.unique().tolist():
-            rows_N = (ids_B == e).nonzero(as_tuple=True)[0]
-            out_BTD = out_BTD.index_put((rows_N,), self.experts[str(e)](x_BTD[rows_N]))
-        # Every expert takes part in the graph (zero gradient when unused) so gradient reduction is uniform
-        # across replicas whatever their batches route to.
-        out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in self.experts.parameters())
-        load_E = torch.bincount(ids_B, minlength=self.num_slots).to(x_BTD.dtype)
+        # One permutation for all experts (model.demix.run_grouped): sequences sorted by cluster, each expert on its
+        # contiguous slice, one scatter back; experts with no sequence get a zero gradient (uniform reduction
+        # across replicas). The per-cluster counts are the one host read of the routing.
+        counts_E = torch.bincount(ids_B, minlength=self.num_slots)
+        counts = counts_E.tolist()
+        # A stable sort of one cluster's ids is the identity: no gather/scatter (every batch before clustering).
+        order_B = None if sum(n > 0 for n in counts) == 1 else torch.argsort(ids_B, stable=True)
+        out_BTD = run_grouped(x_BTD, [self.experts[str(e)] for e in range(self.num_slots)], counts, order_B)
+        load_E = counts_E.to(x_BTD.dtype)
         stats = {"cluster_load_E": load_E.detach(), "num_clusters": self.num_active.detach().float()}
         return FFNOutput(hidden=out_BTD, stats=stats)
 
