@@ -27,27 +27,15 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from benchmarks.machine import OtherLoad, machine_info, uptime
-from model.demix import DemixFFN
-from model.mlp import FFNOutput, expert_output_like
+from model.demix import DemixFFN, reference_demix_hidden
+from model.mlp import FFNOutput
 
 
 def reference_forward(self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
-    """DemixFFN.forward before issue 29 item 5: one out-of-place index_put per expert, every expert touched."""
+    """DemixFFN.forward before issue 29 item 5 (model/demix.py `reference_demix_hidden`)."""
     if len(self.expert_ids) == 1:
         return FFNOutput(hidden=self.experts[str(self.expert_ids[0])](x_BTD))
-    out_BTD = expert_output_like(x_BTD)
-    seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
-    for e in self.expert_ids:
-        rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
-        seen[rows_N] = True
-        if rows_N.numel():
-            rows_N = rows_N.to(x_BTD.device, non_blocking=True)
-            out_BTD = out_BTD.index_put((rows_N,), self.experts[str(e)](x_BTD[rows_N]))
-    if not bool(seen.all()):
-        raise ValueError("domain ids without an expert")
-    for e in self.expert_ids:
-        out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in self.experts[str(e)].parameters())
-    return FFNOutput(hidden=out_BTD)
+    return FFNOutput(hidden=reference_demix_hidden(self, x_BTD, domain_ids_B))
 
 
 @contextmanager

@@ -9,34 +9,15 @@ that received no row), in fp32 and under bf16 autocast.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import pytest
 import torch
 
 from model.cse import CSEFFN
-from model.demix import DemixFFN, run_grouped
+from model.demix import DemixFFN, reference_demix_hidden, run_grouped
 from model.mlp import FFNOutput, expert_output_like
 
 RTOL = 1e-6
-
-
-def reference_demix_forward(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor) -> torch.Tensor:
-    """DemixFFN.forward's several-experts path before the permutation (as of issue 29)."""
-    out_BTD = expert_output_like(x_BTD)
-    seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
-    for e in ffn.expert_ids:
-        rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
-        seen[rows_N] = True
-        if rows_N.numel():
-            rows_N = rows_N.to(x_BTD.device, non_blocking=True)
-            out_BTD = out_BTD.index_put((rows_N,), ffn.experts[str(e)](x_BTD[rows_N]))
-    if not bool(seen.all()):
-        missing = sorted(set(domain_ids_B[~seen].tolist()))
-        raise ValueError(f"domain ids {missing} have no expert here (this layer holds experts {ffn.expert_ids})")
-    for e in ffn.expert_ids:
-        out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in ffn.experts[str(e)].parameters())
-    return out_BTD
 
 
 def reference_cse_forward(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
@@ -104,7 +85,7 @@ def test_demix_grouped_matches_the_per_expert_scatter(ids: str, autocast: bool) 
     domain_ids_B = torch.tensor(IDS[ids])
     x = torch.randn(len(IDS[ids]), 5, 32)
     got = _forward_backward(ffn, lambda x: ffn(x, domain_ids_B).hidden, x, autocast)
-    want = _forward_backward(ffn, lambda x: reference_demix_forward(ffn, x, domain_ids_B), x, autocast)
+    want = _forward_backward(ffn, lambda x: reference_demix_hidden(ffn, x, domain_ids_B), x, autocast)
     _assert_parity(got, want)
     assert got[0].dtype == (torch.bfloat16 if autocast else torch.float32)
     for e in ffn.expert_ids:
@@ -119,7 +100,7 @@ def test_demix_holding_some_domains_routes_global_ids_and_reports_missing_ones()
     domain_ids_B = torch.tensor([5, 3, 5, 1])
     x = torch.randn(4, 3, 32)
     _assert_parity(_forward_backward(ffn, lambda x: ffn(x, domain_ids_B).hidden, x, False),
-                   _forward_backward(ffn, lambda x: reference_demix_forward(ffn, x, domain_ids_B), x, False))
+                   _forward_backward(ffn, lambda x: reference_demix_hidden(ffn, x, domain_ids_B), x, False))
     with pytest.raises(ValueError, match=r"domain ids \[0, 7\] have no expert here \(this layer holds experts \[1, 3, 5\]\)"):
         ffn(x, torch.tensor([7, 3, 0, 7]))
 
@@ -129,7 +110,7 @@ def test_no_grad_forward_and_frozen_experts() -> None:
     ffn = DemixFFN(_model_cfg("demix", 3), [0, 1, 2])
     x, ids = torch.randn(3, 4, 32), torch.tensor([2, 0, 2])
     with torch.no_grad():
-        torch.testing.assert_close(ffn(x, ids).hidden, reference_demix_forward(ffn, x, ids), rtol=RTOL, atol=0)
+        torch.testing.assert_close(ffn(x, ids).hidden, reference_demix_hidden(ffn, x, ids), rtol=RTOL, atol=0)
     ffn.experts["1"].requires_grad_(False)  # an idle frozen expert: nothing to touch, no gradient made
     x.requires_grad_(True)
     ffn(x, ids).hidden.sum().backward()
