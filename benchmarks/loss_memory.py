@@ -3,7 +3,7 @@ loss (model/gpt.py: chunked_token_loss), measured without allocating anything.
 
 The model is built under torch's FakeTensorMode with bf16 as the default dtype (DeepSpeed's bf16 mode: bf16
 parameters and activations) and forward+backward run inside `torch.distributed._tools.mem_tracker.MemTracker`
-(`track_external(model)`, peak snapshot): every tensor's storage is accounted as it would be on a device, but
+(parallel/memory.py `trace_peak`, as the dry run measures): every tensor's storage is accounted as it would be on a device, but
 none is allocated, so gpt3-xl at micro-batch 8 x 2048 measures in seconds on a CPU. Nothing is timed.
 
     whole    the loss as it was before chunking: logits B x T x V (bf16), their fp32 copy, log-softmax saved for
@@ -28,41 +28,24 @@ import torch
 
 from benchmarks.machine import machine_info
 from launcher.config import load_run_config
-from model.gpt import GPT, LOSS_CHUNK_LOGITS
-from parallel.activation_recompute import apply_activation_recompute
+from model.gpt import LOSS_CHUNK_LOGITS
+from parallel.memory import trace_peak
 
 GiB = 1024**3
 RESULTS = Path(__file__).parent / "results" / "loss_memory.md"
 
 
 def peak_bytes(preset: str, micro_batch: int, seq: int, chunked: bool, recompute: bool) -> dict[str, Any]:
-    """Peak bytes (total and by kind) of forward+backward, under FakeTensorMode: nothing is allocated."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    """Peak bytes (total and by MemTracker kind) of forward+backward under FakeTensorMode, nothing allocated
+    (parallel/memory.py `trace_peak`, the dry run's measurement, with torch's MemTracker; no gradients before
+    the backward), and the tokens per loss chunk."""
     cfg = load_run_config(None, [f"model.preset={preset}", f"model.seq_len={seq}", "model.dropout=0.0"]).model
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with FakeTensorMode():
-            model = GPT(cfg, init_seed=0)
-            if recompute:
-                apply_activation_recompute(model)
-            model.loss_chunk_logits = LOSS_CHUNK_LOGITS if chunked else 2**62
-            tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq))
-            targets = torch.randint(0, cfg.vocab_size, (micro_batch, seq))
-            mask = torch.ones(micro_batch, seq)
-            tracker = MemTracker()
-            tracker.track_external(model)
-            with tracker:
-                out = model(tokens, targets_BT=targets, loss_mask_BT=mask, return_logits=False)
-                out.loss.backward()
-            snap = tracker.get_tracker_snapshot("peak")
-    finally:
-        torch.set_default_dtype(old_dtype)
-    per_device = next(iter(snap.values()))
-    by_kind = {str(k).split(".")[-1]: v for k, v in per_device.items()}
-    return {"total": by_kind.pop("Total"), **by_kind, "rows": model._loss_chunk_rows() if chunked else micro_batch * seq}
+    chunk = LOSS_CHUNK_LOGITS if chunked else 2**62
+    m = trace_peak(cfg, micro_batch, None, recompute, torch.bfloat16, loss_chunk_logits=chunk, memtracker=True,
+                   preallocate_grads=False)
+    m.pop("activations")
+    rows = max(1, LOSS_CHUNK_LOGITS // cfg.padded_vocab_size()) if chunked else micro_batch * seq
+    return {**m, "rows": rows}
 
 
 def run(presets: list[str], micro_batch: int, seq: int) -> list[dict[str, Any]]:

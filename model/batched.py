@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from model.demix import DemixFFN
 from model.gpt import TiedLMHead
+from model.mlp import autocast_dtype
 
 DEFAULT_LOGIT_BUDGET = 1 << 19  # logits per LM-head block on CPU: 2 MiB of float32 (one L2 cache)
 DEFAULT_LOGIT_BUDGET_CUDA = 1 << 26  # on accelerators a block is a kernel launch: 256 MiB of float32
@@ -143,9 +144,7 @@ def target_log_probs(
     n_blocks = -(-V // C)
     # torch.mm(..., out=) is never autocast: under autocast (evaluation in the training precision) take the
     # allocating mm, which is, and upcast its bf16/fp16 block
-    kind = h_ND.device.type
-    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
-    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32 and not autocast
+    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32 and autocast_dtype(h_ND.device.type) is None
     buf = torch.empty(R * C, dtype=torch.float32, device=h_ND.device) if f32 else None
     sum_KR = torch.empty(n_blocks, R, dtype=torch.float32, device=h_ND.device)  # per block: sum exp(l)
     out_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)

@@ -46,11 +46,16 @@ class DenseFFN(nn.Module):
         return FFNOutput(hidden=self.mlp(x_BTD))
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype torch.autocast computes matmuls in on `device_type` now, None where autocast is off (or the
+    device has no autocast, e.g. meta)."""
+    on = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if on else None
+
+
 def expert_output_like(x_BTD: torch.Tensor) -> torch.Tensor:
     """Zeros shaped like `x_BTD` in the dtype an MLP computes from it: the autocast dtype where autocast is on for
     its device (bf16/fp16 mixed precision: the experts' outputs are that dtype), else `x_BTD`'s. The buffer that
     several experts' rows are scattered into."""
-    kind = x_BTD.device.type
-    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) and x_BTD.is_floating_point()
-    dtype = torch.get_autocast_dtype(kind) if autocast else x_BTD.dtype
-    return torch.zeros_like(x_BTD, dtype=dtype)
+    dtype = autocast_dtype(x_BTD.device.type) if x_BTD.is_floating_point() else None
+    return torch.zeros_like(x_BTD, dtype=dtype or x_BTD.dtype)

@@ -103,17 +103,15 @@ def activation_bytes(m: ModelConfig, micro_batch: int, tensor_parallel: int, rec
     return scale * layers + logits
 
 
-PRECISION_TRACE: dict[str, tuple[torch.dtype, Optional[torch.dtype]]] = {
-    # precision -> (parameter dtype, autocast dtype) as parallel/precision.py's forward_precision runs the model
-    "fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
-}
-
-
 def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional[torch.dtype]]:
-    """(parameter dtype, autocast dtype) of training: bf16 at ZeRO 0 is torch autocast over fp32 weights."""
-    if precision == "bf16" and zero_stage == 0:
+    """(parameter dtype, autocast dtype) of training as parallel/engine.py's DeepSpeed config runs it: bf16 at
+    ZeRO 0 is torch autocast over fp32 weights; otherwise DeepSpeed casts the parameters themselves."""
+    from parallel.precision import AUTOCAST_DTYPES
+
+    half = AUTOCAST_DTYPES.get(precision)
+    if half is torch.bfloat16 and zero_stage == 0:
         return torch.float32, torch.bfloat16
-    return PRECISION_TRACE[precision]
+    return half or torch.float32, None
 
 
 class _PlannedRouting(TorchDispatchMode):
@@ -194,14 +192,17 @@ def _preallocate_grads(model: torch.nn.Module) -> None:
         p.grad = torch.zeros_like(p)
 
 
-def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None) -> dict[str, int]:
+def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
+               preallocate_grads: bool = True) -> dict[str, int]:
     """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads)."""
-    _preallocate_grads(model)
+    if preallocate_grads:
+        _preallocate_grads(model)
     tracker = PeakBytes()
     with tracker:
         for p in model.parameters():
             tracker.track(p)
-            tracker.track(p.grad)
+            if p.grad is not None:
+                tracker.track(p.grad)
         states = tracker.live
         _forward_backward(model, batch, autocast)
     return {"total": tracker.peak, "activations": tracker.peak - states}
@@ -245,9 +246,11 @@ def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Seque
 
 def trace_peak(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]], recompute: bool,
                dtype: torch.dtype = torch.bfloat16, autocast: Optional[torch.dtype] = None,
-               loss_chunk_logits: Optional[int] = None, memtracker: bool = False) -> dict[str, int]:
+               loss_chunk_logits: Optional[int] = None, memtracker: bool = False,
+               preallocate_grads: bool = True) -> dict[str, int]:
     """`count_peak` (or with `memtracker`, torch's MemTracker: `measure_peak`) of this rank's GPT under
-    FakeTensorMode (nothing allocated), routing planned."""
+    FakeTensorMode (nothing allocated), routing planned; `preallocate_grads=False` measures a first micro-batch
+    (gradients created by backward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from model.gpt import GPT
@@ -264,7 +267,7 @@ def trace_peak(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[i
             if loss_chunk_logits is not None:
                 model.loss_chunk_logits = loss_chunk_logits
             measure = measure_peak if memtracker else count_peak
-            return measure(model, {**rank_batch(m, micro_batch), **domains}, autocast)
+            return measure(model, {**rank_batch(m, micro_batch), **domains}, autocast, preallocate_grads)
     finally:
         torch.set_default_dtype(old)
 

@@ -54,7 +54,7 @@ import torch
 from data.blocks import BlockDataset
 from data.catalog import check_tokenizer, read_token_manifest
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
-from launcher.distributed import scheduler_env, training_device
+from launcher.distributed import ensure_env, start_distributed, training_device
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from launcher.evaluation.unigram import domain_unigram
 from model import mixture as mx
@@ -508,14 +508,11 @@ def _join_ranks(device_choice: str) -> torch.device:
     """Under a launcher of several ranks (torchrun, deepspeed, MPI, srun), join them - on GPUs through the trainer's
     `start_distributed` (each rank binds its own GPU, NCCL), on the CPU a gloo group - and return this rank's
     evaluation device. A single process joins nothing."""
-    found = scheduler_env(os.environ)  # MPI/SLURM ranks: torch's variables, from the launcher's own
-    if int(found.get("WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) > 1 and not torch.distributed.is_initialized():
+    world = ensure_env()  # MPI/SLURM ranks: torch's variables, from the launcher's own (the trainer's rule)
+    if world > 1 and not torch.distributed.is_initialized():
         if resolve_eval_device(device_choice).type == "cuda":
-            from launcher.distributed import start_distributed
-
             start_distributed()
         else:  # a gloo group, as before: no DeepSpeed (its CPU start-up JIT-compiles a shared-memory op)
-            os.environ.update(found)
             torch.distributed.init_process_group("gloo")
     return resolve_eval_device(device_choice)
 
