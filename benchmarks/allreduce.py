@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from data.argtypes import positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -85,9 +87,9 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--domains", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--ranks", type=positive_int, default=8)
+    p.add_argument("--domains", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=5)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from benchmarks.machine import machine_info

@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from data.argtypes import positive_int, random_seed
 from benchmarks.machine import uptime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -556,16 +557,16 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.btx_compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200, help="finetune (MiX) steps of (b) and (c) (the extra tokens)")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--max-blocks", type=int, default=64, help="test blocks per domain")
-    p.add_argument("--cached-blocks", type=int, default=100, help="dev blocks for DEMix's cached prior")
+    p.add_argument("--steps", type=positive_int, default=200, help="finetune (MiX) steps of (b) and (c) (the extra tokens)")
+    p.add_argument("--nproc", type=positive_int, default=2)
+    p.add_argument("--max-blocks", type=positive_int, default=64, help="test blocks per domain")
+    p.add_argument("--cached-blocks", type=positive_int, default=100, help="dev blocks for DEMix's cached prior")
     p.add_argument("--demix", help="DEMix checkpoint (default: the reproduce arm demix-s1)")
     p.add_argument("--gshard", help="GShard checkpoint (default: the reproduce arm gshard-s1)")
     p.add_argument("--seed-dense", help="seeded mode: the dense seed checkpoint every arm starts from "
                                         "(e.g. runs/reproduce/arms/dense-s1/model)")
-    p.add_argument("--branch-steps", type=int, default=600, help="seeded mode: DEMix steps of the branches (d)")
-    p.add_argument("--data-seed", type=int, default=11,
+    p.add_argument("--branch-steps", type=positive_int, default=600, help="seeded mode: DEMix steps of the branches (d)")
+    p.add_argument("--data-seed", type=random_seed, default=11,
                    help="seeded mode: data.seed of every continuation (the reproduce arms used 1 and 2)")
     p.add_argument("--layers", help="comma-separated BTX layouts to compare: every_other (GShard's placement), all "
                                     "(default: both; seeded mode: all)")

@@ -29,6 +29,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
+from data.argtypes import positive_int, random_seed
 
 ARMS = ("dense", "cse", "demix-clustered", "demix-true")
 DEMO_RUN = {"dense": "dense", "demix-true": "demix"}
@@ -230,11 +231,11 @@ def markdown(report: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--k", type=int, default=8, help="clusters for DEMix-clustered (default: as many as true domains)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-blocks", type=int, default=16, help="test blocks per domain")
+    p.add_argument("--nproc", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=60)
+    p.add_argument("--k", type=positive_int, default=8, help="clusters for DEMix-clustered (default: as many as true domains)")
+    p.add_argument("--seed", type=random_seed, default=0)
+    p.add_argument("--max-blocks", type=positive_int, default=16, help="test blocks per domain")
     p.add_argument("--reuse-demo", action="store_true", help="take Dense / DEMix-true from runs/demo when finished")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--out", default="runs/cse")

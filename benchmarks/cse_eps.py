@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from data.argtypes import positive_int
 from benchmarks.machine import machine_info
 
 
@@ -79,10 +80,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cse_eps", description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--data", default="artifacts/demo/tokens")
-    p.add_argument("--blocks", type=int, default=32)
+    p.add_argument("--blocks", type=positive_int, default=32)
     p.add_argument("--layers", default="2,3")
-    p.add_argument("--min-clusters", type=int, default=4)
-    p.add_argument("--max-clusters", type=int, default=8)
+    p.add_argument("--min-clusters", type=positive_int, default=4)
+    p.add_argument("--max-clusters", type=positive_int, default=8)
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from data.argtypes import positive_int
 from benchmarks.machine import OtherLoad, machine_info, uptime
 from model.demix import DemixFFN, reference_demix_hidden
 from model.mlp import FFNOutput
@@ -108,8 +109,8 @@ def gpt_case(experts: int, B: int, T: int, repeats: int) -> dict[str, list[float
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--experts", type=positive_int, default=8)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     cases = [("DemixFFN layer, D 768 F 3072, B 8 x T 128 (8 domains, 1 sequence each)", layer_case, 8, 128),

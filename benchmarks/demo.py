@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from data.argtypes import positive_int
 from launcher.checkpoint import write_json_atomic
 from launcher.metrics import read_metrics
 
@@ -150,11 +151,11 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="local ranks per model (default 2: one per core of a 2-core machine)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per model (default 200)")
+    p.add_argument("--nproc", type=positive_int, default=2, help="local ranks per model (default 2: one per core of a 2-core machine)")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps per model (default 200)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
-    p.add_argument("--eval-blocks", type=int, default=8, help="test blocks per domain (default 8)")
-    p.add_argument("--cached-blocks", type=int, default=20, help="dev blocks for the cached prior (paper: 100)")
+    p.add_argument("--eval-blocks", type=positive_int, default=8, help="test blocks per domain (default 8)")
+    p.add_argument("--cached-blocks", type=positive_int, default=20, help="dev blocks for the cached prior (paper: 100)")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--wandb", default="offline", choices=["offline", "disabled"])
     p.add_argument("--fresh", action="store_true", help="retrain even if a finished run exists")

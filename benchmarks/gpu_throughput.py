@@ -70,6 +70,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from data.argtypes import nonneg_int, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_RECORD = RESULTS / "gpu_throughput.md"
@@ -466,16 +468,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help="model presets (configs/model/), comma-separated")
     p.add_argument("--arms", default=",".join(ARMS), help="dense, demix-<N> (N domains on the GPU), gshard")
-    p.add_argument("--steps", type=int, help="timed updates per phase (default 5; --tiny 3)")
-    p.add_argument("--warmup", type=int, help="untimed updates before them (default 2; --tiny 1)")
-    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default 4)")
-    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048; --tiny 64)")
+    p.add_argument("--steps", type=positive_int, help="timed updates per phase (default 5; --tiny 3)")
+    p.add_argument("--warmup", type=nonneg_int, help="untimed updates before them (default 2; --tiny 1)")
+    p.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch (default 4)")
+    p.add_argument("--grad-accum", type=positive_int, default=2, help="micro-batches per update")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 2048; --tiny 64)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                    help="bf16: DeepSpeed bf16 (ZeRO >= 1) vs autocast; fp32 on both sides")
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--recompute", default="none", choices=("none", "full"), help="activation recompute")
-    p.add_argument("--gshard-experts", type=int, default=8, help="experts of the gshard arm, all on this GPU")
+    p.add_argument("--gshard-experts", type=positive_int, default=8, help="experts of the gshard arm, all on this GPU")
     p.add_argument("--tiny", action="store_true", help="2 layers, d 64, seq 64, vocab 512: runs on CPU")
     p.add_argument("--record", help=f"results markdown (+ .json beside it); default {DEFAULT_RECORD.relative_to(ROOT)} "
                                     "for a full run, none for --tiny")

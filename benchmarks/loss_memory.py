@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from data.argtypes import positive_int
 from benchmarks.machine import machine_info
 from launcher.config import load_run_config
 from model.gpt import LOSS_CHUNK_LOGITS
@@ -103,8 +104,8 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["gpt3-small", "gpt3-xl"])
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=positive_int, default=8)
+    ap.add_argument("--seq", type=positive_int, default=2048)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     rows = run(args.presets, args.micro_batch, args.seq)

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from data.argtypes import positive_int
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
 from launcher.evaluation.evaluate import (_cached_prior, _demix_domain, block_inputs, check_checkpoint_data,
                                          load_blocks, stream_log_likelihoods)
@@ -218,10 +219,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="consolidated DEMix checkpoints (RUN_DIR/model)")
     p.add_argument("--data", default="artifacts/demo/tokens", help="prepared tokens root")
     p.add_argument("--tokenizer", help="tokenizer directory name (default: each checkpoint's)")
-    p.add_argument("--max-blocks", type=int, default=64, help="test blocks per domain")
-    p.add_argument("--cached-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS,
+    p.add_argument("--max-blocks", type=positive_int, default=64, help="test blocks per domain")
+    p.add_argument("--cached-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS,
                    help="valid blocks per domain the cached prior (= merge weights) is estimated on")
-    p.add_argument("--batch-size", type=int, default=4, help="blocks per batched pass (x E sequences)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="blocks per batched pass (x E sequences)")
     p.add_argument("--domains", help="comma-separated domains (default: all in the data manifest)")
     p.add_argument("--record", help="write the markdown report here and the JSON beside it (.json)")
     p.add_argument("--interpretation", metavar="FILE", help="a paragraph (text file) to close the markdown report")

@@ -56,6 +56,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from data.argtypes import positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("batched", "sequential", "forward")
@@ -447,22 +449,22 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", default="1,2,4,8", help="comma-separated expert counts to sweep")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--d-model", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--seq-len", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--threads", default=None,
                     help="comma-separated torch thread counts, one sweep each (default: torch's default here, then 1)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gemm-repeats", type=int, default=10, help="timed samples of each reference GEMM shape")
-    ap.add_argument("--fanout-tokens", type=int, default=None,
+    ap.add_argument("--gemm-repeats", type=positive_int, default=10, help="timed samples of each reference GEMM shape")
+    ap.add_argument("--fanout-tokens", type=positive_int, default=None,
                     help="expert-tokens fanned out at once by the batched path (default: model/batched.py's)")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--probe-memory", choices=PATHS, help=argparse.SUPPRESS)
-    ap.add_argument("--probe-experts", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--probe-experts", type=positive_int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     default_threads = torch.get_num_threads()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads, 1]

@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-import yaml
 
+from data.readers import read_yaml
 from launcher.checkpoint import write_json_atomic
 from launcher.evaluation.stats import bootstrap_mean_ppl, paired_ratio, seed_spread
 
@@ -87,7 +87,9 @@ class Budget:
 
     @classmethod
     def load(cls, path: Path) -> "Budget":
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = read_yaml(path) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(cls.__dataclass_fields__)}")

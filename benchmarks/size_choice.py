@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from data.argtypes import positive_float
 from benchmarks.machine import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> d
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.size_choice", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=120.0, help="training wall clock per shape (part 2)")
+    p.add_argument("--seconds", type=positive_float, default=120.0, help="training wall clock per shape (part 2)")
     p.add_argument("--out", default=str(ROOT / "runs" / "size_choice"))
     p.add_argument("--record", default=None, help="also write the markdown here")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs under --out (part 2 not retrained)")

@@ -50,6 +50,7 @@ import yaml
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from data.readers import InputFileError, read_yaml
 from launcher.typed import ConfigError, build_lenient, to_dict
 from model.config import CONFIG
 
@@ -161,9 +162,9 @@ def load_sweep(path: str | Path) -> SweepConfig:
     and every (size, arch) whose run config would not load."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except yaml.YAMLError as e:
-        raise ConfigError([f"{path}: not valid YAML ({e})"], str(path)) from None
+        raw = read_yaml(path) if path.is_file() else None
+    except InputFileError as e:
+        raise ConfigError([str(e)], str(path)) from None
     if raw is None:
         raise ConfigError([f"{path}: no such file or empty"], str(path))
     return sweep_from_dict(raw, str(path))
@@ -372,7 +373,7 @@ def accounting(config_yaml: Path, world_size: int) -> dict[str, Any]:
 
     if not config_yaml.is_file():
         return {}
-    cfg = from_dict(RunConfig, yaml.safe_load(config_yaml.read_text()), str(config_yaml))
+    cfg = from_dict(RunConfig, read_yaml(config_yaml), str(config_yaml))
     dp = max(1, world_size // cfg.parallel.tensor_parallel)
     batch = cfg.train.micro_batch * cfg.train.grad_accum * dp
     flops = flops_per_update(cfg.model, batch, vocab_size=cfg.model.vocab_size)

@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from data.argtypes import nonneg_int, positive_float, positive_int
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # The ceiling row's state, set before its fork pool starts so the workers inherit it (nothing pickled but indices).
@@ -169,11 +171,11 @@ def _least_cpu(fn, repeats: int) -> float:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=float, default=8.0)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mb", type=positive_float, default=8.0)
+    ap.add_argument("--workers", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--with-prepare", action="store_true")
-    ap.add_argument("--cold-runs", type=int, default=3,
+    ap.add_argument("--cold-runs", type=nonneg_int, default=3,
                     help="with --with-prepare: first calls of prepare_corpus, each in a fresh process")
     ap.add_argument("--with-anonymise", action="store_true", help="also prepare_corpus with anonymisation on")
     ap.add_argument("--out", default=str(RESULTS))

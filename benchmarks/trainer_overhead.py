@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from data.argtypes import positive_int
 from benchmarks.machine import machine_info
 
 HIGH_LOAD = 1.5
@@ -143,12 +144,12 @@ def markdown(results: list[dict[str, Any]], command: str, machine: dict[str, Any
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="dense,demix")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=4)
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--micro-batch", type=positive_int, default=4)
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))

@@ -17,11 +17,12 @@ is a target exactly once per epoch. Reads go through `megatron.core.datasets.ind
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
 import numpy as np
+
+from data.readers import read_json_object
 
 DEFAULT_SEQ_LEN = 1024
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
@@ -84,10 +85,12 @@ class BlockDataset:
         """Open `<root>/<tokenizer>/<domain>/<split>` after checking the prepare manifest lists it."""
         manifest_path = Path(root) / tokenizer / "manifest.json"
         if manifest_path.is_file():
-            counts = json.loads(manifest_path.read_text())["counts"]
+            counts = read_json_object(manifest_path, {"counts": dict}, what="token manifest")["counts"]
             if domain not in counts:
                 raise KeyError(f"{manifest_path}: no domain {domain!r}; domains: {sorted(counts)}")
-            if counts[domain][split]["documents"] == 0:
+            if not isinstance(counts[domain], dict) or not isinstance(counts[domain].get(split), dict):
+                raise ValueError(f"{manifest_path}: counts.{domain}.{split} is missing or not an object")
+            if counts[domain][split].get("documents") == 0:
                 raise ValueError(f"{manifest_path}: {domain}/{split} has 0 documents")
         return cls(split_prefix(root, tokenizer, domain, split), seq_len, name=f"{domain}/{split}")
 

@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 from data.atomic import atomic_path, write_json_atomic
 from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchError, Package, Source,
                           package_version)
+from data.argtypes import nonneg_float, positive_int
 from data.cli import cli_main
 
 MIN_TRAIN_DOMAINS = 6
@@ -141,7 +142,7 @@ def build_one(source: Source, fetched: dict, corpus_dir: Path, max_docs: Optiona
 def load_manifest(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return data if data.get("format") == MANIFEST_FORMAT else {}
+        return data if isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT else {}
     except (OSError, ValueError):
         return {}
 
@@ -231,8 +232,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("artifacts/demo"), help="output root (default artifacts/demo)")
     p.add_argument("--domains", nargs="+", choices=[s.domain for s in SOURCES], metavar="DOMAIN",
                    help=f"subset of: {' '.join(s.domain for s in SOURCES)} (default: all)")
-    p.add_argument("--max-docs-per-domain", type=int, default=None, help="cap on documents per domain")
-    p.add_argument("--max-mb-per-domain", type=float, default=8.0,
+    p.add_argument("--max-docs-per-domain", type=positive_int, default=None, help="cap on documents per domain")
+    p.add_argument("--max-mb-per-domain", type=nonneg_float, default=8.0,
                    help="cap on JSONL megabytes per domain (default 8; 0 = no cap)")
     p.add_argument("--rebuild", action="store_true", help="ignore the manifest and rebuild every requested domain")
     p.add_argument("--corpus-only", action="store_true", help="stop after the JSONL corpus (no tokenisation)")

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from data.readers import InputFileError, read_json_object
+
+
+# What readers of a token manifest (data/prepare.py) index directly (data/readers.py shapes)
+TOKEN_MANIFEST_SHAPE = {"domains": list, "counts": dict, "tokenizer": {"vocab_size": int, "bos_id": int}}
+
 
 class DataError(ValueError):
     """The prepared data is missing or does not match the configuration."""
@@ -80,18 +86,15 @@ def tokenizer_fingerprint(description: dict) -> str:
 
 def read_token_manifest(path: Path) -> dict:
     """A token manifest (data/prepare.py), checked for what readers rely on; DataError naming the file if not."""
+    if not Path(path).is_file():
+        raise DataError(f"{path} not found: prepare the data first (python -m data.prepare)")
     try:
-        m = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path} not found: prepare the data first (python -m data.prepare)") from None
-    except (ValueError, OSError) as e:
-        raise DataError(f"{path} is not a readable token manifest ({e}); re-run data.prepare") from None
-    tok = m.get("tokenizer") if isinstance(m, dict) else None
-    ok = (isinstance(m, dict) and isinstance(m.get("domains"), list) and isinstance(m.get("counts"), dict)
-          and isinstance(tok, dict) and all(k in tok for k in ("vocab_size", "bos_id")))
-    if not ok:
-        raise DataError(f"{path} is not a token manifest of data.prepare (needs domains, counts and tokenizer with "
-                        "vocab_size and bos_id); re-run data.prepare")
+        m = read_json_object(path, TOKEN_MANIFEST_SHAPE, what="token manifest")
+    except InputFileError as e:
+        raise DataError(f"{e}; re-run data.prepare") from None
+    bad = [d for d in m["domains"] if not isinstance(d, str) or not isinstance(m["counts"].get(d, {}), dict)]
+    if bad:
+        raise DataError(f"{path}: domains {bad[:3]} are not names with a mapping of counts; re-run data.prepare")
     missing = [d for d in m["domains"] if d not in m["counts"]]
     if missing:
         raise DataError(f"{path} lists domains {missing} without counts; re-run data.prepare")
@@ -127,5 +130,5 @@ def _corpus_roles(manifest: dict, manifest_path: Path) -> dict[str, str]:
         raise DataError(f"{manifest_path} takes its domains' train/novel roles from {path}, which is not there "
                         f"(a relative path is read from the current directory); list the training domains in "
                         f"data.domains, or re-run data.prepare (newer manifests keep the roles themselves)")
-    doms = json.loads(path.read_text()).get("domains", {})
-    return {d: v.get("split_role", "train") for d, v in doms.items()} if isinstance(doms, dict) else {}
+    doms = read_json_object(path, {"domains?": dict}, what="corpus manifest").get("domains", {})
+    return {d: v.get("split_role", "train") if isinstance(v, dict) else "train" for d, v in doms.items()}

@@ -40,7 +40,9 @@ from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 from data.atomic import write_json_atomic
+from data.argtypes import positive_int, random_seed
 from data.cli import check_output_dir, cli_main
+from data.readers import read_json_object
 
 FORMAT = "demix-clusterer/1"
 
@@ -141,7 +143,8 @@ class Clusterer:
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Clusterer":
         path = Path(path)
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_json_object(path / "meta.json", {"format": str, "vocabulary": dict, "options": dict},
+                                what="clusterer")
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} clusterer (format {meta.get('format')!r})")
         with np.load(path / "arrays.npz", allow_pickle=False) as a:
@@ -213,15 +216,21 @@ def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = Non
     corpus = Path(corpus)
     files = {p.stem: p for p in sorted(corpus.glob("*.jsonl"))}
     if domains is None and (corpus / "manifest.json").is_file():
-        roles = json.loads((corpus / "manifest.json").read_text()).get("domains", {})
+        roles = read_json_object(corpus / "manifest.json", {"domains?": dict}, what="corpus manifest").get("domains")
+        roles = {d: r for d, r in (roles or {}).items() if isinstance(r, dict)}
         domains = [d for d in files if roles.get(d, {}).get("split_role", "train") == "train"]
     missing = [d for d in (domains or []) if d not in files]
     if missing or not files:
         raise FileNotFoundError(f"{corpus}: no JSONL for {missing or 'any domain'}")
     out = []
     for d in domains or list(files):
-        with open(files[d]) as f:
-            out += [json.loads(line) for line in f if line.strip()]
+        with open(files[d], encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    out += [json.loads(line)] if line.strip() else []
+                except ValueError as e:
+                    raise ValueError(f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus") \
+                        from None
     return out
 
 
@@ -293,7 +302,7 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
 
     cat = load_catalog(tokens_root, tokenizer, domains)
     src = Path(tokens_root) / tokenizer
-    m = json.loads((src / "manifest.json").read_text())
+    m = read_json_object(src / "manifest.json", {"format": str, "dtype": str}, what="token manifest")
     dst = Path(out_root) / tokenizer
     check_output_dir(dst, (m["format"],), ["manifest.json", "clusterer", "cluster_report.json"], inputs=[src])
     tok = load_prepared_tokenizer(tokens_root, tokenizer)
@@ -341,14 +350,14 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
-    p.add_argument("--k", type=int, required=True, help="number of clusters")
+    p.add_argument("--k", type=positive_int, required=True, help="number of clusters")
     p.add_argument("--out", required=True, help="output corpus directory")
     p.add_argument("--domains", help="comma-separated domains to read (default: the manifest's training domains)")
     p.add_argument("--balance", default="balanced", choices=("balanced", "none"))
-    p.add_argument("--svd-dim", type=int, default=100)
-    p.add_argument("--max-features", type=int, default=50000)
-    p.add_argument("--fit-docs", type=int, default=20000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--svd-dim", type=positive_int, default=100)
+    p.add_argument("--max-features", type=positive_int, default=50000)
+    p.add_argument("--fit-docs", type=positive_int, default=20000)
+    p.add_argument("--seed", type=random_seed, default=0)
     a = p.parse_args(argv)
     try:
         report = cluster_corpus(a.corpus, a.k, a.out, a.domains.split(",") if a.domains else None, seed=a.seed,

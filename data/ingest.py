@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from data.atomic import write_json_atomic
+from data.argtypes import nonneg_int
 from data.cli import check_output_dir, cli_main
 
 REASONS: tuple[str, ...] = (
@@ -305,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--domains", nargs="+", help="keep only these domains (others are 'unknown_domain' problems)")
     p.add_argument("--on-error", choices=ON_ERROR, default="skip",
                    help="skip: drop bad lines and count them (default); fail: write nothing if any line is bad")
-    p.add_argument("--max-report", type=int, default=20, help="problems listed in full (all are counted)")
+    p.add_argument("--max-report", type=nonneg_int, default=20, help="problems listed in full (all are counted)")
     args = p.parse_args(argv)
     try:
         report = ingest(args.source, args.out, text_field=args.text_field, domain_field=args.domain_field,

@@ -55,7 +55,9 @@ from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_j
 from data.tokenizer import (
     SP_MODEL_FILE, GPT2Tokenizer, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
 )
+from data.argtypes import in_range, positive_int, random_seed, unit_right_open
 from data.cli import check_output_dir, cli_main
+from data.readers import InputFileError, read_json_object
 
 FORMAT = "demix-tokens/1"
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
@@ -265,13 +267,12 @@ def corpus_roles(corpus_manifest: Path, domains: Iterable[str]) -> dict[str, str
     """Each domain's `split_role` ("train" or "novel") from the corpus manifest, copied into the token manifest
     so the roles travel with the tokens (default "train"). A corpus manifest that is not JSON is an error."""
     try:
-        data = json.loads(corpus_manifest.read_text()) if corpus_manifest.is_file() else {}
-    except ValueError as e:
-        raise ValueError(f"{corpus_manifest} is not valid JSON ({e}): fix or remove it (it gives the domains' "
-                         "train/novel roles)") from None
-    doms = data.get("domains", {}) if isinstance(data, dict) else {}
-    doms = doms if isinstance(doms, dict) else {}
-    return {d: (doms.get(d) or {}).get("split_role", "train") for d in domains}
+        data = (read_json_object(corpus_manifest, {"domains?": dict}, "corpus manifest")
+                if corpus_manifest.is_file() else {})
+    except InputFileError as e:
+        raise ValueError(f"{e}: fix or remove it (it gives the domains' train/novel roles)") from None
+    doms = data.get("domains", {})
+    return {d: doms[d].get("split_role", "train") if isinstance(doms.get(d), dict) else "train" for d in domains}
 
 
 def _fingerprint(obj: dict) -> str:
@@ -339,6 +340,9 @@ def prepare_corpus(
     """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
     docstring for the layout and the manifest. Returns the manifest and whether the work was skipped."""
     check_on_error(on_error)
+    for name, value, rng in (("seed", seed, random_seed), ("workers", workers, positive_int),
+                             ("sp_vocab_size", sp_vocab_size, positive_int)):
+        in_range(value, rng, name)  # the CLI's rule (data/argtypes.py) for callers of the function too
     if not (0 <= valid_fraction < 1 and 0 <= test_fraction < 1 and valid_fraction + test_fraction < 1):
         raise ValueError(f"valid_fraction={valid_fraction}, test_fraction={test_fraction}: need both in [0, 1), sum < 1")
     if tokenizer not in ("gpt2", "sentencepiece"):
@@ -566,14 +570,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
     p.add_argument("--out", required=True, help="output root; files go to <out>/<tokenizer>/")
     p.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"))
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--valid-fraction", type=float, default=0.05)
-    p.add_argument("--test-fraction", type=float, default=0.05)
+    p.add_argument("--workers", type=positive_int, default=2)
+    p.add_argument("--seed", type=random_seed, default=1234)
+    p.add_argument("--valid-fraction", type=unit_right_open, default=0.05)
+    p.add_argument("--test-fraction", type=unit_right_open, default=0.05)
     p.add_argument("--domains", default=None, help="comma-separated subset (default: every <domain>.jsonl)")
     p.add_argument("--no-anonymise", dest="anonymise", action="store_false", default=None)
     p.add_argument("--anonymise-off", action="append", default=[], metavar="DOMAIN", help="repeatable, e.g. code")
-    p.add_argument("--sp-vocab-size", type=int, default=8192)
+    p.add_argument("--sp-vocab-size", type=positive_int, default=8192)
     p.add_argument("--on-error", default="skip", choices=("skip", "fail"))
     p.add_argument("--force", action="store_true", help="redo the work even if the manifest says it is up to date")
     p.add_argument("--quiet", action="store_true")

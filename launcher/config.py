@@ -14,11 +14,11 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import yaml
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass
 
 from data.config import DataConfig
+from data.readers import InputFileError, load_yaml, read_yaml
 from launcher.typed import ConfigError, build_lenient, deep_merge, set_path
 from model.config import CONFIG, ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
@@ -77,12 +77,11 @@ def model_presets() -> list[str]:
 
 
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError([f"{path}: no such file"], str(path))
+    """A YAML mapping from `path` (data/readers.py: safe, alias-budgeted); ConfigError naming the file."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError([f"{path}: not valid YAML ({e})"], str(path)) from None
+        data = read_yaml(path) or {}
+    except InputFileError as e:
+        raise ConfigError([str(e)], str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: expected a mapping at the top level"], str(path))
     return data
@@ -107,9 +106,15 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError([f"override {o!r}: expected KEY=VALUE, e.g. train.steps=10" for o in bad], "overrides")
+    problems = []
     for o in overrides:
         key, _, value = o.partition("=")
-        set_path(out, key.strip(), yaml.safe_load(value))
+        try:
+            set_path(out, key.strip(), load_yaml(value, f"--set {o!r}"))
+        except InputFileError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError(problems, "overrides")
     return out
 
 

@@ -9,6 +9,9 @@ from typing import Mapping, Optional
 
 import torch
 
+from data.argtypes import check_host, in_range
+from data.argtypes import port as PORT
+
 
 def free_port() -> int:
     """A TCP port free on this host now (the rendezvous port of a local run)."""
@@ -36,17 +39,23 @@ class LaunchEnvError(RuntimeError):
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM hostlist expression (`gpu[003-010,12],cpu1` -> `gpu003`): the master's node."""
+    """The first host of a SLURM hostlist expression (`gpu[003-010,12],cpu1` -> `gpu003`): the master's node.
+    LaunchEnvError when the expression is malformed or its first host is not a host name (`check_host`)."""
     out, i, text = [], 0, nodelist.strip()
     while i < len(text) and text[i] != ",":
         if text[i] == "[":
-            end = text.index("]", i)
+            end = text.find("]", i)
+            if end < 0:
+                raise LaunchEnvError(f"SLURM node list {nodelist!r}: '[' without ']'")
             out.append(text[i + 1:end].split(",")[0].split("-")[0])
             i = end + 1
         else:
             out.append(text[i])
             i += 1
-    return "".join(out)
+    try:
+        return check_host("".join(out), f"the first host of SLURM node list {nodelist!r},")
+    except ValueError as e:
+        raise LaunchEnvError(str(e)) from None
 
 
 def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -75,10 +84,12 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
     if local_size and local_size in environ:
         out["LOCAL_WORLD_SIZE"] = environ[local_size]
     slurm = name.startswith("SLURM")
-    addr = environ.get("MASTER_ADDR") or (
-        first_slurm_host(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")) if slurm else "")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+    addr = environ.get("MASTER_ADDR") or (first_slurm_host(nodelist) if slurm and nodelist.strip() else "")
     port = environ.get("MASTER_PORT") or (
         str(29500 + int(environ["SLURM_JOB_ID"]) % 1000) if slurm and environ.get("SLURM_JOB_ID", "").isdigit() else "")
+    if addr and port:
+        check_rendezvous(addr, port, f"from {name}'s environment")
     if not addr or not port:
         raise LaunchEnvError(
             f"started by {name} ({rank}={environ[rank]}, {size}={environ[size]}) without MASTER_ADDR/MASTER_PORT: "
@@ -87,6 +98,17 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
             "-x MASTER_PORT=29500)")
     out.update(MASTER_ADDR=addr, MASTER_PORT=port)
     return out
+
+
+def check_rendezvous(addr: str, port: str, where: str) -> None:
+    """LaunchEnvError unless `addr` is a host name or IP address (data/argtypes.py `check_host`) and `port` a TCP
+    port: they reach torch's rendezvous and the name of a /dev/shm segment this process unlinks (`shm_segment`),
+    so a scheduler variable holding `../..` or an option-like `-o...` stops the rank at start."""
+    try:
+        check_host(addr, f"MASTER_ADDR {where}:")
+        in_range(int(port) if str(port).isdigit() else -1, PORT, f"MASTER_PORT {where}")
+    except ValueError as e:
+        raise LaunchEnvError(str(e)) from None
 
 
 def ensure_env(master_addr: Optional[str] = None, master_port: Optional[int] = None) -> int:
@@ -105,6 +127,8 @@ def ensure_env(master_addr: Optional[str] = None, master_port: Optional[int] = N
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        check_rendezvous(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], "in this process's environment")
     return int(os.environ["WORLD_SIZE"])
 
 

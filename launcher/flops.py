@@ -20,6 +20,7 @@ from launcher.ffn_kinds import ffn_kind
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
+from data.argtypes import positive_float, positive_int
 from data.cli import cli_main
 
 
@@ -156,10 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--paper", action="store_true", help="reproduce DEMix Tables 2 and 9")
     mode.add_argument("--config", help="run YAML, or a model preset name (" + ", ".join(model_presets()) + ")")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs in the run (B = data-parallel GPUs x micro x accum)")
-    p.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: train.micro_batch)")
-    p.add_argument("--grad-accum", type=int, help="accumulation steps (default: train.grad_accum)")
-    p.add_argument("--seconds-per-update", type=float, help="measured step time, to report TFLOPs/GPU and MFU")
+    p.add_argument("--gpus", type=positive_int, default=1, help="GPUs in the run (B = data-parallel GPUs x micro x accum)")
+    p.add_argument("--micro-batch", type=positive_int, help="sequences per GPU per step (default: train.micro_batch)")
+    p.add_argument("--grad-accum", type=positive_int, help="accumulation steps (default: train.grad_accum)")
+    p.add_argument("--seconds-per-update", type=positive_float, help="measured step time, to report TFLOPs/GPU and MFU")
     p.add_argument("--device", default="cpu", help="device for MFU: a key (h100-sxm, v100) or a torch device name")
     p.add_argument("--precision", help="precision for MFU (default: train.precision)")
     p.add_argument("--json", action="store_true", help="print only JSON")
@@ -168,13 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _problems(args: argparse.Namespace) -> list[str]:
-    out = []
-    for name in ("gpus", "micro_batch", "grad_accum"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            out.append(f"--{name.replace('_', '-')}={value}: must be >= 1")
-    if args.seconds_per_update is not None and args.seconds_per_update <= 0:
-        out.append(f"--seconds-per-update={args.seconds_per_update}: must be > 0")
+    out = []  # the numbers' ranges are the argparse types' (data/argtypes.py)
     if args.paper and (args.set or args.seconds_per_update):
         out.append("--paper takes no --set or --seconds-per-update (the paper's settings are fixed)")
     return out

@@ -14,6 +14,11 @@ anything starts it validates the whole run for that world size (config, data, la
 into the run directory: the resolved config (`config.yaml`), the generated DeepSpeed config
 (`deepspeed_config.json`) and the exact command (`command.sh`; with --no-ssh, node K > 0 writes only its own
 `command.node<K>.sh`).
+
+Every host name (hostfile lines, --include/--exclude, --master-addr) must be an RFC 1123 name or an IP address
+(data/argtypes.py `check_host`) and every port and count in range, checked before anything runs: DeepSpeed's runner
+pastes host names into ssh, pdsh, mpirun and srun command lines. With pdsh on several hosts the trainer's arguments
+pass through a remote shell, so they are quoted for it (`pdsh_word`).
 """
 
 from __future__ import annotations
@@ -38,28 +43,61 @@ from launcher.plan import make_plan
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
+from data.argtypes import check_host, host, host_filter, nonneg_int, positive_int
+from data.argtypes import port as tcp_port
 from data.cli import cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def hostfile_slots(path: Path) -> list[tuple[str, int]]:
-    """(host, slots) per line of a DeepSpeed hostfile (`host slots=N`); clear errors for bad lines."""
+    """(host, slots) per line of a DeepSpeed hostfile (`host slots=N`), refusing every bad line at once: another
+    form, a host name that is not one (data/argtypes.py `check_host`: DeepSpeed pastes it into ssh, pdsh, mpirun
+    and srun command lines), a host listed twice (DeepSpeed would refuse it only after planning), slots that are
+    not a positive integer."""
     if not path.is_file():
         raise ConfigError([f"hostfile {path} not found"], "launch")
-    out, problems = [], []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"hostfile {path} is unreadable ({e})"], "launch") from None
+    out, problems, first = [], [], {}
+    for i, line in enumerate(text.splitlines(), 1):
         line = line.split("#")[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
+        if len(parts) != 2 or not parts[1].startswith("slots="):
             problems.append(f"{path}:{i}: expected 'HOST slots=N', got {line!r}")
             continue
-        out.append((parts[0], int(parts[1][6:])))
+        name, count = parts[0], parts[1][len("slots="):]
+        bad = []
+        try:
+            check_host(name, f"{path}:{i}: host")
+        except ValueError as e:
+            bad.append(str(e))
+        if not (count.isascii() and count.isdigit() and int(count) >= 1):
+            bad.append(f"{path}:{i}: slots={count!r} must be a positive integer (the processes to start on {name})")
+        if name in first:
+            bad.append(f"{path}:{i}: host {name!r} is listed again (first on line {first[name]}): list each host once, "
+                       "with all its slots")
+        first.setdefault(name, i)
+        problems += bad
+        if not bad:
+            out.append((name, int(count)))
     if problems or not out:
         raise ConfigError(problems or [f"{path}: no hosts"], "launch")
     return out
+
+
+def pdsh_word(arg: str) -> str:
+    """`arg` written so that the remote shell pdsh runs it in gives back exactly `arg`. DeepSpeed's PDSHRunner pastes
+    the trainer's arguments into one shell command per node, wrapping only words with a space in double quotes (and
+    escaping `"`): a `$`, backtick or `;` of a path or `--set` value would be expanded or run there. Words without a
+    space are single-quoted here; words with one (DeepSpeed double-quotes those) get `\\`, `$` and backtick escaped."""
+    if " " not in arg:
+        return shlex.quote(arg)
+    return arg.replace("\\", "\\\\").replace("$", "\\$").replace("`", "\\`")
 
 
 LAUNCHERS: tuple[str, ...] = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm")
@@ -114,9 +152,7 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
                                           ("--ssh-port", args.ssh_port)) if value]
         if given:
             out.append(f"{', '.join(given)} select among the hosts of a --hostfile: give one (a local run uses --nproc)")
-    if args.nproc is not None and args.nproc < 1:
-        out.append(f"--nproc={args.nproc}: need at least one process per node")
-    return out
+    return out  # the numbers' and hosts' own ranges are the argparse types' (data/argtypes.py)
 
 
 def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[str]:
@@ -143,12 +179,14 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
         rendezvous = ["--master-addr", args.master_addr, "--master-port", str(port)]
     if args.master_addr:
         cmd += ["--master_addr", args.master_addr]
-    cmd += ["--module", "launcher.train", "--run-dir", str(run_dir), "--resume", args.resume, *rendezvous]
+    user = ["--run-dir", str(run_dir), "--resume", args.resume, *rendezvous]
     if args.config:
-        cmd += ["--config", str(args.config)]
+        user += ["--config", str(args.config)]
     for o in args.overrides:
-        cmd += ["--set", o]
-    return cmd
+        user += ["--set", o]
+    if args.hostfile and not args.no_ssh and args.launcher in (None, "pdsh") and len(node_resources(args)) > 1:
+        user = [pdsh_word(a) for a in user]  # DeepSpeed's pdsh runner hands them to a shell on every node
+    return cmd + ["--module", "launcher.train", *user]
 
 
 def launch_env(nproc_per_node: int, ranks_run_here: bool = True) -> dict[str, str]:
@@ -169,22 +207,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes per node (local: the world size, default 1; with a hostfile: default its slots)")
     p.add_argument("--hostfile", help="DeepSpeed hostfile for multi-node runs ('HOST slots=N' per line)")
-    p.add_argument("--num-nodes", type=int, default=0, help="use the first N hosts of the hostfile")
-    p.add_argument("--include", help="DeepSpeed's -i: hosts/slots to use, e.g. 'node0@node1:0,2'")
-    p.add_argument("--exclude", help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'")
+    p.add_argument("--num-nodes", type=positive_int, default=0, help="use the first N hosts of the hostfile")
+    p.add_argument("--include", type=host_filter, help="DeepSpeed's -i: hosts/slots to use, e.g. 'node0@node1:0,2'")
+    p.add_argument("--exclude", type=host_filter, help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'")
     p.add_argument("--launcher", choices=LAUNCHERS, help="DeepSpeed's multi-node backend (default pdsh)")
     p.add_argument("--launcher-args", help="extra arguments for that backend, one quoted string")
-    p.add_argument("--ssh-port", type=int, help="ssh port of the other nodes")
+    p.add_argument("--ssh-port", type=tcp_port, help="ssh port of the other nodes")
     p.add_argument("--no-ssh", action="store_true",
                    help="start only this node's ranks (run the same command on every node with its --node-rank)")
-    p.add_argument("--node-rank", type=int, help="with --no-ssh: this node's index in the hostfile")
-    p.add_argument("--master-addr", help="address of node 0 (DeepSpeed asks node 0 over ssh otherwise)")
+    p.add_argument("--node-rank", type=nonneg_int, help="with --no-ssh: this node's index in the hostfile")
+    p.add_argument("--master-addr", type=host, help="address of node 0 (DeepSpeed asks node 0 over ssh otherwise)")
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
     p.add_argument("--resume", default="auto", help="auto, never, or a checkpoint directory")
-    p.add_argument("--master-port", "--port", dest="master_port", type=int, default=0,
+    p.add_argument("--master-port", "--port", dest="master_port", type=tcp_port, default=0,
                    help="rendezvous port (default: a free one; with --no-ssh: required, the same on every node)")
     p.add_argument("--dry-run", action="store_true", help="validate and write the run files, start nothing")
     return p.parse_args(argv)

@@ -12,12 +12,12 @@ Both report every problem at once (`ConfigError`), each with the fix.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from data.catalog import Catalog, DataError, load_catalog
+from launcher.checkpoint import read_meta
 from launcher.config import ConfigError, RunConfig
 from launcher.ffn_kinds import ffn_kind
 from parallel.topology import Topology, build_topology, model_sharding_problems, topology_problems
@@ -76,10 +76,10 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
     if not (path / "meta.json").is_file():
         return [f"train.init_from={str(path)!r}: not a consolidated checkpoint (no meta.json)"], ()
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        m = meta["config"]["model"]
-    except (ValueError, KeyError, TypeError) as e:
-        return [f"train.init_from={str(path)!r}: meta.json is not a consolidated checkpoint's ({e})"], ()
+        meta = read_meta(path)
+    except ValueError as e:  # CheckpointError, ConfigError: the message names the file
+        return [f"train.init_from={str(path)!r}: {e}"], ()
+    m = meta["config"]["model"]
     out = []
     sha = meta.get("tokenizer_sha256")
     if sha and sha != catalog.tokenizer_sha256:

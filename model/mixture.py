@@ -63,6 +63,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from data.argtypes import in_range, nonneg_float
+from data.readers import read_json_object
+
 UPDATING_DECAY = 0.3  # λ in eq. 9 (the paper's grid {0.1, 0.3, 0.5, 1.0}; 0.3 "worked well for most settings")
 CACHED_PRIOR_BLOCKS = 100  # development blocks used to estimate the cached prior
 EWM_ALPHA = 0.3  # weight of the newest block in the reference implementation's exponentially weighted mean
@@ -248,17 +251,36 @@ class CachedPrior:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CachedPrior":
-        data = json.loads(Path(path).read_text())
+        """Read a prior `save` wrote; ValueError naming the file when it is not one, or its probabilities are not
+        finite, non-negative with a positive sum (`mixture_weights`)."""
+        data = read_json_object(path, {"format": str, "domains": list, "probs": list, "blocks": int, "decay": float},
+                                what="cached prior")
         if data.get("format") != CACHED_PRIOR_FORMAT:
             raise ValueError(f"{path}: format {data.get('format')!r}, expected {CACHED_PRIOR_FORMAT!r}")
         if len(data["domains"]) != len(data["probs"]):
             raise ValueError(f"{path}: {len(data['domains'])} domains but {len(data['probs'])} probabilities")
+        data["probs"] = mixture_weights(data["probs"], f"{path}: probs")
         estimator, posterior = data.get("estimator", "updating"), data.get("posterior", "prefix")
         if estimator not in CACHED_ESTIMATORS or posterior not in POSTERIORS:
             raise ValueError(f"{path}: estimator {estimator!r} / posterior {posterior!r}: expected one of "
                              f"{', '.join(CACHED_ESTIMATORS)} / {', '.join(POSTERIORS)}")
         return cls(list(data["domains"]), [float(p) for p in data["probs"]], int(data["blocks"]), float(data["decay"]),
                    estimator, posterior)
+
+
+def mixture_weights(weights: Sequence[float], what: str) -> list[float]:
+    """`weights` over experts normalised to sum 1, after the rule every prior and merge weight obeys: each one a
+    finite number >= 0 (data/argtypes.py `check_range`), their sum > 0. An all-zero prior would make every
+    posterior 0/0 = NaN (eq. 7), a NaN weight every merged tensor NaN; ValueError naming `what` instead."""
+    values = []
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise ValueError(f"{what}[{i}]={w!r}: must be a number")
+        values.append(float(in_range(w, nonneg_float, f"{what}[{i}]")))
+    total = sum(values)
+    if not values or not (math.isfinite(total) and total > 0):
+        raise ValueError(f"{what}={list(weights)}: need at least one weight > 0 (their sum is the normaliser)")
+    return [v / total for v in values]
 
 
 def estimate_cached_prior(

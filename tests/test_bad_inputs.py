@@ -256,7 +256,7 @@ CASES: list[Case] = [
     Case("launch-impossible-layout", LAUNCH,
          lambda w, d: ["--nproc", "3", *_launch(**{"parallel.tensor_parallel": "2"})(w, d)[2:]],
          "not divisible by tensor_parallel=2", absent=("run",)),
-    Case("launch-zero-processes", LAUNCH, lambda w, d: ["--nproc", "0", *_launch()(w, d)[2:]], "at least one process",
+    Case("launch-zero-processes", LAUNCH, lambda w, d: ["--nproc", "0", *_launch()(w, d)[2:]], "argument --nproc: '0' is not an integer >= 1",
          absent=("run",)),
     Case("launch-no-ssh-without-hostfile", LAUNCH, _launch("--no-ssh", "--node-rank", "0"), "--hostfile",
          absent=("run",)),
@@ -284,7 +284,7 @@ CASES: list[Case] = [
          "another tokenizer", absent=("run",),
          setup=_bad_ckpt(lambda c: _edit_json(c / "meta.json", lambda m: m.update(tokenizer_sha256="f" * 64)))),
     Case("launch-tokens-manifest-broken", LAUNCH, lambda w, d: _launch(**{"data.path": str(d / "tokens")})(w, d),
-         "not a readable token manifest", absent=("run",),
+         "(token manifest) is not valid JSON", absent=("run",),
          setup=lambda w, d: [(d / "tokens" / "gpt2").mkdir(parents=True),
                              (d / "tokens" / "gpt2" / "manifest.json").write_text('{"domains": [')]),
     Case("launch-roles-lost-with-relative-corpus", LAUNCH,
@@ -304,7 +304,7 @@ CASES: list[Case] = [
          lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out", str(d / "out")], "made by tokenizer",
          setup=_other_tokenizer_tokens),
     Case("eval-meta-not-json", EVAL, lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
-         "meta.json is unreadable", setup=_bad_ckpt(lambda c: (c / "meta.json").write_text("{"))),
+         "meta.json (consolidated checkpoint metadata) is not valid JSON", setup=_bad_ckpt(lambda c: (c / "meta.json").write_text("{"))),
     Case("eval-missing-expert-shard", EVAL,
          lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")], "expert_0001.pt",
          setup=_bad_ckpt(lambda c: (c / "experts" / "expert_0001.pt").unlink())),
@@ -371,7 +371,7 @@ CASES: list[Case] = [
                                                                           **{"parallel.tensor_parallel": "2"})],
          "not divisible by tensor_parallel=2"),
     Case("flops-missing-config", FLOPS, lambda w, d: ["--config", str(d / "nosuch.yaml")], "no such file"),
-    Case("flops-zero-gpus", FLOPS, lambda w, d: ["--config", "tiny", "--gpus", "0"], "--gpus=0: must be >= 1"),
+    Case("flops-zero-gpus", FLOPS, lambda w, d: ["--config", "tiny", "--gpus", "0"], "argument --gpus: '0' is not an integer >= 1"),
 ]
 
 

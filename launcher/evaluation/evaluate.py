@@ -60,6 +60,7 @@ from launcher.evaluation.unigram import domain_unigram
 from model import mixture as mx
 from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
+from data.argtypes import positive_int, unit_left_open
 from data.cli import cli_main
 from parallel.precision import forward_precision, local_precision_problems
 
@@ -144,6 +145,34 @@ def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split:
         return np.zeros((0, seq_len + 1), dtype=np.int64)
     n = len(ds) if max_blocks is None else min(len(ds), max_blocks)
     return np.stack([ds[i] for i in range(n)]) if n else np.zeros((0, seq_len + 1), dtype=np.int64)
+
+
+def check_eval_request(checkpoint: Union[str, Path], data_root: Union[str, Path], tokenizer: Optional[str],
+                       split: str, domains: Optional[Sequence[str]], seq_len: Optional[int],
+                       allow_missing: bool = False) -> None:
+    """Refuse (ValueError), before a tensor is read, an evaluation whose tables would be nonsense: blocks longer than
+    the model's context, a domain that is not in the data, a domain with no block in `split` (unless
+    `allow_missing`: it is skipped with a note, its row left out), and a table with no rows at all."""
+    meta = read_meta(checkpoint)
+    context = int(meta["config"]["model"]["seq_len"])
+    if seq_len is not None and seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} is beyond the model's context ({context} tokens, model.seq_len of "
+                         f"{checkpoint}): it has no position embedding past it; use at most {context}")
+    tokenizer = tokenizer or meta["config"]["data"]["tokenizer"]
+    path = Path(data_root) / tokenizer / "manifest.json"
+    have = list(read_token_manifest(path)["domains"])
+    names = list(domains) if domains else have
+    unknown = [d for d in names if d not in have]
+    if unknown:
+        raise ValueError(f"--domains {unknown} are not in {path}; its domains: {', '.join(have)}")
+    T = seq_len or context
+    empty = [d for d in names if not len(load_blocks(data_root, tokenizer, d, split, T, 1))]
+    if len(empty) == len(names):
+        raise ValueError(f"no domain has a {split} block of {T}+1 tokens in {path.parent}: every table would have no "
+                         "rows; evaluate another --split, or a shorter --seq-len")
+    if empty and not allow_missing:
+        raise ValueError(f"{empty} have no {split} block of {T}+1 tokens in {path.parent}: their rows would be missing "
+                         "from the tables; pass --allow-missing to evaluate the other domains, or a shorter --seq-len")
 
 
 def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> tuple[torch.Tensor, ...]:
@@ -317,6 +346,8 @@ def evaluate_model(
     t0 = time.perf_counter()
     tokenizer = tokenizer or cfg.data.tokenizer
     seq_len = seq_len or cfg.model.seq_len
+    if seq_len > cfg.model.seq_len:
+        raise ValueError(f"seq_len={seq_len} is beyond the model's context ({cfg.model.seq_len} tokens)")
     manifest = data_manifest(data_root, tokenizer, extra.get("tokenizer_sha256") if extra else None,
                              (extra or {}).get("vocab_size"))
     all_domains = list(domains) if domains is not None else list(manifest["domains"])
@@ -374,6 +405,9 @@ def evaluate_model(
             nll, entry["block_tokens"] = block_sums(ll[0], mask)
             entry["block_nll"] = {"ppl": nll}
         results["domains"][dom] = entry
+    if not results["domains"]:
+        raise ValueError(f"no domain of {all_domains} has a {split} block of {seq_len}+1 tokens in {data_root}/"
+                         f"{tokenizer}: the evaluation has no rows")
     results["tables"] = summary_tables(results)
     results["seconds"] = round(time.perf_counter() - t0, 3)
     if out_dir is not None and _dist()[0] == 0:
@@ -525,18 +559,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
     ap.add_argument("--split", default="test")
     ap.add_argument("--dev-split", default="valid", help="split the cached prior is estimated on")
-    ap.add_argument("--max-blocks", type=int, help="at most N blocks per domain")
+    ap.add_argument("--max-blocks", type=positive_int, help="at most N blocks per domain")
     ap.add_argument("--modes", default=",".join(DEMIX_MODES), help="comma-separated subset of " + ",".join(DEMIX_MODES))
     ap.add_argument("--domains", help="comma-separated domains (default: all in the data manifest)")
-    ap.add_argument("--cached-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS)
-    ap.add_argument("--decay", type=float, default=mx.UPDATING_DECAY, help="λ of the updating prior (eq. 9)")
-    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--cached-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS)
+    ap.add_argument("--decay", type=unit_left_open, default=mx.UPDATING_DECAY,
+                    help="λ of the updating prior (eq. 9), in (0, 1]")
+    ap.add_argument("--topk", type=positive_int, default=2)
     ap.add_argument("--posterior", choices=mx.POSTERIORS, default="prefix",
                     help="evidence of every posterior: the whole prefix (eqs. 7-8) or the previous token (reference code)")
     ap.add_argument("--cached-estimator", choices=mx.CACHED_ESTIMATORS, default="mean",
                     help="cached prior: mean of the dev posteriors (paper), ewm (reference code, α=0.3) or eq. 9")
-    ap.add_argument("--batch-size", type=int, default=4, help="blocks per batched pass (x E sequences)")
-    ap.add_argument("--seq-len", type=int, help="block length (default: the model's context)")
+    ap.add_argument("--batch-size", type=positive_int, default=4, help="blocks per batched pass (x E sequences)")
+    ap.add_argument("--seq-len", type=positive_int, help="block length (default and most: the model's context)")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="skip (with a note) domains with no block in --split instead of refusing the evaluation")
     ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval, with --exclude-experts "
                     "CKPT_DIR/eval-without-<names>)")
     ap.add_argument("--exclude-experts", default="",
@@ -553,6 +590,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
     resolve_eval_device(args.device)  # e.g. --device cuda without CUDA: refused before anything is read
     check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
+    check_eval_request(args.checkpoint, args.data, args.tokenizer, args.split,
+                       args.domains.split(",") if args.domains else None, args.seq_len, args.allow_missing)
     device = _join_ranks(args.device)
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")

@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 from data.cli import cli_main
+from data.readers import read_json_object
 
 
 def _pyplot():
@@ -131,7 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", help="directory for the PNGs (default: next to the JSON)")
     args = ap.parse_args(argv)
     path = Path(args.results)
-    for name, p in write_figures(json.loads(path.read_text()), args.out or path.parent).items():
+    results = read_json_object(path, {"domains": dict, "experts?": list}, what="an evaluation")
+    try:
+        written = write_figures(results, args.out or path.parent)
+    except (LookupError, TypeError, AttributeError) as e:  # an entry of another shape than evaluate writes
+        raise ValueError(f"{path} is not an eval.json of launcher.evaluation.evaluate ({type(e).__name__}: "
+                         f"{e})") from None
+    for name, p in written.items():
         print(f"{name}: {p}")
     return 0
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from data.argtypes import positive_int
 from data.cli import cli_main
 
 
@@ -115,26 +116,29 @@ def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str],
 
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from launcher.checkpoint import load_consolidated
+    from launcher.checkpoint import load_consolidated, read_meta
 
     ap = argparse.ArgumentParser(prog="python -m launcher.evaluation.gating", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
     ap.add_argument("--data", required=True, help="tokenised corpus directory (DataConfig.path)")
     ap.add_argument("--out", required=True, help="report directory")
     ap.add_argument("--tokenizer", default=None, help="default: the checkpoint's data.tokenizer")
-    ap.add_argument("--batches", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
+    ap.add_argument("--batches", type=positive_int, default=8)
+    ap.add_argument("--batch-size", type=positive_int, default=4)
+    ap.add_argument("--seq-len", type=positive_int, default=None, help="default and most: the model's context")
     a = ap.parse_args(argv)
+    context = read_meta(a.checkpoint)["config"]["model"]["seq_len"]  # checked before a tensor is read
+    if a.seq_len is not None and a.seq_len > context:
+        ap.error(f"--seq-len {a.seq_len} is beyond the model's context ({context} tokens)")
+    from launcher.evaluation.evaluate import check_checkpoint_data
+
+    check_checkpoint_data(a.checkpoint, a.data, a.tokenizer)
     ckpt = load_consolidated(a.checkpoint)
     model = ckpt.build_model()
     cfg = ckpt.cfg
     domains = ckpt.domains or cfg.data.domains
     if not domains:
         ap.error(f"{a.checkpoint} names no domains (meta.json 'domains' and data.domains are empty)")
-    from launcher.evaluation.evaluate import check_checkpoint_data
-
-    check_checkpoint_data(ckpt, a.data, a.tokenizer or cfg.data.tokenizer)
     batches = validation_batches(a.data, a.tokenizer or cfg.data.tokenizer, domains, a.seq_len or cfg.model.seq_len,
                                  a.batches, a.batch_size)
     paths = write_gating_report(gating_matrix(model, batches), a.out)

@@ -34,6 +34,7 @@ import torch
 from launcher.checkpoint import load_consolidated
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
+from data.argtypes import nonneg_float, nonneg_int, positive_int, random_seed, unit_left_open
 from data.cli import cli_main
 from launcher.evaluation.evaluate import check_checkpoint_data
 
@@ -116,17 +117,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     who.add_argument("--expert", help="domain name of the expert (or domain token) to generate with")
     who.add_argument("--mixture", action="store_true", help="mix all experts with the running domain posterior")
     ap.add_argument("--prior", default="uniform", help="mixture prior: uniform or a cached prior JSON file")
-    ap.add_argument("--max-new-tokens", type=int, default=50)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=50)
+    ap.add_argument("--temperature", type=nonneg_float, default=1.0, help="0: greedy")
+    ap.add_argument("--top-k", type=nonneg_int, default=0, help="0: no top-k filter")
+    ap.add_argument("--top-p", type=unit_left_open, default=1.0, help="nucleus mass in (0, 1]; 1: no filter")
+    ap.add_argument("--seed", type=random_seed, default=0)
     ap.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
     ap.add_argument("--data", default="artifacts/demo/tokens", help="prepared tokens root (sentencepiece model)")
     ap.add_argument("--json", action="store_true", help="print a JSON record (ids, text, posteriors)")
     args = ap.parse_args(argv)
     from data.tokenizer import load_prepared_tokenizer
 
+    prior = mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None  # before the model
     ckpt = load_consolidated(args.checkpoint)
     model = ckpt.build_model()
     if (Path(args.data) / ckpt.cfg.data.tokenizer / "manifest.json").is_file():  # gpt2 needs no data; if there, check it
@@ -141,8 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.mixture and not is_demix:
         ap.error("--mixture needs a DEMix checkpoint")
     log_prior = None
-    if args.mixture and args.prior != "uniform":
-        log_prior = mx.CachedPrior.load(args.prior).log_prior(ckpt.domains)
+    if prior is not None:
+        log_prior = prior.log_prior(ckpt.domains)
     expert = ckpt.domains.index(args.expert) if args.expert is not None else None
     prefix = [tok.domain_token_id(expert)] if domain_token and expert is not None else []
     res = generate(

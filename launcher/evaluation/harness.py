@@ -72,9 +72,11 @@ relative).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -90,7 +92,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from data.atomic import atomic_dir, commit_dir, write_json_atomic
+from data.argtypes import nonneg_float, positive_int, random_seed, unit_left_open
 from data.cli import check_output_dir, cli_main
+from data.readers import check_shape, read_json_object
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta
 from launcher.evaluation.evaluate import (DEMIX_MODES, _cached_prior, _demix_domain, check_checkpoint_data,
                                          load_blocks, stream_log_likelihoods)
@@ -100,7 +104,8 @@ from model.batched import demix_expert_ids, expert_hidden_states
 
 MODES: tuple[str, ...] = ("cached", "updating", "uniform", "naive", "average")
 WINDOWS: tuple[str, ...] = ("blocks", "lm_eval")
-TASKS_FORMAT = "demix-harness-tasks/1"
+TASKS_FORMAT = "demix-harness-tasks/2"  # /2: the record holds the sha256 of every file written (`verify_tasks_dir`)
+_OLD_TASKS_FORMATS = ("demix-harness-tasks/1",)  # replaced by `tasks`, refused by `check`
 PPL_GROUP = "demix_ppl"
 PPL_PREFIX = "demix_ppl_"
 MC_TASK = "demix_continuation"
@@ -270,8 +275,9 @@ class DemixLM(LM):
         if topk < 0 or (topk and (not is_demix or expert is not None or (mode or "cached") != "cached")):
             raise ValueError(f"demix model_args: topk={topk}: top-k mixes the experts of highest cached prior; "
                              "it needs a DEMix checkpoint, mode=cached and no expert")
-        if int(cached_blocks) < 1:
-            raise ValueError(f"demix model_args: cached_blocks={cached_blocks}: must be >= 1")
+        cached_blocks = positive_int.parse(cached_blocks, "demix model_args: cached_blocks")
+        decay = unit_left_open.parse(decay, "demix model_args: decay")
+        max_gen_toks = positive_int.parse(max_gen_toks, "demix model_args: max_gen_toks")
         if device not in (None, "cpu"):
             _say(f"device={device} ignored: the project's evaluation functions build their inputs on the CPU, "
                  "so the model runs there")
@@ -672,7 +678,8 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
         raise FileNotFoundError(f"{manifest} not found: --data is a prepared tokens root (data.prepare) and "
                                 f"--tokenizer one of its tokenizers")
     names = ["demix_tasks.json", "utils.py", "data", f"{PPL_GROUP}.yaml", f"{MC_TASK}.yaml"]
-    check_output_dir(out, [TASKS_FORMAT], names, inputs=[Path(data_root)], manifest="demix_tasks.json")
+    check_output_dir(out, [TASKS_FORMAT, *_OLD_TASKS_FORMATS], names, inputs=[Path(data_root)],
+                     manifest="demix_tasks.json")
     tok = load_prepared_tokenizer(data_root, tokenizer)
     texts, notes = split_documents_text(data_root, docs_from, split, max_docs)
     if notes["changed_corpus_files"]:
@@ -715,6 +722,7 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
                                   "context_tokens": CONTEXT_TOKENS, "continuation_tokens": CONTINUATION_TOKENS,
                                   "distractors": DISTRACTORS}
         (tmp / "utils.py").write_text(utils_source(), encoding="utf-8")
+        record["files"] = file_hashes(tmp)  # what `check` verifies before lm-eval imports anything from the folder
         write_json_atomic(tmp / "demix_tasks.json", record)
         commit_dir(tmp, out)
     finally:
@@ -724,15 +732,55 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
     return record
 
 
+def file_hashes(root: Union[str, Path]) -> dict[str, str]:
+    """sha256 of every file under `root` by relative POSIX path, the folder's record (demix_tasks.json) excepted;
+    a symbolic link to a directory is listed as "<link>" (never followed)."""
+    root, out = Path(root), {}
+    for top, dirs, files in os.walk(root):
+        for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(top, d))):
+            path = Path(top) / name
+            rel = path.relative_to(root).as_posix()
+            if rel != "demix_tasks.json":
+                out[rel] = "<link>" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
+    """The record of a task folder, after checking that its files are exactly those `write_tasks` wrote, unchanged
+    (the sha256 it recorded). lm-eval imports the folder's utils.py for the `!function` of its task YAMLs (and Python
+    would load a `__pycache__` beside it instead), so a changed or added .py, .yaml or bytecode file would run code:
+    ValueError naming them, before anything in the folder is imported."""
+    root = Path(tasks_dir)
+    path = root / "demix_tasks.json"
+    rec = read_json_object(path, {"format": str, "domains": dict}, what="harness task folder record")
+    if rec["format"] != TASKS_FORMAT:
+        raise ValueError(f"{path}: format {rec['format']!r}, not {TASKS_FORMAT!r} (a folder written before its files "
+                         "were fingerprinted, or not by `harness tasks`): write it again with `python -m "
+                         "launcher.evaluation.harness tasks`")
+    check_shape(rec, {"files": dict}, path, "harness task folder record")
+    now, then = file_hashes(root), rec["files"]
+    diff = {"changed": sorted(f for f in then if f in now and now[f] != then[f]),
+            "added": sorted(f for f in now if f not in then), "missing": sorted(f for f in then if f not in now)}
+    if any(diff.values()):
+        listed = "; ".join(f"{k}: {', '.join(v[:5])}" for k, v in diff.items() if v)
+        raise ValueError(f"{root} is not as `harness tasks` wrote it ({listed}); nothing in it was imported (lm-eval "
+                         "would import its utils.py and follow its YAMLs: a changed or added file could run code). "
+                         "Write the folder again with `python -m launcher.evaluation.harness tasks`")
+    return rec
+
+
 def read_task_documents(tasks_dir: Union[str, Path], domains: Optional[Sequence[str]] = None) -> dict[str, list[str]]:
     """{domain: texts} of the perplexity tasks in a folder written by `write_tasks` (the documents they score)."""
-    rec = json.loads((Path(tasks_dir) / "demix_tasks.json").read_text())
+    rec = read_json_object(Path(tasks_dir) / "demix_tasks.json", {"domains": dict}, what="harness task folder record")
     out = {}
     for d in domains or list(rec["domains"]):
         if d not in rec["domains"]:
             raise ValueError(f"domain {d!r} has no task in {tasks_dir}; domains: {', '.join(rec['domains'])}")
         path = Path(tasks_dir) / "data" / f"ppl_{d}.jsonl"
-        out[d] = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
+        try:
+            out[d] = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
+        except (OSError, ValueError, LookupError, TypeError) as e:
+            raise ValueError(f"{path} is not a task data file of `harness tasks` ({type(e).__name__}: {e})") from None
     return out
 
 
@@ -745,11 +793,16 @@ def harness_metrics(model: str, model_args: str, tasks: Sequence[str], tasks_dir
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
-                                      task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-                                      log_samples=False, bootstrap_iters=0, device="cpu")
+    verify_tasks_dir(tasks_dir)  # lm-eval imports the folder's utils.py: only the one `write_tasks` wrote
+    bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ left in the folder
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
+                                          task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+                                          log_samples=False, bootstrap_iters=0, device="cpu")
+    finally:
+        sys.dont_write_bytecode = bytecode
     return {t: {k.split(",")[0]: v for k, v in r.items()} for t, r in res["results"].items()}
 
 
@@ -764,6 +817,7 @@ def check(ckpt: str, tasks_dir: Union[str, Path], data: str, domains: Optional[S
     `hf_domain`, the stock `hf` model on that expert's export vs `expert=<hf_domain>` (both window conventions)."""
     from lm_eval.utils import simple_parse_args_string
 
+    verify_tasks_dir(tasks_dir)  # before anything is read from the folder, let alone imported
     docs = read_task_documents(tasks_dir, domains)
     tasks = [PPL_PREFIX + d for d in docs]
     meta = read_meta(ckpt)
@@ -869,14 +923,20 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     from lm_eval.utils import setup_logging
 
     argv = list(argv)
-    saved = sys.argv
+    for i, arg in enumerate(argv):  # a folder `tasks` wrote is verified as `check` does before lm-eval imports it
+        path = argv[i + 1] if arg == "--include_path" and i + 1 < len(argv) else (
+            arg.partition("=")[2] if arg.startswith("--include_path=") else None)
+        if path and (Path(path) / "demix_tasks.json").is_file():
+            verify_tasks_dir(path)
+    saved, bytecode = sys.argv, sys.dont_write_bytecode
     sys.argv = ["lm-eval"] + (argv if argv and argv[0] in ("run", "ls", "validate") else ["run"] + argv)
+    sys.dont_write_bytecode = True  # no __pycache__ left in a task folder (`verify_tasks_dir` would refuse it)
     try:
         setup_logging()
         cli = HarnessCLI()
         cli.execute(cli.parse_args())
     finally:
-        sys.argv = saved
+        sys.argv, sys.dont_write_bytecode = saved, bytecode
     return 0
 
 
@@ -893,9 +953,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="tokenizer of the stored n_tokens (the models' tokenizer)")
     t.add_argument("--out", required=True, help="task folder (pass it to lm-eval as --include_path)")
     t.add_argument("--split", default="test", choices=("train", "valid", "test"))
-    t.add_argument("--max-docs", type=int, default=None, help="first N documents of each domain")
+    t.add_argument("--max-docs", type=positive_int, default=None, help="first N documents of each domain")
     t.add_argument("--domains", help="comma-separated subset of the domains (default: all)")
-    t.add_argument("--seed", type=int, default=0, help="distractors of the multiple-choice task")
+    t.add_argument("--seed", type=random_seed, default=0, help="distractors of the multiple-choice task")
     t.add_argument("--docs-from", choices=("gpt2", "sentencepiece"),
                    help="prepared dataset whose corpus and split give the documents (default: --tokenizer's)")
     sub.add_parser("run", help="lm-eval's CLI with model demix registered: run ARGS... (lm-eval run's arguments)")
@@ -906,14 +966,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--domains", help="comma-separated (default: every task's domain)")
     c.add_argument("--modes", default="cached,naive", help=f"comma-separated subset of {','.join(MODES)}")
     c.add_argument("--hf-domain", help="also export this expert and run the stock hf model on its task")
-    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--batch-size", type=positive_int, default=8)
     c.add_argument("--model-args", default="", help="extra demix model_args, e.g. posterior=previous_token")
-    c.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference accepted")
+    c.add_argument("--tolerance", type=nonneg_float, default=1e-4, help="largest relative difference accepted")
     c.add_argument("--json", help="also write the result here")
     a = p.parse_args(argv)
     if a.command == "tasks":
-        if a.max_docs is not None and a.max_docs < 1:
-            p.error(f"--max-docs {a.max_docs}: must be >= 1")
         rec = write_tasks(a.data, a.tokenizer, a.out, a.split, a.max_docs,
                           [d.strip() for d in a.domains.split(",")] if a.domains else None, a.seed, a.docs_from)
         for d, r in rec["domains"].items():

@@ -99,6 +99,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from data.catalog import DataError, load_catalog, read_token_manifest
+from data.argtypes import open_unit, positive_int
 from data.cli import cli_main
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, read_meta,
                                  save_consolidated)
@@ -510,12 +511,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="data: rows from each domain's mean FFN input; zero: uniform routing probabilities")
     p.add_argument("--data", help="prepared tokens root for --router-init data (default: the checkpoint's data.path)")
     p.add_argument("--tokenizer", help="tokenizer directory name (default: the checkpoint's)")
-    p.add_argument("--blocks", type=int, default=16, help="training blocks per domain for --router-init data")
-    p.add_argument("--router-entropy", type=float, default=0.5,
+    p.add_argument("--blocks", type=positive_int, default=16, help="training blocks per domain for --router-init data")
+    p.add_argument("--router-entropy", type=open_unit, default=0.5,
                    help="target mean routing entropy, as a fraction of log E (--router-init data)")
-    p.add_argument("--experts-per-rank", type=int, default=1,
+    p.add_argument("--experts-per-rank", type=positive_int, default=1,
                    help="default expert placement written into the config (E / this = expert-parallel ranks)")
-    p.add_argument("--world-size", type=int, help="also check that the expert layout fits this many ranks")
+    p.add_argument("--world-size", type=positive_int, help="also check that the expert layout fits this many ranks")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     return p.parse_args(argv)
 

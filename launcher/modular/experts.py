@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import yaml
 
+from data.argtypes import positive_float, positive_int
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
                                  save_consolidated, write_json_atomic)
 from launcher.config import ConfigError
@@ -452,7 +453,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.add_argument("checkpoint")
     a.add_argument("--domain", required=True, action="append", help="new domain (repeat to add several in turn)")
     a.add_argument("--out", required=True)
-    a.add_argument("--dev-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS, help="held-out blocks for the posterior")
+    a.add_argument("--dev-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS, help="held-out blocks for the posterior")
     a.add_argument("--source", help="initialise from this expert instead of the most probable one")
     a.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out (even the input)")
     data_args(a)
@@ -460,11 +461,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     d.add_argument("checkpoint")
     d.add_argument("--arch", choices=("demix", "dense"), required=True)
     d.add_argument("--domain", required=True)
-    d.add_argument("--steps", type=int, required=True)
+    d.add_argument("--steps", type=positive_int, required=True)
     d.add_argument("--run-dir", required=True)
-    d.add_argument("--nproc", type=int, default=2)
-    d.add_argument("--lr", type=float, help="learning rate (default: lr-scale x the checkpoint's run lr)")
-    d.add_argument("--lr-scale", type=float, default=0.1)
+    d.add_argument("--nproc", type=positive_int, default=2)
+    d.add_argument("--lr", type=positive_float, help="learning rate (default: lr-scale x the checkpoint's run lr)")
+    d.add_argument("--lr-scale", type=positive_float, default=0.1)
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--dry-run", action="store_true")
     data_args(d)
@@ -480,8 +481,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         rep.add_argument(f"--{k}")
     rep.add_argument("--new-domains", help="adapt: comma-separated added domains")
     rep.add_argument("--domains", help="remove: domains to report (default: every expert's)")
-    rep.add_argument("--max-blocks", type=int, default=16)
-    rep.add_argument("--cached-blocks", type=int, default=16)
+    rep.add_argument("--max-blocks", type=positive_int, default=16)
+    rep.add_argument("--cached-blocks", type=positive_int, default=16)
     rep.add_argument("--out", required=True)
     data_args(rep)
     m = sub.add_parser("demo", help="`make modular`: add, DEMix-DAPT vs Dense-DAPT, remove, tables")
@@ -489,10 +490,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     m.add_argument("--dense", default="runs/demo/dense/model")
     m.add_argument("--domain", default="speeches")
     m.add_argument("--remove", default="legal")
-    m.add_argument("--steps", type=int, default=20)
-    m.add_argument("--nproc", type=int, default=2)
-    m.add_argument("--dev-blocks", type=int, default=8)
-    m.add_argument("--max-blocks", type=int, default=8)
+    m.add_argument("--steps", type=positive_int, default=20)
+    m.add_argument("--nproc", type=positive_int, default=2)
+    m.add_argument("--dev-blocks", type=positive_int, default=8)
+    m.add_argument("--max-blocks", type=positive_int, default=8)
     m.add_argument("--out", default="runs/modular")
     return p.parse_args(argv)
 

@@ -48,11 +48,13 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
+from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, read_meta, write_json_atomic
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
 from data.atomic import atomic_dir, commit_dir
+from data.argtypes import nonneg_float, positive_int
 from data.cli import check_output_dir, cli_main
+from data.readers import read_json_object
 
 HF_EXPORT_FORMAT = "demix-hf-export/2"
 _READ_FORMATS = ("demix-hf-export/1", HF_EXPORT_FORMAT)  # an older export folder may be replaced
@@ -67,11 +69,19 @@ def expert_weights(c: Consolidated, domain: Optional[str] = None, weights: Optio
         if domain not in c.domains:
             raise CheckpointError(f"no expert for {domain!r}; experts: {', '.join(c.domains)}")
         return [1.0 if d == domain else 0.0 for d in c.domains]
-    unknown = [d for d in weights if d not in c.domains]
-    if unknown or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-        raise CheckpointError(f"merge weights {weights}: need non-negative weights over the experts {c.domains}")
-    total = sum(weights.values())
-    return [weights.get(d, 0.0) / total for d in c.domains]
+    return merge_weights_over(c.domains, weights)
+
+
+def merge_weights_over(domains: Sequence[str], weights: dict[str, float]) -> list[float]:
+    """`weights` by expert name as a normalised list over `domains` (mixture_weights' rule: finite, >= 0, sum > 0);
+    CheckpointError for a name that is not an expert or weights that are not a mixture."""
+    unknown = [d for d in weights if d not in domains]
+    if unknown:
+        raise CheckpointError(f"merge weights {weights}: {unknown} are not experts of the checkpoint ({list(domains)})")
+    try:
+        return mx.mixture_weights([weights.get(d, 0.0) for d in domains], f"merge weights over {list(domains)}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def dense_state_dict(c: Consolidated, weights_E: Optional[Sequence[float]] = None) -> dict[str, torch.Tensor]:
@@ -224,17 +234,22 @@ def _eval_table(eval_json: Optional[Path], domain: Optional[str]) -> list[str]:
     if eval_json is None or not eval_json.is_file():
         return ["No evaluation of the source checkpoint was found (run `python -m launcher.evaluation.evaluate CKPT`; "
                 "its eval/eval.json beside the checkpoint is read by the export)."]
-    res = json.loads(eval_json.read_text())
-    modes = [m for m in ("ppl", "naive", "cached") if any(m in r.get("ppl", {}) for r in res["domains"].values())]
-    lines = [f"Test perplexity of the source checkpoint ({res.get('max_blocks')} blocks of {res.get('seq_len')} "
-             f"tokens per domain; `naive` = each domain's own expert, `cached` = the expert mixture with the cached "
-             "prior, DEMix §5; unigram = the domain's own unigram model):", "",
-             "| domain | role | " + " | ".join(modes) + " | unigram |", "|---|---|" + "---|" * (len(modes) + 1)]
-    for d, r in sorted(res["domains"].items()):
-        mark = " (this export)" if d == domain else ""
-        vals = " | ".join(f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes)
-        uni = r.get("unigram", {}).get("ppl")
-        lines.append(f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |" if uni else f"| {d}{mark} | {r['role']} | {vals} | – |")
+    res = read_json_object(eval_json, {"domains": dict}, what="the source's evaluation")
+    try:
+        modes = [m for m in ("ppl", "naive", "cached") if any(m in r.get("ppl", {}) for r in res["domains"].values())]
+        lines = [f"Test perplexity of the source checkpoint ({res.get('max_blocks')} blocks of {res.get('seq_len')} "
+                 f"tokens per domain; `naive` = each domain's own expert, `cached` = the expert mixture with the cached "
+                 "prior, DEMix §5; unigram = the domain's own unigram model):", "",
+                 "| domain | role | " + " | ".join(modes) + " | unigram |", "|---|---|" + "---|" * (len(modes) + 1)]
+        for d, r in sorted(res["domains"].items()):
+            mark = " (this export)" if d == domain else ""
+            vals = " | ".join(f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes)
+            uni = r.get("unigram", {}).get("ppl")
+            lines.append(f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |" if uni else
+                         f"| {d}{mark} | {r['role']} | {vals} | – |")
+    except (LookupError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{eval_json} (the source's evaluation): an entry of the wrong shape "
+                              f"({type(e).__name__}: {e}); pass another --eval-json") from None
     return lines
 
 
@@ -314,9 +329,9 @@ def _parse_weights(s: str) -> dict[str, float]:
     for part in s.split(","):
         name, _, w = part.partition("=")
         try:
-            out[name.strip()] = float(w)
-        except ValueError:
-            raise CheckpointError(f"--merge-weights {s!r}: {part!r} is not NAME=WEIGHT with a number") from None
+            out[name.strip()] = nonneg_float(w)
+        except argparse.ArgumentTypeError as e:
+            raise CheckpointError(f"--merge-weights {s!r}: {part!r} is not NAME=WEIGHT with a weight {e}") from None
     return out
 
 
@@ -332,7 +347,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--data", help="prepared tokens root: the tokenizer, and --merge-domain-data's dev blocks "
                                   "(default: the checkpoint's data.path)")
     p.add_argument("--tokenizer", help="tokenizer directory name (default: the checkpoint's)")
-    p.add_argument("--dev-blocks", type=int, default=mx.CACHED_PRIOR_BLOCKS)
+    p.add_argument("--dev-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS)
     p.add_argument("--no-check", action="store_true", help="skip the logit comparison with the project's model")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="export the weights only (padded vocabulary, no tokenizer files): not usable on its own")
@@ -349,7 +364,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_output_dir(Path(args.out), _READ_FORMATS, ["config.json", "model.safetensors", "demix_export.json",
                                                           "tokenizer.json", "README.md", "generation_config.json"],
                          inputs=[Path(args.checkpoint)], manifest="demix_export.json")
+        eval_json = Path(args.eval_json) if args.eval_json else Path(args.checkpoint).parent / "eval" / "eval.json"
+        _eval_table(eval_json, args.domain)  # the model card's input, checked before any tensor is read
         exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
+        merge, source = None, None
+        if args.merge_prior:
+            prior = mx.CachedPrior.load(args.merge_prior)
+            merge, source = dict(zip(prior.domains, prior.probs)), args.merge_prior
+        elif args.merge_weights:
+            merge, source = _parse_weights(args.merge_weights), "given"
+        meta = read_meta(args.checkpoint)
+        if merge is not None and ffn_kind(meta["config"]["model"]["ffn"]["kind"]).domain_experts:
+            # names and weights against the checkpoint's experts, before a tensor is read
+            merge_weights_over([d for d in meta["domains"] if d not in exclude],
+                               {d: w for d, w in merge.items() if d not in exclude})
         if exclude:  # opt-out: those experts' weights are never read (launcher/modular/surgery.py)
             from launcher.modular.surgery import load_without
 
@@ -357,21 +385,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             c = load_consolidated(args.checkpoint)
         tok = None if args.no_tokenizer else load_export_tokenizer(c, args.data)
-        merge, source = None, None
-        if args.merge_prior:
-            prior = mx.CachedPrior.load(args.merge_prior)
-            merge, source = dict(zip(prior.domains, prior.probs)), args.merge_prior
-        elif args.merge_domain_data:
+        if args.merge_domain_data:
             prior = merge_weights_from_data(c, args.merge_domain_data, args.data, args.tokenizer, args.dev_blocks)
             merge, source = dict(zip(prior.domains, prior.probs)), f"posterior on {args.merge_domain_data} dev data"
-        elif args.merge_weights:
-            merge, source = _parse_weights(args.merge_weights), "given"
         if ffn_kind(c.cfg).domain_experts and args.domain is None and merge is None:
             raise CheckpointError("a DEMix checkpoint needs --domain or one of the --merge-* options")
         if merge is not None and exclude:
             merge = {d: w for d, w in merge.items() if d not in exclude}  # renormalised by expert_weights
         rec = export(c, args.out, args.domain, merge, check=not args.no_check, merge_source=source, tokenizer=tok,
-                     eval_json=args.eval_json or Path(args.checkpoint).parent / "eval" / "eval.json",
+                     eval_json=eval_json,
                      source=args.checkpoint)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

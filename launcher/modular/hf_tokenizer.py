@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
+from data.argtypes import positive_int
 from data.cli import cli_main
 from data.tokenizer import GPT2Tokenizer, SentencePieceTokenizer, Tokenizer, gpt2_data_dir, load_prepared_tokenizer
 
@@ -315,7 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--data", required=True, help="prepared tokens root (DataConfig.path), e.g. artifacts/demo/tokens")
     c.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"))
     c.add_argument("--split", default="test", choices=("train", "valid", "test"))
-    c.add_argument("--max-docs", type=int, default=None, help="first N documents of the split per domain")
+    c.add_argument("--max-docs", type=positive_int, default=None, help="first N documents of the split per domain")
     c.add_argument("--docs-from", default=None, choices=("gpt2", "sentencepiece"),
                    help="prepared dataset whose corpus, split and anonymisation give the documents (default: "
                         "--tokenizer's; e.g. check gpt2 on a corpus prepared only for sentencepiece)")
