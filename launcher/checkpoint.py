@@ -17,7 +17,6 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from data.atomic import atomic_dir, commit_dir, write_json_atomic
 from data.cli import read_manifest_format
+from data.readers import InputFileError, check_shape, read_json_object
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict, to_dict
@@ -35,6 +35,12 @@ from model.gpt import expert_of_key, split_by_expert
 CONSOLIDATED_FORMAT = "demix-consolidated/2"
 _READABLE_FORMATS = ("demix-consolidated/1", CONSOLIDATED_FORMAT)
 SHARED_FILE = "model.pt"
+# What readers of a consolidated meta.json index directly (data/readers.py shapes; "?" = optional); the rest of
+# `config` is checked by the RunConfig types.
+META_SHAPE = {"format": str, "domains": list, "step?": int, "shards?": {"experts?": dict},
+              "config": {"model": {"n_layers": int, "d_model": int, "n_heads": int, "seq_len": int, "vocab_size": int,
+                                   "ffn": {"kind": str, "num_experts": int}},
+                         "data": {"path": str, "tokenizer": str}}}
 
 
 class CheckpointError(ValueError):
@@ -181,13 +187,16 @@ def _read_meta(root: Path) -> dict[str, Any]:
             "one into RUN_DIR/model when it finishes"
         )
     try:
-        meta = json.loads((root / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{root}/meta.json is unreadable ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("domains"), list):
-        raise CheckpointError(f"{root}/meta.json is not a consolidated checkpoint's (needs config and domains)")
-    if meta.get("format") not in _READABLE_FORMATS:
-        raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}")
+        meta = read_json_object(root / "meta.json", what="consolidated checkpoint metadata")
+        if meta.get("format") not in _READABLE_FORMATS:
+            raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}")
+        check_shape(meta, META_SHAPE, root / "meta.json", "consolidated checkpoint metadata")
+    except InputFileError as e:
+        raise CheckpointError(str(e)) from None
+    if not all(isinstance(d, str) for d in meta["domains"]):
+        raise CheckpointError(f"{root / 'meta.json'}: domains {meta['domains']!r} are not all names")
+    # every reader of meta["config"] sees a complete, type-checked config (defaults filled; errors name the file)
+    meta["config"] = to_dict(from_dict(RunConfig, meta["config"], source=str(root / "meta.json")))
     return meta
 
 

@@ -13,7 +13,7 @@ the dry run, the export and the expert tools ask the strategy instead of branchi
     kind.expert_replicas(cfg, topo, rank)     # how many ranks hold (and ZeRO-partition) its experts
     kind.build_engine(model, cfg, groups)     # DeepSpeed engine, with `prepare_parallel` after TP
     kind.export_parts(model, topo, groups, rank)
-    kind.state_names(model, topo, rank)       # parameter -> plain-model name, and who writes its training state
+    kind.state_names(model, topo, rank)       # parameter -> plain-model name, and the ranks that can write its state
     kind.step_hook(model, cfg, groups, optimizer, domain_names)
 
 A fifth kind is one subclass here plus its layer in `model/`; `register_kind` adds it to `KINDS`.
@@ -125,13 +125,14 @@ class FFNKind:
         full = {k: v for k, v in full.items() if not k.endswith("_extra_state")}
         return full, {}, False
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, bool]]:
+    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Each engine parameter's name in the plain single-process model (the training state is kept by those
-        names, so any layout can load it), and whether this rank writes that parameter's state: one writer per
-        parameter, the first data-parallel rank of the group that holds it, at tensor-parallel rank 0 (shards
-        are gathered over the TP group first)."""
-        info = topo.rank_info(rank)
-        return {n: (n, info.tp_rank == 0 and info.dp_rank == 0) for n, _ in model.named_parameters()}
+        names, so any layout can load it), and the global ranks that hold its whole value while a state is
+        written (ZeRO partitions all-reduced over the group that holds it, tensor-parallel shards all-gathered):
+        any of them can write its files, and launcher/state.py spreads the files over them. A parameter every
+        rank holds (all of the dense model's): every rank."""
+        everyone = tuple(range(topo.world_size))
+        return {n: (n, everyone) for n, _ in model.named_parameters()}
 
     def step_hook(self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any,
                   domain_names: Sequence[str]) -> Optional[StepHook]:
@@ -198,12 +199,12 @@ class Demix(FFNKind):
         info = topo.rank_info(rank)
         return shared, experts, info.tp_rank == 0 and info.shard_index == 0  # the first rank of its domain group(s)
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, bool]]:
+    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         names = super().state_names(model, topo, rank)
-        info = topo.rank_info(rank)
-        first_of_domain = info.tp_rank == 0 and info.shard_index == 0  # experts: the first rank of their domain group
-        return {n: (plain, first_of_domain if expert_of_key(n) is not None else writer)
-                for n, (plain, writer) in names.items()}
+        # experts: every rank of their domain, all TP ranks (a rank holding several domains is their only rank)
+        domain_ranks = topo.ranks_of_domain(topo.rank_info(rank).domains[0])
+        return {n: (plain, domain_ranks if expert_of_key(n) is not None else holders)
+                for n, (plain, holders) in names.items()}
 
     def checkpoint_domains(self, meta: dict[str, Any]) -> tuple[str, ...]:
         return tuple(meta["domains"])
@@ -240,10 +241,10 @@ class GShard(FFNKind):
     def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
         return gshard_export_parts(model, groups)
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, bool]]:
+    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         names = super().state_names(model, topo, rank)
-        for n, (plain, writer) in gshard_state_names(model, rank).items():  # DeepSpeed's local names -> plain ones
-            names[n] = (plain, names[n][1] if writer is None else writer)
+        for n, (plain, holders) in gshard_state_names(model).items():  # DeepSpeed's local names -> plain ones
+            names[n] = (plain, names[n][1] if holders is None else holders)
         return names
 
 

@@ -2,8 +2,9 @@
 
 * `save_training_state` / `load_training_state`: every parameter's fp32 master weight and Adam moments, whole
   and by its name in the plain model (DeepSpeed's universal checkpoint layout, `zero/<name>/fp32.pt`, written
-  straight from the running engine), plus the schedule, loss scaler, buffers and each rank's RNG, in one
-  directory rank 0 publishes atomically (`checkpoints/step_<n>`, then the `latest` pointer). Any layout loads
+  straight from the running engine, each file by one of the ranks holding it, balanced by bytes), plus the
+  schedule, loss scaler, buffers and each rank's RNG, in one directory rank 0 publishes atomically
+  (`checkpoints/step_<n>`, then the `latest` pointer). Any layout loads
   it: another number of GPUs, domain allocation, ZeRO stage or batch shape (`layout_changes` says what
   changed); `check_resumable` names what cannot change (model, tensor parallelism, domains, tokenizer) before
   any process starts. Loads are weights-only (a run directory may come from someone else).
@@ -14,26 +15,32 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
 import sys
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
 
 from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
+from data.readers import InputFileError, check_shape, read_json_object
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
                                  load_weights_only, write_expert_shard, write_shared_shard)
 from launcher.config import ConfigError, RunConfig
+from launcher.distributed import training_device
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
 from launcher.typed import to_dict
-from parallel.universal import FP32, MOMENTS, ParamStates, full_tensor_parallel, tensor_parallel_shard
+from parallel.universal import (FP32, MOMENTS, ParamStates, UniversalStateError, assign_writers, full_tensor_parallel,
+                                tensor_parallel_shard)
 
 
 def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
@@ -147,19 +154,23 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return intact[-1] if intact else None
 
 
+STATE_META_SHAPE = {"format": str, "step": int, "layout": dict, "params": list, "files": dict, "config": dict}
+
+
 def read_state_meta(ckpt: Path) -> dict[str, Any]:
     """meta.json of a training state; CheckpointError when it is missing, unreadable or of another format."""
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-    except FileNotFoundError:
+    if not (ckpt / "meta.json").is_file():
         raise CheckpointError(f"{ckpt} is not a training state (no meta.json); give RUN/checkpoints/step_N or a run "
-                              "directory") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != TRAINING_FORMAT:
-        raise CheckpointError(f"{ckpt} is a training state of an older format (one file per rank); resume it with the "
-                              "version that wrote it, or start a new run directory from its exported model "
-                              "(`--set train.init_from=RUN/model`)")
+                              "directory")
+    try:
+        meta = read_json_object(ckpt / "meta.json", what="training state metadata")
+        if meta.get("format") != TRAINING_FORMAT:
+            raise CheckpointError(f"{ckpt} is a training state of an older format (one file per rank); resume it with "
+                                  "the version that wrote it, or start a new run directory from its exported model "
+                                  "(`--set train.init_from=RUN/model`)")
+        check_shape(meta, STATE_META_SHAPE, ckpt / "meta.json", "training state metadata")
+    except InputFileError as e:
+        raise CheckpointError(str(e)) from None
     return meta
 
 
@@ -208,25 +219,128 @@ def _rng_state() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int) -> None:
+# A file's bytes as the writers are balanced: the tensor, plus what each file costs beyond it (torch.save's zip
+# headers, a filesystem's per-file work), so that many small files count for something.
+FILE_OVERHEAD_BYTES = 4096
+# How many bytes of tensors a rank may hold in host memory waiting for its writer thread.
+WRITE_AHEAD_BYTES = 1 << 30
+
+
+class _BackgroundWrites:
+    """`torch.save` on one background thread, so a rank's disk writes overlap the parameter walk's collectives
+    (written inline, every rank would wait at the next all-reduce for the writer of the previous parameter, and
+    the save would take the sum of all ranks' writes again). At most `budget` bytes of tensors wait in memory
+    (`save` first waits for the oldest writes beyond that); leaving the block waits for every write, re-raising
+    the first error. `written` maps each path to its size on disk."""
+
+    def __init__(self, budget: int = WRITE_AHEAD_BYTES) -> None:
+        self.budget, self.waiting = budget, 0
+        self.pending: deque[tuple[Future, int, Path]] = deque()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self.written: dict[Path, int] = {}
+
+    def save(self, obj: Any, path: Path, nbytes: int) -> None:
+        while self.pending and self.waiting + nbytes > self.budget:
+            self._finish_oldest()
+        self.pending.append((self.pool.submit(_save, obj, path), nbytes, path))
+        self.waiting += nbytes
+
+    def _finish_oldest(self) -> None:
+        future, nbytes, path = self.pending.popleft()
+        self.waiting -= nbytes
+        future.result()
+        self.written[path] = path.stat().st_size
+
+    def __enter__(self) -> "_BackgroundWrites":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            while self.pending and exc_type is None:
+                self._finish_oldest()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+
+
+def _fingerprint(items: Iterable[Any]) -> int:
+    """A 62-bit hash of `items` (their repr, in order): equal on two ranks iff they hold the same files."""
+    return int.from_bytes(hashlib.sha256(repr(list(items)).encode()).digest()[:8], "little") >> 2
+
+
+def _state_files(model: torch.nn.Module, names: dict[str, tuple[str, tuple[int, ...]]], states: ParamStates,
+                 tp: int) -> dict[tuple[int, ...], dict[str, int]]:
+    """The parameter files this rank's parameters give (`<plain name>/<key>`), with their bytes (fp32, whole: a
+    TP shard times tp, plus FILE_OVERHEAD_BYTES per file, exp_avg's step.pt included), grouped by the ranks that
+    hold them."""
+    out: dict[tuple[int, ...], dict[str, int]] = {}
+    for name, p in model.named_parameters():
+        plain, holders = names[name]
+        numel = p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for key in states.keys(p):
+            extra = FILE_OVERHEAD_BYTES if key == MOMENTS[0] else 0  # step.pt goes with exp_avg
+            out.setdefault(tuple(sorted(holders)), {})[f"{plain}/{key}"] = 4 * numel + FILE_OVERHEAD_BYTES + extra
+    return out
+
+
+def plan_state_writers(files: dict[tuple[int, ...], dict[str, int]], world_size: int, rank: int,
+                       device: torch.device) -> dict[str, int]:
+    """Which rank writes each of this rank's parameter files (`_state_files`): the files of a group of ranks that
+    alone hold them (a DEMix domain's experts, a GShard expert-data-parallel group's experts) are balanced over
+    that group; then the files every rank holds (the shared parameters) over all ranks, starting from each rank's
+    bytes of group files, so the totals balance (`assign_writers`: largest first onto the least-loaded rank).
+
+    Computed from names and sizes alone, the same on every rank, with one small collective: an all-reduce of four
+    integers per rank (its group-file bytes, and fingerprints of the files it holds, to check that the ranks
+    agree; a mismatch raises UniversalStateError on every rank). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    everyone = tuple(range(world_size))
+    shared = files.get(everyone, {})
+    own = sorted((h, sorted(f.items())) for h, f in files.items() if h != everyone)
+    writers: dict[str, int] = {}
+    for holders, sizes in own:
+        writers.update(assign_writers(dict(sizes), holders))
+    mine = sum(size for _, sizes in own for name, size in sizes if writers[name] == rank)
+    leader = min((h[0] for h, _ in own), default=-1)
+    table = torch.zeros(world_size, 4, dtype=torch.int64, device=device)
+    table[rank] = torch.tensor([mine, _fingerprint(sorted(shared.items())), _fingerprint(own), leader], device=device)
+    dist.all_reduce(table)
+    rows = table.tolist()
+    disagree = sorted({r for r in everyone if rows[r][1] != rows[0][1]}
+                      | {r for r in everyone if rows[r][3] >= 0 and rows[r][2] != rows[rows[r][3]][2]})
+    if disagree:
+        raise UniversalStateError(f"ranks {disagree} hold other parameters (names or shapes) than the ranks they "
+                                  "share them with; no training state is written")
+    writers.update(assign_writers(shared, everyone, {r: rows[r][0] for r in everyone}))
+    return writers
+
+
+def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[Path, int]:
     """Every parameter's fp32 master and Adam moments, whole (TP-gathered, data-parallel-unpartitioned), as
     DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
-    each `{"param": tensor, "cat_dim": tensor-parallel dimension}`. One writer per parameter (the strategy's
-    `state_names`). Collective: every rank walks its parameters in order."""
+    each `{"param": tensor, "cat_dim": tensor-parallel dimension}` (`step.pt` beside exp_avg). Each file is written
+    by one of the ranks holding the parameter (`plan_state_writers`, balanced by bytes); returns what this rank
+    wrote (path -> bytes). Collective: every rank walks its parameters in order (ZeRO 1/2's all-reduce and the TP
+    all-gather give every holder the whole tensor, so choosing the writer adds no traffic)."""
     model, tp = bundle.engine.module, plan.topo.tensor_parallel
     states = ParamStates(bundle.engine)
     names = ffn_kind(plan.cfg).state_names(model, plan.topo, rank)
+    writers = plan_state_writers(_state_files(model, names, states, tp), plan.topo.world_size, rank, device)
     tp_group = bundle.groups.tp_group if tp > 1 else None
     adam_step = states.adam_step()
-    for name, p in model.named_parameters():
-        plain, writer = names[name]
-        values = {k: full_tensor_parallel(v, p, tp_group) for k, v in states.get(p).items()}
-        if writer:
+    with _BackgroundWrites() as writes:
+        for name, p in model.named_parameters():
+            plain = names[name][0]
             cat_dim = int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else 0
-            for key, value in values.items():
-                _save({"param": value.detach().cpu().contiguous(), "cat_dim": cat_dim}, out / plain / f"{key}.pt")
-            if MOMENTS[0] in values:
-                _save(torch.tensor(adam_step), out / plain / "step.pt")
+            for key, value in states.get(p).items():
+                value = full_tensor_parallel(value, p, tp_group)
+                if writers[f"{plain}/{key}"] != rank:
+                    continue
+                host = value.to("cpu", copy=True).contiguous()  # its own storage, not a view of the live master
+                writes.save({"param": host, "cat_dim": cat_dim}, out / plain / f"{key}.pt", host.nbytes)
+                if key == MOMENTS[0]:
+                    writes.save(torch.tensor(adam_step), out / plain / "step.pt", 8)
+    return writes.written
 
 
 def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> None:
@@ -248,10 +362,12 @@ def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> Non
 
 def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank: int) -> Path:
     """Write the training state of `step` into `checkpoints/step_<n>`, published atomically by rank 0: per-parameter
-    fp32 weights and Adam moments (`_write_param_states`, any layout can load them), the schedule, loss scaler
-    and buffers (`trainer.pt`), and each rank's RNG (`rng/rank<r>.pt`). Collective."""
+    fp32 weights and Adam moments (`_write_param_states`, any layout can load them; the files spread over the
+    ranks, meta.json's `param_bytes_by_rank` says how), the schedule, loss scaler and buffers (`trainer.pt`), and
+    each rank's RNG (`rng/rank<r>.pt`). Collective."""
     import torch.distributed as dist
 
+    device = training_device()
     ckdir = run_dir / "checkpoints"
     final = ckdir / f"step_{step:08d}"
     tmp = ckdir / f".step_{step:08d}.tmp"
@@ -260,8 +376,11 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    _write_param_states(tmp / "zero", bundle, plan, rank)
+    written = _write_param_states(tmp / "zero", bundle, plan, rank, device)
     _save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
+    by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
+    by_rank[rank] = sum(written.values())
+    dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
     if rank == 0:
         states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
         params = {n for n, _ in model.named_parameters()}
@@ -273,11 +392,12 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         _write_deepspeed_index(tmp, bundle, plan, step)
     dist.barrier()
     if rank == 0:
-        written = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+        params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
-                                              "params": written, "vocab_size": plan.catalog.vocab_size,
-                                              "files": files, "config": to_dict(plan.cfg)})
+                                              "params": params, "vocab_size": plan.catalog.vocab_size,
+                                              "files": files, "param_bytes_by_rank": by_rank.tolist(),
+                                              "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
         write_text_atomic(ckdir / "latest", final.name + "\n")
         prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)

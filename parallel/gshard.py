@@ -332,12 +332,13 @@ def gshard_export_parts(model: nn.Module, groups: Any = None) -> tuple[dict[str,
     return shared, experts, writer
 
 
-def gshard_state_names(model: nn.Module, rank: int) -> dict[str, tuple[str, Optional[bool]]]:
-    """For the parameters of the distributed MoE layers: engine name -> (plain GPT name, whether this rank writes
-    its training state, None for the replicated gate: the caller's rule for shared parameters). DeepSpeed names experts by local index (`moe.deepspeed_moe.experts.deepspeed_experts.<j>`);
-    the plain model by global id (`experts.<e>`), which is what lets another layout load them. An expert is
-    written by the first rank of its expert-data-parallel group."""
-    out: dict[str, tuple[str, Optional[bool]]] = {}
+def gshard_state_names(model: nn.Module) -> dict[str, tuple[str, Optional[tuple[int, ...]]]]:
+    """For the parameters of the distributed MoE layers: engine name -> (plain GPT name, the ranks holding it, None
+    for the replicated gate: the caller's rule for shared parameters). DeepSpeed names experts by local index
+    (`moe.deepspeed_moe.experts.deepspeed_experts.<j>`); the plain model by global id (`experts.<e>`), which is what
+    lets another layout load them. An expert is held whole by every rank of its expert-data-parallel group (its
+    training state is written by one of them)."""
+    out: dict[str, tuple[str, Optional[tuple[int, ...]]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, DistributedGShardFFN):
             continue
@@ -347,7 +348,7 @@ def gshard_state_names(model: nn.Module, rank: int) -> dict[str, tuple[str, Opti
         for j, e in enumerate(lay.local_experts):
             for pname, _ in inner.experts.deepspeed_experts[j].named_parameters():
                 out[f"{name}.moe.deepspeed_moe.experts.deepspeed_experts.{j}.{pname}"] = (
-                    f"{name}.experts.{e}.{pname}", lay.edp_ranks[0] == rank)
+                    f"{name}.experts.{e}.{pname}", tuple(lay.edp_ranks))
     return out
 
 

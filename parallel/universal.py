@@ -15,11 +15,16 @@ Where the numbers live depends on the optimizer DeepSpeed built:
   whose AdamW state holds the moments.
 
 Frozen parameters (DEMix-DAPT) have no optimizer state: their value is the parameter itself.
+
+Who writes which file of a training state (`assign_writers`): after those all-reduces (and the tensor-parallel
+all-gather) every rank that holds a parameter has its whole value, so any of them can write its files; the
+files are spread over those ranks by bytes, so a save's disk traffic is shared instead of falling on one rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import heapq
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -73,6 +78,16 @@ class ParamStates:
         master, opt = self._masters[id(p)]
         state = opt.state.get(master, {})
         return {FP32: master.detach().float(), **{k: state[k].detach() for k in MOMENTS if k in state}}
+
+    def keys(self, p: torch.nn.Parameter) -> tuple[str, ...]:
+        """The keys `get(p)` returns, found without a collective: the same on every rank that holds `p`."""
+        if self.zero and getattr(p, "_hp_mapping", "absent") != "absent":
+            return (FP32, *MOMENTS) if self._has_moments() else (FP32,)
+        if id(p) not in self._masters:
+            return (FP32,)
+        master, opt = self._masters[id(p)]
+        state = opt.state.get(master, {})
+        return (FP32, *(k for k in MOMENTS if k in state))
 
     def _link_moments(self) -> None:
         """Point every parameter's fragment at its group's Adam state. DeepSpeed 0.19.8 links them once, right
@@ -175,10 +190,34 @@ def _adam_state(like: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
 
 def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Optional[Any]) -> torch.Tensor:
     """`t` (a value at p's shard shape) gathered over the tensor-parallel group to the plain model's shape.
-    A collective over the TP group for sharded parameters; the identity otherwise."""
+    A collective over the TP group for sharded parameters. Without a TP group, `t` itself (detached, sharing
+    its storage: copy before keeping it)."""
     from parallel.tensor_parallel import _gather
 
-    return _gather(t, p, tp_group) if tp_group is not None else t.detach().clone()
+    return _gather(t, p, tp_group) if tp_group is not None else t.detach()
+
+
+def assign_writers(sizes: Mapping[str, int], ranks: Sequence[int], load: Optional[Mapping[int, int]] = None
+                   ) -> dict[str, int]:
+    """Each file (name -> bytes) to one of `ranks`, balancing the bytes each rank writes: largest file first, each
+    onto the rank with the fewest bytes so far (`load`: bytes a rank writes already; ties to the lower rank,
+    equal sizes in name order). Greedy largest-first list scheduling (Graham's LPT). Pure and deterministic:
+    every rank computes the same assignment from the same names and sizes, with no collective.
+
+    Bound: each file goes to a least-loaded rank, so when the spread of `load` (max - min) is within the largest
+    file, so is the spread of the result: max_r bytes_r - min_r bytes_r <= max_f size_f, hence
+    max_r bytes_r <= mean_r bytes_r + max_f size_f."""
+    start = load or {}
+    heap = [(int(start.get(r, 0)), r) for r in sorted(set(ranks))]
+    if not heap:
+        raise ValueError("assign_writers needs at least one rank")
+    heapq.heapify(heap)
+    out: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        written, rank = heapq.heappop(heap)
+        out[name] = rank
+        heapq.heappush(heap, (written + int(sizes[name]), rank))
+    return out
 
 
 def tensor_parallel_shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
