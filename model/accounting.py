@@ -54,6 +54,11 @@ for CSE (exactly the dispatch projection). Every difference between counted and 
   of GShard and CSE, a DEMix rank holding one expert) skips fc2: -2·B·s·h·F per such block, -6.45 % for Dense,
   -2.56 % GShard, -3.23 % CSE at l4-h128-s128. The recompute convention stays the paper's (eq. 3); it overstates
   what PyTorch executes by up to 1/12 of the layer term.
+* Chunked LM head: the trainer computes logits and loss a chunk of tokens at a time under activation checkpointing
+  (model/gpt.py `chunked_token_loss`) once a micro-batch has more tokens than a chunk holds (`head_recomputed`), and
+  backward recomputes each chunk's logits: one more forward of the logit layer, 2·B·s·h·V per update. Hardware FLOPs
+  (`FlopsReport.hardware`, HFU) count it; model FLOPs (MFU) and both conventions do not (tests/test_hfu.py counts it
+  on the running model).
 
 Totals as a default step executes them (fused SDPA, plain GShard layer at capacity factor 1.0, checkpoint early stop),
 l4-h128-s128-V1000-B2, counted / formula: Dense 1.0208 / 0.9516 (no recompute / recompute), DEMix 1.0208 / 1.0161,
@@ -185,6 +190,7 @@ class FlopsReport:
     recompute: int
     no_recompute: int
     router: int
+    logit_forward: int = 0  # one forward of the logit layer, 2·B·s·h·V: what a chunked LM head recomputes
 
     @property
     def tokens(self) -> int:
@@ -199,6 +205,17 @@ class FlopsReport:
     def router_flops(self, convention: str) -> int:
         """The gate's matmuls in the named convention: `router` is 4 passes of its forward, no_recompute 3."""
         return self.router // 4 * _passes(convention)[0]
+
+    def hardware(self, layer_recompute: bool, head_recompute: bool) -> int:
+        """FLOPs the hardware executes per update (HFU's numerator), as the trainer runs it:
+
+            layers  4 forwards with activation recompute (recompute convention), else 3 (no_recompute)
+            logits  3 forwards, plus 1 when the chunked LM head recomputes its forward in backward
+                    (`head_recomputed`): 8·B·s·h·V instead of 6·B·s·h·V
+
+        Model FLOPs (MFU) are `no_recompute`: neither recomputation is work the model needs."""
+        layers_and_logits = self.recompute if layer_recompute else self.no_recompute
+        return layers_and_logits + (self.logit_forward if head_recompute else 0)
 
 
 def _passes(convention: str) -> tuple[int, int]:
@@ -273,7 +290,16 @@ def flops_per_update(
         recompute=totals["recompute"],
         no_recompute=totals["no_recompute"],
         router=4 * router_fwd,
+        logit_forward=logit_fwd,
     )
+
+
+def head_recomputed(tokens_per_micro_batch: int, local_vocab: int, chunk_logits: int) -> bool:
+    """Whether the trainer's LM head + loss (model/gpt.py `chunked_token_loss`, the `return_logits=False` path)
+    recomputes the head's forward in backward: its chunks of rows = max(1, chunk_logits // V_local) tokens run under
+    activation checkpointing when a micro-batch has more tokens than one chunk (B·s > rows); one chunk is one plain
+    call. V_local is the head's vocabulary on one rank: the padded vocabulary / tensor_parallel."""
+    return tokens_per_micro_batch > max(1, chunk_logits // local_vocab)
 
 
 def narayanan_flops(global_batch: int, seq_len: int, n_layers: int, d_model: int, vocab_size: int, convention: str = "recompute") -> int:
