@@ -5,7 +5,7 @@
 
 The step time of one optimizer update is modelled as
 
-    t_step = t_compute + (1 - overlap) · t_allreduce + t_alltoall + t_gshard
+    t_step = t_compute + t_allreduce_exposed + t_alltoall + t_gshard
 
     t_compute   = F / (n · P · e(h))          F: FLOPs per update actually executed (model/accounting,
                                               recompute convention when activations are recomputed),
@@ -18,8 +18,12 @@ The step time of one optimizer update is modelled as
                                               paper's four *Dense* rows only; DEMix and GShard are
                                               predictions. `--efficiency-form constant` fits one e instead.
     t_allreduce gradient synchronisation once per update (gradient accumulation syncs only on the
-                last micro-batch), see `allreduce_seconds`; `overlap` (default 0, none) is the fraction
-                hidden behind the backward pass.
+                last micro-batch), see `allreduce_seconds`. The part left on the critical path
+                (`exposed_allreduce_seconds`): with `grad_reduce: fixed` (the paper fit's default)
+                (1 - overlap)·t_allreduce, `overlap` a what-if fraction (default 0, none); with this trainer's
+                `parallel.grad_reduce` (`trainer_cost_options`) derived from how it reduces: "after_backward"
+                all of it, "overlap" max(t_last_bucket, t_allreduce - t_backward), the buckets issued while the
+                last micro-batch's backward runs, the last one (the first layers' gradients) after it.
     t_alltoall  GShard's token exchange, on the critical path (never overlapped), see `alltoall_seconds`.
     t_gshard    GShard's work that is neither model FLOPs nor all-to-all volume (below); 0 for Dense/DEMix.
 
@@ -121,15 +125,17 @@ import shlex
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-import yaml
 from pydantic import StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from data.argtypes import nonneg_int, positive_float, positive_int, unit_closed
+from data.readers import InputFileError, read_yaml
 from launcher.typed import ConfigError, build_lenient
 from model import accounting as acc
 from model.config import CONFIG, Float, ModelConfig
+from parallel.config import ParallelConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_DIR = ROOT / "configs" / "clusters"
@@ -141,6 +147,7 @@ GSHARD_OVERHEADS: tuple[str, ...] = ("fairseq", "none")
 OPTIMIZERS: tuple[str, ...] = ("fp16", "memory_efficient_fp16")  # fairseq --fp16 / --memory-efficient-fp16
 ON_OOM: tuple[str, ...] = ("recompute", "ignore")
 DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+GRAD_REDUCE: tuple[str, ...] = ("fixed", "overlap", "after_backward")  # CostOptions.grad_reduce
 
 # HBM bandwidth per GPU, GB/s (vendor datasheets; the largest-memory variant where model/accounting's device
 # table lists that memory). Used only by the memory-bound GShard terms; a cluster YAML may override it.
@@ -268,7 +275,11 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
         path = CLUSTER_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError([f"no cluster file {str(path)!r}; presets: {', '.join(cluster_presets())}"], "cluster")
-    return cluster_from_dict(yaml.safe_load(path.read_text()), str(path))
+    try:
+        raw = read_yaml(path)
+    except InputFileError as e:
+        raise ConfigError([str(e)], str(path)) from None
+    return cluster_from_dict(raw, str(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,8 +377,13 @@ class CostOptions:
     grad_dtype: str = "fp16"  # gradients all-reduced in this dtype
     act_dtype: str = "fp16"  # activations exchanged by all-to-all
     recompute: str = "full"  # activation recomputation: a second forward (and its all-to-alls)
-    overlap: float = 0.0  # fraction of the gradient all-reduce hidden behind backward; 0 = none
+    overlap: float = 0.0  # grad_reduce "fixed": fraction of the gradient all-reduce hidden behind backward; 0 = none
     bucket_mb: float = 25.0  # gradient bucket (PyTorch DDP / fairseq default), each pays the latency
+    # "fixed": `overlap` and `bucket_mb` as given (the paper fit); "overlap" / "after_backward": this trainer's
+    # parallel.grad_reduce, its bucket rule (parallel/engine.py bucket_elements, or `bucket_elements`) and the hidden
+    # part derived (`exposed_allreduce_seconds`)
+    grad_reduce: str = "fixed"
+    bucket_elements: Optional[int] = None  # the trainer's parallel.bucket_elements (None: the rule)
     gshard_overheads: str = "fairseq"  # t_gshard: the fairseq MoE's einsums, gating, padding, ...; "none": left out
     gate_calls: int = 2  # forward gate evaluations per MoE layer (the DEMix fork calls self.gate twice)
     gshard_optimizer: str = "fp16"  # fairseq --fp16 (fp32 master weights, the reference GShard) or memory_efficient_fp16
@@ -387,6 +403,10 @@ class CostOptions:
             out.append(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         if not 0.0 <= self.overlap <= 1.0:
             out.append(f"overlap={self.overlap}: must be in [0, 1]")
+        if self.grad_reduce not in GRAD_REDUCE:
+            out.append(f"grad_reduce={self.grad_reduce!r}: choose one of {', '.join(GRAD_REDUCE)}")
+        if self.bucket_elements is not None and self.bucket_elements < 1:
+            out.append(f"bucket_elements={self.bucket_elements}: must be >= 1")
         if self.micro_batch < 1 or self.grad_accum < 1 or self.bucket_mb <= 0:
             out.append("micro_batch, grad_accum must be >= 1 and bucket_mb > 0")
         return out
@@ -606,7 +626,14 @@ def _state_kind(cfg: ModelConfig, opts: CostOptions) -> str:
 def memory_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions, recompute: bool) -> float:
     """Peak memory per GPU, bytes: model states (12 or 20 B/param, see STATE_BYTES) + activations
     (`parallel.memory.activation_bytes`, fp16) + GShard's saved routing tensors (4 B per (s, e, c) per MoE
-    layer kept, one layer when recomputing)."""
+    layer kept, one layer when recomputing).
+
+    This is the paper's fairseq training, like the rest of this model, not this framework's: the formula
+    (Korthikanti et al.) counts what fairseq keeps, its unfused attention's s x s scores, softmax and dropout
+    mask, and the whole-vocabulary fp32 logits of an unchunked loss, where this framework runs fused attention,
+    a chunked loss and DeepSpeed's MoE layer. The memory of this framework's runs (the dry run's fit verdict) is
+    `parallel.memory.estimate_activations`, traced from the model itself; benchmarks/results/memory_estimate.md
+    shows how far the formula is from it."""
     from parallel.memory import activation_bytes
 
     states = params_per_gpu(cfg, gpus) * STATE_BYTES[_state_kind(cfg, opts)]
@@ -691,7 +718,7 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     executed = flops.get("recompute" if recompute else "no_recompute")
     e = eff.at(cfg.d_model)
     compute = executed / (gpus * cluster.peak * 1e12 * e)
-    bucket = opts.bucket_mb * 2**20
+    bucket = trainer_bucket_bytes(cfg, gpus, opts) if opts.grad_reduce != "fixed" else opts.bucket_mb * 2**20
     if measured_bytes is None:
         plan = allreduce_plan(cfg, gpus, DTYPE_BYTES[opts.grad_dtype])
         volume, count = alltoall_volume(cfg, opts)
@@ -700,7 +727,9 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     allreduce = sum(allreduce_seconds(nbytes, p, cluster, bucket) for nbytes, p in plan)
     ep_group = min(gpus, acc.resolved_num_experts(cfg)) if count else 1
     alltoall = count * alltoall_seconds(volume, ep_group, cluster)
-    exposed = (1 - opts.overlap) * allreduce + alltoall
+    last_bucket = max((allreduce_seconds(min(nbytes, bucket), p, cluster, bucket) for nbytes, p in plan), default=0.0)
+    backward = compute / opts.grad_accum * (3 / 4 if recompute else 2 / 3)  # the last micro-batch's backward
+    exposed = exposed_allreduce_seconds(allreduce, last_bucket, backward, opts) + alltoall
     terms = gshard_terms(cfg, gpus, cluster, eff, opts, recompute)
     step = compute + exposed + terms.total
     g = cluster.gpus_per_node
@@ -718,6 +747,47 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
         allreduce_bytes=sum(nbytes for nbytes, p in plan if p > 1), alltoall_bytes=volume * count,
         internode_bytes=internode, bytes_from="formulas" if measured_bytes is None else "measured",
     )
+
+
+def exposed_allreduce_seconds(allreduce_s: float, last_bucket_s: float, backward_s: float, opts: CostOptions) -> float:
+    """The gradient all-reduce time left on the critical path of an update:
+
+        fixed           (1 - overlap) · t_allreduce                   a what-if fraction (the paper fit: 0)
+        after_backward  t_allreduce                                   reduced once the backward has finished
+        overlap         max(t_last, t_allreduce - t_backward)         bucket by bucket during the backward
+
+    With `parallel.grad_reduce: overlap` (ZeRO 0's hooks, ZeRO 1/2's overlap_comm) a bucket is issued as soon as the
+    backward of the accumulation boundary has finished its gradients; earlier micro-batches only accumulate, so only
+    that one backward (t_backward: 2/3 of a micro-batch's compute, 3/4 with the recomputed forward) can hide the
+    all-reduce, and the last bucket, whose gradients (the embeddings and first layers) the backward finishes last, runs
+    after it (t_last). A single bucket (a model smaller than the bucket rule's size) is all last bucket: nothing hides.
+    Optimistic by the backward's time to fill the first bucket."""
+    if opts.grad_reduce == "fixed":
+        return (1 - opts.overlap) * allreduce_s
+    if opts.grad_reduce == "after_backward":
+        return allreduce_s
+    return min(allreduce_s, max(last_bucket_s, allreduce_s - backward_s))
+
+
+def trainer_bucket_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions) -> float:
+    """The trainer's gradient bucket in bytes: parallel/engine.py's `bucket_elements` for the parameters a GPU holds
+    (or `opts.bucket_elements`), in the gradient dtype."""
+    from parallel.engine import bucket_elements
+
+    return bucket_elements(params_per_gpu(cfg, gpus), gpus, opts.bucket_elements) * DTYPE_BYTES[opts.grad_dtype]
+
+
+def trainer_cost_options(train: TrainConfig, parallel: ParallelConfig, **changes: Any) -> CostOptions:
+    """CostOptions for a run of this trainer: its micro-batch, accumulation, recompute, the dtype it reduces gradients
+    in (bf16 at ZeRO 0 trains by autocast over fp32 weights; `train.grad_reduce_dtype: fp32` reduces bf16 in fp32)
+    and how it reduces them (`parallel.grad_reduce`, `parallel.bucket_elements`); `changes` override any field."""
+    grad = train.precision
+    if train.precision == "bf16" and (parallel.zero_stage == 0 or train.grad_reduce_dtype == "fp32"):
+        grad = "fp32"
+    base = dict(micro_batch=train.micro_batch, grad_accum=train.grad_accum, grad_dtype=grad, act_dtype=train.precision,
+                recompute="full" if train.activation_checkpointing == "full" else "none",
+                grad_reduce=parallel.grad_reduce, bucket_elements=parallel.bucket_elements)
+    return CostOptions(**{**base, **changes})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1126,17 +1196,17 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--cluster", default="v100-dgx1", help="cluster preset: " + ", ".join(cluster_presets()))
     where.add_argument("--cluster-file", help="a cluster YAML (keys of ClusterSpec)")
     p.add_argument("--arch", choices=ARCHS, default="dense", help="with --preset")
-    p.add_argument("--gpus", type=int, default=8, help="with --preset")
-    p.add_argument("--experts", type=int, default=0, help="with --preset: DEMix domains (8) / GShard experts (= GPUs)")
-    p.add_argument("--micro-batch", type=int, default=acc.PAPER_MICRO_BATCH)
-    p.add_argument("--grad-accum", type=int, default=acc.PAPER_GRAD_ACCUM)
+    p.add_argument("--gpus", type=positive_int, default=8, help="with --preset")
+    p.add_argument("--experts", type=nonneg_int, default=0, help="with --preset: DEMix domains (8) / GShard experts (= GPUs)")
+    p.add_argument("--micro-batch", type=positive_int, default=acc.PAPER_MICRO_BATCH)
+    p.add_argument("--grad-accum", type=positive_int, default=acc.PAPER_GRAD_ACCUM)
     p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default="fp16")
     p.add_argument("--recompute", choices=RECOMPUTE, default="full")
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of the all-reduce hidden by backward")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--overlap", type=unit_closed, default=0.0, help="fraction of the all-reduce hidden by backward")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0)
     p.add_argument("--gshard-overheads", choices=GSHARD_OVERHEADS, default="fairseq",
                    help="t_gshard terms of fairseq's MoE layer; none = the all-to-all-only model")
-    p.add_argument("--gate-calls", type=int, default=2, help="GShard gate evaluations per MoE-layer forward (fork: 2)")
+    p.add_argument("--gate-calls", type=positive_int, default=2, help="GShard gate evaluations per MoE-layer forward (fork: 2)")
     p.add_argument("--gshard-optimizer", choices=OPTIMIZERS, default="fp16",
                    help="GShard's fairseq optimizer wrapper (the reference ran --fp16: fp32 master weights)")
     p.add_argument("--on-oom", choices=ON_OOM, default="recompute",

@@ -27,6 +27,7 @@ from launcher.ffn_kinds import ffn_kind
 from launcher.plan import plan_layout
 from model.gpt import GPT
 from parallel.topology import Topology, deepspeed_equivalent
+from data.argtypes import positive_float, positive_int
 from data.cli import cli_main
 
 DEFAULT_DOMAINS = 8
@@ -37,13 +38,13 @@ DeepSpeedConfigFn = Callable[[RunConfig, Topology], dict]
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launcher.dryrun", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="run YAML (default: the built-in defaults plus --set overrides)")
-    p.add_argument("--world-size", type=int, required=True, help="number of GPUs to lay out")
-    p.add_argument("--domains", type=int, default=None,
+    p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs to lay out")
+    p.add_argument("--domains", type=positive_int, default=None,
                    help=f"number of training domains (default: len(data.domains), else {DEFAULT_DOMAINS})")
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. model.preset=gpt3-xl model.ffn.kind=demix")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON summary path (default {DEFAULT_OUT})")
-    p.add_argument("--gpu-memory-gb", type=float, default=None,
+    p.add_argument("--gpu-memory-gb", type=positive_float, default=None,
                    help="memory of one GPU in GiB for the fit verdict (default: the --device table's, e.g. V100 32)")
     p.add_argument("--device", default=None,
                    help="the cluster's accelerator (v100, a100, h100, ... as in model/accounting.py): checks that "

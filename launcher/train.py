@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from data.argtypes import host
+from data.argtypes import port as tcp_port
 from data.blocks import BlockDataset
 from data.sampler import build_sampler
 from launcher.checkpoint import CheckpointError
@@ -33,12 +35,13 @@ from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
 from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
                             layout_changes, load_init_weights, load_training_state, save_training_state)
-from model.accounting import flops_per_update, mfu, tflops_per_gpu
-from model.gpt import GPT
+from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_gpu
+from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
 from parallel.comm_stats import CommStats
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
+from parallel.overflow import install_norm_overflow_check, set_step_norm
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,9 +172,10 @@ def throughput_record(plan: Plan, seconds: float, steps: int) -> dict[str, Any]:
     """tokens/s, TFLOPs/GPU in both conventions (labelled), MFU and HFU against the device's peak.
 
     MFU counts model FLOPs (no recompute: what the model needs, Narayanan et al. eq. 3 without the recomputed
-    forward); HFU counts the FLOPs the hardware executes (with recompute when activation checkpointing is on),
-    so with `activation_checkpointing: full` HFU = 4/3 x MFU of the layers. `tflops_per_gpu` stays the executed
-    count (the paper's convention for its recompute runs)."""
+    forward); HFU counts the FLOPs the hardware executes (`FlopsReport.hardware`): the layers' second forward when
+    activation checkpointing is on (HFU = 4/3 x MFU of the layers) and the LM head's forward that its checkpointed
+    chunks recompute in backward once a micro-batch outgrows one chunk (`head_recomputed`, model/gpt.py
+    `chunked_token_loss`). `tflops_per_gpu` is that executed count."""
     cfg, topo = plan.cfg, plan.topo
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * topo.dp_size
     rep = flops_per_update(cfg.model, global_batch, vocab_size=cfg.model.vocab_size)
@@ -179,8 +183,11 @@ def throughput_record(plan: Plan, seconds: float, steps: int) -> dict[str, Any]:
     rec = {"tokens_per_s": global_batch * cfg.model.seq_len / per_update, "step_time_s": per_update}
     for conv in ("recompute", "no_recompute"):
         rec[f"tflops_per_gpu_{conv}"] = tflops_per_gpu(rep.get(conv), per_update, topo.world_size)
-    conv = "recompute" if cfg.train.activation_checkpointing == "full" else "no_recompute"
-    rec["tflops_per_gpu"] = rec[f"tflops_per_gpu_{conv}"]
+    tp = cfg.parallel.tensor_parallel
+    head = head_recomputed(cfg.train.micro_batch * cfg.model.seq_len, cfg.model.padded_vocab_size(tp) // tp,
+                           LOSS_CHUNK_LOGITS)
+    hardware = rep.hardware(cfg.train.activation_checkpointing == "full", head)
+    rec["tflops_per_gpu"] = tflops_per_gpu(hardware, per_update, topo.world_size)
     rec["mfu"] = mfu(rec["tflops_per_gpu_no_recompute"], device_name(), cfg.train.precision)
     rec["hfu"] = mfu(rec["tflops_per_gpu"], device_name(), cfg.train.precision)
     return rec
@@ -216,11 +223,39 @@ def build_rank_model(plan: Plan, rank: int) -> GPT:
 
 
 def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
-    """The FFN kind's DeepSpeed engine bundle (parallel/engine.py) on `model`, with activation recompute as planned.
+    """The FFN kind's DeepSpeed engine bundle (parallel/engine.py) on `model`, with activation recompute as planned,
+    fp16's overflow test from the step's global norm at ZeRO 0 (parallel/overflow.py) and `train.compile`.
     The process group must exist (`start_distributed`)."""
     if plan.cfg.train.activation_checkpointing == "full":
         apply_activation_recompute(model)
-    return ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
+    bundle = ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
+    install_norm_overflow_check(bundle.engine.optimizer)  # fp16 at ZeRO 0: one host read per step, not one per tensor
+    if plan.cfg.train.compile:
+        compile_model(bundle.engine.module)
+    return bundle
+
+
+def compile_model(model: torch.nn.Module) -> list[str]:
+    """torch.compile the compute of every block in place; returns the compiled modules' names.
+
+    A block whose FFN is dense is compiled whole (LayerNorms, attention, MLP and residual adds fuse). In a block with
+    experts only the attention and each expert MLP are: the routing stays eager, because DEMix routes by host ids,
+    CSE reads its cluster counts (model/cse.py) and GShard's layer runs all-to-alls - graph breaks in a compiled
+    region - and because CSE's clustering captures the layer's input with a forward hook added mid-run, which a
+    compiled caller would not see (torch._dynamo skips guards on module hooks). `nn.Module.compile` (what DeepSpeed's
+    `engine.compile` calls on the whole module) compiles in place: parameter and buffer names, hence checkpoints and
+    exports, keep their keys (no `_orig_mod.` of a `torch.compile(module)` wrapper). Compilation happens at the first
+    call; modules of the same code share compiled graphs (varying expert row counts become one dynamic shape)."""
+    from model.mlp import MLP, DenseFFN
+
+    names = []
+    for i, block in enumerate(model.blocks):
+        parts = ([("", block)] if isinstance(block.ffn, DenseFFN) else
+                 [("attn", block.attn)] + [(f"ffn.{n}", m) for n, m in block.ffn.named_modules() if isinstance(m, MLP)])
+        for name, module in parts:
+            module.compile()
+            names.append(f"blocks.{i}" + (f".{name}" if name else ""))
+    return names
 
 
 @dataclass
@@ -354,6 +389,7 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
         norm = global_grad_norm(engine.module, bundle.groups) / loss_scale(engine)
         if cfg.train.clip_grad > 0:
             clip_grads_(engine.module, cfg.train.clip_grad, norm)
+        set_step_norm(engine.optimizer, norm)  # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
     engine.step()
     if norm is None:
         gn = engine.get_global_grad_norm()
@@ -394,8 +430,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
     p.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir), never, or a checkpoint path")
-    p.add_argument("--master-addr", help="rendezvous address where the launcher sets no MASTER_ADDR (MPI, srun)")
-    p.add_argument("--master-port", type=int, help="rendezvous port where the launcher sets no MASTER_PORT (MPI, srun)")
+    p.add_argument("--master-addr", type=host, help="rendezvous address where the launcher sets no MASTER_ADDR (MPI, srun)")
+    p.add_argument("--master-port", type=tcp_port, help="rendezvous port where the launcher sets no MASTER_PORT (MPI, srun)")
     return p.parse_args(argv)
 
 

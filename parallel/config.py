@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import StrictInt
+from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass
 
 from model.config import CONFIG, Float
@@ -15,6 +15,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 SCHEDULES: tuple[str, ...] = ("polynomial", "cosine", "constant")
 CHECKPOINTING: tuple[str, ...] = ("none", "full")
 TRAINABLE: tuple[str, ...] = ("all", "experts")
+GRAD_REDUCES: tuple[str, ...] = ("overlap", "after_backward")
+GRAD_REDUCE_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 
 
 @dataclass(frozen=True, config=CONFIG)
@@ -26,12 +28,19 @@ class ParallelConfig:
     data-parallel ranks than domains, each rank holds several consecutive domains.
     expert_grad_scaling: "domain_mean" averages an expert's gradient over its domain group (default);
     "global" divides by the whole data-parallel world, as the reference fairseq code does.
+    grad_reduce: "overlap" (default) reduces the gradients bucket by bucket while the backward of the
+    accumulation boundary still runs (ZeRO 0: parallel/engine.py `OverlappedGradReduce`; ZeRO 1/2: DeepSpeed's
+    `overlap_comm`); "after_backward" reduces them all once the backward has finished (DeepSpeed's own ZeRO-0 path).
+    bucket_elements: gradient elements per bucket; None = parallel/engine.py `bucket_elements`' rule (Megatron-core's
+    max(4e7, 1e6 x data-parallel ranks), bounded by the rank's trainable parameters).
     """
 
     tensor_parallel: StrictInt = 1
     zero_stage: StrictInt = 0
     allocation: Optional[list[StrictInt]] = None
     expert_grad_scaling: str = "domain_mean"
+    grad_reduce: str = "overlap"
+    bucket_elements: Optional[StrictInt] = None
 
     def problems(self, prefix: str = "parallel") -> list[str]:
         out = []
@@ -45,6 +54,10 @@ class ParallelConfig:
             out.append(
                 f"{prefix}.expert_grad_scaling={self.expert_grad_scaling!r}: choose one of {', '.join(EXPERT_GRAD_SCALINGS)}"
             )
+        if self.grad_reduce not in GRAD_REDUCES:
+            out.append(f"{prefix}.grad_reduce={self.grad_reduce!r}: choose one of {', '.join(GRAD_REDUCES)}")
+        if self.bucket_elements is not None and self.bucket_elements < 1:
+            out.append(f"{prefix}.bucket_elements={self.bucket_elements}: must be >= 1 (or unset for the size rule)")
         return out
 
 
@@ -74,6 +87,14 @@ class TrainConfig:
     eval_batches: StrictInt = 4
     save_interval: StrictInt = 0  # 0 = only at the end
     keep_checkpoints: StrictInt = 0  # training states kept in checkpoints/ (the newest N); 0 = all
+    # torch.compile each block's compute in place (launcher/train.py compile_model); a bool (StrictBool: 1 or "fast"
+    # are refused). Off until a GPU measurement shows the gain.
+    compile: StrictBool = False
+    # bf16 only: the dtype ZeRO 1/2 reduce the gradients in (None: bf16, DeepSpeed's default). "fp32": DeepSpeed's
+    # communication_data_type fp32, and at ZeRO 2 also data_types.grad_accum_dtype fp32 (parallel/engine.py
+    # `deepspeed_config`). Recommended when grad_accum x data-parallel ranks >= 32 (the sum's bf16 rounding grows
+    # with the number of terms); costs twice the gradient bytes on the wire.
+    grad_reduce_dtype: Optional[str] = None
 
     def problems(self, prefix: str = "train") -> list[str]:
         out = []
@@ -95,4 +116,11 @@ class TrainConfig:
                               ("trainable", TRAINABLE)):
             if getattr(self, name) not in allowed:
                 out.append(f"{prefix}.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        if self.grad_reduce_dtype is not None:
+            if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+                out.append(f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r}: choose one of "
+                           f"{', '.join(GRAD_REDUCE_DTYPES)} (or leave it unset)")
+            elif self.precision != "bf16":
+                out.append(f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r} applies to train.precision=bf16 only "
+                           f"(with {self.precision!r} the gradients are reduced in {self.precision}): unset it")
         return out

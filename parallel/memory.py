@@ -17,17 +17,19 @@ replicated over the domain group only (R_e ranks): eq. Z applies to each part wi
 expert parameters over the expert-data-parallel group). GShard experts likewise over their expert-data-parallel
 group.
 
-Activations, traced (the default, `traced_activation_bytes`): this rank's GPT (its experts, FFN kind, recompute,
-the precision's parameter dtype or autocast, micro-batch, sequence length, the chunked loss) is built under torch's
-FakeTensorMode and one forward+backward runs inside torch's MemTracker: every tensor's storage is counted as a
-device would hold it, nothing is allocated. Gradients are preallocated (as after the first micro-batch), so
+Activations, traced (the default, `estimate_activations`): this rank's GPT as training runs it (its experts, FFN
+kind with GShard's layers swapped for DeepSpeed's MoE layer as parallel/gshard.py does, recompute, the precision's
+parameter dtype or autocast, micro-batch, sequence length, the chunked loss) is built on the meta device, its
+parameters become tensors of torch's FakeTensorMode, and one forward+backward runs under `PeakBytes` (the accounting
+of torch's MemTracker, which benchmarks/memory_estimate.py measures against): every tensor's storage is counted as
+a device would hold it, nothing is allocated. Gradients are preallocated (as after the first micro-batch), so
 
     activations = peak(total) - params - grads       (MemTracker's ACT + TEMP + OTH + BUFFER at the peak)
 
-Data-dependent shapes are planned, not observed: a DEMix layer's rows per local domain are B / (its domains), a
-GShard expert's rows K S / E (balanced routing). Tensor parallel > 1, GShard layouts whose rank does not hold every
-expert (the layer is DeepSpeed's MoE, its all-to-all needs the expert-parallel process group) and any trace that
-fails fall back to the formula below, and the result says which was used and why.
+Data-dependent shapes are planned, not observed: a DEMix layer's rows per local domain are B / (its domains);
+DeepSpeed's GShard layer pads every expert's buffer to its capacity C whatever the routing. Tensor parallel > 1,
+GShard layouts whose rank does not hold every expert (DeepSpeed's all-to-all needs the expert-parallel process
+group) and any trace that fails fall back to the formula below, and the result says which was used and why.
 
 Activations by formula (the fallback), per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation", §4.1 and Table 2; 16-bit activations, 1-byte dropout masks; s sequence, b micro-batch,
@@ -39,8 +41,8 @@ h hidden, a heads, t tensor parallel):
 fp32 activations are counted at twice eq. A1/A2. A GShard MoE layer sends each token to top_k experts: its
 MLP part (19·s·b·h of the 34 in eq. A1 at t = 1: fc1 input 2, GeLU input 8, GeLU output 8, dropout mask 1)
 counts top_k times. The output layer adds the logits, 16-bit and the fp32 copy the loss reads:
-6·s·b·V/t bytes (V the padded vocabulary). ZeRO 1/2 also hold DeepSpeed's default reduce and all-gather
-buckets (5e8 elements each, 16-bit or fp32 as the gradients).
+6·s·b·V/t bytes (V the padded vocabulary). Gradient reduction adds its buckets (`buffer_bytes`: sized by
+parallel/engine.py's `bucket_elements`, one or two of them, 16-bit or fp32 as the gradients).
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional
     return half or torch.float32, None
 
 
+_DEVICE = torch.ops.prim.device.default  # asked of every tensor by autograd: most operators a mode sees
+
+
 class _PlannedRouting(TorchDispatchMode):
     """Under FakeTensorMode: ops whose tensors are all real (the host-side domain ids the trainer passes, and
     what the layer computes from them: `tolist`, checks) run for real; `nonzero` of a fake mask, whose row count
@@ -129,6 +134,8 @@ class _PlannedRouting(TorchDispatchMode):
         from torch.utils._python_dispatch import _disable_current_modes
 
         kwargs = kwargs or {}
+        if func is _DEVICE:  # makes no tensor
+            return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
             with _disable_current_modes():
@@ -172,6 +179,8 @@ class PeakBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -251,31 +260,98 @@ def trace_peak(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[i
     """`count_peak` (or with `memtracker`, torch's MemTracker: `measure_peak`) of this rank's GPT under
     FakeTensorMode (nothing allocated), routing planned; `preallocate_grads=False` measures a first micro-batch
     (gradients created by backward)."""
+    return trace_peaks(m, micro_batch, expert_ids, (recompute,), dtype, autocast, loss_chunk_logits, memtracker,
+                       preallocate_grads)[recompute]
+
+
+def trace_peaks(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]],
+                recompute: Sequence[bool] = (False, True), dtype: torch.dtype = torch.bfloat16,
+                autocast: Optional[torch.dtype] = None, loss_chunk_logits: Optional[int] = None,
+                memtracker: bool = False, preallocate_grads: bool = True) -> dict[bool, dict[str, int]]:
+    """`trace_peak` for each recompute mode in turn (False before True) on one build of the model: recompute is
+    applied from outside (parallel/activation_recompute.py), so the same model serves both, and a gpt3-xl trace
+    pays for one build and one set of gradients instead of two."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.gpt import GPT
     from parallel.activation_recompute import apply_activation_recompute
 
     domains = rank_domain_ids(m, micro_batch, expert_ids)  # real host tensors, made before the fake mode
+    measure = measure_peak if memtracker else count_peak
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    out: dict[bool, dict[str, int]] = {}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), _PlannedRouting(routing_share(m, expert_ids)):
-            model = GPT(m, expert_ids=expert_ids, init_seed=0)
-            if recompute:
-                apply_activation_recompute(model)
+        model, fake = training_model_on_meta(m, expert_ids), FakeTensorMode(allow_non_fake_inputs=True)
+        _materialise(model, fake)
+        with fake, _PlannedRouting(routing_share(m, expert_ids)):
             if loss_chunk_logits is not None:
                 model.loss_chunk_logits = loss_chunk_logits
-            measure = measure_peak if memtracker else count_peak
-            return measure(model, {**rank_batch(m, micro_batch), **domains}, autocast, preallocate_grads)
+            for mode in sorted(set(recompute)):
+                if mode:
+                    apply_activation_recompute(model)
+                out[mode] = measure(model, {**rank_batch(m, micro_batch), **domains}, autocast, preallocate_grads)
+                if not preallocate_grads:  # the next mode measures a first micro-batch too
+                    for p in model.parameters():
+                        p.grad = None
     finally:
         torch.set_default_dtype(old)
+    return out
+
+
+def training_model_on_meta(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> torch.nn.Module:
+    """This rank's GPT with the layers training runs (`with_training_layers`), on the meta device: no
+    initialisation work (built under FakeTensorMode, its random init was a third of a gpt3-xl trace's time)."""
+    import warnings
+
+    from model.gpt import GPT
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # load_state_dict between meta tensors is a no-op and says so
+        return with_training_layers(GPT(m, expert_ids=expert_ids, init_seed=0), m)
+
+
+def with_training_layers(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
+    """`model` (a GPT holding every expert it has) with the layers training runs, in place: a GShard model's plain
+    top-k layers become DeepSpeed's MoE layer, as `parallel.gshard.apply_gshard` does, at expert-parallel size 1
+    (tracing needs every expert on the rank). That layer, not the plain one, holds training's activations
+    (capacity-padded E x C buffers, the fp32 gate input)."""
+    if m.ffn.kind != "gshard" or max(1, m.ffn.num_experts) == 1:
+        return model
+    from model.gshard import GShardFFN
+    from parallel.gshard import DistributedGShardFFN, GShardLayout
+
+    E = m.ffn.num_experts
+    layout = GShardLayout(num_experts=E, ep_size=1, experts_per_rank=E, ep_ranks=(0,), edp_ranks=(0,),
+                          local_experts=tuple(range(E)))
+    for block in model.blocks:
+        if isinstance(block.ffn, GShardFFN):
+            block.ffn = DistributedGShardFFN(block.ffn, m, layout)
+    return model
+
+
+def _materialise(model: torch.nn.Module, fake: TorchDispatchMode) -> None:
+    """Meta parameters become `fake`'s tensors (nothing allocated; outside _PlannedRouting, which would run an op on
+    all-meta inputs for real); buffers become real zeros, as a fresh model's: they are small and some are read on
+    the host (CSE's cluster count)."""
+    done: dict[int, torch.nn.Parameter] = {}
+    with fake:
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in done:
+                        done[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                    module._parameters[name] = done[id(p)]
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
 
 
 @lru_cache(maxsize=64)
-def _cached_trace(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[int, ...]], recompute: bool,
-                  dtype: torch.dtype, autocast: Optional[torch.dtype]) -> int:
-    return trace_peak(m, micro_batch, expert_ids, recompute, dtype, autocast)["activations"]
+def _cached_traces(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[int, ...]], dtype: torch.dtype,
+                   autocast: Optional[torch.dtype]) -> dict[bool, int]:
+    return {r: t["activations"] for r, t in trace_peaks(m, micro_batch, expert_ids, (False, True), dtype,
+                                                         autocast).items()}
 
 
 def trace_fallback_reason(m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int) -> Optional[str]:
@@ -313,9 +389,8 @@ def estimate_activations(m: ModelConfig, micro_batch: int, tensor_parallel: int,
     if reason is None:
         try:
             for zero in stages:
-                for recompute in (False, True):
-                    out[(zero, recompute)] = float(_cached_trace(m, micro_batch, ids, recompute,
-                                                                 *trace_dtypes(precision, zero)))
+                for recompute, act in _cached_traces(m, micro_batch, ids, *trace_dtypes(precision, zero)).items():
+                    out[(zero, recompute)] = float(act)
         except Exception as e:  # noqa: BLE001 - any trace failure falls back, and says why
             reason = f"tracing failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if reason is not None:
@@ -324,11 +399,33 @@ def estimate_activations(m: ModelConfig, micro_batch: int, tensor_parallel: int,
     return ActivationEstimate("formula" if reason else "traced", reason, time.perf_counter() - start, out)
 
 
-def buffer_bytes(precision: str, zero_stage: int) -> float:
-    """DeepSpeed's ZeRO 1/2 reduce and all-gather buckets at their defaults (none at ZeRO 0)."""
+def buffer_bytes(precision: str, zero_stage: int, params: Optional[RankParams] = None, grad_reduce: str = "overlap",
+                 bucket_override: Optional[int] = None, grad_reduce_dtype: Optional[str] = None) -> float:
+    """The gradient-reduction buffers the engine allocates on this rank, bytes, for n = parallel/engine.py's
+    `bucket_elements(P, N_dp)` (P = `params`' shared + expert parameters) and G bytes per gradient:
+
+        ZeRO 1/2   n·G, twice with overlap_comm (DeepSpeed double-buffers its contiguous reduce bucket; the engine
+                   keeps it off when one bucket holds the whole rank, n >= P), + 4n when bf16 is reduced in fp32
+                   (each reduction casts its bucket). The all-gather of the updated parameters writes in place
+                   (all_gather_into_tensor): no all-gather bucket.
+        ZeRO 0     overlap: the flat copies of the buckets in flight, at most min(2n, P)·G (OverlappedGradReduce);
+                   after_backward: DeepSpeed flattens one bucket of at most 5e8 gradients at a time, min(P, 5e8)·G.
+
+    Without `params` DeepSpeed's default buckets (2 x 5e8 elements at ZeRO 1/2, ZeRO 0 not counted). Assumes every
+    rank holds parameters of the same shapes; DEMix with unequal domains per rank gets one bucket of P at ZeRO 1/2
+    (parallel/engine.py `plan_grad_reduce`)."""
+    G = state_bytes_per_param(precision, zero_stage)[1]
+    if params is None:
+        return 0.0 if zero_stage == 0 else 2 * DEEPSPEED_BUCKET_ELEMENTS * G
+    from parallel.engine import bucket_elements
+
+    total = params.shared + params.expert
+    n = bucket_elements(total, params.dp_size, bucket_override)
+    overlap = grad_reduce == "overlap"
     if zero_stage == 0:
-        return 0.0
-    return 2 * DEEPSPEED_BUCKET_ELEMENTS * state_bytes_per_param(precision, zero_stage)[1]
+        return float(min(2 * n, total) if overlap else min(total, DEEPSPEED_BUCKET_ELEMENTS)) * G
+    fp32_cast = 4 * n if precision == "bf16" and grad_reduce_dtype == "fp32" else 0
+    return float((2 if overlap and n < total else 1) * n * G + fp32_cast)
 
 
 def deepspeed_zero2_estimate(p: RankParams) -> float:
@@ -351,7 +448,7 @@ def memory_rows(p: RankParams, m: ModelConfig, micro_batch: int, tensor_parallel
     rows = []
     for zero in (0, 1, 2):
         states = model_state_bytes(p, precision, zero)
-        row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffer_bytes(precision, zero)}
+        row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffer_bytes(precision, zero, p)}
         for mode, recompute in (("no_recompute", False), ("recompute", True)):
             act = (activations(zero, recompute) if activations is not None
                    else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision))

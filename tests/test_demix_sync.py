@@ -21,7 +21,8 @@ from tests.multirank import run_ranks
 STEPS, GAS, MB, SEQ, VOCAB = 3, 2, 2, 16, 256
 
 
-def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain_mean", clip: float = 0.05):
+def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain_mean", clip: float = 0.05,
+         extra: tuple = ()):
     from launcher.config import load_run_config
 
     return load_run_config(None, [
@@ -29,7 +30,7 @@ def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain
         f"model.ffn.kind={kind}", f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
         f"parallel.zero_stage={zero}", f"parallel.tensor_parallel={tp}", f"parallel.expert_grad_scaling={scaling}",
         f"train.micro_batch={MB}", f"train.grad_accum={GAS}", f"train.steps={STEPS}", "train.lr=1e-2",
-        "train.warmup_fraction=0.34", f"train.clip_grad={clip}", "train.weight_decay=0.1",
+        "train.warmup_fraction=0.34", f"train.clip_grad={clip}", "train.weight_decay=0.1", *extra,
     ])
 
 
@@ -50,7 +51,7 @@ def _lower_split_threshold(numel: int) -> None:
 
 
 def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: int, scaling: str,
-            split_numel: int = 0):
+            split_numel: int = 0, extra: tuple = ()):
     """Train the same run once per ZeRO stage in this process (one spawn amortises the imports)."""
     if split_numel:
         _lower_split_threshold(split_numel)
@@ -65,7 +66,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
     info = topo.rank_info(rank)
     results = {}
     for zero in zeros:
-        cfg = _cfg(kind, domains, zero, tp, scaling)
+        cfg = _cfg(kind, domains, zero, tp, scaling, extra=extra)
         groups = ProcessGroups.create(topo)
         torch.manual_seed(0)
         model = GPT(cfg.model, expert_ids=list(info.domains) if kind == "demix" else None, tensor_parallel=tp)
@@ -78,7 +79,8 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
         sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
         sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
         results[zero] = {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms,
-                         "groups": len(bundle.engine.optimizer.param_groups)}
+                         "groups": len(bundle.engine.optimizer.param_groups), "grad_reduce": bundle.grad_reduce,
+                         "overlap_comm": getattr(bundle.engine.optimizer, "overlap_comm", None)}
     return results
 
 
@@ -170,13 +172,21 @@ def _check_groups(results, expert_groups):
     assert not torch.allclose(results[expert_groups[0][0]]["sd"][k0], results[expert_groups[1][0]]["sd"][k0.replace(".experts.0.", ".experts.1.")])
 
 
+# A few of the tiny model's matrices per gradient bucket: several buckets, reduced while the backward runs.
+SMALL_BUCKET = 20_000
+
+
 @pytest.mark.slow
 def test_demix_4_ranks_2_domains_zero_0_1_2_match_reference():
-    per_rank = run_ranks(_worker, 4, args=("demix", 2, (0, 1, 2), 1, "domain_mean"))
+    """With small gradient buckets: ZeRO 0 reduces them from the backward's hooks, ZeRO 1/2 with overlap_comm."""
+    per_rank = run_ranks(_worker, 4, args=("demix", 2, (0, 1, 2), 1, "domain_mean", 0,
+                                           (f"parallel.bucket_elements={SMALL_BUCKET}",)))
     ref_sd, ref_norms = _reference("demix", 2, 4, [0, 0, 1, 1], "domain_mean")
     for zero in (0, 1, 2):
         results = [r[zero] for r in per_rank]
         assert [r["domains"] for r in results] == [(0,), (0,), (1,), (1,)]
+        assert results[0]["grad_reduce"].overlap and results[0]["grad_reduce"].elements == SMALL_BUCKET
+        assert results[0]["overlap_comm"] is (True if zero else None)
         _check(results, ref_sd, ref_norms)
         _check_groups(results, {0: [0, 1], 1: [2, 3]})
 
@@ -236,12 +246,17 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
     rank 0's experts make twice as many optimizer groups as rank 1's (4 vs 2 decay groups; ZeRO 1/2 deadlocked
     on that): rank 1 must split its experts into as many groups as rank 0."""
     matrix = 4 * 128 * 128  # one fc weight of the tiny model (d_model 128, ffn 4x)
-    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix), timeout=300,
+    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix,
+                                           (f"parallel.bucket_elements={SMALL_BUCKET}",)), timeout=300,
                          device_strict=True)
     ref_sd, ref_norms = _reference("demix", 3, 2, [(0, 1), (2,)], "domain_mean")
     for zero in (0, 1, 2):
         results = [r[zero] for r in per_rank]
         assert [r["domains"] for r in results] == [(0, 1), (2,)]
+        plan = results[0]["grad_reduce"]
+        # unequal experts per rank: ZeRO 0 overlaps with small buckets; ZeRO 1/2 reduce the whole rank in one bucket
+        assert not plan.uniform and plan.overlap is (zero == 0)
+        assert plan.elements == (SMALL_BUCKET if zero == 0 else plan.max_rank_params + plan.max_rank_params % 2)
         assert results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1  # shared x2, expert decay x4, no-decay
         _check(results, ref_sd, ref_norms)
 
