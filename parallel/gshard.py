@@ -221,7 +221,13 @@ class DistributedGShardFFN(nn.Module):
         if hasattr(inner.gate, "top2_2nd_expert_sampling"):
             # DeepSpeed samples the second expert in eval too; sample in training only, as the plain layer does.
             inner.gate.top2_2nd_expert_sampling = self.training and self.gcfg.second_expert_policy == "sampling"
-        y_BTD, l_aux, counts_E = self.moe(x_BTD)
+        try:
+            y_BTD, l_aux, counts_E = self.moe(x_BTD)
+        finally:
+            # DeepSpeed's MoE keeps `l_aux` on the module. Under activation recompute the re-run block's l_aux, kept
+            # there, holds that whole re-run's graph (and its activations) alive until backward ends: about one
+            # block of activations per MoE layer (tiny 8-layer model: 59.3 vs 40.9 MiB measured on real tensors).
+            inner.l_aux = None
         B, T, D = x_BTD.shape
         with torch.no_grad():
             probs_SE = F.softmax(F.linear(x_BTD.reshape(B * T, D).float(), inner.gate.wg.weight.float()), dim=1)

@@ -373,6 +373,13 @@ def _run(case: Case, w: SimpleNamespace, d: Path, monkeypatch) -> Outcome:
     if case.setup:
         case.setup(w, d)
     argv = case.argv(w, d)
+    # A launcher environment of its own only: rank variables left in this process by earlier tests (a CLI that
+    # joined ranks in-process) would make the trainer read them instead of the case's scheduler variables.
+    from launcher.distributed import SCHEDULER_ENVS
+
+    for k in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              *(v for names in SCHEDULER_ENVS for v in names[1:] if v)} | {k for k in os.environ if k.startswith("SLURM_")}:
+        monkeypatch.delenv(k, raising=False)
     for k, v in (case.env or {}).items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(d)

@@ -1,4 +1,5 @@
-"""The dry run's traced activation memory (parallel/memory.py) against torch's MemTracker on a real forward+backward."""
+"""The dry run's traced activation memory (parallel/memory.py) against torch's MemTracker on a real forward+backward,
+and benchmarks/memory_estimate.py (the dry run's estimate against MemTracker under fake tensors) end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
-from parallel.memory import estimate_activations, measure_peak, rank_batch, rank_domain_ids, trace_peak
+from parallel.memory import (estimate_activations, measure_peak, rank_batch, rank_domain_ids, trace_peak,
+                             with_training_layers)
 
 KINDS = {
     "dense": ({"kind": "dense"}, None),
@@ -29,11 +31,11 @@ def _cfg(kind: str) -> ModelConfig:
 @pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_traced_estimate_matches_memtracker_on_real_tensors(kind, recompute):
-    """Fake-tensor trace with planned routing (the dry run's number) vs MemTracker on real tensors and real routing:
-    within 10 % (fp32, micro-batch 8)."""
+    """Fake-tensor trace with planned routing (the dry run's number) vs MemTracker on real tensors and real routing,
+    with the layers training runs (GShard: DeepSpeed's MoE layer): within 10 % (fp32, micro-batch 8)."""
     m, experts = _cfg(kind), KINDS[kind][1]
     torch.manual_seed(0)
-    model = GPT(m, expert_ids=experts, init_seed=0)
+    model = with_training_layers(GPT(m, expert_ids=experts, init_seed=0), m)
     if recompute:
         apply_activation_recompute(model)
     measured = measure_peak(model, {**rank_batch(m, 8), **rank_domain_ids(m, 8, experts)})["activations"]
@@ -55,3 +57,60 @@ def test_formula_fallback_says_why():
     assert est.method == "formula" and "tensor_parallel=2" in est.reason
     est = estimate_activations(m, 2, 1, "bf16", [0])
     assert est.method == "formula" and "1 of 4 experts" in est.reason and "process group" in est.reason
+
+
+def test_gshard_traced_with_the_layer_training_runs():
+    """The trace swaps GShard's plain layers for DeepSpeed's MoE layer (parallel/gshard.py), as training does, and
+    leaves no fake tensor in DeepSpeed's cached Gumbel sampler (a module global) for a later real run: the sampler's
+    scalars are made from host data, which _PlannedRouting runs for real."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from parallel.gshard import DistributedGShardFFN
+    from parallel.memory import training_model_on_meta
+
+    m = _cfg("gshard")
+    model = training_model_on_meta(m, [0, 1, 2, 3])
+    assert all(isinstance(b.ffn, DistributedGShardFFN) for b in model.blocks)
+    assert all(p.is_meta for p in model.parameters())
+    trace_peak(m, 2, [0, 1, 2, 3], recompute=False)
+    from deepspeed.moe import sharded_moe
+
+    assert sharded_moe.gumbel_map  # the trace sampled the second expert (policy 'sampling')
+    assert not any(isinstance(t, FakeTensor) for f in sharded_moe.gumbel_map.values()
+                   for t in (f.__self__.loc, f.__self__.scale))
+
+
+@pytest.mark.slow  # end to end: four dry runs and their MemTracker measurements (~20 s of CPU)
+def test_memory_estimate_benchmark_tiny_end_to_end(tmp_path, monkeypatch):
+    """`python -m benchmarks.memory_estimate --tiny`: for every layout (dense, DEMix with one and with four domains
+    per GPU, GShard with every expert on the GPU) and recompute mode, the dry run's estimate is within 10 % of
+    MemTracker's measurement (total and activations), traced in seconds, with ZeRO-2 model states within 10 % of
+    DeepSpeed's estimator. The check flags a planted wrong estimate."""
+    from benchmarks import memory_estimate as bench
+
+    seen = {}
+    real_run = bench.run
+
+    def spy(*args, **kw):
+        seen["rows"], seen["states"], fresh = real_run(*args, **kw)
+        return seen["rows"], seen["states"], fresh
+
+    monkeypatch.setattr(bench, "run", spy)
+    out = tmp_path / "memory_estimate.md"
+    assert bench.main(["--tiny", "--out", str(out)]) == 0
+    rows, states = seen["rows"], seen["states"]
+    assert {(r["layout"], r["recompute"]) for r in rows} == {(l.label, c) for l in bench.LAYOUTS for c in (False, True)}
+    assert {r["method"] for r in rows} == {"traced"} and bench.check(rows) == []
+    assert all(r["estimate_s"] > 0 for r in rows)
+    for s in states:
+        assert s["deepspeed"] == pytest.approx(s["ours"], rel=0.10)
+    text = out.read_text()
+    assert "Rows outside 10%: none." in text and "**NO**" not in text and "python -m launcher.dryrun" in text
+
+    planted = dict(rows[0], est_act=rows[0]["est_act"] * 1.25)  # the activations a quarter too high
+    flagged = bench.check([planted, *rows[1:]])
+    assert len(flagged) == 1 and "act = 1.250" in flagged[0]
+    planted = dict(rows[1], est_total=rows[1]["mt_total"] * 0.85)  # the total 15 % low
+    assert len(bench.check([planted])) == 1
+    assert "**NO**" in bench.report([planted], states, 8, 128, ["--tiny"], tiny=True)
+    assert bench.check([dict(rows[2], est_act=rows[2]["mt_act"] * 1.05)]) == []  # inside the tolerance
