@@ -70,6 +70,14 @@ def random_checkpoint(tiny_tokens):
     return lambda out, kind, seed=3: save_random_checkpoint(Path(out), tiny_tokens, kind, seed)
 
 
+def pytest_configure(config):
+    """Start the forkserver that multi-rank tests fork their ranks from (tests/multirank.py): it imports torch and
+    DeepSpeed once, in the background, while the tests are collected."""
+    from tests.multirank import start_rank_server
+
+    start_rank_server()
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped elsewhere with the reason (run them all with scripts/gpu_checks.sh)."""
     import torch
