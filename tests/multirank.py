@@ -21,6 +21,7 @@ import pickle
 import queue as queue_lib
 import sys
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
@@ -61,8 +62,22 @@ def start_rank_server() -> None:
                 os.environ[k] = v
 
 
+def _attach_stdio(out: Any, err: Any) -> None:
+    """In a rank, as its arguments are unpickled: make fds 1 and 2 the caller's (pytest's capture, a log file)."""
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
+class _CallerStdio:
+    """The caller's fds 1 and 2, handed to a rank as it starts: a forked-from-the-server rank would otherwise write
+    to the server's, and a test's capfd would not see what its ranks print."""
+
+    def __reduce__(self) -> tuple:
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))  # sent with the process (SCM_RIGHTS)
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool,
-           device_strict: bool, caller: tuple[dict[str, str], str, list[str]]) -> None:
+           device_strict: bool, caller: tuple[dict[str, str], str, list[str]], stdio: None) -> None:
     env, cwd, path = caller
     os.environ.clear()
     os.environ.update(env)
@@ -114,7 +129,8 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     caller = (dict(os.environ), os.getcwd(), list(sys.path))
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg, device_strict, caller))
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg, device_strict, caller,
+                                                    _CallerStdio()))
              for r in range(world_size)]
     for p in procs:
         p.start()
