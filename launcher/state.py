@@ -94,6 +94,8 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
 
 
 STEP_DIR = re.compile(r"step_\d{8}")
+# Each rank's checksums while a state is written (`sha256/rank<r>.json`), gathered into meta.json, then removed.
+SUMS_DIR = "sha256"
 
 
 def complete_states(ckdir: Path) -> list[Path]:
@@ -127,16 +129,43 @@ def state_damage(ckpt: Path) -> Optional[str]:
     return None
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The training state to resume from: the one `checkpoints/latest` names, if that is a well-formed name of an
-    intact state in this directory; otherwise (a damaged pointer, or one naming a deleted, incomplete or damaged
-    state, see `state_damage`) the newest intact state, with a warning, so a resume never restarts from step 0
-    over newer checkpoints. If states exist but none is intact, a CheckpointError says so (nothing is
-    overwritten). The pointer's contents never become a path unless they match `step_<8 digits>`."""
+def checksum_damage(ckpt: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+    """Why `ckpt`'s files fail the sha256 checksums meta.json recorded when they were written (bytes changed in
+    place at the same size, which `state_damage` cannot see), or None. Reads the files: with `world_size` > 1 only
+    this rank's share of them (balanced by bytes, `assign_writers`), so that the ranks split the work
+    (`verified_state`). A state written before checksums were recorded passes. Call after `state_damage`."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        files, sums = meta["files"], meta.get("sha256")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return f"meta.json unreadable ({e})"
+    if sums is None:
+        return None
+    if not isinstance(sums, dict) or not isinstance(files, dict):
+        return "meta.json's sha256 or files is not an object"
+    share = assign_writers({rel: int(size) for rel, size in files.items()}, range(world_size))
+    for rel in sorted(files):
+        if share[rel] != rank:
+            continue
+        if not isinstance(sums.get(rel), str):
+            return f"meta.json records no checksum for {rel}"
+        if file_sha256(ckpt / rel) != sums[rel]:
+            return f"{rel} does not match its checksum: its bytes changed after it was written"
+    return None
+
+
+def resume_candidates(run_dir: Path, checksums: bool = False) -> list[Path]:
+    """The training states a resume may use, preferred first: the one `checkpoints/latest` names, if that is a
+    well-formed name of an intact state in this directory; otherwise (a damaged pointer, or one naming a deleted,
+    incomplete or damaged state, see `state_damage`) the newest intact state, with a warning, so a resume never
+    restarts from step 0 over newer checkpoints; then the other intact states, newest first (the fall-backs when
+    the first fails its checksums, `verified_state`). `checksums=True` also reads every file (`checksum_damage`,
+    one process). If states exist but none is intact, a CheckpointError says so (nothing is overwritten). The
+    pointer's contents never become a path unless they match `step_<8 digits>`."""
     ckdir = run_dir / "checkpoints"
     ptr = ckdir / "latest"
     complete = complete_states(ckdir)
-    damage = {p: state_damage(p) for p in complete}
+    damage = {p: state_damage(p) or (checksum_damage(p) if checksums else None) for p in complete}
     for p, why in damage.items():
         if why:
             print(f"warning: training state {p} is damaged ({why}); skipped", file=sys.stderr)
@@ -144,14 +173,38 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     if complete and not intact:
         raise CheckpointError(f"no intact training state in {ckdir} (all {len(complete)} damaged, see the warnings); "
                               "restore them, or start a new run directory")
+    newest_first = intact[::-1]
     if ptr.is_file():
         name = ptr.read_text(errors="replace").strip()
         if STEP_DIR.fullmatch(name) and (ckdir / name) in intact:
-            return ckdir / name
+            return [ckdir / name] + [p for p in newest_first if p != ckdir / name]
         if intact:
             print(f"warning: {ptr} names {name[:80]!r}, not an intact training state here; resuming from the newest "
                   f"intact one, {intact[-1].name}", file=sys.stderr)
-    return intact[-1] if intact else None
+    return newest_first
+
+
+def latest_checkpoint(run_dir: Path, checksums: bool = False) -> Optional[Path]:
+    """The training state to resume from (the first of `resume_candidates`), or None when there is none."""
+    candidates = resume_candidates(run_dir, checksums)
+    return candidates[0] if candidates else None
+
+
+def verified_state(candidates: list[Path], rank: int, world_size: int, device: torch.device) -> Optional[Path]:
+    """The first of `candidates` whose every file matches its recorded checksum, read by all ranks together (each
+    its share, `checksum_damage`), or None. A damaged one is skipped with a warning naming the file. Collective:
+    every rank calls it with the same candidates and gets the same answer (one all-reduce per candidate tried)."""
+    import torch.distributed as dist
+
+    for ckpt in candidates:
+        why = checksum_damage(ckpt, rank, world_size)
+        flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=device)
+        dist.all_reduce(flag)
+        if why is not None:
+            print(f"warning: training state {ckpt} is damaged ({why}); skipped", file=sys.stderr)
+        if int(flag.item()) == 0:  # setup, not the step: a host read is fine here
+            return ckpt
+    return None
 
 
 STATE_META_SHAPE = {"format": str, "step": int, "layout": dict, "params": list, "files": dict, "config": dict}
@@ -209,9 +262,33 @@ def layout_changes(ckpt: Path, plan: Plan) -> list[str]:
     return out
 
 
-def _save(obj: Any, path: Path) -> None:
+class _HashingWriter:
+    """A file that hashes (sha256) what torch.save writes into it, so a state's checksums cost no second read."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save(obj: Any, path: Path) -> str:
+    """torch.save `obj` to `path`; return the file's sha256 (hex), computed while writing."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path)
+    with open(path, "wb") as f:
+        out = _HashingWriter(f)
+        torch.save(obj, out)
+    return out.sha.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of a file's bytes, read in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -231,13 +308,14 @@ class _BackgroundWrites:
     (written inline, every rank would wait at the next all-reduce for the writer of the previous parameter, and
     the save would take the sum of all ranks' writes again). At most `budget` bytes of tensors wait in memory
     (`save` first waits for the oldest writes beyond that); leaving the block waits for every write, re-raising
-    the first error. `written` maps each path to its size on disk."""
+    the first error. `written` maps each path to its size on disk, `digests` to its sha256."""
 
     def __init__(self, budget: int = WRITE_AHEAD_BYTES) -> None:
         self.budget, self.waiting = budget, 0
         self.pending: deque[tuple[Future, int, Path]] = deque()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self.written: dict[Path, int] = {}
+        self.digests: dict[Path, str] = {}
 
     def save(self, obj: Any, path: Path, nbytes: int) -> None:
         while self.pending and self.waiting + nbytes > self.budget:
@@ -248,7 +326,7 @@ class _BackgroundWrites:
     def _finish_oldest(self) -> None:
         future, nbytes, path = self.pending.popleft()
         self.waiting -= nbytes
-        future.result()
+        self.digests[path] = future.result()
         self.written[path] = path.stat().st_size
 
     def __enter__(self) -> "_BackgroundWrites":
@@ -315,12 +393,13 @@ def plan_state_writers(files: dict[tuple[int, ...], dict[str, int]], world_size:
     return writers
 
 
-def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[Path, int]:
+def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device
+                        ) -> tuple[dict[Path, int], dict[Path, str]]:
     """Every parameter's fp32 master and Adam moments, whole (TP-gathered, data-parallel-unpartitioned), as
     DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
     each `{"param": tensor, "cat_dim": tensor-parallel dimension}` (`step.pt` beside exp_avg). Each file is written
     by one of the ranks holding the parameter (`plan_state_writers`, balanced by bytes); returns what this rank
-    wrote (path -> bytes). Collective: every rank walks its parameters in order (ZeRO 1/2's all-reduce and the TP
+    wrote (path -> bytes, path -> sha256). Collective: every rank walks its parameters in order (ZeRO 1/2's all-reduce and the TP
     all-gather give every holder the whole tensor, so choosing the writer adds no traffic)."""
     model, tp = bundle.engine.module, plan.topo.tensor_parallel
     states = ParamStates(bundle.engine)
@@ -340,10 +419,10 @@ def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: t
                 writes.save({"param": host, "cat_dim": cat_dim}, out / plain / f"{key}.pt", host.nbytes)
                 if key == MOMENTS[0]:
                     writes.save(torch.tensor(adam_step), out / plain / "step.pt", 8)
-    return writes.written
+    return writes.written, writes.digests
 
 
-def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> None:
+def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> dict[Path, str]:
     """The two small files that let DeepSpeed's own loader read the state as a universal checkpoint
     (`engine.load_checkpoint(RUN/checkpoints, tag="step_<n>")` with `"checkpoint": {"load_universal": true}`, ZeRO
     1/2, dense and DEMix: their engine parameter names are the plain ones): the model-states file it takes the
@@ -352,12 +431,15 @@ def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> Non
 
     engine, c = bundle.engine, plan.cfg
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    _save({"param_groups": groups, "ds_version": deepspeed.__version__, "dynamic_loss_scale": c.train.precision == "fp16",
-           "overflow": False, "clip_grad": c.train.clip_grad}, out / "zero" / "optimizer_state.pt")
-    _save({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
+    optim, index = out / "zero" / "optimizer_state.pt", out / "mp_rank_00_model_states.pt"
+    digests = {optim: _save({"param_groups": groups, "ds_version": deepspeed.__version__,
+                             "dynamic_loss_scale": c.train.precision == "fp16", "overflow": False,
+                             "clip_grad": c.train.clip_grad}, optim)}
+    digests[index] = _save({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
            "dp_world_size": plan.topo.dp_size, "mp_world_size": plan.topo.tensor_parallel, "global_steps": step,
            "global_samples": step * c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size, "skipped_steps": 0,
-           "lr_scheduler": bundle.scheduler.state_dict()}, out / "mp_rank_00_model_states.pt")
+           "lr_scheduler": bundle.scheduler.state_dict()}, index)
+    return digests
 
 
 def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank: int) -> Path:
@@ -376,8 +458,9 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    written = _write_param_states(tmp / "zero", bundle, plan, rank, device)
-    _save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
+    written, digests = _write_param_states(tmp / "zero", bundle, plan, rank, device)
+    rng = tmp / "rng" / f"rank{rank:05d}.pt"
+    digests[rng] = _save(_rng_state(), rng)
     by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
     by_rank[rank] = sum(written.values())
     dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
@@ -386,17 +469,26 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         params = {n for n, _ in model.named_parameters()}
         buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
                    if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
-        _save({"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
-               "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
-              tmp / "trainer.pt")
-        _write_deepspeed_index(tmp, bundle, plan, step)
+        digests[tmp / "trainer.pt"] = _save(
+            {"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
+             "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
+            tmp / "trainer.pt")
+        digests.update(_write_deepspeed_index(tmp, bundle, plan, step))
+    # Each rank's checksums (computed while writing) beside the files; rank 0 gathers them into meta.json.
+    write_json_atomic(tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()})
     dist.barrier()
     if rank == 0:
+        sums = {}
+        for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
+            sums.update(json.loads(part.read_text()))
+        shutil.rmtree(tmp / SUMS_DIR)
         params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        sha256 = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
         write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
                                               "params": params, "vocab_size": plan.catalog.vocab_size,
-                                              "files": files, "param_bytes_by_rank": by_rank.tolist(),
+                                              "files": files, "sha256": sha256,
+                                              "param_bytes_by_rank": by_rank.tolist(),
                                               "config": to_dict(plan.cfg)})
         commit_dir(tmp, final)
         write_text_atomic(ckdir / "latest", final.name + "\n")

@@ -34,7 +34,8 @@ from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
 from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
-                            layout_changes, load_init_weights, load_training_state, save_training_state)
+                            layout_changes, load_init_weights, load_training_state, resume_candidates,
+                            save_training_state, verified_state)
 from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_gpu
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
@@ -280,12 +281,23 @@ class Trainer:
         cfg, kind = plan.cfg, ffn_kind(plan.cfg)
         ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
+        planned = plan
         if ckpt is not None:  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
-            plan = replace(plan, notes=plan.notes + tuple(layout_changes(ckpt, plan)))
+            plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
+        if ckpt is not None:  # checksums, read by all ranks together; a damaged newest state falls back to an older one
+            candidates = resume_candidates(run_dir) if resume == "auto" else [ckpt]
+            verified = verified_state(candidates, rank, world, training_device())
+            if verified is None:
+                raise CheckpointError(f"{ckpt} is damaged (see the warning); " + (
+                    "no older intact state to fall back to: restore it, or start a new run directory"
+                    if resume == "auto" else "resume from another state (`--resume auto` picks the newest intact one)"))
+            if verified != ckpt:
+                ckpt, start = verified, check_resumable(verified, planned)
+                plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         groups = ProcessGroups.create(plan.topo)
         bundle = build_rank_engine(plan, build_rank_model(plan, rank), groups)
         if ckpt is not None:

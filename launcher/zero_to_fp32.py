@@ -26,7 +26,7 @@ import torch
 
 from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
 from launcher.config import RunConfig
-from launcher.state import latest_checkpoint, read_state_meta, state_damage
+from launcher.state import checksum_damage, latest_checkpoint, read_state_meta, state_damage
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 from parallel.universal import FP32
@@ -38,7 +38,7 @@ def resolve_state(path: Path) -> Path:
     if (path / "meta.json").is_file() and (path / "zero").is_dir():
         return path
     if (path / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(path)
+        ckpt = latest_checkpoint(path, checksums=True)
         if ckpt is not None:
             return ckpt
     raise CheckpointError(f"{path} is neither a training state (meta.json and zero/) nor a run directory with one in "
@@ -48,7 +48,7 @@ def resolve_state(path: Path) -> Path:
 def fp32_state_dict(ckpt: Path) -> tuple[dict[str, torch.Tensor], RunConfig, dict]:
     """(the plain model's state dict in fp32 with its buffers, the run config, the state's meta.json)."""
     meta = read_state_meta(ckpt)
-    if (why := state_damage(ckpt)) is not None:
+    if (why := state_damage(ckpt) or checksum_damage(ckpt)) is not None:
         raise CheckpointError(f"{ckpt} is damaged ({why}); convert another state")
     cfg = from_dict(RunConfig, meta["config"], source=str(ckpt / "meta.json"))
     state: dict[str, torch.Tensor] = {}
