@@ -72,9 +72,42 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
     empty = [d for d in train if int(m["counts"][d]["train"]["tokens"]) == 0]
     if empty:
         raise DataError(f"training domains {empty} have no training tokens in {manifest_path}")
+    check_token_files(root, m, train, manifest_path)
     tok = m["tokenizer"]
     return Catalog(root, tokenizer, int(tok["vocab_size"]), int(tok["bos_id"]), tuple(train), tuple(novel), m["counts"],
                    tokenizer_fingerprint(tok), None if tok.get("eod_id") is None else int(tok["eod_id"]))
+
+
+def token_file_problems(root: Path, manifest: dict, domains: Sequence[str]) -> list[str]:
+    """Every token file (`.bin`, `.idx`) of `domains`' splits that is missing or not the size the manifest
+    recorded when prepare wrote it (a truncated copy, a file replaced by another run). Cheap: one stat per file.
+    Manifests written before sizes were recorded are not checked."""
+    out = []
+    for d in domains:
+        for split, rec in sorted(manifest["counts"].get(d, {}).items()):
+            if not isinstance(rec, dict):
+                continue
+            for key in ("bin", "idx"):
+                rel, size = rec.get(key), rec.get(f"{key}_bytes")
+                if not isinstance(rel, str) or not isinstance(size, int):
+                    continue
+                path = root / rel
+                if ".." in Path(rel).parts or Path(rel).is_absolute():
+                    out.append(f"{d}/{split}: the manifest names a file outside {root}: {rel[:80]!r}")
+                elif not path.is_file():
+                    out.append(f"{path} is missing")
+                elif path.stat().st_size != size:
+                    out.append(f"{path} has {path.stat().st_size:,} bytes, {size:,} when prepared")
+    return out
+
+
+def check_token_files(root: Path, manifest: dict, domains: Sequence[str], manifest_path: Path) -> None:
+    """DataError naming every token file of `domains` that does not match `manifest_path` (`token_file_problems`)."""
+    problems = token_file_problems(root, manifest, domains)
+    if problems:
+        raise DataError(f"the token files of {manifest_path} do not match it (prepare them again into a new "
+                        f"directory, or restore them):\n  " + "\n  ".join(problems[:20])
+                        + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 
 def tokenizer_fingerprint(description: dict) -> str:

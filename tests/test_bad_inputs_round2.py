@@ -11,6 +11,8 @@ folder, which must never appear. Each class is fixed at one shared rule, and the
                         scheduler's MASTER_ADDR / SLURM node list); task folders: harness `verify_tasks_dir`;
 * class 4 (numbers)     data/argtypes.py `check_range` (every numeric option's argparse type; merge weights and
                         priors through model/mixture.py `mixture_weights`);
+* class 5 (data)        data/catalog.py `token_file_problems` (every token file of the training domains exists
+                        with the size its manifest recorded; every run's plan loads the catalog);
 * class 6 (config text) data/readers.py `load_yaml` (every YAML read) and `shape_problems` (every JSON object read).
 """
 
@@ -94,7 +96,7 @@ def tasks(world) -> Path:
 @dataclass
 class Case:
     name: str
-    cls: int  # the issue's class: 1 hosts, 4 numbers, 6 config text
+    cls: int  # the issue's class: 1 hosts, 4 numbers, 5 data against its manifest, 6 config text
     module: str
     argv: Argv
     expect: str  # a substring of the error message
@@ -181,6 +183,30 @@ def _tamper(rel: str, text: str) -> Callable:
         (d / "tasks" / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / "tasks" / rel).write_text(text.format(M=str(d / PWNED)))
     return setup
+
+
+def _tokens(edit: Callable[[Path], None]) -> Callable:
+    """Setup: d/tokens, a copy of the prepared tokens; `edit` gets its gpt2/ folder (the manifest's root)."""
+    def setup(w, d):
+        shutil.copytree(w.tokens, d / "tokens", symlinks=True)
+        edit(d / "tokens" / "gpt2")
+    return setup
+
+
+def _launch_tokens(*more: str) -> Argv:
+    return lambda w, d: ["--nproc", "2", "--dry-run", "--run-dir", str(d / "run"),
+                         *_run_overrides(d / "tokens", d / "run"), *more]
+
+
+def _truncate(rel: str, keep: float = 0.5) -> Callable[[Path], None]:
+    def edit(root: Path) -> None:
+        data = (root / rel).read_bytes()
+        (root / rel).write_bytes(data[:int(len(data) * keep)])
+    return edit
+
+
+def _manifest(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    return lambda root: _edit(root / "manifest.json", fn)
 
 
 def _check(w, d) -> list[str]:
@@ -292,6 +318,32 @@ CASES: list[Case] = [
          "argument --max-docs"),
     Case("costmodel-overlap-above-one", 4, COSTMODEL, lambda w, d: ["--paper", "--no-write", "--overlap", "1.5"],
          "argument --overlap"),
+    # ---- class 5: token files that do not match their manifest (data/catalog.py `token_file_problems`)
+    Case("launch-token-bin-missing", 5, LAUNCH, _launch_tokens(), "cooking/train.bin is missing",
+         setup=_tokens(lambda r: (r / "cooking/train.bin").unlink())),
+    Case("launch-token-bin-truncated", 5, LAUNCH, _launch_tokens(), "cooking/train.bin has",
+         setup=_tokens(_truncate("cooking/train.bin"))),
+    Case("launch-token-idx-truncated", 5, LAUNCH, _launch_tokens(), "sailing/train.idx has",
+         setup=_tokens(_truncate("sailing/train.idx", 0.9))),
+    Case("launch-token-valid-bin-missing", 5, LAUNCH, _launch_tokens(), "cooking/valid.bin is missing",
+         setup=_tokens(lambda r: (r / "cooking/valid.bin").unlink())),
+    Case("launch-token-bin-grown", 5, LAUNCH, _launch_tokens(), "sailing/train.bin has",
+         setup=_tokens(lambda r: (r / "sailing/train.bin").open("ab").write(b"\0" * 64))),
+    Case("launch-token-domain-folder-deleted", 5, LAUNCH, _launch_tokens(), "sailing/train.bin is missing",
+         setup=_tokens(lambda r: shutil.rmtree(r / "sailing"))),
+    Case("launch-token-bin-dangling-symlink", 5, LAUNCH, _launch_tokens(), "cooking/train.bin is missing",
+         setup=_tokens(lambda r: [(r / "cooking/train.bin").unlink(),
+                                  (r / "cooking/train.bin").symlink_to(r / "gone.bin")])),
+    Case("launch-token-bin-a-folder", 5, LAUNCH, _launch_tokens(), "cooking/test.bin is missing",
+         setup=_tokens(lambda r: [(r / "cooking/test.bin").unlink(), (r / "cooking/test.bin").mkdir()])),
+    Case("launch-token-bin-of-another-domain", 5, LAUNCH, _launch_tokens(), "cooking/train.bin has",
+         setup=_tokens(lambda r: shutil.copyfile(r / "finance/train.bin", r / "cooking/train.bin"))),
+    Case("launch-token-manifest-names-outside", 5, LAUNCH, _launch_tokens(), "names a file outside",
+         setup=_tokens(_manifest(lambda m: m["counts"]["cooking"]["train"].update(bin="../../../etc/passwd")))),
+    Case("launch-token-idx-emptied", 5, LAUNCH, _launch_tokens(), "sailing/test.idx has 0 bytes",
+         setup=_tokens(lambda r: (r / "sailing/test.idx").write_bytes(b""))),
+    Case("launch-token-valid-idx-truncated", 5, LAUNCH, _launch_tokens("--resume", "never"), "cooking/valid.idx has",
+         setup=_tokens(_truncate("cooking/valid.idx", 0.5))),
     # ---- class 6: YAML that escapes as a traceback or never returns; JSON of the wrong shape
     Case("launch-set-unclosed-list", 6, LAUNCH, _launch(**{"train.steps": "[1"}),
          "--set 'train.steps=[1' is not valid YAML"),
@@ -428,7 +480,7 @@ def test_bad_input_gets_one_clear_error_runs_nothing_and_changes_nothing(case, w
 
 def test_the_catalogue_covers_every_class_and_cli():
     assert len({c.name for c in CASES}) == len(CASES)
-    for cls in (1, 4, 6):
+    for cls in (1, 4, 5, 6):
         assert sum(c.cls == cls for c in CASES) >= 10, cls
     assert {c.module for c in CASES} >= {LAUNCH, TRAIN, EVAL, GEN, GATE, EXPERTS, HF, HARNESS, DRYRUN, FLOPS, Z2F,
                                          BTX, FIGURES, PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK}
@@ -471,6 +523,7 @@ MUTATIONS = {
         ("launcher.evaluation.harness", "verify_tasks_dir", lambda tasks_dir: {})],
     4: [("data.argtypes", "check_range", lambda value, rng: None),
         ("launcher.evaluation.evaluate", "check_eval_request", lambda *a, **k: None)],
+    5: [("data.catalog", "token_file_problems", lambda *a, **k: [])],
     6: [("data.readers", "load_yaml", _plain_yaml), ("data.readers", "shape_problems", lambda *a, **k: [])],
 }
 
