@@ -264,7 +264,7 @@ def cluster_corpus(corpus: Union[str, Path], k: int, out: Union[str, Path], doma
     """The CLI's work: read, fit with labels hidden, label by nearest centre, write, report agreement."""
     out_dir = Path(out)
     existing = [p.name for p in out_dir.glob("*.jsonl")] if out_dir.is_dir() else []
-    check_output_dir(out_dir, (1,), ["manifest.json", "clusterer", *existing], inputs=[Path(corpus)])
+    check_output_dir(out_dir, (1,), ["manifest.json", "clusterer", "cluster_report.json", *existing], inputs=[Path(corpus)])
     records = read_corpus(corpus, domains)
     texts = [r["text"] for r in records]
     clusterer = fit_clusterer(texts, k, **fit_kwargs)

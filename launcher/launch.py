@@ -40,6 +40,7 @@ from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
+from launcher.rundir import check_run_dir, mark_run_dir
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
@@ -260,6 +261,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
         raise ConfigError(problems, "launch")
     cfg = load_run_config(args.config, args.overrides, check=False)
     cfg = resolve_paths(args, cfg)
+    check_run_dir(Path(os.path.abspath(args.run_dir or cfg.logging.out_dir)), inputs=[Path(cfg.data.path)])
     resources = node_resources(args)
     world = sum(len(slots) for slots in resources.values())
     if args.no_ssh and not 0 <= args.node_rank < len(resources):
@@ -282,6 +284,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     run_dir.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(run_dir)
     script = f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\ncd {shlex.quote(str(REPO_ROOT))}\n{line}\n"
     if args.no_ssh and args.node_rank != 0:
         write_text_atomic(run_dir / f"command.node{args.node_rank}.sh", script)

@@ -9,6 +9,8 @@ folder, which must never appear. Each class is fixed at one shared rule, and the
 
 * class 1 (hosts)       data/argtypes.py `host_problem` (hostfiles, --include/--exclude, --master-addr, the
                         scheduler's MASTER_ADDR / SLURM node list); task folders: harness `verify_tasks_dir`;
+* class 2 (outputs)     data/cli.py `check_output_dir` (launch --run-dir through launcher/rundir.py and its
+                        marker, evaluate --out, experts report --out, cluster_domains --out, and the older writers);
 * class 4 (numbers)     data/argtypes.py `check_range` (every numeric option's argparse type; merge weights and
                         priors through model/mixture.py `mixture_weights`);
 * class 5 (data)        data/catalog.py `token_file_problems` (every token file of the training domains exists
@@ -96,7 +98,7 @@ def tasks(world) -> Path:
 @dataclass
 class Case:
     name: str
-    cls: int  # the issue's class: 1 hosts, 4 numbers, 5 data against its manifest, 6 config text
+    cls: int  # the issue's class: 1 hosts, 2 outputs, 4 numbers, 5 data against its manifest, 6 config text
     module: str
     argv: Argv
     expect: str  # a substring of the error message
@@ -145,7 +147,10 @@ def _launch_hosts(*more: str) -> Argv:
 
 def _file(name: str, text: str) -> Callable:
     """Setup: d/<name> holding `text` ({M} = the path of the file a payload would create)."""
-    return lambda w, d: (d / name).write_text(text.replace("{M}", str(d / PWNED)))
+    def setup(w, d):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text.replace("{M}", str(d / PWNED)))
+    return setup
 
 
 def _copy_ckpt(edit: Callable[[dict], None], src: str = "ckpt") -> Callable:
@@ -318,6 +323,37 @@ CASES: list[Case] = [
          "argument --max-docs"),
     Case("costmodel-overlap-above-one", 4, COSTMODEL, lambda w, d: ["--paper", "--no-write", "--overlap", "1.5"],
          "argument --overlap"),
+    # ---- class 2: outputs that would replace a user's files (data/cli.py `check_output_dir`, every writer)
+    Case("launch-run-dir-with-users-config", 2, LAUNCH, _launch(), "already holds config.yaml",
+         setup=_file("run/config.yaml", "my: notes\n")),
+    Case("launch-run-dir-with-users-command", 2, LAUNCH, _launch(), "already holds command.sh",
+         setup=_file("run/command.sh", "echo mine\n")),
+    Case("launch-run-dir-with-users-metrics", 2, LAUNCH, _launch(), "already holds metrics.jsonl",
+         setup=_file("run/metrics.jsonl", "{\"kind\": \"mine\"}\n")),
+    Case("launch-run-dir-with-users-deepspeed-json", 2, LAUNCH, _launch(), "already holds deepspeed_config.json",
+         setup=_file("run/deepspeed_config.json", "{}")),
+    Case("launch-run-dir-marker-of-another-tool", 2, LAUNCH, _launch(), "holds a demix_run.json this tool did not",
+         setup=_file("run/demix_run.json", "{\"format\": \"other/1\"}")),
+    Case("launch-run-dir-a-file", 2, LAUNCH, _launch(), "is a file, not a directory", setup=_file("run", "mine\n")),
+    Case("launch-run-dir-is-the-tokens", 2, LAUNCH,
+         lambda w, d: ["--nproc", "2", "--dry-run", "--run-dir", str(d / "tokens"),
+                       *_run_overrides(d / "tokens", d / "tokens")], "would overwrite the input",
+         setup=_tokens(lambda r: None)),
+    Case("eval-out-with-users-report", 2, EVAL, lambda w, d: [str(w.ckpt), "--data", str(w.tokens), "--out",
+                                                              str(d / "mine")], "already holds eval.md",
+         setup=_file("mine/eval.md", "# my notes\n")),
+    Case("eval-out-with-foreign-eval-json", 2, EVAL, lambda w, d: [str(w.ckpt), "--data", str(w.tokens), "--out",
+                                                                   str(d / "mine")], "holds a eval.json this tool",
+         setup=_file("mine/eval.json", "{\"format\": \"someone-else\"}")),
+    Case("eval-out-inside-the-tokens", 2, EVAL, lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out",
+                                                              str(d / "tokens" / "gpt2")], "would overwrite the input",
+         setup=_tokens(lambda r: None)),
+    Case("experts-report-remove-over-users-md", 2, EXPERTS,
+         lambda w, d: ["report", "remove", str(w.ckpt), "--data", str(w.tokens), "--out", str(d / "mine")],
+         "already holds remove.md", setup=_file("mine/remove.md", "# mine\n")),
+    Case("cluster-out-with-users-report", 2, CLUSTER,
+         lambda w, d: ["--corpus", str(w.corpus), "--k", "2", "--out", str(d / "out")],
+         "already holds cluster_report.json", setup=_file("out/cluster_report.json", "{}")),
     # ---- class 5: token files that do not match their manifest (data/catalog.py `token_file_problems`)
     Case("launch-token-bin-missing", 5, LAUNCH, _launch_tokens(), "cooking/train.bin is missing",
          setup=_tokens(lambda r: (r / "cooking/train.bin").unlink())),
@@ -480,7 +516,7 @@ def test_bad_input_gets_one_clear_error_runs_nothing_and_changes_nothing(case, w
 
 def test_the_catalogue_covers_every_class_and_cli():
     assert len({c.name for c in CASES}) == len(CASES)
-    for cls in (1, 4, 5, 6):
+    for cls in (1, 2, 4, 5, 6):
         assert sum(c.cls == cls for c in CASES) >= 10, cls
     assert {c.module for c in CASES} >= {LAUNCH, TRAIN, EVAL, GEN, GATE, EXPERTS, HF, HARNESS, DRYRUN, FLOPS, Z2F,
                                          BTX, FIGURES, PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK}
@@ -523,6 +559,7 @@ MUTATIONS = {
         ("launcher.evaluation.harness", "verify_tasks_dir", lambda tasks_dir: {})],
     4: [("data.argtypes", "check_range", lambda value, rng: None),
         ("launcher.evaluation.evaluate", "check_eval_request", lambda *a, **k: None)],
+    2: [("data.cli", "check_output_dir", lambda *a, **k: None)],
     5: [("data.catalog", "token_file_problems", lambda *a, **k: [])],
     6: [("data.readers", "load_yaml", _plain_yaml), ("data.readers", "shape_problems", lambda *a, **k: [])],
 }

@@ -61,11 +61,13 @@ from model import mixture as mx
 from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.argtypes import positive_int, unit_left_open
-from data.cli import cli_main
+from data.cli import check_output_dir, cli_main
 from parallel.precision import forward_precision, local_precision_problems
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
 EVAL_FORMAT = "demix-eval/1"
+# What `write_outputs` writes into --out (figures by launcher/evaluation/figures.py).
+EVAL_FILES = ("eval.json", "eval.md", "posteriors.png", "specialisation.png")
 EVAL_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 EVAL_PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 
@@ -592,9 +594,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
     check_eval_request(args.checkpoint, args.data, args.tokenizer, args.split,
                        args.domains.split(",") if args.domains else None, args.seq_len, args.allow_missing)
-    device = _join_ranks(args.device)
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
+    check_output_dir(Path(args.out or default_out), [EVAL_FORMAT], EVAL_FILES, inputs=[Path(args.data)],
+                     manifest="eval.json", what="--out")  # a user's eval.md is not replaced
+    device = _join_ranks(args.device)
     res = evaluate_checkpoint(
         args.checkpoint, args.data, tokenizer=args.tokenizer, split=args.split, dev_split=args.dev_split,
         max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,

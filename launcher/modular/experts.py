@@ -53,9 +53,11 @@ from launcher.modular.surgery import (EXPERT_KEY, CkptLike, _keep_indices, _load
                                       load_without, remove_experts_state)
 from launcher.typed import to_dict
 from model import mixture as mx
-from data.cli import cli_main
+from data.cli import check_output_dir, cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ADAPT_REPORT_FORMAT = "demix-adapt-report/1"
+REMOVAL_REPORT_FORMAT = "demix-removal-report/2"
 _META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
 
 
@@ -299,7 +301,7 @@ def adaptation_report(demix_before: CkptLike, demix_after: CkptLike, dense_befor
                          "novel_before": n_b, "novel_after": n_a, "novel_change_pct": _pct(n_a, n_b)}
     own_b, own_a = rows["demix_before_own_expert"], rows["demix_after_own_expert"]
     paths = dict(demix_before=demix_before, demix_after=demix_after, dense_before=dense_before, dense_after=dense_after)
-    return {"format": "demix-adapt-report/1", "train_domains": train, "new_domains": list(new_domains),
+    return {"format": ADAPT_REPORT_FORMAT, "train_domains": train, "new_domains": list(new_domains),
             "max_blocks": max_blocks, "cached_blocks": cached_blocks, "per_domain": rows, "summary": summary,
             "own_expert_max_abs_change": max(abs(own_a[d] - own_b[d]) for d in train),
             "checkpoints": {k: None if isinstance(v, Consolidated) else str(v) for k, v in paths.items()}}
@@ -335,7 +337,7 @@ def removal_report(ckpt: CkptLike, data: Optional[str] = None, tokenizer: Option
     other = [matrix[r][d] for r in c.domains for d in rows if d != r]
     table7 = {d: r for d, r in rows.items() if "minus_expert" in r}
     avg = {k: float(np.mean([r[k] for r in table7.values()])) for k in ("plus_expert", "minus_expert")} if table7 else {}
-    return {"format": "demix-removal-report/2", "experts": c.domains, "max_blocks": max_blocks,
+    return {"format": REMOVAL_REPORT_FORMAT, "experts": c.domains, "max_blocks": max_blocks,
             "cached_blocks": cached_blocks, "per_domain": table7, "average": avg,
             "evaluated_domains": list(rows), "plus_expert": {d: r["plus_expert"] for d, r in rows.items()},
             "matrix": matrix, "matrix_ppl": matrix_ppl,
@@ -391,6 +393,11 @@ def removal_markdown(r: dict[str, Any]) -> str:
     lines += ["", f"Experts: {', '.join(r['experts'])}. -Expert masks the domain's expert out of the prior and the "
               f"posterior. Test blocks per domain: {r['max_blocks']}; cached prior from {r['cached_blocks']} dev blocks."]
     return "\n".join(lines) + "\n"
+
+
+def check_report_out(out: Union[str, Path], name: str, fmt: str) -> None:
+    """The output rule (data/cli.py) for `report --out`: new, or holding this report's own `<name>.json`."""
+    check_output_dir(Path(out), [fmt], [f"{name}.json", f"{name}.md"], manifest=f"{name}.json", what="--out")
 
 
 def write_report(report: dict[str, Any], markdown: str, out: Union[str, Path], name: str) -> tuple[Path, Path]:
@@ -525,6 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     if not getattr(args, k)]
             if need:
                 raise CheckpointError(f"report adapt needs {', '.join('--' + k.replace('_', '-') for k in need)}")
+            check_report_out(args.out, "adapt", ADAPT_REPORT_FORMAT)
             r = adaptation_report(args.demix_before, args.demix_after, args.dense_before, args.dense_after,
                                   _split(args.new_domains), args.data, args.tokenizer, args.max_blocks,
                                   args.cached_blocks)
@@ -533,6 +541,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.cmd == "report":
             if not args.checkpoint:
                 raise CheckpointError("report remove needs the DEMix checkpoint")
+            check_report_out(args.out, "remove", REMOVAL_REPORT_FORMAT)
             r = removal_report(args.checkpoint, args.data, args.tokenizer, _split(args.domains) or None,
                                args.max_blocks, args.cached_blocks)
             write_report(r, md := removal_markdown(r), args.out, "remove")
