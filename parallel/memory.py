@@ -187,12 +187,15 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
-def _forward_backward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> None:
+def _forward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
     ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
     with ctx:
         out = model(**batch, return_logits=False)
-    loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-    loss.backward()
+    return out.loss if out.aux_loss is None else out.loss + out.aux_loss
+
+
+def _forward_backward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> None:
+    _forward(model, batch, autocast).backward()
 
 
 def _preallocate_grads(model: torch.nn.Module) -> None:
@@ -203,7 +206,8 @@ def _preallocate_grads(model: torch.nn.Module) -> None:
 
 def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
                preallocate_grads: bool = True) -> dict[str, int]:
-    """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads)."""
+    """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads),
+    and the activations at the peak of each phase, `forward` and `backward` (their maximum is `activations`)."""
     if preallocate_grads:
         _preallocate_grads(model)
     tracker = PeakBytes()
@@ -213,8 +217,13 @@ def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dty
             if p.grad is not None:
                 tracker.track(p.grad)
         states = tracker.live
-        _forward_backward(model, batch, autocast)
-    return {"total": tracker.peak, "activations": tracker.peak - states}
+        loss = _forward(model, batch, autocast)
+        forward, tracker.peak = tracker.peak, tracker.live
+        loss.backward()
+        del loss
+    total = max(forward, tracker.peak)
+    return {"total": total, "activations": total - states, "forward": forward - states,
+            "backward": tracker.peak - states}
 
 
 def measure_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
@@ -369,20 +378,22 @@ def traced_depths(m: ModelConfig) -> Optional[tuple[int, int]]:
 def _cached_traces(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[int, ...]], dtype: torch.dtype,
                    autocast: Optional[torch.dtype]) -> dict[bool, int]:
     """Activation bytes by recompute mode. A deep model is traced at two shallower depths `traced_depths` and
-    extrapolated linearly over its depth: each group of identical blocks adds the same bytes at the peak (its
-    saved activations, or with recompute its saved input), while the embedding's, the head's and the loss's, and
-    one block's recomputation, do not depend on the depth. Exact when the peak stays in the same phase of the step
-    (`tests/test_memory_estimate.py` compares it with the whole trace); a gpt3-xl trace costs 6 layers, not 24."""
-    def trace(model: ModelConfig) -> dict[bool, int]:
-        return {r: t["activations"] for r, t in trace_peaks(model, micro_batch, expert_ids, (False, True), dtype,
-                                                             autocast).items()}
+    extrapolated linearly over its depth, each phase of the step on its own: at the forward's peak and at the
+    backward's, each group of identical blocks adds the same bytes (its saved activations, or with recompute its
+    saved input, plus under autocast its cached low-precision weights), while the embedding's, the head's, the
+    loss's and one block's recomputation do not depend on the depth. The answer is the larger phase, so a deep
+    model whose peak moves from the backward to the forward (recompute under autocast) is still exact
+    (`tests/test_memory_estimate.py` compares with the whole trace); a gpt3-xl trace costs 6 layers, not 24."""
+    def trace(model: ModelConfig) -> dict[bool, dict[str, int]]:
+        return trace_peaks(model, micro_batch, expert_ids, (False, True), dtype, autocast)
 
     depths = traced_depths(m)
     if depths is None:
-        return trace(m)
+        return {r: t["activations"] for r, t in trace(m).items()}
     (lo, hi), L = depths, m.n_layers
     small, large = trace(replace(m, n_layers=lo)), trace(replace(m, n_layers=hi))
-    return {r: round(small[r] + (large[r] - small[r]) * (L - lo) / (hi - lo)) for r in small}
+    return {r: round(max(small[r][ph] + (large[r][ph] - small[r][ph]) * (L - lo) / (hi - lo)
+                         for ph in ("forward", "backward"))) for r in small}
 
 
 def trace_fallback_reason(m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int) -> Optional[str]:
