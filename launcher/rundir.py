@@ -3,8 +3,8 @@
 `launch --run-dir DIR` writes config.yaml, command.sh and deepspeed_config.json into DIR, and the ranks write
 metrics.jsonl, checkpoints/ and model/. `check_run_dir` applies the project's one output rule
 (data/cli.py `check_output_dir`) to it before any work: DIR is new or empty, or carries the marker
-`demix_run.json` that `mark_run_dir` writes, or is a run directory of a version before the marker (its
-metrics.jsonl starts with the trainer's start record); otherwise any of those names already there is someone
+`demix_run.json` that `mark_run_dir` writes, or is a run directory of a version before the marker (a training
+state in checkpoints/, or a metrics.jsonl that starts with the trainer's start record); otherwise any of those names already there is someone
 else's file, and the launch is refused. The tokens it reads are never inside it.
 """
 
@@ -26,13 +26,18 @@ RUN_FILES = ("config.yaml", "command.sh", "deepspeed_config.json", "metrics.json
 
 
 def _older_run_dir(run_dir: Path) -> bool:
-    """A run directory written before the marker existed: its metrics.jsonl opens with the trainer's start record."""
+    """A run directory written before the marker existed (or by ranks started without the launcher): it holds a
+    training state (`checkpoints/latest`, or `checkpoints/step_<n>/meta.json`), or its metrics.jsonl opens with the
+    trainer's start record."""
+    ckdir = run_dir / "checkpoints"
+    if (ckdir / "latest").is_file() or any(ckdir.glob("step_*/meta.json")):
+        return True
     try:
         with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
             first = json.loads(f.readline())
     except (OSError, ValueError):
         return False
-    return isinstance(first, dict) and first.get("kind") == "start" and (run_dir / "config.yaml").is_file()
+    return isinstance(first, dict) and first.get("kind") == "start"
 
 
 def check_run_dir(run_dir: Path, inputs: Iterable[Path] = (), what: str = "--run-dir") -> None:

@@ -357,12 +357,13 @@ def _materialise(model: torch.nn.Module, fake: TorchDispatchMode) -> None:
 
 
 def depth_unit(m: ModelConfig) -> Optional[int]:
-    """Layers per repeating group of the model's blocks (1 for dense and DEMix, `moe_every` for GShard when it
-    divides the depth), or None where the blocks do not repeat so (CSE clusters only its last layers)."""
-    if m.ffn.kind in ("dense", "demix"):
-        return 1
-    if m.ffn.kind == "gshard" and m.n_layers % m.ffn.gshard.moe_every == 0:
-        return m.ffn.gshard.moe_every
+    """Layers per repeating group of the model's blocks, from which of them are expert layers
+    (`moe_layer_ids`): 1 when all or none are (dense, DEMix), `moe_every` for GShard when it divides the depth;
+    None where the pattern does not repeat (CSE clusters only its last layers)."""
+    L, experts = m.n_layers, set(m.moe_layer_ids())
+    for unit in range(1, L + 1):
+        if L % unit == 0 and all((i in experts) == (i % unit in experts) for i in range(L)):
+            return unit if unit < L else None
     return None
 
 
