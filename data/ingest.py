@@ -142,7 +142,8 @@ def _parse_line(
     domain = obj.get(domain_field, default_domain)
     if domain is None or domain == "":
         return Problem(path, lineno, "missing_domain", f"no field {domain_field!r}")
-    domain = str(domain)
+    if not isinstance(domain, str):  # `true` or 3 would become a domain named "True" or "3"
+        return Problem(path, lineno, "domain_not_string", f"{domain_field!r} is {json.dumps(domain)[:40]}")
     if (bad := domain_name_problem(domain)) is not None:
         return Problem(path, lineno, "invalid_domain_name", bad)
     if domains is not None and domain not in domains:

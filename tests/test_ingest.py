@@ -131,3 +131,17 @@ def test_ingest_is_a_cli(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "data.ingest", str(tmp_path / "nope"), "--out", str(tmp_path / "o3")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no such file or directory" in missing.stderr
+
+
+def test_a_domain_that_is_not_a_string_is_a_problem_not_a_domain(tmp_path):
+    """`"domain": true` would have become a domain named "True" (issue 30, class 5); numbers, lists and objects
+    likewise: each is reported with file:line and nothing of it is written."""
+    src = tmp_path / "in.jsonl"
+    rows = [{"text": "fine", "domain": "news"}, {"text": "t", "domain": True}, {"text": "t", "domain": 3},
+            {"text": "t", "domain": ["a"]}, {"text": "t", "domain": {"a": 1}}, {"text": "t", "domain": False}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = ingest(src, tmp_path / "out")
+    assert report.documents == {"news": 1}
+    assert report.problems.counts["domain_not_string"] == 5
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".jsonl") == ["news.jsonl"]
+    assert "in.jsonl:2: domain_not_string ('domain' is true)" in str(report.problems.first[0])
