@@ -32,6 +32,7 @@ import torch
 
 from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
 from data.readers import InputFileError, check_shape, read_json_object
+from data.tokenizer import sha256_file
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
                                  load_weights_only, write_expert_shard, write_shared_shard)
 from launcher.config import ConfigError, RunConfig
@@ -149,7 +150,7 @@ def checksum_damage(ckpt: Path, rank: int = 0, world_size: int = 1) -> Optional[
             continue
         if not isinstance(sums.get(rel), str):
             return f"meta.json records no checksum for {rel}"
-        if file_sha256(ckpt / rel) != sums[rel]:
+        if sha256_file(ckpt / rel) != sums[rel]:
             return f"{rel} does not match its checksum: its bytes changed after it was written"
     return None
 
@@ -284,11 +285,6 @@ def _save(obj: Any, path: Path) -> str:
         torch.save(obj, out)
     return out.sha.hexdigest()
 
-
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file's bytes, read in chunks."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -484,7 +480,7 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         shutil.rmtree(tmp / SUMS_DIR)
         params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        sha256 = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
+        sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
         write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
                                               "params": params, "vocab_size": plan.catalog.vocab_size,
                                               "files": files, "sha256": sha256,

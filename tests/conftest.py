@@ -43,6 +43,16 @@ def tiny_tokens(tmp_path_factory) -> Path:
     return root / "tokens"
 
 
+def random_lm_batch(seed: int, micro_batch: int, seq_len: int, vocab: int) -> dict:
+    """A seeded random micro-batch in the trainer's layout (tokens, next-token targets, domain 0, full loss mask)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+            "domain_ids": torch.zeros(micro_batch, dtype=torch.long), "loss_mask": torch.ones(micro_batch, seq_len)}
+
+
 def save_random_checkpoint(out: Path, tokens_root: Path, kind: str, seed: int = 3) -> Path:
     """A randomly initialised 2-layer GPT (`kind` dense or demix, one expert per domain of `tiny_tokens`) saved as a
     consolidated checkpoint with the meta the trainer writes (tokenizer fingerprint, bos/eod ids, train_tokens)."""

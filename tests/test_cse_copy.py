@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.conftest import random_lm_batch
 from tests.multirank import run_ranks
 
 MB, SEQ, VOCAB = 4, 8, 64
@@ -36,10 +37,7 @@ def _cfg(precision: str, zero: int) -> Any:
 
 
 def _batch(i: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.zeros(MB, dtype=torch.long),
-            "loss_mask": torch.ones(MB, SEQ)}
+    return random_lm_batch(i, MB, SEQ, VOCAB)
 
 
 def _fp32_state(p: nn.Parameter, optimizer: Any) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tests.conftest import random_lm_batch
 from tests.multirank import run_ranks
 
 MB, SEQ, VOCAB = 4, 8, 64
@@ -32,10 +33,7 @@ def _cfg(precision: str = "fp16", zero: int = 0) -> Any:
 
 
 def _batch(i: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.zeros(MB, dtype=torch.long),
-            "loss_mask": torch.ones(MB, SEQ)}
+    return random_lm_batch(i, MB, SEQ, VOCAB)
 
 
 def _engine(cfg: Any, install: bool) -> tuple[Any, bool]:

@@ -56,7 +56,8 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 
 def test_every_file_of_a_state_has_the_checksum_of_its_bytes(two_states):
-    from launcher.state import SUMS_DIR, file_sha256
+    from data.tokenizer import sha256_file
+    from launcher.state import SUMS_DIR
 
     run, _ = two_states
     for ckpt in sorted((run / "checkpoints").glob("step_*")):
@@ -65,7 +66,7 @@ def test_every_file_of_a_state_has_the_checksum_of_its_bytes(two_states):
         assert sorted(meta["sha256"]) == files and len(files) > 10
         assert any(f.startswith("rng/rank00001") for f in files)  # written by rank 1, its sum gathered by rank 0
         for rel in files:
-            assert meta["sha256"][rel] == file_sha256(ckpt / rel), rel
+            assert meta["sha256"][rel] == sha256_file(ckpt / rel), rel
         assert not (ckpt / SUMS_DIR).exists()
 
 
@@ -164,9 +165,10 @@ def test_a_damaged_checksum_table_is_damage(two_states, tmp_path):
         assert why in (checksum_damage(newest) or ""), sums
 
 
-def test_hashing_writer_gives_the_file_sha256(tmp_path):
-    from launcher.state import _save, file_sha256
+def test_hashing_writer_gives_the_sha256_file(tmp_path):
+    from data.tokenizer import sha256_file
+    from launcher.state import _save
 
     digest = _save({"x": torch.arange(1000)}, tmp_path / "a" / "t.pt")
-    assert digest == file_sha256(tmp_path / "a" / "t.pt")
+    assert digest == sha256_file(tmp_path / "a" / "t.pt")
     assert torch.equal(torch.load(tmp_path / "a" / "t.pt", weights_only=True)["x"], torch.arange(1000))
