@@ -28,7 +28,7 @@ from launcher.plan import plan_layout
 from model.gpt import GPT
 from parallel.topology import Topology, deepspeed_equivalent
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 
 DEFAULT_DOMAINS = 8
 DEFAULT_OUT = "runs/dryrun/summary.json"
@@ -163,7 +163,8 @@ def memory_report(cfg: RunConfig, topo: Topology, ranks: list[dict], device: Opt
     act = estimate_activations(cfg.model, cfg.train.micro_batch, topo.tensor_parallel, precision,
                                r["expert_ids"] or None)
     rows = memory_rows(params, cfg.model, cfg.train.micro_batch, topo.tensor_parallel, cfg.train.precision,
-                       None if gib is None else gib * GIB, act)
+                       None if gib is None else gib * GIB, act, grad_reduce=cfg.parallel.grad_reduce,
+                       bucket_override=cfg.parallel.bucket_elements, grad_reduce_dtype=cfg.train.grad_reduce_dtype)
     return {"rank": r["rank"], "gpu": dev.label if dev else None, "gpu_memory_gib": gib,
             "activations": {"method": act.method, "fallback_reason": act.reason, "seconds": round(act.seconds, 2)},
             "precision": cfg.train.precision, "micro_batch": cfg.train.micro_batch,
@@ -245,4 +246,4 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

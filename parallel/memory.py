@@ -80,9 +80,14 @@ def state_bytes_per_param(precision: str, zero_stage: int) -> tuple[int, int, in
     return (2, 2, 16) if sixteen_bit else (4, 4, 8)
 
 
-def model_state_bytes(p: RankParams, precision: str, zero_stage: int) -> dict[str, float]:
-    """Params, grads and optimizer states on this rank, bytes (eq. Z on each part)."""
+def model_state_bytes(p: RankParams, precision: str, zero_stage: int,
+                      grad_reduce_dtype: Optional[str] = None) -> dict[str, float]:
+    """Params, grads and optimizer states on this rank, bytes (eq. Z on each part). bf16 at ZeRO 2 with
+    `train.grad_reduce_dtype: fp32` keeps its gradient partition in fp32 (DeepSpeed's `grad_accum_dtype`, set by
+    parallel/engine.py `deepspeed_config`): 4 bytes per partitioned gradient instead of 2."""
     P, G, O = state_bytes_per_param(precision, zero_stage)
+    if precision == "bf16" and zero_stage == 2 and grad_reduce_dtype == "fp32":
+        G = 4
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for psi, n in ((p.shared, p.dp_size), (p.expert, p.expert_replicas)):
         out["params"] += P * psi
@@ -484,14 +489,19 @@ def deepspeed_zero2_estimate(p: RankParams) -> float:
 
 
 def memory_rows(p: RankParams, m: ModelConfig, micro_batch: int, tensor_parallel: int, precision: str,
-                gpu_bytes: Optional[float], activations: Optional[Callable[[int, bool], float]] = None) -> list[dict]:
+                gpu_bytes: Optional[float], activations: Optional[Callable[[int, bool], float]] = None,
+                grad_reduce: str = "overlap", bucket_override: Optional[int] = None,
+                grad_reduce_dtype: Optional[str] = None) -> list[dict]:
     """One row per ZeRO stage (0, 1, 2): model states, buffers, activations with and without recompute, totals,
     and whether each total fits `gpu_bytes` (None: unknown GPU, no verdict). `activations(zero_stage, recompute)`
-    gives the activation bytes (an `ActivationEstimate`); by default the formula."""
+    gives the activation bytes (an `ActivationEstimate`); by default the formula. `grad_reduce`, `bucket_override`
+    and `grad_reduce_dtype` are the run's `parallel.grad_reduce`, `parallel.bucket_elements` and
+    `train.grad_reduce_dtype` (buffers and, for bf16 reduced in fp32 at ZeRO 2, the gradient partition)."""
     rows = []
     for zero in (0, 1, 2):
-        states = model_state_bytes(p, precision, zero)
-        row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffer_bytes(precision, zero, p)}
+        states = model_state_bytes(p, precision, zero, grad_reduce_dtype)
+        buffers = buffer_bytes(precision, zero, p, grad_reduce, bucket_override, grad_reduce_dtype)
+        row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffers}
         for mode, recompute in (("no_recompute", False), ("recompute", True)):
             act = (activations(zero, recompute) if activations is not None
                    else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision))

@@ -179,6 +179,9 @@ def test_memory_arithmetic_matches_the_papers_formulas():
     assert sum(model_state_bytes(p, "fp32", 2).values()) == 4_000_000 + 12_000_000 / 4
     demix = RankParams(shared=1_000_000, expert=500_000, dp_size=8, expert_replicas=2)  # experts over their group
     assert model_state_bytes(demix, "fp16", 1)["optimizer"] == 16 * 1_000_000 / 8 + 16 * 500_000 / 2
+    # bf16 reduced in fp32 at ZeRO 2: DeepSpeed's grad_accum_dtype fp32 holds the gradient partition in fp32
+    assert model_state_bytes(p, "bf16", 2, "fp32")["grads"] == 4 * 1_000_000 / 4 == 2 * model_state_bytes(p, "bf16", 2)["grads"]
+    assert model_state_bytes(p, "bf16", 1, "fp32") == model_state_bytes(p, "bf16", 1)  # ZeRO 1: .grad stays bf16
     m = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=1000)
     s, b, h, a, v = 32, 3, 64, 4, m.padded_vocab_size(1)
     per_layer = s * b * h * (34 + 5 * a * s / h)
@@ -209,3 +212,24 @@ def test_memory_activations_traced_from_the_rank_model_and_labelled(tmp_path, ca
     assert rc == 0 and s["memory"]["activations"]["method"] == "formula"
     assert "tensor_parallel=2" in s["memory"]["activations"]["fallback_reason"]
     assert "activations: formula" in capsys.readouterr().out
+
+
+def test_memory_rows_follow_the_runs_gradient_reduction_settings():
+    """The dry run's rows use the run's parallel.grad_reduce, parallel.bucket_elements and train.grad_reduce_dtype
+    (parallel/memory.py `buffer_bytes`, `model_state_bytes`), not DeepSpeed's defaults."""
+    from model.config import ModelConfig
+    from parallel.memory import RankParams, buffer_bytes, memory_rows
+
+    p = RankParams(shared=100_000_000, expert=0, dp_size=4, expert_replicas=1)  # several 4e7-element buckets
+    m = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=1000)
+    rows = {opts: memory_rows(p, m, 1, 1, "bf16", None, **dict(opts))
+            for opts in ((), (("grad_reduce", "after_backward"),), (("bucket_override", 1_000_000),),
+                         (("grad_reduce_dtype", "fp32"),))}
+    default, after, small, fp32 = rows.values()
+    for zero in (0, 1, 2):
+        assert after[zero]["buffers"] == buffer_bytes("bf16", zero, p, "after_backward")
+        assert small[zero]["buffers"] == buffer_bytes("bf16", zero, p, bucket_override=1_000_000)
+        assert fp32[zero]["buffers"] == buffer_bytes("bf16", zero, p, grad_reduce_dtype="fp32")
+    assert small[1]["buffers"] < default[1]["buffers"] and fp32[1]["buffers"] > default[1]["buffers"]
+    assert after[0]["buffers"] != default[0]["buffers"]
+    assert fp32[2]["grads"] == 2 * default[2]["grads"] and fp32[1]["grads"] == default[1]["grads"]
