@@ -93,7 +93,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 
 CATEGORIES: tuple[str, ...] = ("EMAIL", "DART", "FB_USERID", "CREDIT_CARD_NUMBER", "SSN", "PHONE_NUMBER", "USER")
 TOKENS: dict[str, str] = {c: f"<{c}>" for c in CATEGORIES}
@@ -684,4 +684,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

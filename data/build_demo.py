@@ -33,7 +33,7 @@ from data.atomic import atomic_path, write_json_atomic
 from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchError, Package, Source,
                           package_version)
 from data.argtypes import nonneg_float, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 
 MIN_TRAIN_DOMAINS = 6
 MANIFEST_FORMAT = 1
@@ -271,4 +271,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -8,7 +8,8 @@ CLIs share it. The trainer (`launcher.train`, run in every rank) is not wrapped:
 (config, data, checkpoint) as one error itself, and a failure during training keeps its traceback.
 
 `check_output_dir` is the rule that nothing the project did not create is overwritten: an output directory is
-either new, or carries a manifest of the format the tool writes, and never is (or holds) the tool's input.
+either new, or carries a manifest of the format the tool writes, and never is (or holds) the tool's input; a path
+that cannot become a directory (a file, a dangling symbolic link) is refused before any work.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import os
 import pickle
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
+
+from data.atomic import output_path_problem
 
 EXIT_USAGE = 2
 # What a user's input can cause: bad values and formats (ValueError, incl. JSON and Unicode errors), missing or
@@ -59,6 +62,22 @@ def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
     return main
 
 
+def exit_process(status: Optional[int]) -> NoReturn:
+    """`sys.exit(status)` without the interpreter's teardown of every imported module: the atexit callbacks run
+    (logging, wandb, multiprocessing, temporary folders) and stdout/stderr are flushed, then the process ends. With
+    torch, DeepSpeed (which imports torch._dynamo) and megatron-core loaded, that teardown frees objects one by one
+    for ~2 s of CPU per process and writes nothing (benchmarks/results/make_test_time.md); every rank pays it."""
+    import atexit
+
+    atexit._run_exitfuncs()  # noqa: SLF001  (what sys.exit runs first; CPython's, there since Python 2)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            pass
+    os._exit(0 if status is None else status if isinstance(status, int) else 1)
+
+
 def message(e: BaseException) -> str:
     """The user-facing text of an exception: its message, with the file name an OSError carries."""
     if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in str(e.args):
@@ -85,10 +104,13 @@ def check_output_dir(out: Path, formats: Sequence[Any], will_write: Iterable[str
     `out` may not exist, or be an empty directory, or hold `manifest` with a format in `formats` (a previous run
     of the same tool: its files are replaced atomically). Otherwise, if any name of `will_write` (relative to
     `out`) exists, it is someone else's file and is not touched. `out` may never be, or lie inside, one of
-    `inputs`, nor contain them (writing would replace the input)."""
+    `inputs`, nor contain them (writing would replace the input). A path that cannot become a directory - a file,
+    a dangling symbolic link, a path under a file (data/atomic.py `output_path_problem`) - is refused here, before
+    any work, rather than after it when the output is published."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{what} {out} is a file, not a directory: choose a directory path")
+    problem = output_path_problem(out)
+    if problem is not None:
+        raise OutputError(f"{what} {out} {problem}")
     res = out.resolve()
     for src in inputs:
         s = Path(src).resolve()

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
-from data.atomic import write_json_atomic
+from data.atomic import staged_dir, write_json_atomic
 from data.argtypes import positive_int, random_seed
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import read_json_object
 
 FORMAT = "demix-clusterer/1"
@@ -211,8 +211,24 @@ def composition(true_labels: Sequence[str], clusters: Sequence[int], names: Sequ
 # ----------------------------------------------------------------------------------------------------
 
 
+def record_problem(record: object) -> Optional[str]:
+    """Why `record` (one line of a corpus file, parsed) cannot be clustered and written out, or None: it must be an
+    object with an `id` (a string or an integer) and a `text` (a string), as data.ingest writes them."""
+    if not isinstance(record, dict):
+        return f"is {type(record).__name__}, not an object with 'id' and 'text'"
+    if "id" not in record:
+        return "has no 'id'"
+    if isinstance(record["id"], bool) or not isinstance(record["id"], (str, int)):
+        return f"has an 'id' of type {type(record['id']).__name__}, expected a string or an integer"
+    if not isinstance(record.get("text"), str):
+        return "has no 'text' string" if "text" not in record else \
+            f"has a 'text' of type {type(record['text']).__name__}, expected a string"
+    return None
+
+
 def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = None) -> list[dict]:
-    """Every record of the corpus's training domains (manifest `split_role: train`; all when no manifest)."""
+    """Every record of the corpus's training domains (manifest `split_role: train`; all when no manifest). Each is
+    checked (`record_problem`) as it is read, so a bad record is refused before the clustering is fitted."""
     corpus = Path(corpus)
     files = {p.stem: p for p in sorted(corpus.glob("*.jsonl"))}
     if domains is None and (corpus / "manifest.json").is_file():
@@ -226,36 +242,48 @@ def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = Non
     for d in domains or list(files):
         with open(files[d], encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    out += [json.loads(line)] if line.strip() else []
+                    record = json.loads(line)
                 except ValueError as e:
                     raise ValueError(f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus") \
                         from None
+                if (why := record_problem(record)) is not None:
+                    raise ValueError(f"{files[d]}:{i}: the record {why}; run data.ingest on the corpus")
+                out.append(record)
     return out
 
 
 def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clusterer: Clusterer, out: Union[str, Path],
-                           source: Optional[str] = None) -> dict:
-    """`<out>/<cluster>.jsonl` + manifest.json (split_role train), and the clusterer under `<out>/clusterer`."""
+                           source: Optional[str] = None, report: Optional[dict] = None) -> dict:
+    """`<out>/<cluster>.jsonl` + manifest.json (split_role train), the clusterer under `<out>/clusterer` and, given,
+    `report` as `<out>/cluster_report.json`. All of it is staged and published together (data/atomic.py
+    `staged_dir`): a failure (a bad record, a full disk) leaves no cluster file without its manifest."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    bad = next(((i, why) for i, r in enumerate(records) if (why := record_problem(r)) is not None), None)
+    if bad is not None:
+        raise ValueError(f"record {bad[0]} {bad[1]}: nothing was written to {out}")
     names = clusterer.names()
-    handles = {n: open(out / f"{n}.jsonl", "w") for n in names}
-    try:
-        for r, j in zip(records, labels):
-            handles[names[int(j)]].write(json.dumps({"id": r["id"], "domain": names[int(j)], "text": r["text"]},
-                                                    ensure_ascii=False) + "\n")
-    finally:
-        for h in handles.values():
-            h.close()
-    counts = np.bincount(labels, minlength=clusterer.k)
-    manifest = {"format": 1, "corpus_dir": str(out), "source_corpus": source,
-                "domains": {n: {"split_role": "train", "file": f"{n}.jsonl", "documents": int(counts[j]),
-                                "what": f"k-means cluster {j} of {source or 'the corpus'} (labels hidden)"}
-                            for j, n in enumerate(names)},
-                "train_domains": names, "novel_domains": [], "clustering": clusterer.options}
-    write_json_atomic(out / "manifest.json", manifest)
-    clusterer.save(out / "clusterer")
+    with staged_dir(out, manifest="manifest.json") as tmp:
+        handles = {n: open(tmp / f"{n}.jsonl", "w", encoding="utf-8") for n in names}
+        try:
+            for r, j in zip(records, labels):
+                handles[names[int(j)]].write(json.dumps({"id": r["id"], "domain": names[int(j)], "text": r["text"]},
+                                                        ensure_ascii=False) + "\n")
+        finally:
+            for h in handles.values():
+                h.close()
+        counts = np.bincount(labels, minlength=clusterer.k)
+        manifest = {"format": 1, "corpus_dir": str(out), "source_corpus": source,
+                    "domains": {n: {"split_role": "train", "file": f"{n}.jsonl", "documents": int(counts[j]),
+                                    "what": f"k-means cluster {j} of {source or 'the corpus'} (labels hidden)"}
+                                for j, n in enumerate(names)},
+                    "train_domains": names, "novel_domains": [], "clustering": clusterer.options}
+        clusterer.save(tmp / "clusterer")
+        if report is not None:
+            (tmp / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json_atomic(tmp / "manifest.json", manifest)
     return manifest
 
 
@@ -269,13 +297,12 @@ def cluster_corpus(corpus: Union[str, Path], k: int, out: Union[str, Path], doma
     texts = [r["text"] for r in records]
     clusterer = fit_clusterer(texts, k, **fit_kwargs)
     labels = clusterer.assign(texts)
-    write_clustered_corpus(records, labels, clusterer, out, str(corpus))
     report = {"documents": len(records), "k": k, "sizes": np.bincount(labels, minlength=k).tolist()}
     truth = [r.get("domain") for r in records]
     if all(truth):
         report.update(agreement(truth, labels))
         report["composition"] = composition(truth, labels, clusterer.names())
-    (Path(out) / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_clustered_corpus(records, labels, clusterer, out, str(corpus), report)
     return report
 
 
@@ -317,32 +344,35 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
     clusterer = fit_clusterer(text["train"], k, **fit_kwargs)
     names = clusterer.names()
     check_output_dir(dst, (m["format"],), names)
-    dst.mkdir(parents=True, exist_ok=True)
-    if "model_file" in m["tokenizer"]:
-        shutil.copy(src / m["tokenizer"]["model_file"], dst / m["tokenizer"]["model_file"])
-    counts: dict[str, dict] = {n: {} for n in names}
-    report: dict = {"k": k, "source": str(src), "splits": {}}
-    for s in splits:
-        labels = clusterer.assign(text[s]) if docs[s] else np.zeros(0, dtype=int)
-        truth = [d for d, _ in docs[s]]
-        report["splits"][s] = {"documents": len(truth), "sizes": np.bincount(labels, minlength=k).tolist(),
-                               **(agreement(truth, labels) if len(truth) else {}),
-                               "composition": composition(truth, labels, names)}
-        for j, n in enumerate(names):
-            chosen = [a for (_, a), lab in zip(docs[s], labels) if lab == j]
-            info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
-            if chosen:
-                nd, nt = _write_indexed(dst / n / s, chosen, dtype)
-                info = {"documents": nd, "tokens": nt, "bin": f"{n}/{s}.bin", "idx": f"{n}/{s}.idx",
-                        "bin_bytes": (dst / n / f"{s}.bin").stat().st_size, "idx_bytes": (dst / n / f"{s}.idx").stat().st_size}
-            counts[n][s] = info
-    manifest = {"format": m["format"], "inputs_sha256": None, "tokenizer": m["tokenizer"], "dtype": m["dtype"],
-                "bos_in_bin": m.get("bos_in_bin", True), "domains": names, "roles": {n: "train" for n in names}, "corpus": {"dir": None},
-                "split": m.get("split"), "counts": counts,
-                "clustered_from": {"tokens": str(src), "domains": list(cat.train_domains), "options": clusterer.options}}
-    write_json_atomic(dst / "manifest.json", manifest)
-    clusterer.save(dst / "clusterer")
-    (dst / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    # staged and published together (data/atomic.py `staged_dir`): a failure leaves no domain without a manifest
+    with staged_dir(dst, manifest="manifest.json") as work:
+        if "model_file" in m["tokenizer"]:
+            shutil.copy(src / m["tokenizer"]["model_file"], work / m["tokenizer"]["model_file"])
+        counts: dict[str, dict] = {n: {} for n in names}
+        report: dict = {"k": k, "source": str(src), "splits": {}}
+        for s in splits:
+            labels = clusterer.assign(text[s]) if docs[s] else np.zeros(0, dtype=int)
+            truth = [d for d, _ in docs[s]]
+            report["splits"][s] = {"documents": len(truth), "sizes": np.bincount(labels, minlength=k).tolist(),
+                                   **(agreement(truth, labels) if len(truth) else {}),
+                                   "composition": composition(truth, labels, names)}
+            for j, n in enumerate(names):
+                chosen = [a for (_, a), lab in zip(docs[s], labels) if lab == j]
+                info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
+                if chosen:
+                    nd, nt = _write_indexed(work / n / s, chosen, dtype)
+                    info = {"documents": nd, "tokens": nt, "bin": f"{n}/{s}.bin", "idx": f"{n}/{s}.idx",
+                            "bin_bytes": (work / n / f"{s}.bin").stat().st_size,
+                            "idx_bytes": (work / n / f"{s}.idx").stat().st_size}
+                counts[n][s] = info
+        manifest = {"format": m["format"], "inputs_sha256": None, "tokenizer": m["tokenizer"], "dtype": m["dtype"],
+                    "bos_in_bin": m.get("bos_in_bin", True), "domains": names, "roles": {n: "train" for n in names},
+                    "corpus": {"dir": None}, "split": m.get("split"), "counts": counts,
+                    "clustered_from": {"tokens": str(src), "domains": list(cat.train_domains),
+                                       "options": clusterer.options}}
+        write_json_atomic(work / "manifest.json", manifest)
+        clusterer.save(work / "clusterer")
+        (work / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
@@ -370,4 +400,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

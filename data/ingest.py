@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
-from data.atomic import write_json_atomic
+from data.atomic import staged_dir, write_json_atomic
 from data.argtypes import nonneg_int
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 
 REASONS: tuple[str, ...] = (
     "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
@@ -261,36 +259,31 @@ def ingest(
         log = scan(iter_source(source, **kw), max_report)
         if log.total:
             raise CorpusError(log, str(source))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ingest-", dir=out_dir))
     log, counts, handles = ProblemLog(max_report), Counter(), {}
-    try:
-        for r in iter_source(source, **kw):
-            if isinstance(r, Problem):
-                log.add(r)
-                continue
-            if r.domain not in handles:
-                handles[r.domain] = open(tmp / f"{r.domain}.jsonl", "w", encoding="utf-8")
-            handles[r.domain].write(json.dumps({"id": r.id, "domain": r.domain, "text": r.text}, ensure_ascii=False) + "\n")
-            counts[r.domain] += 1
-        for h in handles.values():
-            h.close()
-        for name in handles:
-            os.replace(tmp / f"{name}.jsonl", out_dir / f"{name}.jsonl")
-    finally:
-        for h in handles.values():
-            h.close()
-        for p in tmp.iterdir():
-            p.unlink()
-        tmp.rmdir()
-    report = IngestReport(str(out_dir), dict(sorted(counts.items())), log)
-    manifest = {
-        "format": MANIFEST_FORMAT, "source": str(source), "on_error": on_error,
-        "fields": {"text": text_field, "domain": domain_field, "id": id_field},
-        "domains": {d: {"documents": n, "file": f"{d}.jsonl"} for d, n in report.documents.items()},
-        "problems": log.to_json(),
-    }
-    write_json_atomic(out_dir / "manifest.json", manifest)
+    # every file is written into a staged sibling of `out_dir`, published with the manifest (data/atomic.py
+    # `staged_dir`): a failure midway (a full disk included) leaves no <domain>.jsonl without its manifest
+    with staged_dir(out_dir, manifest="manifest.json") as tmp:
+        try:
+            for r in iter_source(source, **kw):
+                if isinstance(r, Problem):
+                    log.add(r)
+                    continue
+                if r.domain not in handles:
+                    handles[r.domain] = open(tmp / f"{r.domain}.jsonl", "w", encoding="utf-8")
+                handles[r.domain].write(json.dumps({"id": r.id, "domain": r.domain, "text": r.text},
+                                                   ensure_ascii=False) + "\n")
+                counts[r.domain] += 1
+        finally:
+            for h in handles.values():
+                h.close()
+        report = IngestReport(str(out_dir), dict(sorted(counts.items())), log)
+        manifest = {
+            "format": MANIFEST_FORMAT, "source": str(source), "on_error": on_error,
+            "fields": {"text": text_field, "domain": domain_field, "id": id_field},
+            "domains": {d: {"documents": n, "file": f"{d}.jsonl"} for d, n in report.documents.items()},
+            "problems": log.to_json(),
+        }
+        write_json_atomic(tmp / "manifest.json", manifest)
     return report
 
 
@@ -321,4 +314,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -34,9 +34,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 import zlib
@@ -48,7 +46,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 from tqdm import tqdm
 
-from data.atomic import commit_dir, write_json_atomic
+from data.atomic import staged_dir, write_json_atomic
 from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
 from data.blocks import SPLITS
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
@@ -56,7 +54,7 @@ from data.tokenizer import (
     SP_MODEL_FILE, GPT2Tokenizer, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
 )
 from data.argtypes import in_range, positive_int, random_seed, unit_right_open
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import InputFileError, read_json_object
 
 FORMAT = "demix-tokens/1"
@@ -385,43 +383,52 @@ def prepare_corpus(
     setup_seconds = t0 - t_import  # one-off per process: the megatron-core import, tokenizer, encoding threads
     stream = [d for d in files if encoder is not None and not policy[d] and on_error == "skip"]
     pool = None
-    try:
-        texts, problems = _read_domains(files, on_error, max_report, encoder, stream)
-        # processes only for what threads cannot do in parallel: anonymising (pure Python), sentencepiece encoding
-        if any(policy[d] for d in texts) or tokenizer == "sentencepiece":
-            pool = make_pool(workers)
-        anon_counts: dict[str, dict[str, int]] = {}
-        for d in texts:
-            if policy[d]:
-                mapped = pool.imap(_anonymise_chunk, _chunks(texts[d], CHUNK_CHARS)) if pool else map(_anonymise_chunk, _chunks(texts[d], CHUNK_CHARS))
-                texts[d], anon_counts[d] = [], {}
-                for out, counts in mapped:
-                    texts[d].extend(out)
-                    add_counts(anon_counts[d], counts)
-        splits = {d: split_documents(len(t), d, seed, valid_fraction, test_fraction) for d, t in texts.items()}
-        if tok is None:
-            tok = _tokenizer(tokenizer, tok_dir, texts, splits, sp_vocab_size, seed, workers, say)
-        dtype = _token_dtype(tok, len(files))
-        counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, tok_dir, progress, workers, encoder,
-                                      started=t0 if stream else None)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-        if encoder is not None:
-            encoder.close()
-    manifest = {
-        "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
-        "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
-        "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "roles": roles, "corpus": corpus,
-        "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
-                  "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
-        "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
-        "stats": {**stats, "total_seconds": round(time.perf_counter() - t0, 3),
-                  "megatron_import_seconds": round(import_seconds, 3),
-                  "setup_seconds": round(setup_seconds, 3)},
-    }
-    write_json_atomic(tok_dir / "manifest.json", manifest)
+    # everything (tokens, tokenizer model, manifest) is written into a staged sibling of `tok_dir` and published
+    # with the manifest (data/atomic.py `staged_dir`): a failure midway, a full disk included, leaves nothing
+    with staged_dir(tok_dir, manifest="manifest.json") as work:
+        try:
+            texts, problems = _read_domains(files, on_error, max_report, encoder, stream)
+            # processes only for what threads cannot do in parallel: anonymising (pure Python), sentencepiece encoding
+            if any(policy[d] for d in texts) or tokenizer == "sentencepiece":
+                pool = make_pool(workers)
+            anon_counts: dict[str, dict[str, int]] = {}
+            for d in texts:
+                if policy[d]:
+                    chunks = _chunks(texts[d], CHUNK_CHARS)
+                    mapped = pool.imap(_anonymise_chunk, chunks) if pool else map(_anonymise_chunk, chunks)
+                    texts[d], anon_counts[d] = [], {}
+                    for out, counts in mapped:
+                        texts[d].extend(out)
+                        add_counts(anon_counts[d], counts)
+            splits = {d: split_documents(len(t), d, seed, valid_fraction, test_fraction) for d, t in texts.items()}
+            if tok is None:
+                tok = _tokenizer(tokenizer, work, texts, splits, sp_vocab_size, seed, workers, say)
+            dtype = _token_dtype(tok, len(files))
+            counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, work, progress, workers, encoder,
+                                          started=t0 if stream else None)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+            if encoder is not None:
+                encoder.close()
+        manifest = {
+            "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
+            "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
+            "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "roles": roles, "corpus": corpus,
+            "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
+                      "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
+            "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
+            "stats": {**stats, "total_seconds": round(time.perf_counter() - t0, 3),
+                      "megatron_import_seconds": round(import_seconds, 3),
+                      "setup_seconds": round(setup_seconds, 3)},
+        }
+        write_json_atomic(work / "manifest.json", manifest)
+    if tokenizer == "sentencepiece":  # the model file at its published path is this run's: not a cached one
+        from data import tokenizer as tokenizer_module
+
+        for path in (work, tok_dir):
+            tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(path / SP_MODEL_FILE)), None)
     if progress:
         _print_table(manifest)
         if problems.total:
@@ -490,7 +497,7 @@ def _by_split(flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray) -> list[
 
 def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int,
                   encoder: Optional[ThreadEncoder] = None, started: Optional[float] = None):
-    """Tokenise every domain and split into a temporary directory, then move the domains into place.
+    """Tokenise every domain and split into `tok_dir` (the staged directory `prepare_corpus` publishes).
 
     GPT-2 takes the fast path: `encoder` (a ThreadEncoder) encodes chunks of each domain's documents in corpus
     order on `workers` threads, streamed while reading for the domains it already holds, queued here for the others
@@ -498,8 +505,7 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
     (`_by_split`) while the next chunks encode. Sentencepiece encodes in the worker processes of `pool` (or here
     without one), one split after another. `started`: when encoding began, if before this call (streaming), so
     that the throughput covers all of it."""
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=tok_dir))
+    staging = tok_dir
     n_docs = sum(len(t) for t in texts.values())
     n_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8")) for ts in texts.values() for t in ts)
     counts: dict[str, dict] = {d: {s: {"documents": 0, "tokens": 0, "bin": None, "idx": None} for s in SPLITS}
@@ -551,10 +557,8 @@ def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool
         bar.close()
         for d in texts:
             (staging / d).mkdir(exist_ok=True)
-            commit_dir(staging / d, tok_dir / d)
     finally:
         bar.close()
-        shutil.rmtree(staging, ignore_errors=True)
     stats = {"documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes, "tokenise_seconds": round(seconds, 3),
              "tokens_per_s": round(n_tokens / max(seconds, 1e-9)), "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
              "workers": workers, "encoder": "threads" if encoder is not None else "processes" if pool else "in-process"}
@@ -596,4 +600,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-from data.atomic import commit_dir
+from data.atomic import commit_dir, discard_on_failure
 
 # Bump when an extractor's output changes, so cached corpora built by an older recipe are rebuilt.
 RECIPE_REVISION = 1
@@ -125,10 +125,11 @@ class Fetcher:
         work = final.with_name(final.name + ".partial")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
-        if _only_entry(work) is None:
-            raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")
-        commit_dir(work, final)
+        with discard_on_failure(final, work):  # a failed fetch (a full disk included) leaves no .partial behind
+            getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
+            if _only_entry(work) is None:
+                raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")
+            commit_dir(work, final)
         with self._lock:
             self.fetched.append(f"{pkg.registry}:{pkg.spec}")
         return self.cached(pkg)

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from data.atomic import atomic_dir, commit_dir, write_json_atomic
-from data.cli import read_manifest_format
+from data.atomic import commit_dir, staged_dir, write_json_atomic
+from data.cli import check_output_dir, read_manifest_format
 from data.readers import InputFileError, check_shape, read_json_object
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
@@ -92,7 +92,10 @@ def expert_shard_name(expert: int) -> str:
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+    # through a Python file, not the path: torch's C++ writer loses the errno of a failed write ("unexpected pos"),
+    # a Python file raises the OSError (ENOSPC: data/atomic.py turns it into "no space left on device ...")
+    with open(path, "wb") as f:
+        torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, f)
 
 
 def write_shared_shard(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -119,6 +122,14 @@ def _check_domain_names(cfg: RunConfig, domains: list[str]) -> None:
 def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int = 0,
                         extra: Optional[dict[str, Any]] = None) -> Path:
     """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
+    _write_meta(tmp, final, cfg, domains, step, extra)
+    commit_dir(tmp, final)
+    return final
+
+
+def _write_meta(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int,
+                extra: Optional[dict[str, Any]]) -> None:
+    """Check every shard of the checkpoint being built in `tmp` is there; write its meta.json with the shard index."""
     _check_domain_names(cfg, domains)
     experts = {str(i): expert_shard_name(i) for i in range(sharded_experts(cfg))}
     missing = [f for f in [SHARED_FILE, *experts.values()] if not (tmp / f).is_file()]
@@ -134,8 +145,6 @@ def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[st
         **(extra or {}),
     }
     write_json_atomic(tmp / "meta.json", meta)
-    commit_dir(tmp, final)
-    return final
 
 
 def save_consolidated(
@@ -146,23 +155,28 @@ def save_consolidated(
     step: int = 0,
     extra: Optional[dict[str, Any]] = None,
 ) -> Path:
-    """Write a consolidated checkpoint directory atomically, from a state dict with every tensor."""
+    """Write a consolidated checkpoint directory atomically, from a state dict with every tensor: staged beside
+    `path` and published whole (data/atomic.py `staged_dir`); a failure (a full disk included) leaves nothing."""
     final = Path(path)
     _check_domain_names(cfg, domains)
-    tmp = atomic_dir(final)
     shared, experts = split_by_expert(state_dict) if sharded_experts(cfg) else (state_dict, {})
-    write_shared_shard(tmp, shared)
-    for e, tensors in experts.items():
-        write_expert_shard(tmp, e, tensors)
-    return finish_consolidated(tmp, final, cfg, domains, step, extra)
+    with staged_dir(final, manifest="meta.json") as tmp:
+        write_shared_shard(tmp, shared)
+        for e, tensors in experts.items():
+            write_expert_shard(tmp, e, tensors)
+        _write_meta(tmp, final, cfg, domains, step, extra)
+    return final
 
 
 def check_checkpoint_out(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False,
                          flag: str = "--overwrite") -> None:
     """Refuse, before any work, an output path for a consolidated checkpoint that would replace something:
     an existing directory that is not a consolidated checkpoint is never replaced; an existing checkpoint,
-    an input included, only with `overwrite` (the CLIs' `--overwrite`)."""
+    an input included, only with `overwrite` (the CLIs' `--overwrite`). A path that cannot become a directory (a
+    file, a dangling symbolic link) is refused by the output rule, data/cli.py `check_output_dir`."""
     out = Path(out)
+    if not out.is_dir():
+        check_output_dir(out, _READABLE_FORMATS, (), manifest="meta.json")
     if not out.exists():
         return
     is_input = any(out.resolve() == Path(i).resolve() for i in inputs)

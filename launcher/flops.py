@@ -21,7 +21,7 @@ from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 
 
 def paper_configs() -> list[tuple[acc.PaperSetting, ModelConfig]]:
@@ -190,4 +190,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

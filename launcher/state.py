@@ -30,7 +30,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
-from data.atomic import atomic_path, commit_dir, write_json_atomic, write_text_atomic
+from data.atomic import atomic_path, commit_dir, discard_on_failure, write_json_atomic, write_text_atomic
 from data.readers import InputFileError, check_shape, read_json_object
 from data.tokenizer import sha256_file
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
@@ -454,41 +454,43 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    written, digests = _write_param_states(tmp / "zero", bundle, plan, rank, device)
-    rng = tmp / "rng" / f"rank{rank:05d}.pt"
-    digests[rng] = _save(_rng_state(), rng)
-    by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
-    by_rank[rank] = sum(written.values())
-    dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
-    if rank == 0:
-        states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
-        params = {n for n, _ in model.named_parameters()}
-        buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
-                   if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
-        digests[tmp / "trainer.pt"] = _save(
-            {"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
-             "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
-            tmp / "trainer.pt")
-        digests.update(_write_deepspeed_index(tmp, bundle, plan, step))
-    # Each rank's checksums (computed while writing) beside the files; rank 0 gathers them into meta.json.
-    write_json_atomic(tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()})
-    dist.barrier()
-    if rank == 0:
-        sums = {}
-        for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
-            sums.update(json.loads(part.read_text()))
-        shutil.rmtree(tmp / SUMS_DIR)
-        params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
-        write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
-                                              "params": params, "vocab_size": plan.catalog.vocab_size,
-                                              "files": files, "sha256": sha256,
-                                              "param_bytes_by_rank": by_rank.tolist(),
-                                              "config": to_dict(plan.cfg)})
-        commit_dir(tmp, final)
-        write_text_atomic(ckdir / "latest", final.name + "\n")
-        prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
+    # a failure (a full disk: DiskFullError) removes the half-written state on rank 0, which made it
+    with discard_on_failure(final, *([tmp] if rank == 0 else [])):
+        written, digests = _write_param_states(tmp / "zero", bundle, plan, rank, device)
+        rng = tmp / "rng" / f"rank{rank:05d}.pt"
+        digests[rng] = _save(_rng_state(), rng)
+        by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
+        by_rank[rank] = sum(written.values())
+        dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
+        if rank == 0:
+            states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
+            params = {n for n, _ in model.named_parameters()}
+            buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
+                       if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
+            digests[tmp / "trainer.pt"] = _save(
+                {"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
+                 "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
+                tmp / "trainer.pt")
+            digests.update(_write_deepspeed_index(tmp, bundle, plan, step))
+        # Each rank's checksums (computed while writing) beside the files; rank 0 gathers them into meta.json.
+        write_json_atomic(tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()})
+        dist.barrier()
+        if rank == 0:
+            sums = {}
+            for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
+                sums.update(json.loads(part.read_text()))
+            shutil.rmtree(tmp / SUMS_DIR)
+            params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
+            write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
+                                                  "params": params, "vocab_size": plan.catalog.vocab_size,
+                                                  "files": files, "sha256": sha256,
+                                                  "param_bytes_by_rank": by_rank.tolist(),
+                                                  "config": to_dict(plan.cfg)})
+            commit_dir(tmp, final)
+            write_text_atomic(ckdir / "latest", final.name + "\n")
+            prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
 
@@ -606,24 +608,26 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    domains = list(plan.expert_domains or plan.catalog.train_domains)
-    shared, experts, writer = kind.export_parts(model, plan.topo, bundle.groups, rank)
-    shared = {k: v for k, v in shared.items() if not k.startswith("ds_expert_groups")}
-    if writer:
-        for e, tensors in experts.items():
-            write_expert_shard(tmp, e, tensors)
-    if rank == 0:
-        write_shared_shard(tmp, shared)
-        untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain)) if kind.domain_experts else []
-        if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
-            copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
-    del shared, experts
-    dist.barrier()
-    if rank == 0:
-        finish_consolidated(tmp, out, plan.cfg, domains, step,
-                            extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size,
-                                   "tokenizer_sha256": plan.catalog.tokenizer_sha256, "bos_id": plan.catalog.bos_id,
-                                   "eod_id": plan.catalog.eod_id, "train_tokens": step * plan.cfg.train.micro_batch
-                                   * plan.cfg.train.grad_accum * plan.topo.dp_size * plan.cfg.model.seq_len})
+    # a failure (a full disk: DiskFullError) removes the half-written export on rank 0, which made it
+    with discard_on_failure(out, *([tmp] if rank == 0 else [])):
+        domains = list(plan.expert_domains or plan.catalog.train_domains)
+        shared, experts, writer = kind.export_parts(model, plan.topo, bundle.groups, rank)
+        shared = {k: v for k, v in shared.items() if not k.startswith("ds_expert_groups")}
+        if writer:
+            for e, tensors in experts.items():
+                write_expert_shard(tmp, e, tensors)
+        if rank == 0:
+            write_shared_shard(tmp, shared)
+            untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain)) if kind.domain_experts else []
+            if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
+                copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
+        del shared, experts
+        dist.barrier()
+        if rank == 0:
+            finish_consolidated(tmp, out, plan.cfg, domains, step,
+                                extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size,
+                                       "tokenizer_sha256": plan.catalog.tokenizer_sha256, "bos_id": plan.catalog.bos_id,
+                                       "eod_id": plan.catalog.eod_id, "train_tokens": step * plan.cfg.train.micro_batch
+                                       * plan.cfg.train.grad_accum * plan.topo.dp_size * plan.cfg.model.seq_len})
     dist.barrier()
     return out if rank == 0 else None

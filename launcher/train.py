@@ -27,6 +27,8 @@ from data.argtypes import host
 from data.argtypes import port as tcp_port
 from data.blocks import BlockDataset
 from data.sampler import build_sampler
+from data.cli import exit_process
+from data.atomic import write_json_atomic
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
@@ -300,6 +302,8 @@ class Trainer:
                 plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         groups = ProcessGroups.create(plan.topo)
         bundle = build_rank_engine(plan, build_rank_model(plan, rank), groups)
+        if rank == 0:  # what DeepSpeed got, bucket sizes included (the launcher's copy predates the model)
+            write_json_atomic(run_dir / "deepspeed_config.json", bundle.deepspeed_config)
         if ckpt is not None:
             start = load_training_state(ckpt, bundle, plan, rank)
         hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)
@@ -468,4 +472,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -30,7 +30,7 @@ from launcher.state import checksum_damage, latest_checkpoint, read_state_meta, 
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 from parallel.universal import FP32
-from data.cli import cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 
 
 def resolve_state(path: Path) -> Path:
@@ -84,6 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("state", type=Path, help="a training state (RUN/checkpoints/step_N) or a run directory")
     p.add_argument("--out", type=Path, required=True, help="where to write the consolidated fp32 checkpoint")
     args = p.parse_args(argv)
+    check_output_dir(args.out, (), ())  # the output rule: a file or a dangling symbolic link at --out is refused
     if args.out.exists():
         print(f"error: {args.out} exists; choose a new --out (nothing is overwritten)", file=sys.stderr)
         return 2
@@ -97,4 +98,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

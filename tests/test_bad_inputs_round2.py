@@ -5,12 +5,21 @@ Each case runs the CLI's real `main(argv)` in this process, as tests/test_bad_in
 clear error (the expected text, exit status 2, "error" and no traceback on stderr) with nothing in the case's
 folder or the shared inputs created or changed, and no code run: payloads create the file PWNED in the case's
 folder, which must never appear. Each class is fixed at one shared rule, and the mutation tests disable that rule
-(monkeypatched to accept everything, wherever it was imported) to show that the class's cases then fail:
+(monkeypatched to accept everything, wherever it was imported; class 3's back to the writers' old behaviour: no
+cleanup, no translation) to show that the class's cases then fail:
 
 * class 1 (hosts)       data/argtypes.py `host_problem` (hostfiles, --include/--exclude, --master-addr, the
                         scheduler's MASTER_ADDR / SLURM node list); task folders: harness `verify_tasks_dir`;
 * class 2 (outputs)     data/cli.py `check_output_dir` (launch --run-dir through launcher/rundir.py and its
                         marker, evaluate --out, experts report --out, cluster_domains --out, and the older writers);
+                        with data/atomic.py `output_path_problem` it also refuses, before any work, an output path
+                        that cannot become a directory (a dangling symbolic link, a file: btx, zero_to_fp32);
+* class 3 (failures)    data/atomic.py `staged_dir` (`discard_on_failure` for the trainer's collective writers) and
+                        `disk_full_error`: every writer that stages its output (checkpoints, btx, zero_to_fp32,
+                        hf_export, evaluate, experts report, harness tasks, prepare, ingest, cluster_domains)
+                        removes what it staged when it fails midway, and a full disk (`_disk_full`: the case folder's
+                        filesystem full after a few bytes) is "no space left on device writing OUT" with the mount
+                        point and free bytes; cluster_domains checks every record before fitting (a check of its own);
 * class 4 (numbers)     data/argtypes.py `check_range` (every numeric option's argparse type; merge weights and
                         priors through model/mixture.py `mixture_weights`);
 * class 5 (data)        data/catalog.py `token_file_problems` (every token file of the training domains exists
@@ -21,6 +30,8 @@ folder, which must never appear. Each class is fixed at one shared rule, and the
 from __future__ import annotations
 
 import ast
+import builtins
+import errno
 import importlib
 import importlib.util
 import io
@@ -31,11 +42,11 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -98,7 +109,8 @@ def tasks(world) -> Path:
 @dataclass
 class Case:
     name: str
-    cls: int  # the issue's class: 1 hosts, 2 outputs, 4 numbers, 5 data against its manifest, 6 config text
+    cls: int  # the issue's class: 1 hosts, 2 outputs, 3 failures midway, 4 numbers, 5 data against its manifest,
+    # 6 config text
     module: str
     argv: Argv
     expect: str  # a substring of the error message
@@ -107,6 +119,8 @@ class Case:
     harness: bool = False  # needs lm-eval (and the task folder, copied to d/tasks)
     mutable: bool = True  # safe to run with its rule disabled (the mutation tests); False: would hang, train or be slow
     rule: Optional[int] = None  # the mutation that disables its guard (default: its class's); 0: a check of its own
+    fault: Optional[Callable[[pytest.MonkeyPatch, SimpleNamespace, Path], None]] = None  # applied for the call only,
+    # after the setup (e.g. `_disk_full`); the expected text may name "{d}", the case's folder
 
     def __post_init__(self) -> None:
         self.rule = self.cls if self.rule is None else self.rule
@@ -216,6 +230,101 @@ def _manifest(fn: Callable[[dict], None]) -> Callable[[Path], None]:
 
 def _check(w, d) -> list[str]:
     return ["check", str(w.ckpt), "--tasks-dir", str(d / "tasks"), "--data", str(w.tokens)]
+
+
+# ---- class 3: a writer failing midway (a full disk), an output path that cannot be a directory
+
+class _FullDiskFile:
+    """A file opened for writing on a filesystem with `left[0]` bytes free: a write that fits is written, the one
+    that does not writes what fits and fails with ENOSPC, as a full filesystem does."""
+
+    def __init__(self, f: Any, left: list[int]) -> None:
+        self._f, self._left = f, left
+
+    def write(self, data: Any) -> int:
+        n = len(data.encode("utf-8")) if isinstance(data, str) else memoryview(data).nbytes
+        if n > self._left[0]:
+            fit, self._left[0] = self._left[0], 0
+            if fit:
+                self._f.write(data[:fit] if isinstance(data, str) else bytes(memoryview(data).cast("B")[:fit]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._left[0] -= n
+        return self._f.write(data)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self) -> "_FullDiskFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _disk_full(room: int) -> Callable:
+    """Fault: the filesystem of the case's folder is full after `room` more bytes. Simulated at the lowest write
+    the project's Python code reaches, `open` (pathlib, json, torch.save through a file, numpy, matplotlib and
+    megatron's index builder all use it): files opened for writing under the folder take bytes until then."""
+    def fault(m: pytest.MonkeyPatch, w: SimpleNamespace, d: Path) -> None:
+        left, real_open, root = [room], io.open, os.path.realpath(d)
+
+        def full_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            f = real_open(file, mode, *args, **kwargs)
+            if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+") and \
+                    os.path.realpath(file).startswith(root + os.sep):
+                return _FullDiskFile(f, left)
+            return f
+
+        m.setattr(builtins, "open", full_open)
+        m.setattr(io, "open", full_open)
+    return fault
+
+
+def _dangling(name: str = "out") -> Callable:
+    """Setup: d/<name>, a symbolic link to a folder that does not exist."""
+    return lambda w, d: (d / name).symlink_to(d / "gone" / "ckpt")
+
+
+def _training_state(w: SimpleNamespace, d: Path) -> None:
+    """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads)."""
+    import torch
+
+    from launcher.checkpoint import load_consolidated
+    from launcher.state import TRAINING_FORMAT
+
+    c = load_consolidated(w.ckpt)
+    model = c.build_model()
+    params = dict(model.named_parameters())
+    state = d / "run" / "checkpoints" / "step_00000003"
+    for name, p in params.items():
+        (state / "zero" / name).mkdir(parents=True)
+        torch.save({"param": p.detach().float(), "cat_dim": 0}, state / "zero" / name / "fp32.pt")
+    buffers = {k: v for k, v in model.state_dict().items() if k not in params}
+    torch.save({"step": 3, "buffers": buffers}, state / "trainer.pt")
+    files = {str(p.relative_to(state)): p.stat().st_size for p in sorted(state.rglob("*")) if p.is_file()}
+    layout = {"domains": c.domains, "expert_domains": c.domains, "tokenizer": "gpt2",
+              "tokenizer_sha256": c.meta["tokenizer_sha256"]}
+    (state / "meta.json").write_text(json.dumps({"format": TRAINING_FORMAT, "step": 3, "layout": layout,
+                                                 "params": sorted(params), "files": files,
+                                                 "vocab_size": c.meta["vocab_size"], "config": c.meta["config"]}))
+    (d / "run" / "checkpoints" / "latest").write_text(state.name + "\n")
+
+
+def _corpus_line(line: str) -> Callable:
+    """Setup: d/corpus, a copy of the world's corpus with `line` added to cooking.jsonl (its 9th line)."""
+    def setup(w, d):
+        shutil.copytree(w.corpus, d / "corpus")
+        with open(d / "corpus" / "cooking.jsonl", "a") as f:
+            f.write(line + "\n")
+    return setup
+
+
+FULL = "no space left on device writing {d}/out ([Errno 28] No space left on device): the filesystem mounted at"
+_STATE = "run/checkpoints/step_00000003"
 
 
 _DROP_FFN = lambda m: m["config"]["model"].pop("ffn")  # noqa: E731
@@ -354,6 +463,48 @@ CASES: list[Case] = [
     Case("cluster-out-with-users-report", 2, CLUSTER,
          lambda w, d: ["--corpus", str(w.corpus), "--k", "2", "--out", str(d / "out")],
          "already holds cluster_report.json", setup=_file("out/cluster_report.json", "{}")),
+    # ---- class 3: a writer that fails midway leaves nothing and names a full disk; an output path that cannot be a
+    # directory is refused before the work (class 2's rule); records are checked before the expensive fit
+    Case("btx-upcycle-out-dangling-symlink", 3, BTX, lambda w, d: [str(w.ckpt), "--out", str(d / "out"),
+                                                                   "--router-init", "zero"],
+         "--out {d}/out is a dangling symbolic link", rule=2, setup=_dangling()),
+    Case("btx-upcycle-out-a-file", 3, BTX, lambda w, d: [str(w.ckpt), "--out", str(d / "out"), "--router-init", "zero"],
+         "--out {d}/out is a file, not a directory", rule=2, setup=_file("out", "mine\n")),
+    Case("btx-branch-out-dangling-symlink", 3, BTX,
+         lambda w, d: ["branch", str(w.long), "--out", str(d / "out"), "--domains", "cooking,sailing"],
+         "--out {d}/out is a dangling symbolic link", rule=2, setup=_dangling()),
+    Case("z2f-out-dangling-symlink", 3, Z2F, lambda w, d: [str(d / _STATE), "--out", str(d / "out")],
+         "--out {d}/out is a dangling symbolic link", rule=2,
+         setup=lambda w, d: [_training_state(w, d), _dangling()(w, d)]),
+    Case("z2f-disk-full", 3, Z2F, lambda w, d: [str(d / _STATE), "--out", str(d / "out")], FULL,
+         setup=_training_state, fault=_disk_full(4096)),
+    Case("btx-upcycle-disk-full", 3, BTX, lambda w, d: [str(w.ckpt), "--out", str(d / "out"), "--router-init", "zero"],
+         FULL, fault=_disk_full(4096)),
+    Case("cluster-record-without-id", 3, CLUSTER,
+         lambda w, d: ["--corpus", str(d / "corpus"), "--k", "2", "--out", str(d / "out")],
+         "cooking.jsonl:9: the record has no 'id'", rule=0,
+         setup=_corpus_line('{"domain": "cooking", "text": "Boil the water."}')),
+    Case("cluster-record-not-an-object", 3, CLUSTER,
+         lambda w, d: ["--corpus", str(d / "corpus"), "--k", "2", "--out", str(d / "out")],
+         "cooking.jsonl:9: the record is list, not an object", rule=0, setup=_corpus_line('["cooking", "Boil."]')),
+    Case("cluster-disk-full", 3, CLUSTER, lambda w, d: ["--corpus", str(w.corpus), "--k", "2", "--out", str(d / "out")],
+         FULL, fault=_disk_full(2048)),
+    Case("hf-export-disk-full", 3, HF, lambda w, d: [str(w.ckpt), "--domain", "cooking", "--out", str(d / "out"),
+                                                    "--no-tokenizer", "--no-check"], FULL, fault=_disk_full(256)),
+    Case("eval-out-disk-full", 3, EVAL, lambda w, d: [str(w.ckpt), "--data", str(w.tokens), "--out", str(d / "out"),
+                                                     "--max-blocks", "2", "--cached-blocks", "2"],
+         FULL, fault=_disk_full(256)),
+    Case("experts-report-disk-full", 3, EXPERTS,
+         lambda w, d: ["report", "remove", str(w.ckpt), "--data", str(w.tokens), "--out", str(d / "out"),
+                       "--max-blocks", "2", "--cached-blocks", "2"], FULL, fault=_disk_full(256)),
+    Case("prepare-disk-full", 3, PREPARE, lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"),
+                                                       "--workers", "1"],
+         FULL.replace("{d}/out", "{d}/out/gpt2"), fault=_disk_full(4096)),
+    Case("ingest-disk-full", 3, INGEST, lambda w, d: [str(w.corpus), "--out", str(d / "out")], FULL,
+         fault=_disk_full(2048)),
+    Case("harness-tasks-disk-full", 3, HARNESS, lambda w, d: ["tasks", "--data", str(w.tokens), "--out",
+                                                             str(d / "out"), "--max-docs", "2"],
+         FULL, harness=True, fault=_disk_full(1024)),
     # ---- class 5: token files that do not match their manifest (data/catalog.py `token_file_problems`)
     Case("launch-token-bin-missing", 5, LAUNCH, _launch_tokens(), "cooking/train.bin is missing",
          setup=_tokens(lambda r: (r / "cooking/train.bin").unlink())),
@@ -472,6 +623,8 @@ def _run(case: Case, w: SimpleNamespace, d: Path, monkeypatch) -> Outcome:
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(d)
     main = importlib.import_module(case.module).main
+    if case.fault:  # last: the setup and the imports run on a sound disk
+        case.fault(monkeypatch, w, d)
     err, out, environ = io.StringIO(), io.StringIO(), dict(os.environ)
     try:
         with redirect_stderr(err), redirect_stdout(out):
@@ -486,8 +639,9 @@ def _run(case: Case, w: SimpleNamespace, d: Path, monkeypatch) -> Outcome:
     return Outcome(rc, err.getvalue())
 
 
-def _passes(case: Case, o: Outcome) -> bool:
-    return o.error is None and o.rc == 2 and case.expect in o.err and "error" in o.err and "Traceback" not in o.err
+def _passes(case: Case, o: Outcome, d: Path) -> bool:
+    expect = case.expect.replace("{d}", str(d))
+    return o.error is None and o.rc == 2 and expect in o.err and "error" in o.err and "Traceback" not in o.err
 
 
 def _world(case: Case, world, request) -> SimpleNamespace:
@@ -505,7 +659,7 @@ def test_bad_input_gets_one_clear_error_runs_nothing_and_changes_nothing(case, w
     t0 = time.perf_counter()
     o = _run(Case(**{**vars(case), "setup": None}), w, d, monkeypatch)
     assert o.error is None, f"{type(o.error).__name__} escaped main: {o.error}"
-    assert _passes(case, o), f"exit {o.rc}; expected {case.expect!r} in stderr:\n{o.err}"
+    assert _passes(case, o, d), f"exit {o.rc}; expected {case.expect!r} in stderr:\n{o.err}"
     assert time.perf_counter() - t0 < 30, "refused, but only after expensive work"
     assert not (d / PWNED).exists(), "the payload ran"
     after = _snapshot(d, w.root, w.tokens)
@@ -516,7 +670,7 @@ def test_bad_input_gets_one_clear_error_runs_nothing_and_changes_nothing(case, w
 
 def test_the_catalogue_covers_every_class_and_cli():
     assert len({c.name for c in CASES}) == len(CASES)
-    for cls in (1, 2, 4, 5, 6):
+    for cls in (1, 2, 3, 4, 5, 6):
         assert sum(c.cls == cls for c in CASES) >= 10, cls
     assert {c.module for c in CASES} >= {LAUNCH, TRAIN, EVAL, GEN, GATE, EXPERTS, HF, HARNESS, DRYRUN, FLOPS, Z2F,
                                          BTX, FIGURES, PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK}
@@ -554,12 +708,29 @@ def _plain_yaml(text: str, source: str):
     return yaml.safe_load(text)
 
 
+@contextmanager
+def _old_staged_dir(final: Path, manifest: Optional[str] = None, shared: bool = False) -> Iterator[Path]:
+    """The writers before the class-3 rule: a temporary sibling, published on success, left behind on a failure."""
+    from data.atomic import atomic_dir, commit_dir
+
+    tmp = atomic_dir(Path(final))
+    yield tmp
+    commit_dir(tmp, Path(final))
+
+
+@contextmanager
+def _no_cleanup(final: Path, *staged: Path, made: Optional[list] = None) -> Iterator[None]:
+    yield
+
+
 MUTATIONS = {
     1: [("data.argtypes", "host_problem", lambda name: None),
         ("launcher.evaluation.harness", "verify_tasks_dir", lambda tasks_dir: {})],
     4: [("data.argtypes", "check_range", lambda value, rng: None),
         ("launcher.evaluation.evaluate", "check_eval_request", lambda *a, **k: None)],
     2: [("data.cli", "check_output_dir", lambda *a, **k: None)],
+    3: [("data.atomic", "staged_dir", _old_staged_dir), ("data.atomic", "discard_on_failure", _no_cleanup),
+        ("data.atomic", "disk_full_error", lambda *a, **k: None)],
     5: [("data.catalog", "token_file_problems", lambda *a, **k: [])],
     6: [("data.readers", "load_yaml", _plain_yaml), ("data.readers", "shape_problems", lambda *a, **k: [])],
 }
@@ -568,22 +739,32 @@ MUTATIONS = {
 @pytest.mark.parametrize("cls", sorted(MUTATIONS))
 def test_without_the_shared_rule_the_cases_of_its_class_fail(cls, world, tmp_path, monkeypatch, request):
     """The control: with the class's rule disabled (accepting everything), every case of the class that can safely run
-    unguarded (no hang, no training) no longer gets its clear error - so it is that rule which refuses them."""
+    unguarded (no hang, no training) no longer gets its clear error - so it is that rule which refuses them. Class 3:
+    with the writers' old behaviour (no cleanup, no translation) every failure also leaves files behind."""
     lm_eval = importlib.util.find_spec("lm_eval") is not None
     cases = [c for c in CASES if c.rule == cls and c.mutable and (lm_eval or not c.harness)]
     for module in {c.module for c in cases} | {m for m, _, _ in MUTATIONS[cls]}:
         importlib.import_module(module)  # imported before the rule is patched in every importer
     for module, name, replacement in MUTATIONS[cls]:
         _disable(monkeypatch, module, name, replacement)
+    left_behind = []
     for case in cases:
-        d = tmp_path / case.name
+        d, w = tmp_path / case.name, _world(case, world, request)
         d.mkdir()
+        if case.setup:
+            case.setup(w, d)
+        before = set(_snapshot(d))
         with monkeypatch.context() as m:
-            o = _run(case, _world(case, world, request), d, m)
-        assert not _passes(case, o), f"{case.name} is still refused with its rule disabled: something else guards it"
+            o = _run(Case(**{**vars(case), "setup": None}), w, d, m)
+        assert not _passes(case, o, d), f"{case.name} is still refused with its rule disabled: something else guards it"
         if case.name == "harness-check-changed-utils":
             assert (d / PWNED).exists(), "unverified, lm-eval imports the changed utils.py: its code runs"
+        if set(_snapshot(d)) - before:
+            left_behind.append(case.name)
     assert len(cases) >= 8, [c.name for c in cases]
+    if cls == 3:  # every writer failing on a full disk: no "no space left on device writing OUT", and a half output
+        assert len(cases) == (9 if lm_eval else 8), [c.name for c in cases]
+        assert left_behind == [c.name for c in cases]
 
 
 # ---------------------------------------------------------------- the rules themselves ---------------------------

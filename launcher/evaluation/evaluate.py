@@ -61,7 +61,8 @@ from model import mixture as mx
 from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.argtypes import positive_int, unit_left_open
-from data.cli import check_output_dir, cli_main
+from data.atomic import staged_dir
+from data.cli import check_output_dir, cli_main, exit_process
 from parallel.precision import forward_precision, local_precision_problems
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
@@ -360,6 +361,7 @@ def evaluate_model(
         raise ValueError(f"{len(experts)} domain names for {len(demix_expert_ids(model))} experts")
     modes = [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"]
     model.eval()
+    estimated: dict[str, Any] = {}  # domain -> the cached prior estimated here, saved with the report
     results: dict[str, Any] = {
         "format": EVAL_FORMAT, "kind": cfg.model.ffn.kind, "data_mixture": cfg.data.mixture, "experts": experts,
         "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
@@ -396,7 +398,7 @@ def evaluate_model(
                 if variants:
                     entry["cached_prior_variants"] = variants
                 if cached is not None and out_dir is not None and _dist()[0] == 0:
-                    cached.save(Path(out_dir) / "cached_priors" / f"{dom}.json")
+                    estimated[dom] = cached  # written with the report (write_outputs), not into --out midway
             entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay, posterior))
         elif domain_token:
             base = int(manifest["tokenizer"]["vocab_size"])
@@ -413,7 +415,7 @@ def evaluate_model(
     results["tables"] = summary_tables(results)
     results["seconds"] = round(time.perf_counter() - t0, 3)
     if out_dir is not None and _dist()[0] == 0:
-        results["files"] = write_outputs(results, out_dir)
+        results["files"] = write_outputs(results, out_dir, estimated)
     return results
 
 
@@ -527,16 +529,22 @@ def markdown_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: dict[str, Any], out_dir: Union[str, Path]) -> dict[str, str]:
+def write_outputs(results: dict[str, Any], out_dir: Union[str, Path],
+                  cached_priors: Optional[dict[str, Any]] = None) -> dict[str, str]:
+    """Write the report into `out_dir` (eval.json, eval.md, the figures, `cached_priors/<domain>.json` for each
+    estimated prior); returns {name: path}. Staged and published together (data/atomic.py `staged_dir`): a failure
+    (a full disk included) leaves no report without its eval.json."""
     from launcher.evaluation.figures import write_figures
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"json": str(out_dir / "eval.json"), "markdown": str(out_dir / "eval.md")}
-    files.update(write_figures(results, out_dir))
-    results["files"] = files
-    (out_dir / "eval.md").write_text(markdown_report(results))
-    write_json_atomic(out_dir / "eval.json", results)
+    with staged_dir(out_dir, manifest="eval.json") as tmp:
+        for dom, prior in (cached_priors or {}).items():
+            prior.save(tmp / "cached_priors" / f"{dom}.json")
+        files = {"json": str(out_dir / "eval.json"), "markdown": str(out_dir / "eval.md")}
+        files.update({k: str(out_dir / Path(v).relative_to(tmp)) for k, v in write_figures(results, tmp).items()})
+        results["files"] = files
+        (tmp / "eval.md").write_text(markdown_report(results))
+        write_json_atomic(tmp / "eval.json", results)
     return files
 
 
@@ -616,4 +624,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

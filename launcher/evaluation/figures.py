@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 from data.readers import read_json_object
 
 
@@ -143,4 +143,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

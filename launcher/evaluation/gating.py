@@ -22,7 +22,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 from data.argtypes import positive_int
-from data.cli import cli_main
+from data.atomic import staged_dir
+from data.cli import cli_main, exit_process
 
 
 @torch.no_grad()
@@ -78,25 +79,26 @@ def write_gating_report(matrix: dict, out_dir: str | Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {**matrix, "row_entropy": {l: [row_entropy(r) for r in m] for l, m in matrix["layers"].items()},
-              "uniform_entropy": math.log(matrix["num_experts"])}
-    (out / "gating.json").write_text(json.dumps(report, indent=2) + "\n")
-    layers = list(matrix["layers"])
-    G, E = len(matrix["domains"]), matrix["num_experts"]
-    fig, axes = plt.subplots(1, len(layers), figsize=(1.5 + 0.45 * E * len(layers), 1.2 + 0.4 * G), squeeze=False)
-    for ax, layer in zip(axes[0], layers):
-        im = ax.imshow(matrix["layers"][layer], aspect="auto", cmap="viridis", vmin=0.0)
-        ax.set_title(layer)
-        ax.set_xlabel("expert")
-        ax.set_xticks(range(E))
-        ax.set_yticks(range(G))
-        ax.set_yticklabels(matrix["domains"] if ax is axes[0][0] else [])
-        fig.colorbar(im, ax=ax, fraction=0.05)
-    fig.suptitle("mean gate probability per domain")
-    fig.tight_layout()
-    fig.savefig(out / "gating.png", dpi=120)
-    plt.close(fig)
+    # both files staged and published together (data/atomic.py `staged_dir`): a failure leaves neither
+    with staged_dir(out, manifest="gating.json", shared=True) as tmp:
+        report = {**matrix, "row_entropy": {l: [row_entropy(r) for r in m] for l, m in matrix["layers"].items()},
+                  "uniform_entropy": math.log(matrix["num_experts"])}
+        (tmp / "gating.json").write_text(json.dumps(report, indent=2) + "\n")
+        layers = list(matrix["layers"])
+        G, E = len(matrix["domains"]), matrix["num_experts"]
+        fig, axes = plt.subplots(1, len(layers), figsize=(1.5 + 0.45 * E * len(layers), 1.2 + 0.4 * G), squeeze=False)
+        for ax, layer in zip(axes[0], layers):
+            im = ax.imshow(matrix["layers"][layer], aspect="auto", cmap="viridis", vmin=0.0)
+            ax.set_title(layer)
+            ax.set_xlabel("expert")
+            ax.set_xticks(range(E))
+            ax.set_yticks(range(G))
+            ax.set_yticklabels(matrix["domains"] if ax is axes[0][0] else [])
+            fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.suptitle("mean gate probability per domain")
+        fig.tight_layout()
+        fig.savefig(tmp / "gating.png", dpi=120)
+        plt.close(fig)
     return {"json": out / "gating.json", "png": out / "gating.png"}
 
 
@@ -147,4 +149,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -35,7 +35,7 @@ from launcher.checkpoint import load_consolidated
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
 from data.argtypes import nonneg_float, nonneg_int, positive_int, random_seed, unit_left_open
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 from launcher.evaluation.evaluate import check_checkpoint_data
 
 
@@ -166,4 +166,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

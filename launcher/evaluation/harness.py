@@ -91,9 +91,9 @@ import yaml
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from data.atomic import atomic_dir, commit_dir, write_json_atomic
+from data.atomic import staged_dir, write_json_atomic
 from data.argtypes import nonneg_float, positive_int, random_seed, unit_left_open
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import check_shape, read_json_object
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta
 from launcher.evaluation.evaluate import (DEMIX_MODES, _cached_prior, _demix_domain, check_checkpoint_data,
@@ -693,8 +693,7 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
     texts = {d: ts for d, ts in texts.items() if ts}
     if not texts:
         raise ValueError(f"no {split} documents in {data_root}/{docs_from}")
-    tmp = atomic_dir(out)
-    try:
+    with staged_dir(out, manifest="demix_tasks.json") as tmp:  # a failed write leaves no half task folder
         (tmp / "data").mkdir()
         record: dict[str, Any] = {"format": TASKS_FORMAT, "data": str(Path(data_root).resolve()),
                                   "tokenizer": tokenizer, "docs_from": docs_from, "split": split,
@@ -724,11 +723,6 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
         (tmp / "utils.py").write_text(utils_source(), encoding="utf-8")
         record["files"] = file_hashes(tmp)  # what `check` verifies before lm-eval imports anything from the folder
         write_json_atomic(tmp / "demix_tasks.json", record)
-        commit_dir(tmp, out)
-    finally:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 
@@ -999,4 +993,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 if __name__ == "__main__":
     from launcher.evaluation.harness import main as _main  # the registered module, not this __main__ copy
 
-    raise SystemExit(_main())
+    exit_process(_main())

@@ -100,7 +100,7 @@ import torch
 
 from data.catalog import DataError, load_catalog, read_token_manifest
 from data.argtypes import open_unit, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, read_meta,
                                  save_consolidated)
 from launcher.config import ConfigError, RunConfig
@@ -577,4 +577,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -42,6 +42,7 @@ import torch
 import yaml
 
 from data.argtypes import positive_float, positive_int
+from data.atomic import staged_dir
 from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, load_consolidated, read_meta,
                                  save_consolidated, write_json_atomic)
 from launcher.config import ConfigError
@@ -53,7 +54,7 @@ from launcher.modular.surgery import (EXPERT_KEY, CkptLike, _keep_indices, _load
                                       load_without, remove_experts_state)
 from launcher.typed import to_dict
 from model import mixture as mx
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ADAPT_REPORT_FORMAT = "demix-adapt-report/1"
@@ -401,10 +402,12 @@ def check_report_out(out: Union[str, Path], name: str, fmt: str) -> None:
 
 
 def write_report(report: dict[str, Any], markdown: str, out: Union[str, Path], name: str) -> tuple[Path, Path]:
+    """Write `<out>/<name>.json` and `<out>/<name>.md` together (data/atomic.py `staged_dir`, into a folder other
+    reports share): a failure, a full disk included, leaves neither."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / f"{name}.json", report)
-    (out / f"{name}.md").write_text(markdown)
+    with staged_dir(out, manifest=f"{name}.json", shared=True) as tmp:
+        (tmp / f"{name}.md").write_text(markdown)
+        write_json_atomic(tmp / f"{name}.json", report)
     return out / f"{name}.json", out / f"{name}.md"
 
 
@@ -555,4 +558,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -51,9 +50,9 @@ import torch
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, read_meta, write_json_atomic
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
-from data.atomic import atomic_dir, commit_dir
+from data.atomic import staged_dir
 from data.argtypes import nonneg_float, positive_int
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import read_json_object
 
 HF_EXPORT_FORMAT = "demix-hf-export/2"
@@ -309,8 +308,8 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     if eval_json is None and record["source"] is not None:
         eval_json = Path(record["source"]).parent / "eval" / "eval.json"
     out = Path(out)
-    tmp = atomic_dir(out)  # published whole by commit_dir: a killed export leaves no half model at `out`
-    try:
+    # staged and published whole (data/atomic.py `staged_dir`): a failed or killed export leaves no half model
+    with staged_dir(out, manifest="demix_export.json") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             from launcher.modular.hf_tokenizer import save_hf_tokenizer
@@ -318,9 +317,6 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
             record["hf_tokenizer"] = save_hf_tokenizer(tokenizer, tmp)
         (tmp / "README.md").write_text(model_card(c, record, Path(eval_json) if eval_json else None))
         write_json_atomic(tmp / "demix_export.json", record)
-        commit_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 
@@ -403,4 +399,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

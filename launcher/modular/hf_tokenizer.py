@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from data.argtypes import positive_int
-from data.cli import cli_main
+from data.cli import cli_main, exit_process
 from data.tokenizer import GPT2Tokenizer, SentencePieceTokenizer, Tokenizer, gpt2_data_dir, load_prepared_tokenizer
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -359,4 +359,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
