@@ -19,6 +19,7 @@ from launcher.config import ConfigError
 from launcher.distributed import free_port
 from launcher.launch import build_command, node_resources, parse_args, prepare_run, world_size
 from launcher.metrics import read_metrics
+from tests.test_train import reference_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,7 @@ def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     hosts = tmp_path / "hostfile"
     hosts.write_text("node0 slots=2\nnode1 slots=2\n")
-    subprocess.run([sys.executable, "-m", "launcher.launch", "--nproc", "4", "--run-dir", str(one), *_sets(tiny_tokens)],
-                   cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600)
+    reference_run(_sets(tiny_tokens), 4, one)  # the trainer on 4 ranks of one machine (tests/test_train.py)
     port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "launcher.launch", "--hostfile", str(hosts), "--no-ssh",
                                "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port),

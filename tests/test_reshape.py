@@ -19,7 +19,7 @@ import torch
 
 from launcher.metrics import read_metrics
 from tests.multirank import run_ranks
-from tests.test_train import _launch, _overrides
+from tests.test_train import _launch, _overrides, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -199,77 +199,101 @@ def _launch_args(tokens: Path, run: Path, ranks: int, steps: int, zero: int) -> 
     return ["--nproc", str(ranks), "--run-dir", str(run), *args, *[a for s in extra for a in ("--set", s)]]
 
 
-@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
-def test_a_run_resumed_on_another_number_of_ranks_continues_its_loss(tiny_tokens, tmp_path, before, after):
-    """DEMix, 2 domains, the same global batch and a constant learning rate: 3 steps on `before` ranks, then steps
-    4-6 on `after` ranks (another ZeRO stage too). The data order differs after the resume (other shards), so the
-    losses match the uninterrupted run within a tolerance, not exactly; the steps before are identical."""
-    full, moved = tmp_path / "full", tmp_path / "moved"
-    _launch(_launch_args(tiny_tokens, full, before, 6, zero=1))
-    _launch(_launch_args(tiny_tokens, moved, before, 3, zero=1))
-    proc = _launch(_launch_args(tiny_tokens, moved, after, 6, zero=2))
-    assert f"world_size {before} -> {after}" in proc.stderr and "carry over exactly" in proc.stderr
-    a, b = _losses(full), _losses(moved)
-    assert sorted(b) == list(range(1, 7))
-    for step in (1, 2, 3):
-        assert b[step] == a[step]
-    for step in (4, 5, 6):
+@pytest.fixture(scope="module")
+def moved(tiny_tokens, tmp_path_factory) -> dict[str, Path]:
+    """DEMix, 2 domains, the same global batch (16) and a constant learning rate on every layout, three launches:
+    `a` trains steps 1-6 on 2 ranks (ZeRO 1; the trainer on forked ranks); `b` resumes a's step-3 state on 4 ranks (ZeRO 2) for steps 4-9;
+    `c` resumes b's step-6 state on 2 ranks (ZeRO 2) for steps 7-9. Each move is checked against the run that did
+    not move (b against a for steps 4-6, c against b for 7-9), and c is the fp32 ZeRO-2 run zero_to_fp32 reads."""
+    root = tmp_path_factory.mktemp("moved")
+    runs = {name: root / name for name in "abc"}
+    reference_run(_launch_args(tiny_tokens, runs["a"], 2, 6, zero=1)[4:], 2, runs["a"])  # forked ranks, no launcher
+    for name, ranks, source in (("b", 4, runs["a"] / "checkpoints" / "step_00000003"),
+                                ("c", 2, runs["b"] / "checkpoints" / "step_00000006")):
+        proc = _launch(_launch_args(tiny_tokens, runs[name], ranks, 9, zero=2) + ["--resume", str(source)])
+        (runs[name] / "launch.stderr").write_text(proc.stderr)
+    return runs
+
+
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 2)])
+def test_a_run_resumed_on_another_number_of_ranks_continues_its_loss(moved, before, after):
+    """A state written on `before` ranks continues on `after` ranks (and another ZeRO stage for 2 -> 4) on the
+    trajectory of the run that did not move. The data order differs after the move (other shards), so the losses
+    match within a tolerance, not exactly."""
+    stay, move, source, steps = (("a", "b", 3, (4, 5, 6)) if before == 2 else ("b", "c", 6, (7, 8, 9)))
+    stderr = (moved[move] / "launch.stderr").read_text()
+    assert f"world_size {before} -> {after}" in stderr and "carry over exactly" in stderr
+    a, b = _losses(moved[stay]), _losses(moved[move])
+    assert sorted(b) == list(range(source + 1, 10))
+    for step in steps:
         assert b[step] == pytest.approx(a[step], rel=1e-2), (step, a, b)
-    assert b[6] < b[3]  # still learning after the move
-    start = [r for r in read_metrics(moved / "metrics.jsonl") if r.get("kind") == "start"][-1]
-    assert start["world_size"] == after and start["resumed_from"].endswith("step_00000003")
+    assert b[9] < b[source + 1]  # still learning after the move
+    start = [r for r in read_metrics(moved[move] / "metrics.jsonl") if r.get("kind") == "start"][-1]
+    assert start["world_size"] == after and start["resumed_from"].endswith(f"step_{source:08d}")
 
 
-def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, tmp_path):
-    """`python -m launcher.zero_to_fp32 RUN` converts the latest training state of an fp32 run into a consolidated
-    checkpoint equal to the run's own export, tensor for tensor, so both evaluate to the same perplexity."""
+def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, moved, tmp_path, capsys):
+    """`python -m launcher.zero_to_fp32 RUN` converts the latest training state of an fp32 ZeRO-2 run into a
+    consolidated checkpoint equal to the run's own export, tensor for tensor, so both evaluate to the same
+    perplexity."""
     import subprocess
     import sys
 
-    run = tmp_path / "run"
-    _launch(_launch_args(tiny_tokens, run, 2, 3, zero=2))
+    run = moved["c"]
     out = tmp_path / "fp32"
     conv = subprocess.run([sys.executable, "-m", "launcher.zero_to_fp32", str(run), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert conv.returncode == 0, conv.stderr
-    assert json.loads(conv.stdout)["from"].endswith("step_00000003")
-    again = subprocess.run([sys.executable, "-m", "launcher.zero_to_fp32", str(run), "--out", str(out)],
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
+    assert json.loads(conv.stdout)["from"].endswith("step_00000009")
 
     from launcher.checkpoint import load_consolidated
+    from launcher.evaluation.evaluate import main as evaluate
+    from launcher.zero_to_fp32 import main as zero_to_fp32
+
+    assert zero_to_fp32([str(run), "--out", str(out)]) == 2  # never over an existing output
+    err = capsys.readouterr().err
+    assert "exists" in err and "Traceback" not in err
 
     mine, export = load_consolidated(out), load_consolidated(run / "model")
     assert sorted(mine.state_dict) == sorted(export.state_dict) and mine.domains == export.domains
     for k, v in export.state_dict.items():
         assert torch.equal(mine.state_dict[k], v), k
     ppl = {}
-    for name, ckpt in (("fp32", out), ("export", run / "model")):  # each in a fresh process, like a user would
+    for name, ckpt in (("fp32", out), ("export", run / "model")):
         report = tmp_path / f"eval-{name}"
-        ev = subprocess.run([sys.executable, "-m", "launcher.evaluation.evaluate", str(ckpt), "--data", str(tiny_tokens),
-                             "--max-blocks", "4", "--modes", "naive", "--out", str(report)],
-                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert ev.returncode == 0, ev.stderr
+        args = [str(ckpt), "--data", str(tiny_tokens), "--max-blocks", "4", "--modes", "naive", "--out", str(report)]
+        assert evaluate(args) == 0, capsys.readouterr().err
         res = json.loads((report / "eval.json").read_text())
         ppl[name] = {d: r["ppl"] for d, r in res["domains"].items()}
     assert ppl["fp32"] == ppl["export"] and ppl["fp32"]["cooking"]["naive"] > 1
 
 
-def test_what_cannot_change_on_resume_is_named_before_anything_starts(tiny_tokens, tmp_path):
+def test_what_cannot_change_on_resume_is_named_before_anything_starts(tiny_tokens, moved, tmp_path, capsys):
     """Another head count, tensor-parallel size or domain set cannot load a state: the launcher names each
-    difference (before any rank starts); an old-format state says how to continue from it."""
+    difference (before any rank starts: these are dry runs of `launcher.launch`); an old-format state says how to
+    continue from it."""
+    from launcher.launch import main
+
     run = tmp_path / "run"
-    _launch(_launch_args(tiny_tokens, run, 2, 3, zero=1))
+    shutil.copytree(moved["c"], run)  # a dry run writes its run files: the shared run stays as it was
+
+    def dry_run(*sets: str) -> tuple[int, str]:
+        more = [a for s in sets for a in ("--set", s)]
+        status = main(_launch_args(tiny_tokens, run, 2, 12, zero=2) + more + ["--dry-run"])
+        return status, capsys.readouterr().err
+
     for bad, word in (("model.n_heads=4", "model"), ("parallel.tensor_parallel=2", "tensor_parallel"),
                       ("data.domains=[cooking,sailing]", "domains")):
-        proc = _launch(_launch_args(tiny_tokens, run, 2, 6, zero=1) + ["--set", bad, "--dry-run"], check=False)
-        assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr, (bad, proc.stderr)
-    old = run / "checkpoints" / "step_00000003"
+        status, err = dry_run(bad)
+        assert status == 2 and word in err and "Traceback" not in err, (bad, err)
+    status, err = dry_run()
+    assert status == 0, err  # the same launch with nothing changed is accepted
+    old = run / "checkpoints" / "step_00000009"
     meta = json.loads((old / "meta.json").read_text())
     (old / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "format"}))
-    proc = _launch(_launch_args(tiny_tokens, run, 2, 6, zero=1) + ["--dry-run"], check=False)
-    assert proc.returncode == 2 and "older format" in proc.stderr and "train.init_from" in proc.stderr
+    status, err = dry_run()
+    assert status == 2 and "older format" in err and "train.init_from" in err
     shutil.rmtree(old / "zero" / "wte.weight")
     (old / "meta.json").write_text(json.dumps(meta))
-    proc = _launch(_launch_args(tiny_tokens, run, 2, 6, zero=1) + ["--dry-run"], check=False)
-    assert proc.returncode == 2 and "no intact training state" in proc.stderr and "zero/wte.weight/" in proc.stderr
+    status, err = dry_run()
+    assert status == 2 and "no intact training state" in err and "zero/wte.weight/" in err

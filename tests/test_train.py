@@ -36,6 +36,25 @@ def _launch(args: list[str], env_extra: dict | None = None, check: bool = True) 
     return proc
 
 
+def _train_ranks(rank: int, world: int, args: list[str], run_dir: str) -> None:
+    """The trainer on `world` ranks forked by tests/multirank.py, with the launcher's `--set` overrides: the
+    uninterrupted reference a launched run is compared with (the same `train`, without the launcher's start-up)."""
+    from launcher.config import load_run_config
+    from launcher.plan import make_plan
+    from launcher.train import train
+
+    sets = [a for a in args if a != "--set"]
+    train(make_plan(load_run_config(None, sets, check=False), world), Path(run_dir), resume="never")
+
+
+def reference_run(args: list[str], world: int, run_dir: Path) -> Path:
+    """`_train_ranks` on `world` ranks into `run_dir`; returns it."""
+    from tests.multirank import run_ranks
+
+    run_ranks(_train_ranks, world, args=(args, str(run_dir)))
+    return run_dir
+
+
 def _launch_and_kill_when(args: list[str], now) -> subprocess.Popen:
     """Launch, and SIGKILL the whole process group (launcher and every rank) as soon as `now()` is true."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -65,9 +84,10 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_path):
     """3 domains on 3 ranks, ZeRO 1: SIGKILL after step 3 (checkpoint at step 2), resume; SIGKILL again while the
-    step-4 checkpoint is being written, resume; the losses are the uninterrupted run's, exactly."""
+    step-4 checkpoint is being written, resume; the losses are the uninterrupted run's (the same trainer on 3
+    forked ranks, `reference_run`), exactly."""
     full, killed = tmp_path / "full", tmp_path / "killed"
-    _launch(["--nproc", "3", "--run-dir", str(full), *_overrides(tiny_tokens)])
+    reference_run(_overrides(tiny_tokens), 3, full)
     proc = _launch_and_kill_after_step(["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)], killed, 3)
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
@@ -95,6 +115,10 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert meta["bos_id"] == meta["eod_id"] == 50256
     cfg = meta["config"]
     assert meta["train_tokens"] == 6 * cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"] * 3 * cfg["model"]["seq_len"]
+    # the DeepSpeed config in the run directory is the one the engine got, with the bucket sizes planned from the
+    # model (the launcher's copy, written before any model existed, has none)
+    zero_cfg = json.loads((killed / "deepspeed_config.json").read_text())["zero_optimization"]
+    assert zero_cfg["stage"] == 1 and zero_cfg["reduce_bucket_size"] > 0, zero_cfg
     # keep_checkpoints=2 on the resumed run: of steps 2, 4, 6 only the newest two remain
     assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
 
