@@ -10,7 +10,6 @@ gradient norm (parallel/engine.py:global_grad_norm). 16 ranks stand for two node
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -43,17 +42,13 @@ def _measured(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k.startswith("comm/")} for r in recs if r.get("kind") == "train"]
 
 
-_ALL16 = pytest.mark.skipif(not os.environ.get("DEMIX_COMM_16"), reason="16 ranks take ~80 s each on 2 shared cores; "
-                            "DEMix at 16 always runs, set DEMIX_COMM_16=1 for Dense and GShard at 16 too")
-
-
 @pytest.mark.parametrize("kind,world,domains", [
     ("dense", 8, "cooking,sailing"),
     ("demix", 8, "cooking,sailing"),
     ("gshard", 8, "cooking,sailing"),
+    ("dense", 16, "cooking,sailing"),  # two nodes of 8
     ("demix", 16, "cooking,sailing"),  # two nodes of 8, one domain each
-    pytest.param("dense", 16, "cooking,sailing", marks=_ALL16),
-    pytest.param("gshard", 16, "cooking,sailing", marks=_ALL16),
+    ("gshard", 16, "cooking,sailing"),
 ])
 def test_measured_bytes_per_group_equal_the_cost_model(tiny_tokens, kind, world, domains):
     from benchmarks import costmodel

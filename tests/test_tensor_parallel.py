@@ -9,7 +9,6 @@ All scenarios of one world size share one spawn (process start-up and imports do
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -312,16 +311,7 @@ def test_tp2_chunked_vocab_parallel_loss_matches_whole_and_tp1(tp2):
 
 # ---------------------------------------------------------------- multi-rank (4 processes)
 
-# Four processes each importing megatron-core (about 10 s of CPU apiece) on a 2-core machine take 30-65 s,
-# past the budget of a default multi-rank test: opt in with DEMIX_TP_WORLD4=1.
-_WORLD4 = pytest.mark.skipif(
-    os.environ.get("DEMIX_TP_WORLD4") != "1",
-    reason="4-process TP=4 / TP=2-in-world-4 parity takes 30-65 s on 2 shared cores; set DEMIX_TP_WORLD4=1 to run",
-)
-
-
 @pytest.mark.slow
-@_WORLD4
 @pytest.mark.parametrize("scenario,tp", [("tp4_dense", 4), ("tp4_demix", 4), ("tp2_in_world4", 2)])
 def test_tp4_and_tp2_subgroups_match_tp1(world4, scenario, tp):
     for rank_res in world4:
