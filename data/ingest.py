@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -35,6 +36,7 @@ from data.cli import check_output_dir, cli_main, exit_process
 REASONS: tuple[str, ...] = (
     "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
     "missing_domain", "unknown_domain", "invalid_domain_name", "domain_case_clash", "empty_domain",
+    "unreadable_domain", "unreadable_file",
 )
 # A domain name becomes a file name (<out>/<domain>.jsonl, tokens/<domain>/): no separators, no "..", no hidden files.
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -169,15 +171,28 @@ def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = Non
     """Yield documents from `root/<domain>/**/*.txt` (one file = one document)."""
     root = Path(root)
     allowed = frozenset(domains) if domains is not None else None
-    for ddir in sorted(p for p in root.iterdir() if p.is_dir()):
-        files = sorted(ddir.rglob("*.txt"))
+    for ddir in sorted(root.iterdir()):
+        if ddir.is_symlink() and not ddir.exists():  # a domain whose folder is gone is reported, never dropped
+            yield Problem(str(ddir), 0, "unreadable_domain", f"a dangling symbolic link (to {os.readlink(ddir)})")
+            continue
+        if not ddir.is_dir():
+            continue
+        try:
+            files = sorted(ddir.rglob("*.txt"))
+        except OSError as e:  # a folder that cannot be listed (permissions): its documents are not silently lost
+            yield Problem(str(ddir), 0, "unreadable_domain", e.strerror or type(e).__name__)
+            continue
         if (bad := domain_name_problem(ddir.name)) is not None:
             yield Problem(str(ddir), 0, "invalid_domain_name", f"{bad}; {len(files)} file(s) not read")
             continue
         if not files:  # a domain folder with nothing in it is reported, never dropped without a word
             yield Problem(str(ddir), 0, "empty_domain", "no .txt files in this domain folder")
         for path in files:
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError as e:  # a dangling link, a folder named *.txt, no permission
+                yield Problem(str(path), 0, "unreadable_file", e.strerror or type(e).__name__)
+                continue
             if allowed is not None and ddir.name not in allowed:
                 yield Problem(str(path), 1, "unknown_domain", f"{ddir.name!r} not in {sorted(allowed)}")
                 continue

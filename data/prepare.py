@@ -49,7 +49,8 @@ from tqdm import tqdm
 from data.atomic import staged_dir, write_json_atomic
 from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
 from data.blocks import SPLITS
-from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, read_jsonl
+from data.ingest import MANIFEST_FORMAT as INGEST_FORMAT
+from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, domain_name_problem, read_jsonl
 from data.tokenizer import (
     SP_MODEL_FILE, GPT2Tokenizer, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
 )
@@ -228,9 +229,31 @@ def split_documents(n: int, domain: str, seed: int, valid_fraction: float, test_
 
 
 def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[str, Path]:
+    """`<domain>.jsonl` of the corpus by domain, checked before any work: every file a valid domain name, no two
+    names equal but for case (their token folders would be one folder on macOS and Windows file systems), and, where
+    the corpus has ingest's manifest, exactly the domains it lists (no file of an earlier ingest or a stray copy)."""
     found = {p.stem: p for p in sorted(corpus_dir.glob("*.jsonl"))}
     if not found:
         raise FileNotFoundError(f"{corpus_dir}: no <domain>.jsonl files")
+    problems = [f"{found[d].name}: {bad}" for d in found if (bad := domain_name_problem(d)) is not None]
+    folded: dict[str, list[str]] = {}
+    for d in found:
+        folded.setdefault(d.casefold(), []).append(d)
+    problems += [f"{' and '.join(f'{d}.jsonl' for d in names)} name domains that differ only in case: merge them "
+                 "into one file (data.ingest reports such documents as domain_case_clash)"
+                 for names in folded.values() if len(names) > 1]
+    listed = _ingested_domains(corpus_dir / "manifest.json")
+    if listed is not None:
+        extra = sorted(set(found) - set(listed))
+        if extra:
+            problems.append(f"{', '.join(f'{d}.jsonl' for d in extra)} not listed in {corpus_dir / 'manifest.json'} "
+                            "(left by an earlier ingest, or copied in): list them in its \"domains\", remove them, or ingest again")
+        gone = sorted(set(listed) - set(found))
+        if gone:
+            problems.append(f"{corpus_dir / 'manifest.json'} lists {', '.join(gone)} but {', '.join(gone)}.jsonl "
+                            "is missing: ingest again")
+    if problems:
+        raise ValueError(f"{corpus_dir}: " + "; ".join(problems))
     if domains is None:
         return found
     missing = [d for d in domains if d not in found]
@@ -259,6 +282,19 @@ def _read_domains(files: dict[str, Path], on_error: str, keep: int, sink: Option
     if on_error == "fail" and log.total:
         raise CorpusError(log, str(next(iter(files.values())).parent))
     return texts, log
+
+
+def _ingested_domains(corpus_manifest: Path) -> Optional[list[str]]:
+    """The domains data.ingest's manifest lists, or None where there is no such manifest (a corpus written by
+    hand)."""
+    if not corpus_manifest.is_file():
+        return None
+    try:
+        data = json.loads(corpus_manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # corpus_roles names the broken file
+    doms = data.get("domains") if isinstance(data, dict) else None
+    return list(doms) if isinstance(doms, dict) and data.get("format") == INGEST_FORMAT else None
 
 
 def corpus_roles(corpus_manifest: Path, domains: Iterable[str]) -> dict[str, str]:

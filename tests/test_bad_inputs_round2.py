@@ -23,7 +23,9 @@ cleanup, no translation) to show that the class's cases then fail:
 * class 4 (numbers)     data/argtypes.py `check_range` (every numeric option's argparse type; merge weights and
                         priors through model/mixture.py `mixture_weights`);
 * class 5 (data)        data/catalog.py `token_file_problems` (every token file of the training domains exists
-                        with the size its manifest recorded; every run's plan loads the catalog);
+                        with the size its manifest recorded; every run's plan loads the catalog); ingest's and
+                        prepare's own checks (unreadable domain folders and files are problems, prepare reads
+                        exactly the valid, case-distinct domains ingest's manifest lists);
 * class 6 (config text) data/readers.py `load_yaml` (every YAML read) and `shape_problems` (every JSON object read).
 """
 
@@ -51,7 +53,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from tests.conftest import write_corpus
-from tests.test_bad_inputs import _config, _fake_state, _run_overrides, _snapshot
+from tests.test_bad_inputs import _config, _fake_state, _ingest, _run_overrides, _snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 PWNED = "PWNED"  # what every payload would create in the case's folder
@@ -226,6 +228,22 @@ def _truncate(rel: str, keep: float = 0.5) -> Callable[[Path], None]:
 
 def _manifest(fn: Callable[[dict], None]) -> Callable[[Path], None]:
     return lambda root: _edit(root / "manifest.json", fn)
+
+
+def _text_domain(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "a.txt").write_text("a readable document")
+
+
+def _prepare(corpus: str) -> Argv:
+    return lambda w, d: ["--corpus", str(d / corpus), "--out", str(d / "out"), "--workers", "1"]
+
+
+def _ingested(w: SimpleNamespace, out: Path) -> None:
+    """`data.ingest` of the test corpus into `out` (its manifest lists the domains it wrote)."""
+    from data.ingest import ingest
+
+    ingest(w.corpus, out)
 
 
 def _check(w, d) -> list[str]:
@@ -531,6 +549,25 @@ CASES: list[Case] = [
          setup=_tokens(lambda r: (r / "sailing/test.idx").write_bytes(b""))),
     Case("launch-token-valid-idx-truncated", 5, LAUNCH, _launch_tokens("--resume", "never"), "cooking/valid.idx has",
          setup=_tokens(_truncate("cooking/valid.idx", 0.5))),
+    # ---- class 5, ingest and prepare: a corpus whose files do not match what is read (their own checks: data/ingest.py
+    # `read_text_dir` reports what it cannot read, data/prepare.py `_corpus_files` checks the domains before any work)
+    Case("ingest-domain-folder-dangling-symlink", 5, INGEST, _ingest("src", "--on-error", "fail"),
+         "unreadable_domain (a dangling symbolic link", rule=0,
+         setup=lambda w, d: [_text_domain(d / "src" / "news"), (d / "src" / "sport").symlink_to(d / "gone")]),
+    Case("ingest-txt-dangling-symlink", 5, INGEST, _ingest("src", "--on-error", "fail"), "unreadable_file", rule=0,
+         setup=lambda w, d: [_text_domain(d / "src" / "news"), (d / "src" / "news" / "b.txt").symlink_to(d / "gone")]),
+    Case("ingest-txt-is-a-folder", 5, INGEST, _ingest("src", "--on-error", "fail"), "unreadable_file", rule=0,
+         setup=lambda w, d: [_text_domain(d / "src" / "news"), (d / "src" / "news" / "b.txt").mkdir()]),
+    Case("prepare-domains-differ-in-case", 5, PREPARE, _prepare("corpus"), "name domains that differ only in case",
+         rule=0, setup=lambda w, d: [shutil.copytree(w.corpus, d / "corpus"),
+                                     shutil.copyfile(d / "corpus/cooking.jsonl", d / "corpus/Cooking.jsonl")]),
+    Case("prepare-domain-file-bad-name", 5, PREPARE, _prepare("corpus"), "my news.jsonl: 'my news': a domain name",
+         rule=0, setup=lambda w, d: [shutil.copytree(w.corpus, d / "corpus"),
+                                     shutil.copyfile(d / "corpus/cooking.jsonl", d / "corpus/my news.jsonl")]),
+    Case("prepare-file-not-in-ingest-manifest", 5, PREPARE, _prepare("ing"), "stale.jsonl not listed in", rule=0,
+         setup=lambda w, d: [_ingested(w, d / "ing"), shutil.copyfile(d / "ing/cooking.jsonl", d / "ing/stale.jsonl")]),
+    Case("prepare-ingest-manifest-file-missing", 5, PREPARE, _prepare("ing"), "sailing.jsonl is missing", rule=0,
+         setup=lambda w, d: [_ingested(w, d / "ing"), (d / "ing/sailing.jsonl").unlink()]),
     # ---- class 6: YAML that escapes as a traceback or never returns; JSON of the wrong shape
     Case("launch-set-unclosed-list", 6, LAUNCH, _launch(**{"train.steps": "[1"}),
          "--set 'train.steps=[1' is not valid YAML"),
