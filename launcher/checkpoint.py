@@ -17,6 +17,7 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 from data.atomic import commit_dir, staged_dir, write_json_atomic
 from data.cli import check_output_dir, read_manifest_format
 from data.readers import InputFileError, check_shape, read_json_object
+from data.tokenizer import sha256_file
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict, to_dict
@@ -90,12 +92,52 @@ def expert_shard_name(expert: int) -> str:
     return f"experts/expert_{expert:04d}.pt"
 
 
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+class _HashingWriter:
+    """A file that hashes (sha256) what torch.save writes into it, so a checksum costs no second read."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_hashed(obj: Any, path: Path) -> str:
+    """torch.save `obj` to `path`; return the file's sha256 (hex), computed while writing. Through a Python file,
+    not the path: torch's C++ writer loses the errno of a failed write ("unexpected pos"), a Python file raises the
+    OSError (ENOSPC: data/atomic.py turns it into "no space left on device ...")."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # through a Python file, not the path: torch's C++ writer loses the errno of a failed write ("unexpected pos"),
-    # a Python file raises the OSError (ENOSPC: data/atomic.py turns it into "no space left on device ...")
     with open(path, "wb") as f:
-        torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, f)
+        out = _HashingWriter(f)
+        torch.save(obj, out)
+    return out.sha.hexdigest()
+
+
+# While a consolidated checkpoint is built (by several ranks: each expert's shard by its group's first rank), each
+# shard's sha256 waits beside it in `<shard>.sha256`; `_write_meta` gathers them into meta.json's "sha256".
+SUM_SUFFIX = ".sha256"
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    digest = save_hashed({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
+    path.with_name(path.name + SUM_SUFFIX).write_text(digest + "\n")
+
+
+def verified_file(root: Path, meta: dict[str, Any], rel: str) -> Path:
+    """`root/rel` after checking its bytes against the sha256 that `root/meta.json` recorded when the checkpoint
+    was written (one read of the file; checkpoints written before checksums were recorded pass unchecked)."""
+    path = root / rel
+    sums = meta.get("sha256")
+    want = sums.get(rel) if isinstance(sums, dict) else None
+    if isinstance(want, str) and path.is_file() and sha256_file(path) != want:
+        raise CheckpointError(f"{path} does not match the sha256 that {root / 'meta.json'} recorded when it was "
+                              "written: its bytes changed afterwards (a damaged copy or disk); restore it from a copy, "
+                              "or write the checkpoint again (a run's model/: python -m launcher.zero_to_fp32 RUN_DIR)")
+    return path
 
 
 def write_shared_shard(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -135,6 +177,11 @@ def _write_meta(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step
     missing = [f for f in [SHARED_FILE, *experts.values()] if not (tmp / f).is_file()]
     if missing:
         raise CheckpointError(f"consolidated checkpoint {final} is missing shards {missing}")
+    sums = {}
+    for rel in [SHARED_FILE, *experts.values()]:  # a shard copied from another checkpoint has no sum beside it
+        side = tmp / (rel + SUM_SUFFIX)
+        sums[rel] = side.read_text().strip() if side.is_file() else sha256_file(tmp / rel)
+        side.unlink(missing_ok=True)
     meta = {
         "format": CONSOLIDATED_FORMAT,
         "step": step,
@@ -143,6 +190,7 @@ def _write_meta(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step
         "shards": {"shared": SHARED_FILE, "experts": experts},
         "config": to_dict(cfg),
         **(extra or {}),
+        "sha256": sums,  # of every shard, checked by every load (`verified_file`)
     }
     write_json_atomic(tmp / "meta.json", meta)
 
@@ -221,7 +269,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
     meta = _read_meta(root)
     cfg = from_dict(RunConfig, meta["config"], source=str(root / "meta.json"))
     want = None if experts is None else {int(e) for e in experts}
-    state = load_weights_only(root / SHARED_FILE)
+    state = load_weights_only(verified_file(root, meta, SHARED_FILE))
     if want is not None:  # format 1 keeps experts in the shared file
         state = {k: v for k, v in state.items() if expert_of_key(k) is None or expert_of_key(k) in want}
     for e, rel in meta.get("shards", {}).get("experts", {}).items():
@@ -229,7 +277,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
             continue
         if not (root / rel).is_file():
             raise CheckpointError(f"{root}: expert shard {rel} listed in meta.json is missing")
-        state.update(load_weights_only(root / rel))
+        state.update(load_weights_only(verified_file(root, meta, rel)))
     return Consolidated(cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta)
 
 
@@ -241,7 +289,7 @@ def copy_expert_shards(src: str | Path, experts: Iterable[int], tmp: Path) -> No
     for e in experts:
         if str(e) in index:
             (tmp / expert_shard_name(e)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(root / index[str(e)], tmp / expert_shard_name(e))
+            shutil.copyfile(verified_file(root, meta, index[str(e)]), tmp / expert_shard_name(e))
         else:
             _, by_expert = split_by_expert(load_consolidated(root, experts=[e]).state_dict)
             write_expert_shard(tmp, e, by_expert.get(e, {}))

@@ -34,7 +34,7 @@ from data.atomic import atomic_path, commit_dir, discard_on_failure, write_json_
 from data.readers import InputFileError, check_shape, read_json_object
 from data.tokenizer import sha256_file
 from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
-                                 load_weights_only, write_expert_shard, write_shared_shard)
+                                 load_weights_only, save_hashed, write_expert_shard, write_shared_shard)
 from launcher.config import ConfigError, RunConfig
 from launcher.distributed import training_device
 from launcher.ffn_kinds import ffn_kind
@@ -263,30 +263,6 @@ def layout_changes(ckpt: Path, plan: Plan) -> list[str]:
     return out
 
 
-class _HashingWriter:
-    """A file that hashes (sha256) what torch.save writes into it, so a state's checksums cost no second read."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _save(obj: Any, path: Path) -> str:
-    """torch.save `obj` to `path`; return the file's sha256 (hex), computed while writing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        out = _HashingWriter(f)
-        torch.save(obj, out)
-    return out.sha.hexdigest()
-
-
-
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -316,7 +292,7 @@ class _BackgroundWrites:
     def save(self, obj: Any, path: Path, nbytes: int) -> None:
         while self.pending and self.waiting + nbytes > self.budget:
             self._finish_oldest()
-        self.pending.append((self.pool.submit(_save, obj, path), nbytes, path))
+        self.pending.append((self.pool.submit(save_hashed, obj, path), nbytes, path))
         self.waiting += nbytes
 
     def _finish_oldest(self) -> None:
@@ -428,10 +404,10 @@ def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> dic
     engine, c = bundle.engine, plan.cfg
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     optim, index = out / "zero" / "optimizer_state.pt", out / "mp_rank_00_model_states.pt"
-    digests = {optim: _save({"param_groups": groups, "ds_version": deepspeed.__version__,
+    digests = {optim: save_hashed({"param_groups": groups, "ds_version": deepspeed.__version__,
                              "dynamic_loss_scale": c.train.precision == "fp16", "overflow": False,
                              "clip_grad": c.train.clip_grad}, optim)}
-    digests[index] = _save({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
+    digests[index] = save_hashed({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
            "dp_world_size": plan.topo.dp_size, "mp_world_size": plan.topo.tensor_parallel, "global_steps": step,
            "global_samples": step * c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size, "skipped_steps": 0,
            "lr_scheduler": bundle.scheduler.state_dict()}, index)
@@ -458,7 +434,7 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     with discard_on_failure(final, *([tmp] if rank == 0 else [])):
         written, digests = _write_param_states(tmp / "zero", bundle, plan, rank, device)
         rng = tmp / "rng" / f"rank{rank:05d}.pt"
-        digests[rng] = _save(_rng_state(), rng)
+        digests[rng] = save_hashed(_rng_state(), rng)
         by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
         by_rank[rank] = sum(written.values())
         dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
@@ -467,7 +443,7 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             params = {n for n, _ in model.named_parameters()}
             buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
                        if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
-            digests[tmp / "trainer.pt"] = _save(
+            digests[tmp / "trainer.pt"] = save_hashed(
                 {"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
                  "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
                 tmp / "trainer.pt")

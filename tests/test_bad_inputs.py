@@ -173,6 +173,12 @@ def _state_for(**sets: str):
     return setup
 
 
+def _drop_sums(ckpt: Path) -> None:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta.pop("sha256", None)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
 def _bad_ckpt(edit) -> Callable:
     def setup(w, d):
         edit(_copytree(w.ckpt, d / "ckpt"))
@@ -309,7 +315,10 @@ CASES: list[Case] = [
          lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")], "expert_0001.pt",
          setup=_bad_ckpt(lambda c: (c / "experts" / "expert_0001.pt").unlink())),
     Case("eval-truncated-model", EVAL, lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
-         "cannot be read as weights", setup=_bad_ckpt(lambda c: _truncate(c / "model.pt", 100))),
+         "does not match the sha256", setup=_bad_ckpt(lambda c: _truncate(c / "model.pt", 100))),
+    Case("eval-truncated-model-without-checksums", EVAL,  # a checkpoint written before shards had checksums
+         lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")], "cannot be read as weights",
+         setup=_bad_ckpt(lambda c: [_truncate(c / "model.pt", 100), _drop_sums(c)])),
     Case("eval-unknown-mode", EVAL, lambda w, d: [str(w.ckpt), "--modes", "naive,best"], "unknown modes"),
     # ---- launcher.modular.experts
     Case("experts-remove-over-input", EXPERTS, lambda w, d: ["remove", str(d / "ckpt"), "--experts", "cooking",
@@ -441,6 +450,7 @@ def test_a_malicious_pickle_is_refused_by_every_loader(which, world, tmp_path):
 
     marker = tmp_path / "pwned"
     ckpt = _copytree(world.ckpt, tmp_path / "ckpt")
+    _drop_sums(ckpt)  # whoever can plant a file can edit meta.json: the weights-only load must refuse it alone
     state = _fake_state(tmp_path / "run", 2, world.plan)
     if which == "consolidated-model":
         _plant(ckpt / "model.pt", marker)

@@ -167,8 +167,55 @@ def test_a_damaged_checksum_table_is_damage(two_states, tmp_path):
 
 def test_hashing_writer_gives_the_sha256_file(tmp_path):
     from data.tokenizer import sha256_file
-    from launcher.state import _save
+    from launcher.checkpoint import save_hashed
 
-    digest = _save({"x": torch.arange(1000)}, tmp_path / "a" / "t.pt")
+    digest = save_hashed({"x": torch.arange(1000)}, tmp_path / "a" / "t.pt")
     assert digest == sha256_file(tmp_path / "a" / "t.pt")
     assert torch.equal(torch.load(tmp_path / "a" / "t.pt", weights_only=True)["x"], torch.arange(1000))
+
+
+# ---------------------------------------------------------------- consolidated checkpoints (model/, exports)
+
+def test_a_consolidated_export_records_the_checksum_of_every_shard(two_states):
+    """The run's model/ (expert shards written by each domain group's first rank, the rest by rank 0): meta.json's
+    sha256 covers every shard, as written; the per-shard sums that waited beside them are gone."""
+    from data.tokenizer import sha256_file
+
+    model = two_states[0] / "model"
+    meta = json.loads((model / "meta.json").read_text())
+    files = [meta["shards"]["shared"], *meta["shards"]["experts"].values()]
+    assert len(files) == 3 and meta["sha256"] == {rel: sha256_file(model / rel) for rel in files}
+    assert not list(model.rglob("*.sha256"))
+
+
+@pytest.mark.parametrize("victim", ["model.pt", "experts/expert_0001.pt"])
+def test_a_consolidated_checkpoint_changed_in_place_is_refused_by_every_reader(two_states, tiny_tokens, tmp_path,
+                                                                               victim, capsys):
+    """Bytes of one shard changed in place (same size): loading names the file and the recorded checksum; a tool
+    (evaluate) says so in one line with exit status 2; copying the expert into a new checkpoint refuses it too.
+    The control: without the recorded sums the same damage loads without a word (or fails elsewhere)."""
+    from launcher.checkpoint import CheckpointError, copy_expert_shards, load_consolidated
+    from launcher.evaluation.evaluate import main as evaluate
+
+    model = tmp_path / "model"
+    shutil.copytree(two_states[0] / "model", model)
+    load_consolidated(model)  # intact
+    _overwrite_in_place(model / victim, offset=(model / victim).stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=f"{victim} does not match the sha256"):
+        load_consolidated(model)
+    assert evaluate([str(model), "--data", str(tiny_tokens), "--max-blocks", "1", "--modes", "naive",
+                     "--out", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the sha256" in err and "Traceback" not in err and not (tmp_path / "eval").exists()
+    if victim.startswith("experts/"):
+        with pytest.raises(CheckpointError, match="does not match the sha256"):
+            copy_expert_shards(model, [1], tmp_path / "new")
+    meta = json.loads((model / "meta.json").read_text())
+    del meta["sha256"]
+    (model / "meta.json").write_text(json.dumps(meta))
+    try:
+        load_consolidated(model)
+        outcome = "loaded"
+    except CheckpointError as e:
+        outcome = str(e)
+    assert "does not match the sha256" not in outcome

@@ -118,17 +118,18 @@ def _save_and_record(rank: int, world: int, sets: list[str], run_dir: str) -> di
     trainer = Trainer.setup(plan, Path(run_dir), resume="never")
     train_step(trainer.bundle, plan.cfg, trainer.batches(0), len(plan.catalog.train_domains))
     mine: dict[str, int] = {}
-    real = state._save
+    real = state.save_hashed
 
-    def recording(obj, path: Path) -> None:
-        real(obj, path)
+    def recording(obj, path: Path) -> str:
+        digest = real(obj, path)
         mine[str(Path(path).relative_to(Path(run_dir) / "checkpoints" / ".step_00000001.tmp"))] = Path(path).stat().st_size
+        return digest
 
-    state._save = recording
+    state.save_hashed = recording
     try:
         state.save_training_state(Path(run_dir), 1, trainer.bundle, plan, rank)
     finally:
-        state._save = real
+        state.save_hashed = real
     return mine
 
 
