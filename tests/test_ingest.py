@@ -145,3 +145,28 @@ def test_a_domain_that_is_not_a_string_is_a_problem_not_a_domain(tmp_path):
     assert report.problems.counts["domain_not_string"] == 5
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".jsonl") == ["news.jsonl"]
     assert "in.jsonl:2: domain_not_string ('domain' is true)" in str(report.problems.first[0])
+
+
+def test_a_second_ingest_into_the_same_folder_leaves_only_what_its_manifest_lists(tmp_path):
+    """Ingest is published whole (data/atomic.py `staged_dir`): the domains of an earlier ingest into the same --out
+    are gone, so prepare never tokenises them (prepare also refuses a .jsonl its manifest does not list)."""
+    first, second, out = tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "out"
+    first.write_text("".join(json.dumps(r) + "\n" for r in GOOD))
+    second.write_text(json.dumps(GOOD[0]) + "\n")
+    ingest(first, out, **FIELDS)
+    assert sorted(p.name for p in out.iterdir()) == ["biomed.jsonl", "code.jsonl", "manifest.json", "news.jsonl"]
+    ingest(second, out, **FIELDS)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "news.jsonl"]
+    assert list(json.loads((out / "manifest.json").read_text())["domains"]) == ["news"]
+
+
+def test_unreadable_domain_folders_and_files_are_problems_not_silence(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "news").mkdir(parents=True)
+    (root / "news" / "a.txt").write_text("A readable document.")
+    (root / "news" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (root / "sport").symlink_to(tmp_path / "no-such-folder")
+    report = ingest(root, tmp_path / "out", on_error="skip")
+    assert report.documents == {"news": 1}
+    assert dict(report.problems.counts) == {"unreadable_domain": 1, "unreadable_file": 1}
+    assert "dangling symbolic link" in str(report.problems.first[0]) or "dangling symbolic link" in str(report.problems.first[1])
