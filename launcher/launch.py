@@ -30,7 +30,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -317,8 +316,6 @@ def run_runner(cmd: list[str], env: dict[str, str]) -> int:
     environment and working directory the subprocess would have had; return its exit status. DeepSpeed's runner
     only parses its arguments, starts the per-node launcher (or pdsh/mpirun/srun) as a subprocess and waits: run in
     this process it saves one interpreter start that imports torch and DeepSpeed (~2.5 s a launch on 2 cores)."""
-    if cmd[1:3] != ["-m", "deepspeed.launcher.runner"]:
-        return subprocess.call(cmd, env=env, cwd=REPO_ROOT)
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # pdsh's runner sets them
     os.environ.clear()

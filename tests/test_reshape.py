@@ -19,7 +19,7 @@ import torch
 
 from launcher.metrics import read_metrics
 from tests.multirank import run_ranks
-from tests.test_train import _launch, _overrides, reference_run
+from tests.test_train import _launch, _overrides, _train_ranks, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +38,9 @@ def _lift_fp16_guard() -> None:
 
 
 def _train(rank: int, world: int, sets: list[str], run_dir: str) -> None:
-    from launcher.config import load_run_config
-
     if "train.precision=fp16" in sets:
         _lift_fp16_guard()
-    from launcher.plan import make_plan
-    from launcher.train import train
-
-    train(make_plan(load_run_config(None, sets, check=False), world), Path(run_dir), resume="never")
+    _train_ranks(rank, world, sets, run_dir)
 
 
 def _load_and_save_again(rank: int, world: int, sets: list[str], run_dir: str, out_dir: str) -> int:

@@ -37,8 +37,9 @@ def _launch(args: list[str], env_extra: dict | None = None, check: bool = True) 
 
 
 def _train_ranks(rank: int, world: int, args: list[str], run_dir: str) -> None:
-    """The trainer on `world` ranks forked by tests/multirank.py, with the launcher's `--set` overrides: the
-    uninterrupted reference a launched run is compared with (the same `train`, without the launcher's start-up)."""
+    """The trainer on `world` ranks forked by tests/multirank.py, with overrides as the launcher takes them (`--set`
+    pairs) or plain: the uninterrupted reference a launched run is compared with (the same `train`, without the
+    launcher's start-up)."""
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import train
