@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     from benchmarks.machine import OtherLoad, machine_info
-    from data.prepare import ThreadEncoder, make_pool, tokenize_documents
+    from benchmarks.encoders import ThreadEncoder, make_pool, tokenize_documents
     from data.tokenizer import TokenizerSpec, load_tokenizer
 
     machine = machine_info()  # loadavg_1m: the load when the run starts
@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
         the tokenizer's kept threads with encodings of their own): what sharing one tiktoken encoding costs."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from data.prepare import THREAD_CHUNK_CHARS, _chunks, encode_concat
+        from benchmarks.encoders import THREAD_CHUNK_CHARS, _chunks, encode_concat
 
         with ThreadPoolExecutor(a.workers) as ex:
             parts = ex.map(lambda c: encode_concat(tok, c, "uint16"), _chunks(texts, THREAD_CHUNK_CHARS))

@@ -324,7 +324,7 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
 
     from data.catalog import load_catalog
     from data.blocks import open_indexed, split_prefix
-    from data.prepare import _write_indexed
+    from data.indexed import write_indexed as _write_indexed
     from data.tokenizer import load_prepared_tokenizer
 
     cat = load_catalog(tokens_root, tokenizer, domains)

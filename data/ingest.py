@@ -115,8 +115,10 @@ def check_on_error(on_error: str) -> None:
 
 def _parse_line(
     raw: bytes, path: str, lineno: int, text_field: str, domain_field: str, id_field: str,
-    domains: Optional[frozenset[str]], default_domain: Optional[str],
+    domains: Optional[frozenset[str]], default_domain: Optional[str], fallback_id: Optional[str] = None,
 ) -> Union[Document, Problem]:
+    """One JSONL line as a Document, or the Problem that keeps it out. A record without an id gets `fallback_id`,
+    by default "<file name>:<line>"."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -149,7 +151,9 @@ def _parse_line(
     if domains is not None and domain not in domains:
         return Problem(path, lineno, "unknown_domain", f"{domain!r} not in {sorted(domains)}")
     doc_id = obj.get(id_field)
-    return Document(str(doc_id) if doc_id is not None else f"{Path(path).name}:{lineno}", domain, text, path, lineno)
+    if doc_id is None:
+        doc_id = fallback_id if fallback_id is not None else f"{Path(path).name}:{lineno}"
+    return Document(str(doc_id), domain, text, path, lineno)
 
 
 def read_jsonl(

@@ -1,44 +1,56 @@
-"""Per-domain JSONL -> anonymised, split, tokenised megatron-core indexed datasets, with a manifest.
+"""Per-domain JSONL -> anonymised, split, tokenised megatron-core indexed datasets, with a manifest, streamed.
 
     python -m data.prepare --corpus artifacts/demo/corpus --out artifacts/demo/tokens [--tokenizer gpt2]
-        [--workers 2] [--seed 1234] [--valid-fraction 0.05] [--test-fraction 0.05] [--domains a,b]
-        [--anonymise-off code | --no-anonymise] [--sp-vocab-size 8192] [--on-error skip|fail] [--force]
+        [--workers N (default: every core)] [--seed 1234] [--valid-fraction 0.05] [--test-fraction 0.05]
+        [--domains a,b] [--anonymise-off code | --no-anonymise] [--sp-vocab-size 8192] [--on-error skip|fail]
+        [--num-shards N --shard-index I | --merge] [--chunk-mb 64] [--force]
 
-Input: `<corpus>/<domain>.jsonl` ({"id", "domain", "text"} per line, as `data.ingest` and the demo fetcher
-write) and optionally `<corpus>/manifest.json`. Lines are validated as in ingestion (file:line problems;
-`on_error="fail"` raises before anything expensive, `"skip"` counts them in the manifest).
+Input: `<corpus>/<domain>.jsonl` ({"id", "domain", "text"} per line, as `data.ingest` writes) and optionally
+`<corpus>/manifest.json`. Lines are validated as in ingestion (file:line problems; `on_error="fail"` checks every
+line and raises before anything is encoded, `"skip"` counts them in the manifest).
+
+How (data/chunks.py): every domain file is cut at line boundaries into chunks of `--chunk-mb`; worker processes
+(`--workers`) each prepare whole chunks (read, validate, split, anonymise, encode, write the chunk's parts), so no
+text crosses between processes and each holds one small batch: the memory of a run does not grow with the corpus.
+A finished chunk leaves its record in `<out>/<tokenizer>.parts/`; a killed run, started again with the same
+arguments, redoes only the chunks without one. `--num-shards N --shard-index I` prepares every N-th chunk from
+the I-th (one process, node or SLURM array task per shard, on a file system they share), and `--merge` (or a run
+without `--num-shards`) then writes the final files: each split's parts concatenated in chunk order
+(data/indexed.py), byte for byte what one process writes. Splits are document level and deterministic
+(data/chunks.py: exact per-domain permutation for a domain file up to one chunk, a seeded hash of the document id
+for larger ones). Sentencepiece is trained first, on a bounded sample (`sentencepiece_sample`).
 
 Output layout (DataConfig.path = <out>; DataConfig.tokenizer picks the sub-directory):
 
     <out>/<tokenizer>/manifest.json              what, from what, how (see below)
     <out>/<tokenizer>/<domain>/<split>.bin/.idx  split in train | valid | test; one megatron-core sequence and
                                                  one document per corpus document, [bos] + tokens
+    <out>/<tokenizer>/<domain>/token_counts.npy  int64 (3, vocabulary): occurrences of each token id per split
+                                                 (train, valid, test) in the .bin files: the unigram baseline's fit
     <out>/sentencepiece/tokenizer.model          the trained sentencepiece model (tokenizer="sentencepiece")
 
-Token dtype: uint16 when the vocabulary (domain tokens included) is below 65,536, else int32. Splits are
-document-level and deterministic: per domain, a permutation seeded by (seed, crc32(domain)) puts the first
-round(n * test_fraction) documents in test, the next round(n * valid_fraction) in valid, the rest in train
-(at least one each when the fraction is > 0 and n >= 3); each split keeps corpus order.
+Token dtype: uint16 when the vocabulary (domain tokens included) is below 65,536, else int32.
 
 The manifest ties the token files to their tokenizer (name, vocab size, bos id, sha256 of its vocabulary files),
-the corpus (sha256 of manifest.json and of every JSONL file), the split seed and fractions, the anonymisation
-policy and counts, the problems, and per domain and split the documents, tokens (bos included), bytes and sha256
-of each .bin. Re-running with the same inputs and settings finds the same `inputs_sha256` and existing files of
-the recorded sizes and skips all work (`force=True` redoes it). The whole corpus is held in memory while it is
-processed (fine for the demo's ~140 MB; a larger corpus would stream per domain).
+the corpus (sha256 of manifest.json and of every JSONL file), the split seed, fractions and chunk size, the
+anonymisation policy and counts, the problems, and per domain and split the documents, tokens (bos included),
+bytes and sha256 of each .bin. Re-running with the same settings on corpus files of the same size and
+modification time (`plan_key`) finds the files of the recorded sizes and skips all work (`force=True` redoes it).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
-import multiprocessing as mp
+import os
+import shutil
 import sys
+import threading
 import time
-import warnings
-import zlib
-from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -46,21 +58,27 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 from tqdm import tqdm
 
+from data.anonymise import AnonymisePolicy, add_counts, parse_policy_args, resolve_policy
+from data.argtypes import in_range, nonneg_int, positive_float, positive_int, random_seed, unit_right_open
+from data import atomic
 from data.atomic import staged_dir, write_json_atomic
-from data.anonymise import AnonymisePolicy, add_counts, anonymise_many, parse_policy_args, resolve_policy
 from data.blocks import SPLITS
-from data.ingest import MANIFEST_FORMAT as INGEST_FORMAT
-from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, domain_name_problem, read_jsonl
-from data.tokenizer import (
-    SP_MODEL_FILE, GPT2Tokenizer, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece,
+from data.chunks import (
+    CHUNK_BYTES, Chunk, ChunkJob, absolute_problems, check_chunk, plan_chunks, prepare_chunk, read_record,
+    sentencepiece_sample, split_documents, split_texts,
 )
-from data.argtypes import in_range, positive_int, random_seed, unit_right_open
 from data.cli import check_output_dir, cli_main, exit_process
+from data.indexed import merge_domains
+from data.ingest import MANIFEST_FORMAT as INGEST_FORMAT
+from data.ingest import CorpusError, Problem, ProblemLog, check_on_error, domain_name_problem
 from data.readers import InputFileError, read_json_object
+from data.tokenizer import SP_MODEL_FILE, Tokenizer, TokenizerSpec, load_tokenizer, sha256_file, train_sentencepiece
 
 FORMAT = "demix-tokens/1"
-CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
-THREAD_CHUNK_CHARS = 1 << 17  # text per encoding-thread task: no pickling, so smaller: less idle time at the end
+PARTS_FORMAT = "demix-token-parts/1"
+PROCESS_MIN_BYTES = 8 << 20  # less input than this is prepared in this process: starting workers would cost more
+
+__all__ = ["prepare_corpus", "split_documents", "split_texts", "PrepareResult", "main"]
 
 
 @dataclass
@@ -69,164 +87,15 @@ class PrepareResult:
     manifest: dict
     skipped: bool
     stats: dict = field(default_factory=dict)
+    merged: bool = True  # False for a shard run (--num-shards without --merge): the parts are written, not merged
 
 
-# ---------------------------------------------------------------- worker side (light imports only) ----------
-
-def _anonymise_chunk(texts: list[str]) -> tuple[list[str], dict[str, int]]:
-    return anonymise_many(texts)
-
-
-def _encode_chunk(task: tuple[TokenizerSpec, list[str], str]) -> list[np.ndarray]:
-    spec, texts, dtype = task
-    tok = spec.load()  # cached per process
-    out = []
-    for ids in tok.encode_batch(texts):
-        arr = np.empty(len(ids) + 1, dtype=dtype)
-        arr[0] = tok.bos_id
-        arr[1:] = ids
-        out.append(arr)
-    return out
+def available_cores() -> int:
+    """The cores this process may run on (the CPU affinity where the OS has one: a SLURM task's allocation)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def encode_concat(tok: Tokenizer, texts: Sequence[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """[bos] + ids of every text, concatenated into one array of `dtype`, and each document's length (bos
-    included): one allocation per chunk instead of one array per document. With a tokenizer that has
-    `encode_array` (GPT-2) the encoding releases the GIL, so threads run it in parallel."""
-    encode = getattr(tok, "encode_array", None)
-    if encode is not None:
-        parts = [encode(t) for t in texts]
-    else:
-        parts = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(list(texts))]
-    lengths = np.fromiter((len(a) + 1 for a in parts), dtype=np.int64, count=len(parts))
-    out = np.empty(int(lengths.sum()), dtype=dtype)
-    starts = np.cumsum(lengths) - lengths
-    out[starts] = tok.bos_id
-    pos = 1
-    for a, n in zip(parts, lengths.tolist()):
-        out[pos:pos + n - 1] = a
-        pos += n
-    return out, lengths
-
-
-class ThreadEncoder:
-    """GPT-2 encoding on `workers` threads that starts while the corpus is still being read.
-
-    `add(domain, text)` queues a document; every THREAD_CHUNK_CHARS of text becomes one `encode_concat` task on
-    the thread pool (tiktoken releases the GIL while it encodes, so the threads run on separate cores while this
-    thread goes on parsing JSON). `end(domain)` queues the domain's last partial chunk. `results(domain)` yields
-    the (flat, lengths) of the domain's chunks in document order as they finish. The threads are the tokenizer's
-    `encoding_threads` (kept for the process, each with an encoding of its own, which saves the 15-20% more CPU that
-    threads sharing one encoding spend; see there). The queue is not bounded: the
-    texts are in memory already, and a finished chunk's tokens (2 bytes per ~4 characters) are written and
-    dropped as soon as its turn comes. `close()` cancels what has not started (an error, a raise in the caller)."""
-
-    def __init__(self, tok: GPT2Tokenizer, dtype: str, workers: int, chunk_chars: int = 0):
-        self.tok, self.dtype = tok, dtype
-        self.chunk_chars = chunk_chars or THREAD_CHUNK_CHARS
-        self._ex = tok.encoding_threads(max(1, workers))  # kept for the process: not shut down here
-        self._futures: dict[str, deque] = {}
-        self._batch: dict[str, tuple[list[str], int]] = {}
-
-    def add(self, domain: str, text: str) -> None:
-        batch, size = self._batch.get(domain) or ([], 0)
-        batch.append(text)
-        size += len(text)
-        if size >= self.chunk_chars:
-            self._submit(domain, batch)
-            batch, size = [], 0
-        self._batch[domain] = (batch, size)
-
-    def end(self, domain: str) -> None:
-        batch, _ = self._batch.pop(domain, ([], 0))
-        self._futures.setdefault(domain, deque())
-        if batch:
-            self._submit(domain, batch)
-
-    def feed(self, domain: str, texts: Iterable[str]) -> None:
-        for t in texts:
-            self.add(domain, t)
-        self.end(domain)
-
-    def __contains__(self, domain: str) -> bool:
-        return domain in self._futures
-
-    def results(self, domain: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        futures = self._futures[domain]
-        while futures:
-            yield futures.popleft().result()
-
-    def close(self) -> None:
-        """Cancel the chunks not started and wait for the running ones (the threads are the tokenizer's, kept)."""
-        from concurrent.futures import wait
-
-        pending = [f for q in self._futures.values() for f in q if not f.cancel()]
-        self._futures.clear()
-        wait(pending)
-
-    def _submit(self, domain: str, batch: list[str]) -> None:
-        self._futures.setdefault(domain, deque()).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
-
-
-def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
-    batch, size = [], 0
-    for t in texts:
-        batch.append(t)
-        size += len(t)
-        if size >= chunk_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _warm(spec: Optional[TokenizerSpec]) -> None:
-    if spec is not None:
-        spec.load()
-
-
-def make_pool(workers: int, warm: Optional[TokenizerSpec] = None):
-    """A process pool that does not fork this (possibly torch-threaded) process: forkserver where available.
-    `warm` loads that tokenizer in every worker at start-up, off the clock of the first tasks."""
-    if workers <= 1:
-        return None
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers, initializer=_warm, initargs=(warm,))
-
-
-def tokenize_documents(
-    texts: Sequence[str], spec: TokenizerSpec, dtype: str, pool=None, chunk_chars: int = CHUNK_CHARS,
-    progress: Optional[tqdm] = None,
-) -> Iterator[np.ndarray]:
-    """[bos] + ids for every text, in order, encoded by `pool` (or in this process when None)."""
-    tasks = ((spec, c, dtype) for c in _chunks(texts, chunk_chars))
-    results = pool.imap(_encode_chunk, tasks) if pool is not None else map(_encode_chunk, tasks)
-    for arrays in results:
-        if progress is not None:
-            progress.update(len(arrays))
-        yield from arrays
-
-
-# ---------------------------------------------------------------- splitting, hashing, reading ----------------
-
-def split_documents(n: int, domain: str, seed: int, valid_fraction: float, test_fraction: float) -> np.ndarray:
-    """Split index per document (0 train, 1 valid, 2 test); see the module docstring."""
-    def count(fraction: float) -> int:
-        k = int(round(n * fraction))
-        return max(k, 1) if fraction > 0 and n >= 3 else k
-
-    n_test, n_valid = count(test_fraction), count(valid_fraction)
-    while n_test + n_valid > max(n - 1, 0) and n_test + n_valid > 0:  # keep at least one training document
-        if n_valid >= n_test:
-            n_valid -= 1
-        else:
-            n_test -= 1
-    perm = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(domain.encode())])).permutation(n)
-    split = np.zeros(n, dtype=np.int8)
-    split[perm[:n_test]] = 2
-    split[perm[n_test:n_test + n_valid]] = 1
-    return split
-
+# ---------------------------------------------------------------- the corpus ----------------------------------
 
 def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[str, Path]:
     """`<domain>.jsonl` of the corpus by domain, checked before any work: every file a valid domain name, no two
@@ -262,28 +131,6 @@ def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[st
     return {d: found[d] for d in domains}
 
 
-def _read_domains(files: dict[str, Path], on_error: str, keep: int, sink: Optional[ThreadEncoder] = None,
-                  stream: Sequence[str] = ()) -> tuple[dict[str, list[str]], ProblemLog]:
-    """Validated texts per domain; with on_error="fail" every file is checked before returning or raising. The
-    texts of the domains in `stream` also go to `sink` as they are read (`sink.end` after each)."""
-    log, texts = ProblemLog(keep), {}
-    for domain, path in files.items():
-        texts[domain] = kept = []
-        streamed = sink is not None and domain in stream
-        for r in read_jsonl(path, domains=[domain], default_domain=domain):
-            if isinstance(r, Problem):
-                log.add(r)
-            else:
-                kept.append(r.text)
-                if streamed:
-                    sink.add(domain, r.text)
-        if streamed:
-            sink.end(domain)
-    if on_error == "fail" and log.total:
-        raise CorpusError(log, str(next(iter(files.values())).parent))
-    return texts, log
-
-
 def _ingested_domains(corpus_manifest: Path) -> Optional[list[str]]:
     """The domains data.ingest's manifest lists, or None where there is no such manifest (a corpus written by
     hand)."""
@@ -313,44 +160,200 @@ def _fingerprint(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _up_to_date(tok_dir: Path, inputs_sha256: str) -> Optional[dict]:
+# ---------------------------------------------------------------- the parts directory -------------------------
+
+def _parts_dir(out_dir: Path, tokenizer: str) -> Path:
+    return out_dir / f"{tokenizer}.parts"
+
+
+def _open_parts(parts: Path, plan: dict, fresh: bool) -> None:
+    """Make `parts` hold this plan's work: kept when its plan.json is this plan's (a resumed run, another shard),
+    emptied when it is another plan's (changed inputs or settings) or `fresh`; a folder without our plan.json is
+    someone else's and refused."""
+    record = parts / "plan.json"
+    if parts.exists():
+        try:
+            old = json.loads(record.read_text())
+        except (OSError, ValueError):
+            old = None
+        if not isinstance(old, dict) or old.get("format") != PARTS_FORMAT:
+            if any(parts.iterdir()):
+                raise ValueError(f"{parts} exists and was not written by data.prepare (no {record.name} of format "
+                                 f"{PARTS_FORMAT}): move it away")
+        elif old.get("plan_key") == plan["plan_key"] and not fresh:
+            return
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(record, plan)
+
+
+@contextmanager
+def _parts_kept_on_progress(parts: Path, final: Path) -> Iterator[None]:
+    """On a failure (Ctrl-C included), keep the parts folder when a chunk finished (the same command then resumes
+    after it, and says so now); when none did, the shared rule (data/atomic.py `discard_on_failure`) removes it and
+    the folders made for it. Either way a full disk is raised as the DiskFullError of `final`."""
+    made = list(reversed([p for p in parts.parents if not p.exists()]))  # outermost first; `parts` is staged
+    try:
+        yield
+    except BaseException as e:
+        if not (parts.is_dir() and any(parts.glob("*/*.json"))):
+            with atomic.discard_on_failure(final, parts, made=made):
+                raise
+        finished = len(list(parts.glob("*/*.json")))
+        print(f"{finished} finished chunk(s) kept in {parts}: the same command resumes after them (remove that "
+              "folder to start over)", file=sys.stderr, flush=True)
+        full = atomic.disk_full_error(e, final, [parts]) if isinstance(e, Exception) else None
+        if full is not None:
+            raise full from e
+        raise
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created): shards starting together train one sentencepiece model, not N."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tokenizer(name: str, parts: Path, chunks: Sequence[Chunk], roles: dict[str, str], split: dict,
+               policy: dict[str, bool], sp_vocab_size: int, seed: int, workers: int, say) -> Tokenizer:
+    """GPT-2, or the run's sentencepiece model: trained once per plan on `sentencepiece_sample` of the training
+    domains (novel domains are held out of the tokenizer too) and kept in the parts folder for every shard."""
+    if name == "gpt2":
+        return load_tokenizer("gpt2")
+    model = parts / SP_MODEL_FILE
+    with _locked(parts / "tokenizer.lock"):
+        if not model.is_file():
+            import sentencepiece as spm
+
+            train = [d for d in roles if roles[d] != "novel"] or list(roles)
+            sample = sentencepiece_sample(chunks, train, split, policy)
+            say(f"training sentencepiece BPE (vocab {sp_vocab_size}) on {sum(map(len, sample)) / 1e6:.1f} M "
+                f"characters of the training split of {', '.join(train)} ...")
+            spm.set_random_generator_seed(seed)
+            train_sentencepiece(sample, model, vocab_size=sp_vocab_size, threads=workers)
+    from data import tokenizer as tokenizer_module
+
+    tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(model)), None)  # a model of this plan
+    return load_tokenizer("sentencepiece", model)
+
+
+def _token_dtype(tok: Tokenizer, num_domains: int) -> type:
+    return np.uint16 if tok.total_vocab_size(num_domains) < 65536 else np.int32
+
+
+# ---------------------------------------------------------------- running chunks ------------------------------
+
+def _warm(spec: Optional[TokenizerSpec]) -> None:
+    if spec is not None:
+        spec.load()
+
+
+def _pool(workers: int, warm: Optional[TokenizerSpec]) -> ProcessPoolExecutor:
+    """Worker processes that do not fork this (possibly torch-threaded) process: forkserver where available."""
+    import multiprocessing as mp
+
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_warm, initargs=(warm,))
+
+
+def _run(fn, tasks: Sequence[tuple], workers: int, bar: Optional[tqdm], size) -> list:
+    """`fn(*task)` for every task, on `workers` processes (here when one suffices), results in task order; the
+    first failure cancels what has not started and is raised (finished chunks stay finished)."""
+    if workers <= 1 or len(tasks) <= 1:
+        out = []
+        for t in tasks:
+            out.append(fn(*t))
+            if bar is not None:
+                bar.update(size(t))
+        return out
+    spec = next((t[1].tokenizer for t in tasks if isinstance(t[-1], ChunkJob)), None)
+    ex = _pool(min(workers, len(tasks)), spec)
+    try:
+        futures = {ex.submit(fn, *t): i for i, t in enumerate(tasks)}
+        results: list = [None] * len(tasks)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for f in done:
+                results[futures[f]] = f.result()  # raises the worker's exception
+                if bar is not None:
+                    bar.update(size(tasks[futures[f]]))
+        return results
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _check(chunks: Sequence[Chunk], keep: int, workers: int, whole: bool) -> ProblemLog:
+    """on_error="fail": every line of `chunks` validated before any encoding. `whole`: the chunks are every chunk
+    of their domains, so line numbers can be made file-absolute (a shard reports chunk-relative ones)."""
+    procs = workers if sum(c.end - c.start for c in chunks) >= PROCESS_MIN_BYTES else 1
+    records = _run(check_chunk, [(c, keep) for c in chunks], procs, None, None)
+    log = ProblemLog(keep)
+    for recs in _by_domain_records(records).values():
+        if whole:
+            part = absolute_problems(recs, keep)
+        else:
+            part = ProblemLog(keep)
+            for r in recs:
+                c = r["chunk"]
+                for reason, n in r["problems"]["counts"].items():
+                    part.counts[reason] += n
+                part.first.extend(Problem(f"{c['path']} (bytes {c['start']}-{c['end']})", line, reason, detail)
+                                  for line, reason, detail in r["problems"]["first"])
+        for reason, n in part.counts.items():
+            log.counts[reason] += n
+        log.first.extend(part.first[:max(0, keep - len(log.first))])
+    return log
+
+
+def _by_domain_records(records: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["chunk"]["domain"], []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------- merging -------------------------------------
+
+def _hash_files(files: dict[str, Path], out: dict) -> threading.Thread:
+    """sha256 of every corpus file into `out`, on a thread (hashlib releases the GIL) while the parts merge."""
+    def run() -> None:
+        for d, p in files.items():
+            out[f"{d}.jsonl"] = sha256_file(p)
+
+    t = threading.Thread(target=run, name="corpus-sha256", daemon=True)
+    t.start()
+    return t
+
+
+def _up_to_date(tok_dir: Path, plan_key: str) -> Optional[dict]:
     path = tok_dir / "manifest.json"
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (OSError, ValueError):
         return None
-    if manifest.get("inputs_sha256") != inputs_sha256:
+    if not isinstance(manifest, dict) or manifest.get("plan_key") != plan_key:
         return None
-    for splits in manifest.get("counts", {}).values():
-        for info in splits.values():
-            for key in ("bin", "idx"):
-                rel = info.get(key)
-                if rel and (not (tok_dir / rel).is_file() or (tok_dir / rel).stat().st_size != info.get(f"{key}_bytes")):
-                    return None
+    rels = [info.get(k) for splits in manifest.get("counts", {}).values() for info in splits.values()
+            for k in ("bin", "idx")]
+    sizes = [info.get(f"{k}_bytes") for splits in manifest.get("counts", {}).values() for info in splits.values()
+             for k in ("bin", "idx")]
+    for rel, size in zip(rels, sizes):
+        if rel and (not (tok_dir / rel).is_file() or (tok_dir / rel).stat().st_size != size):
+            return None
+    if any(not (tok_dir / rel).is_file() for rel in manifest.get("token_counts", {}).values()):
+        return None
     model = manifest["tokenizer"].get("model_file")
     if model and manifest["tokenizer"]["files"].get(model) != (sha256_file(tok_dir / model) if (tok_dir / model).is_file() else None):
         return None
     return manifest
-
-
-# ---------------------------------------------------------------- writing ------------------------------------
-
-def _write_indexed(prefix: Path, arrays: Iterable[np.ndarray], dtype: type) -> tuple[int, int]:
-    """One megatron-core sequence + document per array; returns (documents, tokens)."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
-    docs = tokens = 0
-    for arr in arrays:
-        builder.add_item(torch.from_numpy(arr))
-        builder.end_document()
-        docs, tokens = docs + 1, tokens + len(arr)
-    builder.finalize(str(prefix) + ".idx")
-    return docs, tokens
 
 
 def _print_table(manifest: dict, out=None) -> None:
@@ -363,20 +366,30 @@ def _print_table(manifest: dict, out=None) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=out)
 
 
+
 # ---------------------------------------------------------------- the pipeline -------------------------------
 
 def prepare_corpus(
-    corpus_dir: Union[str, Path], out_dir: Union[str, Path], tokenizer: str = "gpt2", workers: int = 2,
+    corpus_dir: Union[str, Path], out_dir: Union[str, Path], tokenizer: str = "gpt2", workers: Optional[int] = None,
     seed: int = 1234, valid_fraction: float = 0.05, test_fraction: float = 0.05,
     anonymise: AnonymisePolicy = True, sp_vocab_size: int = 8192, on_error: str = "skip",
     domains: Optional[Sequence[str]] = None, force: bool = False, progress: bool = True, max_report: int = 20,
+    chunk_bytes: int = CHUNK_BYTES, num_shards: int = 1, shard_index: int = 0, merge: bool = False,
 ) -> PrepareResult:
     """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
-    docstring for the layout and the manifest. Returns the manifest and whether the work was skipped."""
+    docstring for the layout, the manifest, sharding (`num_shards`, `shard_index`, `merge`) and resuming.
+    `workers`: processes (default: every core this process may use). Returns the manifest and whether the work
+    was skipped."""
+    workers = available_cores() if workers is None else workers
     check_on_error(on_error)
     for name, value, rng in (("seed", seed, random_seed), ("workers", workers, positive_int),
-                             ("sp_vocab_size", sp_vocab_size, positive_int)):
+                             ("sp_vocab_size", sp_vocab_size, positive_int), ("chunk_bytes", chunk_bytes, positive_int),
+                             ("num_shards", num_shards, positive_int), ("shard_index", shard_index, nonneg_int)):
         in_range(value, rng, name)  # the CLI's rule (data/argtypes.py) for callers of the function too
+    if shard_index >= num_shards:
+        raise ValueError(f"shard_index={shard_index}: need 0 <= shard_index < num_shards={num_shards}")
+    if merge and num_shards > 1:
+        raise ValueError("merge: give it without num_shards/shard_index (it merges what every shard wrote)")
     if not (0 <= valid_fraction < 1 and 0 <= test_fraction < 1 and valid_fraction + test_fraction < 1):
         raise ValueError(f"valid_fraction={valid_fraction}, test_fraction={test_fraction}: need both in [0, 1), sum < 1")
     if tokenizer not in ("gpt2", "sentencepiece"):
@@ -386,231 +399,148 @@ def prepare_corpus(
     policy = resolve_policy(anonymise, files)
     corpus_manifest = corpus_dir / "manifest.json"
     roles = corpus_roles(corpus_manifest, files)  # before any work: a broken corpus manifest fails here
-    corpus = {
-        "dir": str(corpus_dir.resolve()),  # absolute: the data is read from runs started in any directory
-        "manifest_sha256": sha256_file(corpus_manifest) if corpus_manifest.is_file() else None,
-        "files": {f"{d}.jsonl": sha256_file(p) for d, p in files.items()},
-    }
+    manifest_sha = sha256_file(corpus_manifest) if corpus_manifest.is_file() else None
     settings = {"tokenizer": tokenizer, "seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
                 "anonymise": policy, "sp_vocab_size": sp_vocab_size if tokenizer == "sentencepiece" else None,
                 "on_error": on_error}
-    inputs_sha256 = _fingerprint({"format": FORMAT, "corpus": corpus["files"], "manifest": corpus["manifest_sha256"],
-                                  "settings": settings})
-    tok_dir = out_dir / tokenizer
+    split = {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction, "chunk_bytes": chunk_bytes}
+    stat = {f"{d}.jsonl": [p.stat().st_size, p.stat().st_mtime_ns] for d, p in files.items()}
+    plan_key = _fingerprint({"format": FORMAT, "settings": settings, "split": split, "files": stat,
+                             "manifest": manifest_sha, "dir": str(corpus_dir.resolve())})
+    tok_dir, parts = out_dir / tokenizer, _parts_dir(out_dir, tokenizer)
     check_output_dir(tok_dir, (FORMAT,), ["manifest.json", SP_MODEL_FILE, *files], inputs=list(files.values()))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
-    if not force and (done := _up_to_date(tok_dir, inputs_sha256)) is not None:
-        say(f"{tok_dir}: up to date (inputs_sha256 {inputs_sha256[:12]}), nothing to do")
+    if not force and (done := _up_to_date(tok_dir, plan_key)) is not None:
+        say(f"{tok_dir}: up to date (plan {plan_key[:12]}: same settings, corpus files of the same size and time), "
+            "nothing to do")
         return PrepareResult(tok_dir, done, skipped=True)
 
-    t_import = time.perf_counter()
-    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": irrelevant to data
-        warnings.simplefilter("ignore")
-        import megatron.core.datasets.indexed_dataset  # noqa: F401  (slow first import: off the throughput clock)
-    import_seconds = time.perf_counter() - t_import
-    # GPT-2 encodes on threads in this process (ThreadEncoder); a domain that needs nothing between reading and
-    # encoding (not anonymised, and no bad line can fail the run) is encoded while it is still being read. The
-    # encoding threads are started here, once per process, off the throughput clock like the import above.
-    encoder, tok = None, None
-    if tokenizer == "gpt2":
-        tok = load_tokenizer("gpt2")
-        encoder = ThreadEncoder(tok, np.dtype(_token_dtype(tok, len(files))).name, workers)
     t0 = time.perf_counter()
-    setup_seconds = t0 - t_import  # one-off per process: the megatron-core import, tokenizer, encoding threads
-    stream = [d for d in files if encoder is not None and not policy[d] and on_error == "skip"]
-    pool = None
-    # everything (tokens, tokenizer model, manifest) is written into a staged sibling of `tok_dir` and published
-    # with the manifest (data/atomic.py `staged_dir`): a failure midway, a full disk included, leaves nothing
+    chunks = plan_chunks(files, chunk_bytes)
+    mine = [] if merge else [c for i, c in enumerate(chunks) if i % num_shards == shard_index]
+    if on_error == "fail" and mine:  # every line of this run's chunks, before anything is written
+        log = _check(mine, max_report, workers, whole=num_shards == 1)
+        if log.total:
+            raise CorpusError(log, str(corpus_dir))
+    plan = {"format": PARTS_FORMAT, "plan_key": plan_key, "settings": settings, "split": split,
+            "chunks": [c.name for c in chunks]}
+    with _parts_kept_on_progress(parts, tok_dir):
+        _open_parts(parts, plan, fresh=force and not merge and num_shards == 1)
+        tok = _tokenizer(tokenizer, parts, chunks, roles, split, policy, sp_vocab_size, seed, workers, say)
+        dtype = _token_dtype(tok, len(files))
+        job = ChunkJob(str(parts), tok.spec(), np.dtype(dtype).name, tok.total_vocab_size(len(files)), seed,
+                       valid_fraction, test_fraction, False, max_report, plan_key)
+        pending = [c for c in mine if read_record(parts, c, plan_key) is None]
+        stats = _prepare_chunks(pending, job, policy, workers, progress, say, len(mine))
+    if num_shards > 1:
+        say(f"shard {shard_index} of {num_shards}: {len(mine)} chunk(s) ready in {parts} ({len(pending)} prepared "
+            f"now). When every shard is done: python -m data.prepare --corpus {corpus_dir} --out {out_dir} "
+            f"--tokenizer {tokenizer} [same options] --merge")
+        return PrepareResult(tok_dir, {}, skipped=False, stats=stats, merged=False)
+    return _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, manifest_sha, settings, split,
+                   policy, stats, t0, max_report, progress, say)
+
+
+def _prepare_chunks(pending: Sequence[Chunk], job: ChunkJob, policy: dict[str, bool], workers: int,
+                    progress: bool, say, planned: int) -> dict:
+    """Prepare the chunks not yet finished, on `workers` processes, with a progress bar in input bytes."""
+    total = sum(c.end - c.start for c in pending)
+    if planned and len(pending) < planned:
+        say(f"resuming: {planned - len(pending)} of {planned} chunk(s) already prepared")
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress or not pending,
+               file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    try:
+        tasks = [(c, ChunkJob(**{**job.__dict__, "anonymise": policy[c.domain]})) for c in pending]
+        procs = workers if total >= PROCESS_MIN_BYTES else 1
+        records = _run(prepare_chunk, tasks, procs, bar, lambda t: t[0].end - t[0].start)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    text = sum(r["text_bytes"] for r in records)
+    return {"chunks": len(pending), "input_bytes": total, "text_bytes": text, "tokenise_seconds": round(seconds, 3),
+            "mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
+            "encoder": "chunk processes" if procs > 1 and len(pending) > 1 else "in-process"}
+
+
+def _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, manifest_sha, settings, split, policy,
+            stats, t0, keep, progress, say) -> PrepareResult:
+    """Merge every chunk's parts into the published `tok_dir` (staged: a failure leaves the old one), write the
+    manifest, then remove the parts."""
+    records = [read_record(parts, c, plan["plan_key"]) for c in chunks]
+    missing = [c.name for c, r in zip(chunks, records) if r is None]
+    if missing:
+        raise ValueError(f"{parts}: {len(missing)} of {len(chunks)} chunk(s) not prepared yet "
+                         f"({', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}): run the shards that "
+                         "prepare them (chunk i belongs to shard i % num_shards), or run without --num-shards/--merge "
+                         "to prepare what is missing here")
+    hashes: dict[str, str] = {}
+    hasher = _hash_files(files, hashes)
+    bar = tqdm(total=sum(info["bin_bytes"] for r in records for info in r["splits"].values()), unit="B",
+               unit_scale=True, desc="merge", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     with staged_dir(tok_dir, manifest="manifest.json") as work:
         try:
-            texts, problems = _read_domains(files, on_error, max_report, encoder, stream)
-            # processes only for what threads cannot do in parallel: anonymising (pure Python), sentencepiece encoding
-            if any(policy[d] for d in texts) or tokenizer == "sentencepiece":
-                pool = make_pool(workers)
-            anon_counts: dict[str, dict[str, int]] = {}
-            for d in texts:
-                if policy[d]:
-                    chunks = _chunks(texts[d], CHUNK_CHARS)
-                    mapped = pool.imap(_anonymise_chunk, chunks) if pool else map(_anonymise_chunk, chunks)
-                    texts[d], anon_counts[d] = [], {}
-                    for out, counts in mapped:
-                        texts[d].extend(out)
-                        add_counts(anon_counts[d], counts)
-            splits = {d: split_documents(len(t), d, seed, valid_fraction, test_fraction) for d, t in texts.items()}
-            if tok is None:
-                tok = _tokenizer(tokenizer, work, texts, splits, sp_vocab_size, seed, workers, say)
-            dtype = _token_dtype(tok, len(files))
-            counts, stats = _tokenise_all(texts, splits, tok, dtype, pool, work, progress, workers, encoder,
-                                          started=t0 if stream else None)
+            counts, token_counts = merge_domains(parts, work, records, dtype, tok.total_vocab_size(len(files)), bar)
         finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
-            if encoder is not None:
-                encoder.close()
+            bar.close()
+            hasher.join()
+        if (parts / SP_MODEL_FILE).is_file():
+            shutil.copyfile(parts / SP_MODEL_FILE, work / SP_MODEL_FILE)
+        problems, anon = ProblemLog(keep), {}
+        for d, recs in _by_domain_records(records).items():
+            log = absolute_problems(recs, keep)
+            for reason, n in log.counts.items():
+                problems.counts[reason] += n
+            problems.first.extend(log.first[:max(0, keep - len(problems.first))])
+            if policy[d]:
+                anon[d] = {}
+                for r in recs:
+                    add_counts(anon[d], r["anonymise"])
+        corpus = {"dir": str(corpus_dir.resolve()),  # absolute: the data is read from runs started in any directory
+                  "manifest_sha256": manifest_sha, "files": {f"{d}.jsonl": hashes[f"{d}.jsonl"] for d in files}}
+        n_tokens = sum(info["tokens"] for s in counts.values() for info in s.values())
+        total_seconds = time.perf_counter() - t0
         manifest = {
-            "format": FORMAT, "inputs_sha256": inputs_sha256, "created_unix": int(time.time()),
-            "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tokenizer == "sentencepiece" else {})},
+            "format": FORMAT, "plan_key": plan["plan_key"],
+            "inputs_sha256": _fingerprint({"format": FORMAT, "corpus": corpus["files"], "manifest": manifest_sha,
+                                           "settings": settings}),
+            "created_unix": int(time.time()),
+            "tokenizer": {**tok.describe(), **({"model_file": SP_MODEL_FILE} if tok.name == "sentencepiece" else {})},
             "dtype": np.dtype(dtype).name, "bos_in_bin": True, "domains": list(files), "roles": roles, "corpus": corpus,
-            "split": {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
-                      "method": "per-domain permutation seeded by (seed, crc32(domain)); test first, then valid"},
-            "anonymise": {"policy": policy, "counts": anon_counts}, "problems": problems.to_json(), "counts": counts,
-            "stats": {**stats, "total_seconds": round(time.perf_counter() - t0, 3),
-                      "megatron_import_seconds": round(import_seconds, 3),
-                      "setup_seconds": round(setup_seconds, 3)},
+            "split": {**split, "method": "a domain file up to chunk_bytes: per-domain permutation seeded by "
+                      "(seed, crc32(domain)), test first, then valid; a larger one: blake2b(seed, domain, document id) "
+                      "per document (data/chunks.py)"},
+            "anonymise": {"policy": policy, "counts": anon}, "problems": problems.to_json(), "counts": counts,
+            "token_counts": token_counts,
+            "stats": {**stats, "documents": sum(i["documents"] for s in counts.values() for i in s.values()),
+                      "tokens": n_tokens, "total_seconds": round(total_seconds, 3),
+                      "tokens_per_s": round(n_tokens / max(stats["tokenise_seconds"], 1e-9))},
         }
         write_json_atomic(work / "manifest.json", manifest)
-    if tokenizer == "sentencepiece":  # the model file at its published path is this run's: not a cached one
+    shutil.rmtree(parts, ignore_errors=True)
+    if tok.name == "sentencepiece":  # the published model file is this run's: not a cached one
         from data import tokenizer as tokenizer_module
 
-        for path in (work, tok_dir):
-            tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(path / SP_MODEL_FILE)), None)
+        tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(tok_dir / SP_MODEL_FILE)), None)
     if progress:
         _print_table(manifest)
         if problems.total:
             say(f"skipped {problems.total} bad line(s): {dict(problems.counts)} (first ones in the manifest)")
+        say(f"prepared {stats['input_bytes'] / 1e6:.1f} MB into {n_tokens:,} tokens in {total_seconds:.1f} s: "
+            f"{manifest['stats']['tokens_per_s']:,} tokens/s, {stats['mb_per_s']} MB/s ({stats['encoder']}, "
+            f"{stats['workers']} worker(s))")
     return PrepareResult(tok_dir, manifest, skipped=False, stats=manifest["stats"])
-
-
-def _token_dtype(tok: Tokenizer, num_domains: int) -> type:
-    return np.uint16 if tok.total_vocab_size(num_domains) < 65536 else np.int32
-
-
-def _tokenizer(name, tok_dir, texts, splits, sp_vocab_size, seed, workers, say):
-    if name == "gpt2":
-        return load_tokenizer("gpt2")
-    import sentencepiece as spm
-
-    spm.set_random_generator_seed(seed)
-    # interleave domains so a capped sample still covers every domain; train split only
-    train = {d: [t for t, s in zip(texts[d], splits[d]) if s == 0] for d in texts}
-    sample = (train[d][i] for i in range(max(map(len, train.values()), default=0)) for d in train if i < len(train[d]))
-    say(f"training sentencepiece BPE (vocab {sp_vocab_size}) ...")
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_sentencepiece(sample, tok_dir / SP_MODEL_FILE, vocab_size=sp_vocab_size, threads=workers)
-    from data import tokenizer as tokenizer_module
-
-    tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(tok_dir / SP_MODEL_FILE)), None)  # retrained
-    return tok
-
-
-class _ChunkWriter:
-    """megatron-core `IndexedDatasetBuilder` fed a whole chunk at a time: the same .bin bytes and .idx as
-    `add_item` + `end_document` per document (one sequence and one document each), without a tensor per
-    document; the .bin's sha256 is computed as it is written."""
-
-    def __init__(self, prefix: Path, dtype: type):
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        self.prefix, self.dtype = prefix, np.dtype(dtype)
-        self.builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
-        self.sha = hashlib.sha256()
-        self.docs = self.tokens = 0
-
-    def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
-        data = np.ascontiguousarray(flat, dtype=self.dtype)
-        self.builder.data_file.write(data.data)
-        self.sha.update(data.data)
-        b, n = self.builder, len(lengths)
-        start = len(b.sequence_lengths)
-        b.sequence_lengths.extend(lengths.tolist())
-        b.document_indices.extend(range(start + 1, start + n + 1))
-        self.docs, self.tokens = self.docs + n, self.tokens + int(data.size)
-
-    def finalize(self) -> None:
-        self.builder.finalize(str(self.prefix) + ".idx")
-
-
-def _by_split(flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """A chunk's documents grouped by split code: (code, their tokens, their lengths), each group in document order.
-    `flat` is the documents' tokens back to back, `lengths` their token counts, `codes` their split codes."""
-    if (codes == codes[0]).all():
-        return [(int(codes[0]), flat, lengths)]
-    per_token = np.repeat(codes, lengths)
-    return [(int(c), flat[per_token == c], lengths[codes == c]) for c in np.unique(codes)]
-
-
-def _tokenise_all(texts, splits, tok, dtype, pool, tok_dir: Path, progress: bool, workers: int,
-                  encoder: Optional[ThreadEncoder] = None, started: Optional[float] = None):
-    """Tokenise every domain and split into `tok_dir` (the staged directory `prepare_corpus` publishes).
-
-    GPT-2 takes the fast path: `encoder` (a ThreadEncoder) encodes chunks of each domain's documents in corpus
-    order on `workers` threads, streamed while reading for the domains it already holds, queued here for the others
-    (e.g. after anonymisation); this thread routes each finished chunk's documents to their split's file
-    (`_by_split`) while the next chunks encode. Sentencepiece encodes in the worker processes of `pool` (or here
-    without one), one split after another. `started`: when encoding began, if before this call (streaming), so
-    that the throughput covers all of it."""
-    staging = tok_dir
-    n_docs = sum(len(t) for t in texts.values())
-    n_bytes = sum(len(t) if t.isascii() else len(t.encode("utf-8")) for ts in texts.values() for t in ts)
-    counts: dict[str, dict] = {d: {s: {"documents": 0, "tokens": 0, "bin": None, "idx": None} for s in SPLITS}
-                               for d in texts}
-    bar = tqdm(total=n_docs, unit="doc", desc="tokenise", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    name = np.dtype(dtype).name
-    t0 = started if started is not None else time.perf_counter()
-    n_tokens = 0
-
-    def record(d: str, split: str, docs: int, tokens: int, sha: Optional[str] = None) -> None:
-        rel = f"{d}/{split}"
-        counts[d][split] = {"documents": docs, "tokens": tokens, "bin": rel + ".bin", "idx": rel + ".idx",
-                            "bin_bytes": (staging / d / f"{split}.bin").stat().st_size,
-                            "idx_bytes": (staging / d / f"{split}.idx").stat().st_size,
-                            "bin_sha256": sha or sha256_file(staging / d / f"{split}.bin")}
-
-    try:
-        if encoder is not None:
-            for d in texts:
-                if d not in encoder:  # not streamed while reading
-                    encoder.feed(d, texts[d])
-            for d in texts:
-                writers: dict[int, _ChunkWriter] = {}
-                first = 0
-                for flat, lengths in encoder.results(d):
-                    codes = splits[d][first:first + len(lengths)]
-                    first += len(lengths)
-                    for code, part, part_lengths in _by_split(flat, lengths, codes):
-                        if code not in writers:
-                            writers[code] = _ChunkWriter(staging / d / SPLITS[code], dtype)
-                        writers[code].add(part, part_lengths)
-                    bar.update(len(lengths))
-                if first != len(texts[d]):
-                    raise RuntimeError(f"{d}: encoded {first} documents of {len(texts[d])}")  # a bug, not bad input
-                for code in sorted(writers):
-                    w = writers[code]
-                    w.finalize()
-                    record(d, SPLITS[code], w.docs, w.tokens, w.sha.hexdigest())
-        else:
-            for d, ts in texts.items():
-                for code, split in enumerate(SPLITS):
-                    chosen = [t for t, s in zip(ts, splits[d]) if s == code]
-                    if chosen:
-                        arrays = tokenize_documents(chosen, tok.spec(), name, pool, progress=bar)
-                        docs, tokens = _write_indexed(staging / d / split, arrays, dtype)
-                        record(d, split, docs, tokens)
-        n_tokens = sum(info["tokens"] for splits_ in counts.values() for info in splits_.values())
-        seconds = time.perf_counter() - t0
-        bar.close()
-        for d in texts:
-            (staging / d).mkdir(exist_ok=True)
-    finally:
-        bar.close()
-    stats = {"documents": n_docs, "tokens": n_tokens, "text_bytes": n_bytes, "tokenise_seconds": round(seconds, 3),
-             "tokens_per_s": round(n_tokens / max(seconds, 1e-9)), "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
-             "workers": workers, "encoder": "threads" if encoder is not None else "processes" if pool else "in-process"}
-    if progress:
-        print(f"tokenised {n_bytes / 1e6:.1f} MB into {n_tokens:,} tokens in {seconds:.2f} s: "
-              f"{stats['tokens_per_s']:,} tokens/s, {stats['mb_per_s']} MB/s ({workers} worker(s))", flush=True)
-    return counts, stats
 
 
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
+    p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json), as data.ingest "
+                   "writes it")
     p.add_argument("--out", required=True, help="output root; files go to <out>/<tokenizer>/")
     p.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"))
-    p.add_argument("--workers", type=positive_int, default=2)
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help=f"worker processes (default: every core, here {available_cores()})")
     p.add_argument("--seed", type=random_seed, default=1234)
     p.add_argument("--valid-fraction", type=unit_right_open, default=0.05)
     p.add_argument("--test-fraction", type=unit_right_open, default=0.05)
@@ -619,6 +549,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--anonymise-off", action="append", default=[], metavar="DOMAIN", help="repeatable, e.g. code")
     p.add_argument("--sp-vocab-size", type=positive_int, default=8192)
     p.add_argument("--on-error", default="skip", choices=("skip", "fail"))
+    p.add_argument("--chunk-mb", type=positive_float, default=CHUNK_BYTES / 2 ** 20,
+                   help="MiB of a domain file per chunk (the unit of work, of resuming and of sharding)")
+    p.add_argument("--num-shards", type=positive_int, default=1, help="prepare only every N-th chunk ...")
+    p.add_argument("--shard-index", type=nonneg_int, default=0, help="... starting at this one (0-based)")
+    p.add_argument("--merge", action="store_true", help="merge what every shard prepared into the final files")
     p.add_argument("--force", action="store_true", help="redo the work even if the manifest says it is up to date")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -628,6 +563,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             test_fraction=a.test_fraction, anonymise=parse_policy_args(a.anonymise, a.anonymise_off),
             sp_vocab_size=a.sp_vocab_size, on_error=a.on_error,
             domains=a.domains.split(",") if a.domains else None, force=a.force, progress=not a.quiet,
+            chunk_bytes=max(1, int(a.chunk_mb * 2 ** 20)), num_shards=a.num_shards, shard_index=a.shard_index,
+            merge=a.merge,
         )
     except (CorpusError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

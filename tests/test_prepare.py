@@ -174,9 +174,10 @@ def _reference_prepare(corpus_dir, seed, valid_fraction, test_fraction, policy, 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, workers):
-    """Threaded, chunk-at-a-time encoding and writing (small chunks: many per split, several in flight) gives the
-    same .bin/.idx bytes and manifest counts as the one-document-at-a-time single-process reference, both for the
-    domain encoded while it is read (code: not anonymised) and for those queued after anonymisation."""
+    """Batch-at-a-time encoding in chunk workers (in this process with tiny batches, or in worker processes), with
+    the .idx streamed from the parts (data/indexed.py), gives the same .bin/.idx bytes and manifest counts as the
+    one-document-at-a-time single-process reference with megatron-core's builder, both for the domain that is not
+    anonymised (code) and for those that are."""
     import hashlib
 
     import data.prepare as prepare_module
@@ -186,12 +187,14 @@ def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, wor
         f.write(json.dumps({"id": "x", "domain": "code", "text": "s = '<|endoftext|>' + '<|fim_prefix|>'"}) + "\n")
         f.write("{not json\n")  # skipped while streaming: the split still counts only the good documents
         f.write(json.dumps({"id": "y", "domain": "code", "text": "caf\u00e9 = 'na\u00efve'"}) + "\n")
-    monkeypatch.setattr(prepare_module, "CHUNK_CHARS", 300)
-    monkeypatch.setattr(prepare_module, "THREAD_CHUNK_CHARS", 300)
+    import data.chunks
+
+    monkeypatch.setattr(data.chunks, "BATCH_CHARS", 300)  # many batches per chunk (in this process)
+    monkeypatch.setattr(prepare_module, "PROCESS_MIN_BYTES", 0)  # worker processes even for a tiny corpus
     policy = {"code": False}
     r = prepare_corpus(corpus_dir, tmp_path / "tokens", workers=workers, seed=7, valid_fraction=0.2,
                        test_fraction=0.2, anonymise=policy, progress=False)
-    assert r.stats["encoder"] == "threads"
+    assert r.stats["encoder"] == ("chunk processes" if workers > 1 else "in-process")
     ref = tmp_path / "ref"
     _reference_prepare(corpus_dir, 7, 0.2, 0.2, policy, ref)
     tok_dir = tmp_path / "tokens" / "gpt2"
@@ -204,3 +207,14 @@ def test_fast_path_writes_the_reference_bytes(corpus, tmp_path, monkeypatch, wor
             data = (ref / d / f"{s}.bin").read_bytes()
             assert info["bin_sha256"] == hashlib.sha256(data).hexdigest() and info["bin_bytes"] == len(data)
             assert info["tokens"] == len(data) // 2 and info["documents"] == len(open_indexed(ref / d / s))
+
+
+def test_index_header_is_megatrons():
+    """data/indexed.py writes megatron-core's .idx header without importing it (no torch in data preparation)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    from data.indexed import DTYPE_CODES, INDEX_HEADER
+
+    assert INDEX_HEADER == _INDEX_HEADER
+    for dtype, code in DTYPE_CODES.items():
+        assert DType.code_from_dtype(dtype.type) == code and DType.dtype_from_code(code) == dtype.type

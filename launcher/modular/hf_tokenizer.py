@@ -248,14 +248,14 @@ def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts:
 def split_documents_text(data_root: Union[str, Path], prepared: str, split: str = "test",
                          max_docs: Optional[int] = None) -> tuple[dict[str, list[str]], dict]:
     """The texts of one split of every domain, exactly as `data.prepare` tokenised them: the corpus the token
-    manifest `<data_root>/<prepared>/manifest.json` names, read and validated by prepare's reader, split by
-    `data.prepare.split_documents` with the recorded seed and fractions, anonymised with the recorded policy.
+    manifest `<data_root>/<prepared>/manifest.json` names, read, validated and split by prepare's own code
+    (`data.prepare.split_texts`, with the recorded seed, fractions and chunk size), anonymised with the recorded
+    policy.
     Returns {domain: texts} (the first `max_docs` of each) and notes: which corpus files no longer have the
     sha256 the manifest recorded (then the split is not the tokenised one)."""
-    from data.anonymise import anonymise_many
     from data.blocks import SPLITS
     from data.catalog import read_token_manifest
-    from data.prepare import _read_domains, split_documents
+    from data.prepare import split_texts
     from data.tokenizer import sha256_file
 
     if split not in SPLITS:
@@ -268,14 +268,7 @@ def split_documents_text(data_root: Union[str, Path], prepared: str, split: str 
         raise FileNotFoundError(f"corpus files of {data_root}/{prepared} not found: {', '.join(missing)}")
     recorded = m["corpus"].get("files", {})
     changed = [p.name for p in files.values() if recorded.get(p.name) not in (None, sha256_file(p))]
-    texts, _ = _read_domains(files, on_error="skip", keep=0)
-    s, policy = m["split"], m.get("anonymise", {}).get("policy", {})
-    code = SPLITS.index(split)
-    out = {}
-    for d, ts in texts.items():
-        chosen = split_documents(len(ts), d, s["seed"], s["valid_fraction"], s["test_fraction"])
-        docs = [t for t, c in zip(ts, chosen) if c == code][:max_docs]
-        out[d] = anonymise_many(docs, enabled=bool(policy.get(d, False)))[0]
+    out = split_texts(files, m["split"], SPLITS.index(split), m.get("anonymise", {}).get("policy", {}), max_docs)
     return out, {"corpus_dir": str(corpus_dir), "changed_corpus_files": changed}
 
 
