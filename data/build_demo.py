@@ -202,11 +202,12 @@ def report(manifest: dict, domains: list[str]) -> list[str]:
 
 
 def run_prepare(corpus_dir: Path, out_dir: Path, force: bool = False, tokenizers: tuple[str, ...] = ("gpt2",)) -> None:
-    """Anonymise, tokenise and index the corpus once per tokenizer (data.prepare.prepare_corpus)."""
+    """Anonymise, tokenise and index the corpus once per tokenizer (data.prepare.prepare_corpus). The demo
+    anonymises every domain, as DEMix does (Appendix A.2); `data.prepare` does not unless asked."""
     from data.prepare import prepare_corpus
 
     for tok in tokenizers:
-        prepare_corpus(corpus_dir, out_dir=out_dir, tokenizer=tok, force=force)
+        prepare_corpus(corpus_dir, out_dir=out_dir, tokenizer=tok, force=force, anonymise=True)
 
 
 def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TRAIN_DOMAINS) -> Optional[str]:

@@ -265,6 +265,7 @@ class _ChunkState:
         self.writers: dict[int, _PartWriter] = {}
         self.counts = np.zeros((len(SPLITS), job.vocab), dtype=np.int64)
         self.anon: dict[str, int] = {}
+        self.anon_docs = 0  # documents anonymisation changed
         self.text_bytes = 0
         self.held: list[tuple[np.ndarray, np.ndarray]] = []  # an exact chunk's batches, until its end
 
@@ -313,6 +314,7 @@ def prepare_chunk(chunk: Chunk, job: ChunkJob) -> dict:
     record = {
         "format": RECORD_FORMAT, "plan_key": job.plan_key, "chunk": asdict(chunk),
         "lines": lines[0], "text_bytes": st.text_bytes, "anonymise": st.anon,
+        "anonymised_documents": st.anon_docs,
         "problems": {"counts": dict(log.counts), "first": [[p.line, p.reason, p.detail] for p in log.first]},
         "splits": {SPLITS[c]: {"documents": w.documents, "tokens": w.tokens,
                                "bin_bytes": w.tokens * np.dtype(job.dtype).itemsize}
@@ -330,7 +332,9 @@ def _batch(st: _ChunkState, tok, splitter: HashSplit, texts: list[str], keys: li
         for i, t in enumerate(texts):
             r = anonymise(t)
             texts[i] = r.text
-            add_counts(st.anon, r.counts)
+            if r.counts:
+                add_counts(st.anon, r.counts)
+                st.anon_docs += 1
     st.text_bytes += sum(len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts)
     flat, lengths = encode_concat(tok, texts, st.job.dtype)
     if st.chunk.exact:

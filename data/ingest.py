@@ -265,9 +265,16 @@ def scan(records: Iterable[Union[Document, Problem]], keep: int = 20) -> Problem
 def ingest(
     source: Union[str, Path], out_dir: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain",
     id_field: str = "id", domains: Optional[Sequence[str]] = None, on_error: str = "skip", max_report: int = 20,
+    novel: Sequence[str] = (),
 ) -> IngestReport:
-    """Normalise `source` into `<out_dir>/<domain>.jsonl` + `manifest.json`; see the module docstring."""
+    """Normalise `source` into `<out_dir>/<domain>.jsonl` + `manifest.json`; see the module docstring. `novel`:
+    domains held out of training (their `split_role` in the manifest is "novel"; data.prepare copies it)."""
     check_on_error(on_error)
+    bad = [f"{d!r}: {p}" for d in novel if (p := domain_name_problem(d)) is not None]
+    if domains is not None:
+        bad += [f"{d!r} is not one of --domains {', '.join(domains)}" for d in novel if d not in domains]
+    if bad:
+        raise ValueError("novel domains: " + "; ".join(bad))
     if not Path(source).exists():
         raise FileNotFoundError(f"{source}: no such file or directory")
     out_dir = Path(out_dir)
@@ -296,10 +303,15 @@ def ingest(
             for h in handles.values():
                 h.close()
         report = IngestReport(str(out_dir), dict(sorted(counts.items())), log)
+        absent = sorted(set(novel) - set(counts))
+        if absent:  # nothing is published: the staged folder is removed
+            raise ValueError(f"novel domains {absent} have no documents in {source}; domains: "
+                             f"{', '.join(sorted(counts))}")
         manifest = {
             "format": MANIFEST_FORMAT, "source": str(source), "on_error": on_error,
             "fields": {"text": text_field, "domain": domain_field, "id": id_field},
-            "domains": {d: {"documents": n, "file": f"{d}.jsonl"} for d, n in report.documents.items()},
+            "domains": {d: {"documents": n, "file": f"{d}.jsonl", "split_role": "novel" if d in novel else "train"}
+                        for d, n in report.documents.items()},
             "problems": log.to_json(),
         }
         write_json_atomic(tmp / "manifest.json", manifest)
@@ -320,11 +332,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--on-error", choices=ON_ERROR, default="skip",
                    help="skip: drop bad lines and count them (default); fail: write nothing if any line is bad")
     p.add_argument("--max-report", type=nonneg_int, default=20, help="problems listed in full (all are counted)")
+    p.add_argument("--novel", nargs="+", default=[], metavar="DOMAIN",
+                   help="held-out domains: recorded as novel, never trained on (data.prepare --novel also sets them)")
     args = p.parse_args(argv)
     try:
         report = ingest(args.source, args.out, text_field=args.text_field, domain_field=args.domain_field,
                         id_field=args.id_field, domains=args.domains, on_error=args.on_error,
-                        max_report=args.max_report)
+                        max_report=args.max_report, novel=args.novel)
     except (CorpusError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

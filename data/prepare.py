@@ -2,7 +2,8 @@
 
     python -m data.prepare --corpus artifacts/demo/corpus --out artifacts/demo/tokens [--tokenizer gpt2]
         [--workers N (default: every core)] [--seed 1234] [--valid-fraction 0.05] [--test-fraction 0.05]
-        [--domains a,b] [--anonymise-off code | --no-anonymise] [--sp-vocab-size 8192] [--on-error skip|fail]
+        [--domains a,b] [--novel d1 d2] [--anonymise [--anonymise-off code]] [--sp-vocab-size 8192]
+        [--on-error skip|fail]
         [--num-shards N --shard-index I | --merge] [--chunk-mb 64] [--force]
 
 Input: `<corpus>/<domain>.jsonl` ({"id", "domain", "text"} per line, as `data.ingest` writes) and optionally
@@ -103,7 +104,11 @@ def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[st
     the corpus has ingest's manifest, exactly the domains it lists (no file of an earlier ingest or a stray copy)."""
     found = {p.stem: p for p in sorted(corpus_dir.glob("*.jsonl"))}
     if not found:
-        raise FileNotFoundError(f"{corpus_dir}: no <domain>.jsonl files")
+        raw = [p.name for p in sorted(corpus_dir.iterdir())[:3]] if corpus_dir.is_dir() else []
+        raise FileNotFoundError(
+            f"{corpus_dir}: no <domain>.jsonl files" + (f" (it holds {', '.join(raw)}, ...)" if raw else "")
+            + f": --corpus is what data.ingest writes; run `python -m data.ingest {corpus_dir} --out CORPUS` "
+            "first (it reads JSONL with text/domain fields, or one folder of .txt files per domain)")
     problems = [f"{found[d].name}: {bad}" for d in found if (bad := domain_name_problem(d)) is not None]
     folded: dict[str, list[str]] = {}
     for d in found:
@@ -367,19 +372,41 @@ def _print_table(manifest: dict, out=None) -> None:
 
 
 
+def _policy_line(policy: dict[str, bool]) -> str:
+    on = [d for d, v in policy.items() if v]
+    if not on:
+        return ("anonymisation: off (--anonymise replaces e-mail addresses, phone numbers, user names, ... by dummy "
+                "tokens, as DEMix does; --anonymise-off DOMAIN keeps a domain, e.g. code, as it is)")
+    off = [d for d, v in policy.items() if not v]
+    return (f"anonymisation: ON for {', '.join(on)}" + (f"; off for {', '.join(off)}" if off else "")
+            + ": their text is rewritten (counts per domain at the end and in the manifest)")
+
+
+def _anonymised_lines(anon: dict[str, dict[str, int]], touched: dict[str, int], counts: dict) -> list[str]:
+    """What anonymisation replaced, per domain: the replacements per category and the documents touched."""
+    lines = []
+    for d, c in anon.items():
+        docs = sum(counts[d][s]["documents"] for s in SPLITS)
+        what = ", ".join(f"{n:,} {k}" for k, n in sorted(c.items(), key=lambda kv: -kv[1])) or "nothing"
+        lines.append(f"anonymised {d}: {what} in {touched.get(d, 0):,} of {docs:,} documents")
+    return lines
+
+
 # ---------------------------------------------------------------- the pipeline -------------------------------
 
 def prepare_corpus(
     corpus_dir: Union[str, Path], out_dir: Union[str, Path], tokenizer: str = "gpt2", workers: Optional[int] = None,
     seed: int = 1234, valid_fraction: float = 0.05, test_fraction: float = 0.05,
-    anonymise: AnonymisePolicy = True, sp_vocab_size: int = 8192, on_error: str = "skip",
+    anonymise: AnonymisePolicy = False, sp_vocab_size: int = 8192, on_error: str = "skip",
     domains: Optional[Sequence[str]] = None, force: bool = False, progress: bool = True, max_report: int = 20,
     chunk_bytes: int = CHUNK_BYTES, num_shards: int = 1, shard_index: int = 0, merge: bool = False,
+    novel: Optional[Sequence[str]] = None,
 ) -> PrepareResult:
     """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
     docstring for the layout, the manifest, sharding (`num_shards`, `shard_index`, `merge`) and resuming.
     `workers`: processes (default: every core this process may use). Returns the manifest and whether the work
-    was skipped."""
+    was skipped. `anonymise`: off (default), on for every domain (True), or per domain ({"code": False}: on for
+    the others). `novel`: the held-out domains (else the corpus manifest's `split_role`s)."""
     workers = available_cores() if workers is None else workers
     check_on_error(on_error)
     for name, value, rng in (("seed", seed, random_seed), ("workers", workers, positive_int),
@@ -399,17 +426,23 @@ def prepare_corpus(
     policy = resolve_policy(anonymise, files)
     corpus_manifest = corpus_dir / "manifest.json"
     roles = corpus_roles(corpus_manifest, files)  # before any work: a broken corpus manifest fails here
+    if novel is not None:
+        unknown = sorted(set(novel) - set(files))
+        if unknown:
+            raise ValueError(f"novel domains {unknown} are not in {corpus_dir}; domains: {', '.join(files)}")
+        roles = {d: "novel" if d in set(novel) else "train" for d in files}
     manifest_sha = sha256_file(corpus_manifest) if corpus_manifest.is_file() else None
     settings = {"tokenizer": tokenizer, "seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction,
                 "anonymise": policy, "sp_vocab_size": sp_vocab_size if tokenizer == "sentencepiece" else None,
                 "on_error": on_error}
     split = {"seed": seed, "valid_fraction": valid_fraction, "test_fraction": test_fraction, "chunk_bytes": chunk_bytes}
     stat = {f"{d}.jsonl": [p.stat().st_size, p.stat().st_mtime_ns] for d, p in files.items()}
-    plan_key = _fingerprint({"format": FORMAT, "settings": settings, "split": split, "files": stat,
+    plan_key = _fingerprint({"format": FORMAT, "settings": settings, "split": split, "files": stat, "roles": roles,
                              "manifest": manifest_sha, "dir": str(corpus_dir.resolve())})
     tok_dir, parts = out_dir / tokenizer, _parts_dir(out_dir, tokenizer)
     check_output_dir(tok_dir, (FORMAT,), ["manifest.json", SP_MODEL_FILE, *files], inputs=list(files.values()))
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    say(_policy_line(policy))
     if not force and (done := _up_to_date(tok_dir, plan_key)) is not None:
         say(f"{tok_dir}: up to date (plan {plan_key[:12]}: same settings, corpus files of the same size and time), "
             "nothing to do")
@@ -486,7 +519,7 @@ def _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, 
             hasher.join()
         if (parts / SP_MODEL_FILE).is_file():
             shutil.copyfile(parts / SP_MODEL_FILE, work / SP_MODEL_FILE)
-        problems, anon = ProblemLog(keep), {}
+        problems, anon, touched = ProblemLog(keep), {}, {}
         for d, recs in _by_domain_records(records).items():
             log = absolute_problems(recs, keep)
             for reason, n in log.counts.items():
@@ -496,6 +529,7 @@ def _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, 
                 anon[d] = {}
                 for r in recs:
                     add_counts(anon[d], r["anonymise"])
+                touched[d] = sum(r.get("anonymised_documents", 0) for r in recs)
         corpus = {"dir": str(corpus_dir.resolve()),  # absolute: the data is read from runs started in any directory
                   "manifest_sha256": manifest_sha, "files": {f"{d}.jsonl": hashes[f"{d}.jsonl"] for d in files}}
         n_tokens = sum(info["tokens"] for s in counts.values() for info in s.values())
@@ -510,7 +544,7 @@ def _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, 
             "split": {**split, "method": "a domain file up to chunk_bytes: per-domain permutation seeded by "
                       "(seed, crc32(domain)), test first, then valid; a larger one: blake2b(seed, domain, document id) "
                       "per document (data/chunks.py)"},
-            "anonymise": {"policy": policy, "counts": anon}, "problems": problems.to_json(), "counts": counts,
+            "anonymise": {"policy": policy, "counts": anon, "documents": touched}, "problems": problems.to_json(), "counts": counts,
             "token_counts": token_counts,
             "stats": {**stats, "documents": sum(i["documents"] for s in counts.values() for i in s.values()),
                       "tokens": n_tokens, "total_seconds": round(total_seconds, 3),
@@ -524,6 +558,8 @@ def _finish(corpus_dir, files, parts, tok_dir, chunks, plan, tok, dtype, roles, 
         tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(tok_dir / SP_MODEL_FILE)), None)
     if progress:
         _print_table(manifest)
+        for line in _anonymised_lines(anon, touched, counts):
+            say(line)
         if problems.total:
             say(f"skipped {problems.total} bad line(s): {dict(problems.counts)} (first ones in the manifest)")
         say(f"prepared {stats['input_bytes'] / 1e6:.1f} MB into {n_tokens:,} tokens in {total_seconds:.1f} s: "
@@ -545,8 +581,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--valid-fraction", type=unit_right_open, default=0.05)
     p.add_argument("--test-fraction", type=unit_right_open, default=0.05)
     p.add_argument("--domains", default=None, help="comma-separated subset (default: every <domain>.jsonl)")
-    p.add_argument("--no-anonymise", dest="anonymise", action="store_false", default=None)
-    p.add_argument("--anonymise-off", action="append", default=[], metavar="DOMAIN", help="repeatable, e.g. code")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--anonymise", dest="anonymise", action="store_true", default=None,
+                   help="replace e-mail addresses, phone numbers, user names, ... by dummy tokens (DEMix A.2; "
+                        "data/anonymise.py); off by default: it rewrites text, code especially")
+    g.add_argument("--no-anonymise", dest="anonymise", action="store_false", help="the default")
+    p.add_argument("--anonymise-off", action="append", default=[], metavar="DOMAIN",
+                   help="with --anonymise: not this domain (repeatable, e.g. code)")
+    p.add_argument("--novel", nargs="+", default=None, metavar="DOMAIN",
+                   help="held-out domains: prepared and evaluated as novel, never trained on (nor the tokenizer)")
     p.add_argument("--sp-vocab-size", type=positive_int, default=8192)
     p.add_argument("--on-error", default="skip", choices=("skip", "fail"))
     p.add_argument("--chunk-mb", type=positive_float, default=CHUNK_BYTES / 2 ** 20,
@@ -557,14 +600,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--force", action="store_true", help="redo the work even if the manifest says it is up to date")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.anonymise_off and not a.anonymise:
+        p.error("--anonymise-off DOMAIN goes with --anonymise (anonymisation is off by default)")
     try:
         prepare_corpus(
             a.corpus, a.out, tokenizer=a.tokenizer, workers=a.workers, seed=a.seed, valid_fraction=a.valid_fraction,
-            test_fraction=a.test_fraction, anonymise=parse_policy_args(a.anonymise, a.anonymise_off),
+            test_fraction=a.test_fraction,
+            anonymise=parse_policy_args(True, a.anonymise_off) if a.anonymise else False,
             sp_vocab_size=a.sp_vocab_size, on_error=a.on_error,
             domains=a.domains.split(",") if a.domains else None, force=a.force, progress=not a.quiet,
             chunk_bytes=max(1, int(a.chunk_mb * 2 ** 20)), num_shards=a.num_shards, shard_index=a.shard_index,
-            merge=a.merge,
+            merge=a.merge, novel=a.novel,
         )
     except (CorpusError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

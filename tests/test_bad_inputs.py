@@ -232,7 +232,7 @@ CASES: list[Case] = [
          lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--valid-fraction", "0.6",
                        "--test-fraction", "0.5"], "sum < 1"),
     Case("prepare-anonymise-off-typo", PREPARE,
-         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--anonymise-off", "cookng"],
+         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--anonymise", "--anonymise-off", "cookng"],
          "unknown domains"),
     Case("prepare-bad-tokenizer", PREPARE,
          lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--tokenizer", "bert"], "invalid choice"),

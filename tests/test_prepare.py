@@ -100,7 +100,7 @@ def test_prepare_gpt2_layout_exact_decode_and_idempotence(corpus, tmp_path, caps
                            anonymise=policy)
     assert again.skipped and os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime
     assert main(["--corpus", str(corpus_dir), "--out", str(out), "--seed", "3", "--valid-fraction", "0.1",
-                 "--test-fraction", "0.1", "--anonymise-off", "code", "--quiet"]) == 0
+                 "--test-fraction", "0.1", "--anonymise", "--anonymise-off", "code", "--quiet"]) == 0
     assert os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime  # the CLI saw the same inputs: skipped
     with open(corpus_dir / "legal.jsonl", "a") as f:
         f.write(json.dumps({"id": "new", "domain": "legal", "text": "A new licence clause."}) + "\n")
@@ -218,3 +218,70 @@ def test_index_header_is_megatrons():
     assert INDEX_HEADER == _INDEX_HEADER
     for dtype, code in DTYPE_CODES.items():
         assert DType.code_from_dtype(dtype.type) == code and DType.dtype_from_code(code) == dtype.type
+
+
+def test_anonymisation_is_off_unless_asked_and_announced(corpus, tmp_path, capsys):
+    """Rewriting text is never silent: off by default (said so), and when asked, what it replaced per domain."""
+    corpus_dir, docs = corpus
+    assert main(["--corpus", str(corpus_dir), "--out", str(tmp_path / "plain"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "anonymisation: off (--anonymise replaces" in out and "anonymised" not in out
+    m = json.loads((tmp_path / "plain" / "gpt2" / "manifest.json").read_text())
+    assert m["anonymise"]["policy"] == {"code": False, "legal": False, "news": False} and m["anonymise"]["counts"] == {}
+    tok = load_prepared_tokenizer(tmp_path / "plain", "gpt2")
+    kept = [t for s in SPLITS if m["counts"]["news"][s]["documents"]
+            for t in _decoded_split(tmp_path / "plain" / "gpt2", tok, "news", s)]
+    assert sorted(kept) == sorted(docs["news"])  # every document exactly as written, the e-mail address included
+
+    assert main(["--corpus", str(corpus_dir), "--out", str(tmp_path / "anon"), "--workers", "1", "--anonymise",
+                 "--anonymise-off", "code"]) == 0
+    out = capsys.readouterr().out
+    assert "anonymisation: ON for legal, news; off for code: their text is rewritten" in out
+    m = json.loads((tmp_path / "anon" / "gpt2" / "manifest.json").read_text())
+    n = m["anonymise"]["counts"]["news"]
+    assert n["EMAIL"] > 0 and f"anonymised news: " in out and f"{n['EMAIL']:,} EMAIL" in out
+    assert m["anonymise"]["documents"]["news"] == sum("@" in t for t in docs["news"])
+    with pytest.raises(SystemExit):
+        main(["--corpus", str(corpus_dir), "--out", str(tmp_path / "x"), "--anonymise-off", "code"])
+    assert "goes with --anonymise" in capsys.readouterr().err
+
+
+def test_novel_domains_from_ingest_or_prepare_and_kept_out_of_the_tokenizer(corpus, tmp_path):
+    from data.ingest import ingest
+
+    corpus_dir, docs = corpus
+    src = tmp_path / "src.jsonl"
+    greek = ["ζήτα ψυχή ξένος " * 20 + str(i) for i in range(6)]  # letters no other domain has
+    records = [{"id": f"{d}-{i}", "domain": d, "text": t} for d, ts in docs.items() for i, t in enumerate(ts)]
+    records += [{"id": f"greek-{i}", "domain": "greek", "text": t} for i, t in enumerate(greek)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ingest(src, tmp_path / "ingested", novel=["greek"])
+    roles = {d: v["split_role"] for d, v in json.loads((tmp_path / "ingested" / "manifest.json").read_text())["domains"].items()}
+    assert roles == {"code": "train", "greek": "novel", "legal": "train", "news": "train"}
+    with pytest.raises(ValueError, match=r"novel domains \['gone'\] have no documents"):
+        ingest(src, tmp_path / "ingested2", novel=["gone"])
+    assert not (tmp_path / "ingested2").exists()
+
+    def sp(out, **kw):
+        r = prepare_corpus(tmp_path / "ingested", out, tokenizer="sentencepiece", workers=1, sp_vocab_size=400,
+                           progress=False, **kw)
+        return r.manifest, load_prepared_tokenizer(out, "sentencepiece")
+
+    m, tok = sp(tmp_path / "held_out")
+    assert m["roles"]["greek"] == "novel"
+    assert tok._sp.piece_to_id("ζ") == tok._sp.unk_id()  # never in the tokenizer's sample: byte fallback only
+    m, tok = sp(tmp_path / "all_trained", novel=[])  # prepare --novel overrides the corpus roles
+    assert set(m["roles"].values()) == {"train"} and tok._sp.piece_to_id("ζ") != tok._sp.unk_id()
+    m, _ = sp(tmp_path / "legal_novel", novel=["legal"])
+    assert m["roles"] == {"code": "train", "greek": "train", "legal": "novel", "news": "train"}
+    with pytest.raises(ValueError, match=r"novel domains \['nope'\] are not in"):
+        sp(tmp_path / "bad", novel=["nope"])
+
+
+def test_a_raw_folder_is_told_to_run_ingest_first(tmp_path):
+    raw = tmp_path / "raw"
+    (raw / "news").mkdir(parents=True)
+    (raw / "news" / "a.txt").write_text("text")
+    with pytest.raises(FileNotFoundError, match=r"no <domain>\.jsonl files \(it holds news, \.\.\.\).*run "
+                                                r"`python -m data\.ingest"):
+        prepare_corpus(raw, tmp_path / "tokens", progress=False)
