@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Cached JIT builds (DeepSpeed's shared-memory comm op) live inside the venv: per machine, never shared.
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# Cached JIT builds (DeepSpeed's shared-memory comm op) live inside the venv: per machine, never shared. The same
+# default as launcher/rundir.py `default_extensions_dir` (which launch and train apply when it is unset); a value set
+# in the environment is kept.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
@@ -14,12 +16,15 @@ PYTEST_ARGS ?=
 .PHONY: venv wheels test test-fast demo data flops bench reproduce clean help
 
 help:
+	@echo "make venv   - create .venv with everything installed (the other targets do this first when needed)"
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
 	@echo "make test   - run the test suite (unit, multi-rank gloo, parity)"
 	@echo "make wheels - wheelhouse/ for an offline GPU node (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
-	@echo "make bench  - run the CPU benchmarks"
+	@echo "make bench  - run the CPU benchmarks (re-timed every run); report in runs/bench/ (= python -m benchmarks.run)"
+	@echo "              make bench RECORD=1: write the tracked copy in benchmarks/results/ (python -m benchmarks.run --record)"
+	@echo "              make bench BENCH_DATA=PATH [BENCH_TOKENIZER=gpt2|sentencepiece]: on a prepared corpus (--data PATH --tokenizer NAME)"
 	@echo "make reproduce - every architecture with seeds on the demo corpus, each paper claim with a verdict (long; resumable)"
 	@echo "make modular - add a novel-domain expert to the demo DEMix model, DEMix-DAPT vs Dense-DAPT, remove an expert (Tables 6/7/13)"
 
@@ -86,8 +91,13 @@ demo: $(STAMP)
 flops: $(STAMP)
 	$(BIN)/python -m launcher.flops --paper
 
+# Outputs to runs/bench/ (ignored by git); RECORD=1 writes the tracked benchmarks/results/ copy. BENCH_DATA=PATH [BENCH_TOKENIZER=NAME]:
+# every point on that prepared corpus (PATH/<tokenizer>/manifest.json) instead of the demo corpus.
+RECORD ?= 0
+BENCH_DATA ?=
+BENCH_TOKENIZER ?=
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.run $(if $(filter 1,$(RECORD)),--record) $(if $(BENCH_DATA),--data "$(BENCH_DATA)") $(if $(BENCH_TOKENIZER),--tokenizer $(BENCH_TOKENIZER))
 
 # Not in CI: every architecture with seeds on the demo corpus, claims with verdicts (resumable: rerun after a kill).
 reproduce: $(STAMP)

@@ -184,7 +184,8 @@ def points_table(rows: list[dict]) -> Table:
         ok = r["status"] == "ok"
         mfu = pct(r.get("mfu")) if r.get("mfu") is not None else ("n/a" if ok else "–")
         hfu = pct(r.get("hfu")) if r.get("hfu") is not None else ("n/a" if ok else "–")
-        body.append([r["id"], str(r["world_size"]), r["status"], num(r.get("tokens_per_s")), num(r.get("tokens_per_s_per_rank")),
+        status = r["status"] + (f", reused from {r['reused_from']}" if r.get("reused_from") else "")
+        body.append([r["id"], str(r["world_size"]), status, num(r.get("tokens_per_s")), num(r.get("tokens_per_s_per_rank")),
                      num(r.get("step_time_s")), num(r.get("tflops_per_gpu_recompute")), num(r.get("tflops_per_gpu_no_recompute")),
                      mfu, hfu, num(r.get("peak_mem_gb")), pct(r.get("scaling_efficiency")), pct(r.get("core_efficiency")),
                      pct(r.get("overhead_share")), pct(r.get("comm_share")), num(r.get("final_loss"))])
@@ -475,6 +476,21 @@ def external_load_note(m: dict) -> str:
             "trainer's communication. Rerun on an idle machine before drawing conclusions about scaling.")
 
 
+def reused_note(rows: list[dict]) -> str:
+    """The points a `--reuse` sweep took from earlier runs, each with when it ran and its own load; "" if none."""
+    reused = [r for r in rows if r.get("reused_from")]
+    if not reused:
+        return ""
+
+    def one(r: dict) -> str:
+        load = r.get("load") or {}
+        return (f"{r['id']} (reused from {r['reused_from']}; 1-minute load average {load.get('loadavg_1m_start', '?')} "
+                f"to {load.get('loadavg_1m_end', '?')}, other processes {load.get('others_cores', '?')} cores during it)")
+    return (f"**{len(reused)} of {len(rows)} points were reused from earlier runs (`--reuse`), not timed by this "
+            "sweep**: their numbers, timings and load are their own runs': " + "; ".join(one(r) for r in reused)
+            + ". The sweep's wall time and the machine's load above are those of the points timed now.")
+
+
 def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tuple[list[Block], list[Figure]]:
     rows = results["points"]
     s = results.get("sweep", {})
@@ -496,6 +512,8 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
     load_note = external_load_note(results.get("machine", {}))
     if load_note:
         blocks.append(Para(load_note))
+    if reused_note(rows):
+        blocks.append(Para(reused_note(rows)))
     blocks.append(points_table(rows))
     blocks.append(Heading("Tables 2/9 layout (rows size, columns architecture)"))
     blocks += paper_layout_tables(rows)

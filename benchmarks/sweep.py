@@ -1,14 +1,23 @@
 """Throughput sweep: model sizes x architectures x world sizes (x ZeRO stages x tensor-parallel sizes),
 each point trained for a few steps through the normal launcher, summarised in one results.json.
 
-    python -m benchmarks.sweep configs/sweeps/cpu.yaml [--sweep-dir runs/sweeps/cpu] [--force]
+    python -m benchmarks.sweep configs/sweeps/cpu.yaml [--sweep-dir runs/sweeps/cpu] [--reuse]
                                [--only SUBSTRING ...] [--dry-run]
 
 Every point runs as `python -m launcher.launch --config <base_config> --nproc N --run-dir <sweep-dir>/<point-id>
---resume never --set ...` in a subprocess, so a point is exactly what a user would launch; its output goes to
-`<sweep-dir>/<point-id>/sweep.log` and its summary to `<sweep-dir>/<point-id>/point.json`. A failed point
-(bad layout, crash, timeout) is recorded with the tail of its error and the sweep continues. A rerun skips
-points whose point.json says "ok" (unless --force) and retries the others.
+--resume never --master-port P --set ...` in a subprocess, so a point is exactly what a user would launch; its
+output goes to `<sweep-dir>/<point-id>/sweep.log` and its summary to `<sweep-dir>/<point-id>/point.json`. A failed
+point (bad layout, crash, timeout) is recorded with the tail of its error and the sweep continues.
+
+Points run one after another. The rendezvous port P of a local point is reserved, not guessed (`reserve_port`):
+a socket bound to a port the kernel picked as free (no listener, no connection, nothing in TIME_WAIT) stays open
+while the point runs, so no other process on the machine can take it, and only rank 0's rendezvous store (which
+binds with SO_REUSEADDR, as this socket does) can listen on it. Multi-node points (launch.hostfile) keep the
+launcher's own choice: their rendezvous is on the first host.
+
+A rerun re-times every point it reports. With --reuse, points whose point.json says "ok" and whose launch
+command is unchanged are kept instead (the others run): their rows keep their own timings and load and say
+`reused_from` (the date they finished), and the report marks them.
 
 Per point (results.json, one row each):
     throughput   means over the logged intervals *after the first* (the first includes start-up/warm-up):
@@ -32,24 +41,29 @@ Per point (results.json, one row each):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
 
-from benchmarks.machine import machine_info
-from typing import Any, Optional, Sequence
+from benchmarks.machine import OtherLoad, machine_info
 
 import yaml
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from data.catalog import DataError, load_catalog
+from data.config import TOKENIZERS
 from data.readers import InputFileError, read_yaml
 from launcher.typed import ConfigError, build_lenient, to_dict
 from model.config import CONFIG
@@ -248,9 +262,13 @@ def point_overrides(cfg: SweepConfig, point: Point) -> list[str]:
     return out + list(cfg.set)
 
 
-def launch_command(cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False) -> list[str]:
+def launch_command(cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False,
+                   master_port: Optional[int] = None) -> list[str]:
+    """The `launcher.launch` command line of one point; `master_port`: its rendezvous port (None: the launcher's)."""
     cmd = [sys.executable, "-m", "launcher.launch", "--config", cfg.base_config, "--run-dir", str(run_dir),
            "--resume", "never"]
+    if master_port is not None:
+        cmd += ["--master-port", str(master_port)]
     if cfg.launch.hostfile:
         per_node = min(point.world_size, cfg.launch.gpus_per_node)
         nodes = -(-point.world_size // cfg.launch.gpus_per_node)
@@ -262,29 +280,102 @@ def launch_command(cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool 
     return cmd + (["--dry-run"] if dry_run else [])
 
 
+def resolve_tokenizer(path: str | Path, tokenizer: Optional[str] = None) -> Optional[str]:
+    """`tokenizer`, or the only tokenizer with a token manifest under `path` (None when there is none). DataError
+    when several are there and none was chosen."""
+    if tokenizer is not None:
+        return tokenizer
+    found = [t for t in TOKENIZERS if (Path(path) / t / "manifest.json").is_file()]
+    if len(found) > 1:
+        raise DataError(f"{path} holds tokens of several tokenizers ({', '.join(found)}): choose one with --tokenizer")
+    return found[0] if found else None
+
+
+def with_data(cfg: SweepConfig, path: str | Path, tokenizer: Optional[str] = None) -> SweepConfig:
+    """`cfg` with every point training on the prepared corpus at `path` (`<path>/<tokenizer>/manifest.json`, as
+    data/prepare.py writes it): `data.path`, `data.tokenizer` and `model.vocab_size` (the tokenizer's vocabulary
+    plus one domain token per training domain, as the demo configs count it) are added last to the sweep's `set`.
+    Checked first with data/catalog.py's loader (DataError, its message) against the base config's data.domains;
+    `tokenizer` None: the only one prepared there, else the base config's."""
+    from launcher.config import load_run_config
+
+    path = Path(path).resolve()
+    base = load_run_config(base_config_path(cfg), point_overrides(cfg, points(cfg)[0]), check=False)
+    tokenizer = resolve_tokenizer(path, tokenizer) or base.data.tokenizer
+    catalog = load_catalog(path, tokenizer, base.data.domains)
+    data = [f"data.path={json.dumps(str(path))}", f"data.tokenizer={tokenizer}",
+            f"model.vocab_size={catalog.total_vocab_size(with_domain_tokens=True)}"]
+    return dataclasses.replace(cfg, set=[*cfg.set, *data])
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendezvous ports
+# --------------------------------------------------------------------------------------------------
+
+
+def reserve_port() -> socket.socket:
+    """A socket bound, not listening, to a TCP port the kernel picked as free on every address of this host (no
+    listener, no connection, nothing in TIME_WAIT); close it once the launch that uses the port has ended.
+
+    While it is open, no other process gets the port: an explicit bind without SO_REUSEADDR fails (EADDRINUSE),
+    the kernel hands it to no other bind(port 0) or outgoing connection. It is bound with SO_REUSEADDR, so a
+    rendezvous store that binds with SO_REUSEADDR too (torch's TCPStore, both backends) can still listen on it:
+    the reservation is for the launch's rank 0, not against it. Dual-stack (IPv4 and IPv6) where the host has it."""
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::" if family == socket.AF_INET6 else "", 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port reserved (`reserve_port`) for the `with` block; released when it ends."""
+    sock = reserve_port()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def point_port(cfg: SweepConfig) -> contextlib.AbstractContextManager[Optional[int]]:
+    """The rendezvous port of a point for the `with` block around its launch: reserved here for a local point;
+    None (the launcher chooses) for a multi-node one, whose rendezvous is on the hostfile's first host."""
+    return contextlib.nullcontext(None) if cfg.launch.hostfile else reserved_port()
+
+
 # --------------------------------------------------------------------------------------------------
 # Running one point and summarising it
 # --------------------------------------------------------------------------------------------------
 
 
-def run_point(cfg: SweepConfig, point: Point, sweep_dir: Path, force: bool = False) -> dict[str, Any]:
-    """Run one point (or reuse its finished summary) and return its results row; never raises for the point's
-    own failures."""
+def run_point(cfg: SweepConfig, point: Point, sweep_dir: Path, reuse: bool = False) -> dict[str, Any]:
+    """Run (time) one point and return its results row; never raises for the point's own failures. `reuse`: return
+    the row of an earlier run of the same launch that finished ok instead, marked `reused_from` (`reusable_row`)."""
     run_dir = sweep_dir / point.id
     summary = run_dir / "point.json"
-    if summary.is_file() and not force:
-        row = json.loads(summary.read_text())
-        if row.get("status") == "ok":
-            print(f"[sweep] {point.id}: finished earlier, skipped (--force reruns it)", flush=True)
-            return row
+    row = reusable_row(cfg, point, run_dir) if reuse else None
+    if row is not None:
+        print(f"[sweep] {point.id}: reused from {row['reused_from']} (--reuse; not re-timed)", flush=True)
+        return row
     if run_dir.exists():  # metrics.jsonl is appended to: start clean
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = launch_command(cfg, point, run_dir)
     print(f"[sweep] {point.id}: running on {point.world_size} rank(s) ...", flush=True)
-    rc, wall, timed_out = _run_logged(cmd, run_dir / "sweep.log", cfg.launch.timeout_s)
+    load0 = os.getloadavg()[0]
+    with point_port(cfg) as port, OtherLoad() as others:  # the port stays reserved until the launch has ended
+        cmd = launch_command(cfg, point, run_dir, master_port=port)
+        rc, wall, timed_out = _run_logged(cmd, run_dir / "sweep.log", cfg.launch.timeout_s)
     row = summarise_point(cfg, point, run_dir, rc, wall, timed_out)
-    row["command"] = shlex.join(cmd)
+    row.update(command=shlex.join(cmd), finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+               load={"loadavg_1m_start": round(load0, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2),
+                     "others_cores": others.result()["others_cores"]})
     if not cfg.keep_checkpoints:
         for sub in ("checkpoints", "model", "wandb"):
             shutil.rmtree(run_dir / sub, ignore_errors=True)
@@ -295,6 +386,39 @@ def run_point(cfg: SweepConfig, point: Point, sweep_dir: Path, force: bool = Fal
         msg = "FAILED: " + " | ".join((row["error"] or "").strip().splitlines()[:3])[:300]
     print(f"[sweep] {point.id}: {msg} ({wall:.0f} s)", flush=True)
     return row
+
+
+def _launch_key(command: Sequence[str]) -> list[str]:
+    """A launch command without what differs between two runs of the same point: the interpreter, the run
+    directory (where point.json lies) and the rendezvous port."""
+    out, skip = [], False
+    for i, arg in enumerate(command):
+        if skip or i == 0:
+            skip = False
+            continue
+        if arg in ("--master-port", "--port", "--run-dir"):
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+def reusable_row(cfg: SweepConfig, point: Point, run_dir: Path) -> Optional[dict[str, Any]]:
+    """The row of `run_dir/point.json` when that point finished ok with the launch this sweep would make now (same
+    config, overrides and ranks), marked `reused_from` (when it finished); else None (run it)."""
+    summary = run_dir / "point.json"
+    try:
+        row = json.loads(summary.read_text()) if summary.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(row, dict) or row.get("status") != "ok" or not isinstance(row.get("command"), str):
+        return None
+    if _launch_key(shlex.split(row["command"])) != _launch_key(launch_command(cfg, point, run_dir)):
+        print(f"[sweep] {point.id}: the earlier run was another launch (config, data or overrides changed): "
+              "running it", flush=True)
+        return None
+    finished = row.get("finished") or time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary.stat().st_mtime))
+    return {**row, "reused_from": finished}
 
 
 def _run_logged(cmd: list[str], log: Path, timeout_s: int) -> tuple[int, float, bool]:
@@ -412,9 +536,10 @@ def add_scaling(rows: list[dict[str, Any]], cores: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def run_sweep(cfg: SweepConfig, sweep_dir: Path, force: bool = False, only: Sequence[str] = (),
+def run_sweep(cfg: SweepConfig, sweep_dir: Path, *, reuse: bool = False, only: Sequence[str] = (),
               command: str = "", config_path: str = "") -> dict[str, Any]:
-    """Run every point (those matching `only`, if given), write and return `<sweep_dir>/results.json`."""
+    """Run and time every point (those matching `only`, if given), write and return `<sweep_dir>/results.json`.
+    `reuse`: keep points that finished ok earlier with the same launch (`run_point`), listed under "reused"."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     machine = machine_info()
@@ -422,17 +547,20 @@ def run_sweep(cfg: SweepConfig, sweep_dir: Path, force: bool = False, only: Sequ
     for p in points(cfg):
         if only and not any(s in p.id for s in only):
             continue
-        rows.append(run_point(cfg, p, sweep_dir, force))
+        rows.append(run_point(cfg, p, sweep_dir, reuse))
     add_scaling(rows, machine["cores"] or 1)
     machine["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     results = {"sweep": to_dict(cfg), "config_path": config_path, "command": command, "started": started,
                "wall_s": time.perf_counter() - t0, "machine": machine,
                "comm_share_note": "comm_share = measured time inside collectives (rank 0, gloo: blocking) / step "
                                   "time; overhead_share = 1 - step_time(N0)/step_time(N) is communication + contention.",
+               "reused": [{"id": r["id"], "reused_from": r["reused_from"]} for r in rows if r.get("reused_from")],
                "points": rows}
     (sweep_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     n_ok = sum(r["status"] == "ok" for r in rows)
-    print(f"[sweep] {n_ok}/{len(rows)} points ok in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}", flush=True)
+    reused = f" ({len(results['reused'])} reused from earlier runs, not re-timed)" if results["reused"] else ""
+    print(f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}",
+          flush=True)
     return results
 
 
@@ -447,11 +575,20 @@ def dry_run(cfg: SweepConfig, sweep_dir: Path) -> int:
     return 1 if bad else 0
 
 
+def add_reuse_args(p: argparse.ArgumentParser) -> None:
+    """--reuse, and --force (the default now, kept so that old command lines still work)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--reuse", action="store_true",
+                   help="keep points that finished ok earlier with the same launch (marked 'reused from <date>' in "
+                        "the results and the report) instead of re-timing them")
+    g.add_argument("--force", action="store_true", help="re-time every point (the default)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="sweep YAML (configs/sweeps/...)")
     p.add_argument("--sweep-dir", help="where point run directories and results.json go (default runs/sweeps/<name>)")
-    p.add_argument("--force", action="store_true", help="rerun points that finished earlier")
+    add_reuse_args(p)
     p.add_argument("--only", nargs="+", default=[], metavar="SUBSTRING", help="run only points whose id contains one")
     p.add_argument("--dry-run", action="store_true", help="validate every point with the launcher; train nothing")
     args = p.parse_args(argv)
@@ -464,7 +601,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sweep_dir = Path(args.sweep_dir or ROOT / "runs" / "sweeps" / cfg.name)
     if args.dry_run:
         return dry_run(cfg, sweep_dir)
-    results = run_sweep(cfg, sweep_dir, args.force, args.only, "python -m benchmarks.sweep " + shlex.join(argv), args.config)
+    results = run_sweep(cfg, sweep_dir, reuse=args.reuse, only=args.only,
+                        command="python -m benchmarks.sweep " + shlex.join(argv), config_path=args.config)
     return 0 if any(r["status"] == "ok" for r in results["points"]) else 1
 
 

@@ -234,7 +234,9 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts))
+        """One thread (sentencepiece's default is every core): data.prepare's parallelism is its worker processes,
+        and more threads per worker only oversubscribe the cores."""
+        return self._sp.encode(list(texts), num_threads=1)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids if int(i) < self.vocab_size])

@@ -1,12 +1,18 @@
 """Dry run: check a run's config and parallel layout for N GPUs with no GPU and no process started.
 
     python -m launcher.dryrun [CONFIG.yaml] --world-size 128 --set model.preset=gpt3-xl model.ffn.kind=demix \
-        --set parallel.tensor_parallel=2 [--domains 8] [--out runs/dryrun/summary.json]
+        --set parallel.tensor_parallel=2 [--domains 8] [--data TOKENS_ROOT | --no-data] [--out runs/dryrun/summary.json]
 
 It (a) validates the config and the layout, reporting every problem at once; (b) builds the topology and
 prints its description; (c) builds the model of rank 0 and of the last rank on the meta device and prints
 their parameter counts; (d) writes a JSON summary. The DeepSpeed config belongs to the trainer: a caller
 may pass `deepspeed_config(cfg, topology) -> dict` to `main`, and the dry run writes it beside the summary.
+
+Data: when the run names its data (data.path in the config or a --set, or --data DIR), the dry run plans it
+exactly as launch does (launcher/plan.py `make_plan`: the token manifest's training and novel domains, its
+tokenizer and vocabulary against model.vocab_size, tokens per split, train.init_from), so a run it accepts launch
+accepts too. Without (or with --no-data) it plans the layout alone, over data.domains or domains it invents
+(domain0..N-1, --domains N) and says so: nothing is checked against a tokenizer then.
 """
 
 from __future__ import annotations
@@ -16,15 +22,16 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from launcher.config import ConfigError, RunConfig, load_run_config
+from data.readers import read_yaml
+from launcher.config import ConfigError, RunConfig, load_run_config, parse_overrides
 from launcher.ffn_kinds import ffn_kind
-from launcher.plan import plan_layout
+from launcher.plan import Layout, make_plan, plan_layout
 from model.gpt import GPT
 from parallel.topology import Topology, deepspeed_equivalent
 from data.argtypes import positive_float, positive_int
@@ -43,6 +50,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help=f"number of training domains (default: len(data.domains), else {DEFAULT_DOMAINS})")
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides, e.g. model.preset=gpt3-xl model.ffn.kind=demix")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", metavar="TOKENS_ROOT",
+                     help="prepared tokens root (as --set data.path=...): plan its domains and vocabulary as launch does")
+    src.add_argument("--no-data", action="store_true",
+                     help="plan the layout alone even when data.path is set (domains from data.domains or invented)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON summary path (default {DEFAULT_OUT})")
     p.add_argument("--gpu-memory-gb", type=positive_float, default=None,
                    help="memory of one GPU in GiB for the fit verdict (default: the --device table's, e.g. V100 32)")
@@ -62,6 +74,54 @@ def resolve_domains(cfg: RunConfig, domains: Optional[int]) -> tuple[list[str], 
         return list(named), []
     n = DEFAULT_DOMAINS if domains is None else domains
     return [f"domain{g}" for g in range(n)], []
+
+
+def data_path_set(config: Optional[str], overrides: Sequence[str]) -> bool:
+    """Whether the run names its data: data.path in the config file or in an override (the built-in default,
+    which launch would read too, does not count: a dry run for a cluster need not have the data here)."""
+    raws = [read_yaml(config) if config else {}, parse_overrides(overrides)]
+    return any(isinstance(r, dict) and isinstance(r.get("data"), dict) and "path" in r["data"] for r in raws)
+
+
+def plan_with_data(cfg: RunConfig, world_size: int, domains: Optional[int]) -> tuple[Layout, dict[str, Any]]:
+    """The layout planned as launch plans it (`make_plan`, which reads data.path's token manifest with
+    data/catalog.py `load_catalog`), and what the data is: its path, tokenizer, vocabulary, training and novel
+    domains. Problems (the data's, the vocabulary's with its fix, the layout's) are in the Layout."""
+    try:
+        plan = make_plan(cfg, world_size)
+    except ConfigError as e:
+        problems = list(e.problems)
+        if not (Path(cfg.data.path) / cfg.data.tokenizer / "manifest.json").is_file():
+            problems.append(f"(the dry run reads data.path={cfg.data.path} as launch does: give the prepared tokens "
+                            "root with --data DIR, or plan the layout alone with --no-data)")
+        return Layout(cfg, None, problems), {}
+    cat, pcfg = plan.catalog, plan.cfg
+    problems = []
+    if domains is not None and domains != len(cat.train_domains):
+        problems.append(f"--domains {domains} disagrees with the {len(cat.train_domains)} training domains of "
+                        f"{cat.root} ({', '.join(cat.train_domains)}): drop --domains or pick the domains in "
+                        "data.domains")
+    data = {"source": "manifest", "path": str(cat.root), "tokenizer": cat.tokenizer,
+            "tokenizer_vocab_size": cat.vocab_size,
+            "token_ids": cat.total_vocab_size(pcfg.data.mixture == "domain_token"),
+            "model_vocab_size": pcfg.model.vocab_size,
+            "padded_vocab_size": pcfg.model.padded_vocab_size(pcfg.parallel.tensor_parallel),
+            "train_domains": list(cat.train_domains), "novel_domains": list(cat.novel_domains)}
+    return Layout(pcfg, plan.topo, problems, plan.notes), data
+
+
+def plan_without_data(cfg: RunConfig, world_size: int, domains: Optional[int]) -> tuple[Layout, dict[str, Any]]:
+    """The data-free layout (`plan_layout`) over data.domains or invented domain0..N-1, with a note saying which
+    and that no tokenizer was checked."""
+    names, problems = resolve_domains(cfg, domains)
+    layout = plan_layout(cfg, world_size, names)
+    invented = cfg.data.domains is None
+    where = (f"the domains {names[0]}..{names[-1]} are invented (--domains N sets how many)" if invented
+             else "the domains come from data.domains")
+    note = (f"no data read: {where}, not read from prepared data, and model.vocab_size is not checked against a "
+            "tokenizer; set data.path (or --data TOKENS_ROOT) to plan the data's own domains as launch does")
+    data = {"source": "invented" if invented else "data.domains", "train_domains": names, "novel_domains": []}
+    return Layout(layout.cfg, layout.topo, problems + layout.problems, (*layout.notes, note)), data
 
 
 def param_counts(model: GPT, tp: int) -> dict:
@@ -202,16 +262,28 @@ def _print_memory(mem: dict) -> None:
               f"estimate_zero2_model_states_mem_needs ({(ours - est) / est:+.1%})")
 
 
+def _print_data(data: dict[str, Any]) -> None:
+    """One line on the data the dry run planned from its token manifest (nothing without: a note says so)."""
+    if data.get("source") != "manifest":
+        return
+    extra = data["token_ids"] - data["tokenizer_vocab_size"]
+    print(f"data: {data['path']} ({data['tokenizer']} tokenizer, {data['tokenizer_vocab_size']:,} tokens"
+          + (f" + {extra} domain tokens" if extra else "") + f"; model.vocab_size {data['model_vocab_size']:,}, "
+          f"padded {data['padded_vocab_size']:,}); training domains: {', '.join(data['train_domains'])}; novel "
+          f"(held out): {', '.join(data['novel_domains']) or 'none'}")
+
+
 @cli_main
 def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSpeedConfigFn] = None) -> int:
     """Returns 0 on success, 2 (after printing every problem to stderr) when the config or layout is impossible."""
     args = parse_args(argv)
     start = time.perf_counter()
+    overrides = [*args.overrides, *([f"data.path={json.dumps(args.data)}"] if args.data else [])]
     try:
-        cfg = load_run_config(args.config, args.overrides)
-        names, problems = resolve_domains(cfg, args.domains)
-        layout = plan_layout(cfg, args.world_size, names)  # what launch and train plan, without the data
-        problems += layout.problems
+        cfg = load_run_config(args.config, overrides)
+        with_data = not args.no_data and data_path_set(args.config, overrides)
+        layout, data = (plan_with_data if with_data else plan_without_data)(cfg, args.world_size, args.domains)
+        problems = list(layout.problems)
         if args.device is not None:
             from model.accounting import lookup_device
             from parallel.precision import device_precision_problems
@@ -224,6 +296,7 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
     except (ConfigError, ValueError) as e:  # ValueError: a model that cannot be built (e.g. an unregistered kind)
         print(f"error: dry run failed: {e}", file=sys.stderr)
         return 2
+    _print_data(data)
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
     memory = memory_report(cfg, topo, ranks, args.device, args.gpu_memory_gb)
     _print_memory(memory)
@@ -231,7 +304,8 @@ def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSp
         print(f"note: {note}")
     model = {"name": cfg.model.name, "ffn": cfg.model.ffn.kind, "num_experts": max(1, cfg.model.ffn.num_experts)}
     summary = {"model": model,
-               "domains": names, "topology": topo.describe(), "notes": list(layout.notes),
+               "domains": data["train_domains"], "data": data, "topology": topo.describe(),
+               "notes": list(layout.notes),
                "deepspeed_equivalent": deepspeed_equivalent(topo) if ffn_kind(cfg).domain_experts else None,
                "ranks": ranks, "memory": memory}
     out = Path(args.out)

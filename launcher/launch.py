@@ -42,7 +42,8 @@ from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
-from launcher.rundir import check_run_dir, mark_run_dir
+from launcher.rundir import (LAUNCHER_ENV, check_run_dir, interrupted_line, mark_run_dir, out_dir_override,
+                             use_extensions_dir)
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
@@ -193,12 +194,16 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
 
 
 def launch_env(nproc_per_node: int, ranks_run_here: bool = True) -> dict[str, str]:
-    """Environment for the ranks: CPU runs get gloo-friendly settings (one thread per rank). Only for ranks that run
-    on this machine: srun (`--launcher slurm`, `--export=ALL`) and mpirun carry this environment to the other nodes,
-    and a login node without a GPU would otherwise send DS_ACCELERATOR=cpu to every GPU rank (each rank's own
-    start-up picks the CPU accelerator where it has no CUDA)."""
+    """Environment for the ranks: CPU runs get gloo-friendly settings (one thread per rank), and TORCH_EXTENSIONS_DIR
+    the virtualenv's cache unless set (launcher/rundir.py `use_extensions_dir`). Only for ranks that run on this
+    machine: srun (`--launcher slurm`, `--export=ALL`) and mpirun carry this environment to the other nodes, and a
+    login node without a GPU would otherwise send DS_ACCELERATOR=cpu to every GPU rank (each rank's own start-up
+    picks the CPU accelerator where it has no CUDA; its trainer defaults TORCH_EXTENSIONS_DIR on its own node)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env[LAUNCHER_ENV] = "1"
+    if ranks_run_here:
+        use_extensions_dir(env)
     if ranks_run_here and not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
         cores = os.cpu_count() or 1
@@ -238,16 +243,17 @@ def resolve_paths(args: argparse.Namespace, cfg: RunConfig) -> RunConfig:
     """Every user path made absolute once, here, against the directory the user launched from: the ranks run
     in the repository root, so a relative --config, --hostfile, --run-dir, --resume or a relative data.path /
     train.init_from / logging.out_dir would otherwise mean another file to them than to this planner. The
-    config's path fields are passed on as extra `--set` overrides (JSON-quoted, read as YAML strings)."""
+    config's path fields are passed on as extra `--set` overrides (JSON-quoted, read as YAML strings); with
+    --run-dir, `logging.out_dir` becomes it, so the saved config.yaml records where the run actually is."""
     for name in ("config", "hostfile", "run_dir"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     if args.resume not in ("auto", "never"):
         args.resume = os.path.abspath(args.resume)
-    extra = []
+    extra = out_dir_override(args.run_dir)
     for section, key in PATH_FIELDS:
         value = getattr(getattr(cfg, section), key)
-        if value and not Path(value).is_absolute():
+        if value and not Path(value).is_absolute() and not (extra and (section, key) == ("logging", "out_dir")):
             extra.append(f"{section}.{key}={json.dumps(os.path.abspath(value))}")
     if not extra:
         return cfg
@@ -308,7 +314,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"run dir: {run_dir}\ncommand: {shlex.join(cmd)}", file=sys.stderr)
     if args.dry_run:
         return 0
-    return run_runner(cmd, env)
+    return run_and_report(cmd, env, run_dir)
+
+
+def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """`run_runner`, and on Ctrl-C, once the ranks have ended (`wait_for_children`), one line saying where the last
+    checkpoint of `run_dir` is and how to resume, instead of a traceback; exit status 130. The ranks stay silent
+    (LAUNCHER_ENV). A pdsh launch on several hosts is DeepSpeed's runner's to stop (it exits 1): there rank 0 says
+    it, pdsh carrying no LAUNCHER_ENV."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}
+    try:
+        return run_runner(cmd, env)
+    except KeyboardInterrupt:
+        wait_for_children(before)
+        print(interrupted_line(run_dir), file=sys.stderr, flush=True)
+        return 130
+
+
+def wait_for_children(before: set[int], grace_s: float = 3.0, timeout_s: float = 45.0) -> None:
+    """Wait for the child processes this one started since `before` (their pids) to end: DeepSpeed's per-node
+    launcher, which on Ctrl-C stops its ranks (SIGTERM, then SIGKILL after 30 s). One still running after `grace_s`
+    got no SIGINT of its own (the signal went to this process only, not to the terminal's process group): it is
+    sent one. A second Ctrl-C stops the waiting."""
+    import psutil
+
+    try:
+        children = [p for p in psutil.Process().children() if p.pid not in before]
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for p in alive:
+            try:
+                p.send_signal(signal.SIGINT)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=timeout_s)
+    except KeyboardInterrupt:
+        pass
 
 
 def run_runner(cmd: list[str], env: dict[str, str]) -> int:

@@ -2,6 +2,24 @@
 
 Only rank 0 writes. wandb is never required: offline by default (files under the run directory), online
 only when configured, and any failure to start it is reported once and ignored.
+
+`<run>/metrics.jsonl` holds one JSON object per line, told apart by `kind` (written by launcher/train.py):
+
+* `start` - at every (re)start: `step` (the first to run), `world_size` (ranks), `device`, `topology`, `notes`,
+  `resumed_from`.
+* `train` - every `logging.log_interval` steps and at the last: `step`, `loss` (mean token loss over every rank's
+  scored tokens of the interval), `loss/<domain>`, `lr`, `grad_norm`, `aux_loss` (GShard), routing statistics,
+  `peak_mem_gb` (max over ranks), `comm/<group>/<op>/{bytes,calls,seconds}` per update, and the interval's speed:
+  `step_time_s` (seconds per optimizer update), `tokens_per_s` - GLOBAL: the tokens of the whole global batch
+  (micro_batch x grad_accum x data-parallel ranks x seq_len) per second, all ranks together - and
+  `tokens_per_s_per_gpu` = `tokens_per_s` / `world_size` (of the latest `start` record; added here, by
+  `with_per_gpu_rate`), `tflops_per_gpu` (FLOPs the hardware executes, recompute included, per rank),
+  `tflops_per_gpu_recompute` / `tflops_per_gpu_no_recompute` (model FLOPs in the two conventions, per rank),
+  `mfu` / `hfu` (null where the device's peak is unknown, e.g. the CPU). "Per GPU" means per rank.
+* `eval` - `val_loss/<domain>` and `val_ppl/<domain>` at `train.eval_interval` and at the end.
+* the FFN kind's own records (e.g. `cse`: clustering events).
+
+Every record also has `time` (Unix seconds). `python -m launcher.report` summarises run directories from it.
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: RunConfig, is_main: bool, total_steps: int, start_step: int = 0) -> None:
         self.is_main = is_main
+        self.world_size: Optional[int] = None  # from the latest `start` record (`with_per_gpu_rate`)
         self.path = run_dir / "metrics.jsonl"
         self.bar = None
         self.wandb = None
@@ -59,7 +78,9 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        record = {k: _jsonable(v) for k, v in record.items()}
+        if record.get("kind") == "start" and isinstance(record.get("world_size"), int):
+            self.world_size = record["world_size"]
+        record = with_per_gpu_rate({k: _jsonable(v) for k, v in record.items()}, self.world_size)
         record.setdefault("time", time.time())
         self.file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
@@ -92,6 +113,20 @@ class MetricsLogger:
                 self.wandb.finish()
             except Exception:
                 pass
+
+
+def with_per_gpu_rate(record: dict[str, Any], world_size: Optional[int]) -> dict[str, Any]:
+    """`record` with `tokens_per_s_per_gpu` (= the global `tokens_per_s` / `world_size`) right after
+    `tokens_per_s`; unchanged without a world size, without a numeric `tokens_per_s`, or when it has one already."""
+    tps = record.get("tokens_per_s")
+    if not world_size or isinstance(tps, bool) or not isinstance(tps, (int, float)) or "tokens_per_s_per_gpu" in record:
+        return record
+    out: dict[str, Any] = {}
+    for k, v in record.items():
+        out[k] = v
+        if k == "tokens_per_s":
+            out["tokens_per_s_per_gpu"] = v / world_size
+    return out
 
 
 def _jsonable(v: Any) -> Any:

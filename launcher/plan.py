@@ -99,15 +99,31 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
     return out, domains
 
 
-def data_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
-    """The data against the (resolved) config: vocabulary size and at least one block per domain and split."""
-    out = []
-    mixture = cfg.data.mixture
-    need = catalog.total_vocab_size(mixture == "domain_token")
+def vocab_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
+    """The model's (padded) vocabulary against the token ids the data uses (the tokenizer's, plus one domain token
+    per training domain with `data.mixture=domain_token`), with the fix: the one rule launch, train and the dry run
+    apply. The suggested `model.vocab_size` is the ids needed rounded up to `model.make_vocab_size_divisible_by`
+    (GPT-2: 50,257 -> 50304), which `padded_vocab_size` keeps as it is."""
+    domain_tokens = cfg.data.mixture == "domain_token"
+    need = catalog.total_vocab_size(domain_tokens)
     have = cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel)
-    if need > have:
-        out.append(f"model.vocab_size={cfg.model.vocab_size} (padded {have}) is smaller than the {need} token ids the "
-                   f"{catalog.tokenizer} data uses{' with domain tokens' if mixture == 'domain_token' else ''}")
+    if need <= have:
+        return []
+    multiple = cfg.model.make_vocab_size_divisible_by
+    fix = -(-need // multiple) * multiple
+    ids = (f"{catalog.vocab_size} tokenizer tokens + {len(catalog.train_domains)} domain tokens" if domain_tokens
+           else "the tokenizer's vocabulary")
+    return [f"model.vocab_size={cfg.model.vocab_size} (padded {have}) is smaller than the {need} token ids the "
+            f"{catalog.tokenizer} data uses{' with domain tokens' if domain_tokens else ''}; fix: "
+            f"`--set model.vocab_size={fix}` (or `vocab_size: {fix}` under model: in the config: {ids} rounded up to "
+            f"a multiple of model.make_vocab_size_divisible_by={multiple}), or use data prepared with a tokenizer "
+            f"of at most {have - (len(catalog.train_domains) if domain_tokens else 0)} tokens"]
+
+
+def data_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
+    """The data against the (resolved) config: vocabulary size (`vocab_problems`) and at least one block per domain
+    and split."""
+    out = vocab_problems(cfg, catalog)
     min_tokens = cfg.model.seq_len + 1
     for d in catalog.train_domains:
         for split in ("train", "valid"):

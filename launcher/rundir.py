@@ -6,14 +6,21 @@ metrics.jsonl, checkpoints/ and model/. `check_run_dir` applies the project's on
 `demix_run.json` that `mark_run_dir` writes, or is a run directory of a version before the marker (a training
 state in checkpoints/, or a metrics.jsonl that starts with the trainer's start record); otherwise any of those names already there is someone
 else's file, and the launch is refused. The tokens it reads are never inside it.
+
+Also here, for the launcher and the trainer alike: what a run says when it is interrupted (`interrupted_line`:
+where its last checkpoint is and how to resume) and the machine-local cache of DeepSpeed's JIT-built ops that its
+ranks share (`use_extensions_dir`: TORCH_EXTENSIONS_DIR defaults to the virtualenv's `torch_extensions`, the one
+definition of that default; `op_build_notice`: the line printed before the first, slow, build).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping, MutableMapping, Optional
 
 from data.atomic import write_json_atomic
 from data.cli import check_output_dir
@@ -53,3 +60,88 @@ def mark_run_dir(run_dir: Path) -> None:
     """Write the marker (once) that makes `run_dir` a run directory for later launches and resumes."""
     if not (Path(run_dir) / RUN_MARKER).is_file():
         write_json_atomic(Path(run_dir) / RUN_MARKER, {"format": RUN_FORMAT, "created_unix": int(time.time())})
+
+
+# Set by launcher.launch for the ranks it starts: it reports a Ctrl-C itself (once they have ended), they stay silent.
+LAUNCHER_ENV = "DEMIX_LAUNCHER"
+
+
+def out_dir_override(run_dir: Optional[str]) -> list[str]:
+    """The `--set` override that makes a run's config record its actual run directory (`--run-dir`) as
+    `logging.out_dir` (none without one): the saved config.yaml and the exported model's config then name where
+    the run is, not the config file's default."""
+    return [f"logging.out_dir={json.dumps(str(run_dir))}"] if run_dir else []
+
+
+def interrupted_line(run_dir: Optional[Path]) -> str:
+    """One line for a run stopped by Ctrl-C: where its last checkpoint is (or that none was written) and how to
+    continue from it."""
+    if run_dir is None:
+        return "interrupted (before the run directory was known); nothing was written"
+    from launcher.checkpoint import CheckpointError
+    from launcher.state import latest_checkpoint
+
+    try:
+        ckpt = latest_checkpoint(Path(run_dir))
+    except CheckpointError as e:
+        return f"interrupted; no intact checkpoint in {run_dir} ({e})"
+    if ckpt is None:
+        return (f"interrupted; no checkpoint was written in {run_dir} yet (train.save_interval): the same command "
+                "starts it again from step 0")
+    return (f"interrupted; the last checkpoint is {ckpt} (step {int(ckpt.name.split('_')[-1])}): run the same "
+            "command again (`--resume auto`, the default, with the same --run-dir) to continue from it")
+
+
+# The op DeepSpeed JIT-builds for CPU ranks (deepspeed/comm/torch.py `build_shm_op`, at the process group's start):
+# its shared-memory all-reduce; on GPUs the project builds no op. Its first build took ~100 s on 2 cores.
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+SHM_OP = "deepspeed_shm_comm"
+SHM_OP_BUILD_SECONDS = 100
+
+
+def default_extensions_dir() -> Optional[Path]:
+    """Where JIT-built ops are cached when TORCH_EXTENSIONS_DIR is unset: `torch_extensions` inside the virtual
+    environment that runs Python (the project's `.venv/torch_extensions`, which the Makefile exports too): per
+    machine and per torch build, never shared. None outside a writable virtualenv (torch's own per-user default,
+    ~/.cache/torch_extensions)."""
+    prefix = Path(sys.prefix)
+    if sys.prefix == sys.base_prefix or not os.access(prefix, os.W_OK):
+        return None
+    return prefix / "torch_extensions"
+
+
+def use_extensions_dir(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Set TORCH_EXTENSIONS_DIR in `environ` (default: this process's) to `default_extensions_dir()` unless it
+    is set already (an explicit value is kept); returns the value in effect (None: torch's default)."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(EXTENSIONS_ENV):
+        default = default_extensions_dir()
+        if default is None:
+            return None
+        environ[EXTENSIONS_ENV] = str(default)
+    return environ[EXTENSIONS_ENV]
+
+
+def extensions_root(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """The folder torch builds JIT ops in, one sub-folder per op: $TORCH_EXTENSIONS_DIR, or torch's default
+    (torch/utils/cpp_extension.py `_get_build_directory`: <user cache>/torch_extensions/py<ver>_<accelerator>)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(EXTENSIONS_ENV):
+        return Path(environ[EXTENSIONS_ENV])
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+           f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    ver = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{ver}_{acc}"
+
+
+def op_build_notice(op: str = SHM_OP, environ: Optional[Mapping[str, str]] = None,
+                    seconds: int = SHM_OP_BUILD_SECONDS) -> Optional[str]:
+    """The line to print before DeepSpeed builds `op`, or None when the cache already holds the built library
+    (`<root>/<op>/<op>.so`, what torch loads instead of building)."""
+    root = extensions_root(environ)
+    if (root / op / f"{op}.so").is_file():
+        return None
+    return f"building DeepSpeed's {op} (first launch only, about {seconds} s; cached in {root})"

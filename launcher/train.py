@@ -4,7 +4,9 @@
 
 Usually started through `python -m launcher.launch` (the deepspeed launcher, N local processes or a
 hostfile); started bare it runs as a single process. Everything that can be checked (config, data,
-layout, resume compatibility) is checked before any process group or model exists.
+layout, resume compatibility) is checked before any process group or model exists. On the console: a resume
+says where from, DeepSpeed's first (slow) build of its CPU op is announced, and Ctrl-C ends every rank with
+status 130 and no traceback, rank 0 saying where the last checkpoint is (unless the launcher says it).
 
 The loop (`train`) reads top to bottom: batch -> forward -> loss (+aux) -> backward -> step -> metrics.
 """
@@ -35,6 +37,8 @@ from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, 
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
+from launcher.rundir import (LAUNCHER_ENV, SHM_OP, interrupted_line, op_build_notice, out_dir_override,
+                             use_extensions_dir)
 from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
                             layout_changes, load_init_weights, load_training_state, resume_candidates,
                             save_training_state, verified_state)
@@ -300,6 +304,8 @@ class Trainer:
             if verified != ckpt:
                 ckpt, start = verified, check_resumable(verified, planned)
                 plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
+            if rank == 0:  # on the console too (metrics.jsonl's start record has it as well)
+                print(resume_line(ckpt, start, cfg.train.steps), file=sys.stderr, flush=True)
         groups = ProcessGroups.create(plan.topo)
         bundle = build_rank_engine(plan, build_rank_model(plan, rank), groups)
         if rank == 0:  # what DeepSpeed got, bucket sizes included (the launcher's copy predates the model)
@@ -363,6 +369,11 @@ class Trainer:
                       "device": device_name(), "topology": self.plan.topo.describe(), "notes": list(self.plan.notes)})
         for note in self.plan.notes:
             print(f"note: {note}", file=sys.stderr)
+
+
+def resume_line(ckpt: Path, step: int, steps: int) -> str:
+    """The console line of a resume (rank 0)."""
+    return f"resuming from {ckpt} at step {step} (of {steps} steps)"
 
 
 def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
@@ -451,21 +462,58 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def prepare_op_cache() -> None:
+    """TORCH_EXTENSIONS_DIR defaulted for ranks started without the launcher (torchrun, srun; launcher/rundir.py
+    `use_extensions_dir`, an explicit value is kept), and, on each node's first CPU rank, one line before DeepSpeed
+    builds its shared-memory op there for the first time (`op_build_notice`). GPU ranks build no op."""
+    use_extensions_dir()
+    if os.environ.get("LOCAL_RANK", "0") != "0" or torch.cuda.is_available() or sys.platform != "linux":
+        return
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get(SHM_OP):  # installed prebuilt (DS_BUILD_SHM_COMM=1): nothing is built
+            return
+    except ImportError:
+        pass
+    note = op_build_notice()
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
+def report_interrupt(run_dir: Optional[Path]) -> int:
+    """Ctrl-C in a rank: exit status 130 and no traceback; global rank 0 prints one line saying where the last
+    checkpoint is and how to resume, unless launcher.launch started the ranks (it says so itself once they have
+    ended, launcher/launch.py `run_and_report`). Every other rank is silent; a second Ctrl-C is ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(LAUNCHER_ENV):
+        print(interrupted_line(run_dir), file=sys.stderr, flush=True)
+    return 130
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 130 on Ctrl-C."""
     args = parse_args(argv)
+    run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
     try:
-        world = ensure_env(args.master_addr, args.master_port)  # MPI/SLURM ranks: their world, before planning
-        cfg = load_run_config(args.config, args.overrides, check=False)
-        plan = make_plan(cfg, world, check_local_device=True)
-    except (ConfigError, CheckpointError, LaunchEnvError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir or plan.cfg.logging.out_dir)
-    try:
-        final = train(plan, run_dir, args.resume)
-    except (ConfigError, CheckpointError, LaunchEnvError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        try:
+            world = ensure_env(args.master_addr, args.master_port)  # MPI/SLURM ranks: their world, before planning
+            cfg = load_run_config(args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False)
+            run_dir = Path(args.run_dir or cfg.logging.out_dir)
+            plan = make_plan(cfg, world, check_local_device=True)
+        except (ConfigError, CheckpointError, LaunchEnvError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        prepare_op_cache()
+        try:
+            final = train(plan, run_dir, args.resume)
+        except (ConfigError, CheckpointError, LaunchEnvError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:
+        return report_interrupt(run_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"run_dir": str(run_dir), **final}))
     return 0

@@ -233,3 +233,83 @@ def test_memory_rows_follow_the_runs_gradient_reduction_settings():
     assert small[1]["buffers"] < default[1]["buffers"] and fp32[1]["buffers"] > default[1]["buffers"]
     assert after[0]["buffers"] != default[0]["buffers"]
     assert fp32[2]["grads"] == 2 * default[2]["grads"] and fp32[1]["grads"] == default[1]["grads"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The data: read as launch reads it when the run names it, invented (and said so) when it does not
+# ---------------------------------------------------------------------------------------------------------------
+
+SMALL = ["model.preset=tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
+         "model.ffn.kind=demix", "data.tokenizer=gpt2"]
+
+
+def test_dry_run_plans_the_prepared_datas_own_domains(tmp_path, tiny_tokens, capsys):
+    """data.path (in a --set, the config or --data) is read with launch's planner: the token manifest's training
+    domains become the experts, the held-out ones are listed as novel, the tokenizer's vocabulary is reported."""
+    rc, s = _run(tmp_path, "--world-size", "3", "--set", *SMALL, f"data.path={tiny_tokens}")
+    printed = capsys.readouterr().out
+    assert rc == 0 and s["domains"] == ["cooking", "finance", "sailing"] and s["model"]["num_experts"] == 3
+    assert s["data"]["source"] == "manifest" and s["data"]["tokenizer_vocab_size"] == 50257
+    assert [r["domain_names"] for r in s["ranks"]] == [["cooking"], ["sailing"]]
+    assert "training domains: cooking, finance, sailing" in printed and "gpt2 tokenizer, 50,257 tokens" in printed
+    assert "invented" not in printed and "domain0" not in printed
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {{path: {tiny_tokens}, domains: [sailing, cooking]}}\n")
+    rc, s = _run(tmp_path, str(config), "--world-size", "2", "--set", *SMALL)
+    assert rc == 0 and s["domains"] == ["sailing", "cooking"] and s["data"]["novel_domains"] == ["finance"]
+    assert "novel (held out): finance" in capsys.readouterr().out
+    rc, s = _run(tmp_path, "--world-size", "3", "--data", str(tiny_tokens), "--set", *SMALL)
+    assert rc == 0 and s["domains"] == ["cooking", "finance", "sailing"]
+    rc, _ = _run(tmp_path, "--world-size", "3", "--data", str(tiny_tokens), "--domains", "8", "--set", *SMALL)
+    assert rc == 2 and "--domains 8 disagrees with the 3 training domains" in capsys.readouterr().err
+
+
+def test_dry_run_without_data_says_it_invented_the_domains(tmp_path, capsys):
+    rc, s = _run(tmp_path, "--world-size", "4", "--set", "model.preset=tiny", "data.mixture=natural")
+    printed = capsys.readouterr().out
+    assert rc == 0 and s["data"]["source"] == "invented" and s["domains"][0] == "domain0"
+    assert "domains domain0..domain7 are invented" in printed and "not checked against a tokenizer" in printed
+    assert any("invented" in n for n in s["notes"])
+    # a config naming data that is not here: refused as launch refuses it, with the way out
+    rc, _ = _run(tmp_path, "--world-size", "4", "--set", "model.preset=tiny", "data.mixture=natural",
+                 f"data.path={tmp_path / 'nowhere'}")
+    err = capsys.readouterr().err
+    assert rc == 2 and "manifest.json not found" in err and "--no-data" in err
+    rc, s = _run(tmp_path, "--world-size", "4", "--no-data", "--set", "model.preset=tiny", "data.mixture=natural",
+                 f"data.path={tmp_path / 'nowhere'}")
+    assert rc == 0 and s["data"]["source"] == "invented"
+
+
+def _launch_dry_run(tmp_path, config, *sets):
+    from launcher.launch import main as launch
+
+    argv = ["--nproc", "1", "--dry-run", "--run-dir", str(tmp_path / "run")] + (["--config", config] if config else [])
+    return launch([*argv, *[a for s in sets for a in ("--set", s)]])
+
+
+@pytest.mark.parametrize("config, sets, fix", [
+    (None, [*SMALL, "model.vocab_size=8200"], "--set model.vocab_size=50304"),
+    # the demo's tiny configs (vocab 8200, for the 8,192-token sentencepiece demo data) over GPT-2 tokens
+    ("configs/demo/demix.yaml", ["data.tokenizer=gpt2", "model.seq_len=32"], "--set model.vocab_size=50304"),
+    ("configs/demo/domain-token.yaml", ["data.tokenizer=gpt2", "model.seq_len=32"], "--set model.vocab_size=50304"),
+], ids=["vocab-8200", "tiny-demix-config", "tiny-domain-token-config"])
+def test_vocab_smaller_than_the_tokenizer_fails_with_the_fix_in_dryrun_and_launch(tmp_path, tiny_tokens, capsys,
+                                                                                  config, sets, fix):
+    """One rule (launcher/plan.py `vocab_problems`) for the dry run and launch --dry-run, with the same fix."""
+    world = "1" if config and "domain-token" in config else "3"
+    rc, s = _run(tmp_path, *([config] if config else []), "--world-size", world, "--data", str(tiny_tokens),
+                 "--set", *sets)
+    dry_err = capsys.readouterr().err
+    assert rc == 2 and s is None
+    assert "model.vocab_size=8200 (padded 8320) is smaller than the" in dry_err and fix in dry_err, dry_err
+    assert _launch_dry_run(tmp_path, config, f"data.path={tiny_tokens}", *sets,
+                           f"logging.out_dir={tmp_path / 'run'}") == 2
+    launch_err = capsys.readouterr().err
+    line = next(x for x in dry_err.splitlines() if "vocab_size=8200" in x)
+    assert line in launch_err.splitlines(), (line, launch_err)
+    if config and "domain-token" in config:
+        assert "50260 token ids" in line and "50257 tokenizer tokens + 3 domain tokens" in line
+    # the fix it names works
+    rc, _ = _run(tmp_path, *([config] if config else []), "--world-size", world, "--data", str(tiny_tokens),
+                 "--set", *sets, fix.split()[-1])
+    assert rc == 0, capsys.readouterr().err

@@ -134,3 +134,108 @@ def test_export_refuses_a_tokenizer_that_is_not_the_models(tmp_path, tiny_tokens
     assert main([str(path), "--out", str(tmp_path / "x"), "--data", str(tiny_tokens)]) == 2
     assert not (tmp_path / "x").exists()
     assert main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0  # gpt2: offline files
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model card: the evaluation where evaluate writes it, its block count, an adapted expert's own tokens
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, tiny_tokens, random_checkpoint):
+    """A DEMix checkpoint at RUN/model evaluated as the README says (`launcher.evaluation.evaluate CKPT --data`,
+    no --max-blocks, default --out): its eval.json is CKPT/eval/eval.json."""
+    from launcher.evaluation.evaluate import main as evaluate
+
+    path = random_checkpoint(tmp_path_factory.mktemp("evaluated") / "run" / "model", "demix")
+    assert evaluate([str(path), "--data", str(tiny_tokens), "--modes", "naive", "--device", "cpu"]) == 0
+    res = json.loads((path / "eval" / "eval.json").read_text())
+    assert res["max_blocks"] is None  # what printed "None blocks"
+    return path, res
+
+
+def _card(ckpt, out, *more):
+    assert main([str(ckpt), "--out", str(out), "--no-tokenizer", "--no-check", *more]) == 0
+    return (out / "README.md").read_text()
+
+
+def test_card_finds_the_evaluation_where_evaluate_writes_it(tmp_path, evaluated):
+    import shutil
+
+    path, _ = evaluated
+    card = _card(path, tmp_path / "hf1", "--domain", "sailing")
+    assert "| sailing (this export) | train |" in card and str(path / "eval" / "eval.json") in card
+    assert "No evaluation" not in card
+    # the run directory's RUN/eval (the export's older default, benchmarks/demo.py's layout) is still found
+    run_eval = path.parent / "eval"
+    shutil.copytree(path / "eval", run_eval)
+    shutil.move(str(path / "eval"), str(tmp_path / "moved"))
+    try:
+        card = _card(path, tmp_path / "hf2", "--domain", "sailing")
+        assert "| sailing (this export) | train |" in card and str(run_eval / "eval.json") in card
+        shutil.rmtree(run_eval)
+        card = _card(path, tmp_path / "hf3", "--domain", "sailing")
+        assert "No evaluation of the source checkpoint was found" in card
+        assert str(path / "eval" / "eval.json") in card and str(run_eval / "eval.json") in card
+    finally:
+        shutil.rmtree(run_eval, ignore_errors=True)
+        shutil.move(str(tmp_path / "moved"), str(path / "eval"))
+    assert main([str(path), "--out", str(tmp_path / "x"), "--no-tokenizer", "--domain", "sailing",
+                 "--eval-json", str(tmp_path / "nosuch.json")]) == 2  # a given file that is not there is refused
+
+
+def test_card_renders_the_block_count_of_an_eval_json(tmp_path, evaluated):
+    path, res = evaluated
+    blocks = {r["blocks"] for r in res["domains"].values()}
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(res))
+    card = _card(path, tmp_path / "hf", "--domain", "cooking", "--eval-json", str(given))
+    assert "None" not in card and "| cooking (this export) | train |" in card
+    if len(blocks) == 1:
+        assert f"({blocks.pop()} blocks of 32 tokens per domain; " in card
+    else:
+        assert f"({min(blocks)} to {max(blocks)} blocks of 32 tokens per domain; " in card
+    # no per-domain counts and no cap recorded: the phrase is left out, never "None blocks"
+    bare = {"domains": {"cooking": {"role": "train", "ppl": {"naive": 12.5}}}, "max_blocks": None, "seq_len": 32}
+    given.write_text(json.dumps(bare))
+    card = _card(path, tmp_path / "hf2", "--domain", "cooking", "--eval-json", str(given))
+    assert "None" not in card and "source checkpoint (32-token blocks; `naive`" in card
+    assert "| cooking (this export) | train | 12.50 | – |" in card
+    bare["domains"]["sailing"] = {"role": "train", "ppl": {"naive": 9.0}, "blocks": 7}
+    bare["domains"]["cooking"]["blocks"] = 3
+    given.write_text(json.dumps(bare))
+    assert "(3 to 7 blocks of 32 tokens per domain; " in _card(path, tmp_path / "hf3", "--domain", "cooking",
+                                                              "--eval-json", str(given))
+
+
+def test_card_gives_an_adapted_experts_own_training_tokens(tmp_path, tiny_tokens, random_checkpoint):
+    """`experts add` copies the base model's meta (train_tokens 12,345): the added expert has trained on none of
+    its own. A DEMix-DAPT run (train.init_from, trainable=experts, data.domains=[new]) counts only its own tokens:
+    the adapted expert's, while the other experts are the base model's."""
+    from dataclasses import replace
+
+    from launcher.modular.experts import add_expert
+    from launcher.modular.surgery import remove_experts_state
+
+    base = load_consolidated(random_checkpoint(tmp_path / "base" / "model", "demix"))
+    two = remove_experts_state(base, ["finance"])
+    two.meta.pop("removed_experts")
+    added_path = tmp_path / "added"
+    added, _ = add_expert(two, "finance", added_path, data=str(tiny_tokens), tokenizer="gpt2", dev_blocks=2)
+    card = _card(added_path, tmp_path / "hf_added", "--domain", "finance")
+    assert "- training tokens: none of its own (the finance expert was added by `launcher.modular.experts add`" in card
+    assert "- training tokens: 12,345\n" not in card and "the model it was added to: 12,345 tokens" in card
+    assert "- training tokens: 12,345\n" in _card(added_path, tmp_path / "hf_old", "--domain", "cooking")
+
+    cfg = added.cfg
+    cfg = replace(cfg, train=replace(cfg.train, init_from=str(added_path), trainable="experts"),
+                  data=replace(cfg.data, domains=["finance"]))
+    keep = ("tokenizer", "vocab_size", "tokenizer_sha256", "bos_id", "eod_id")
+    dapt = save_consolidated(tmp_path / "dapt" / "model", added.state_dict, cfg, added.domains, step=4,
+                             extra={**{k: added.meta[k] for k in keep}, "train_tokens": 4096})
+    card = _card(dapt, tmp_path / "hf_dapt", "--domain", "finance")
+    assert "- training tokens: 4,096 of finance, this expert's own (DEMix-DAPT from" in card
+    assert "trained on 12,345 tokens" in card
+    card = _card(dapt, tmp_path / "hf_dapt_old", "--domain", "sailing")
+    assert "- training tokens: this expert was not trained by this run (DEMix-DAPT of finance)" in card
+    assert "4,096" not in card and "12,345 tokens" in card

@@ -114,11 +114,14 @@ def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path: Path, monkey
     assert good["comm_share"] == pytest.approx(0.1 / 0.5) and good["comm_bytes"] == {"data_parallel/all_reduce": 1000.0}
     assert json.loads((tmp_path / "sw" / "results.json").read_text())["points"][0]["id"] == "tiny-dense-w1-tp3"
 
-    # A rerun skips the finished point and retries the failed one.
+    # A rerun with --reuse keeps the finished point (marked, with its own timings) and retries the failed one.
     calls = []
     monkeypatch.setattr(sweep, "_run_logged", lambda cmd, log, t: calls.append(cmd) or (2, 0.0, False))
-    sweep.run_sweep(cfg, tmp_path / "sw")
+    res = sweep.run_sweep(cfg, tmp_path / "sw", reuse=True)
     assert len(calls) == 1 and "parallel.tensor_parallel=3" in calls[0]
+    kept = {r["id"]: r for r in res["points"]}["tiny-dense-w1-tp1"]
+    assert kept["reused_from"] == good["finished"] and kept["tokens_per_s"] == 2000.0
+    assert res["reused"] == [{"id": "tiny-dense-w1-tp1", "reused_from": good["finished"]}]
 
 
 # ---------------------------------------------------------------------------- report
@@ -202,6 +205,7 @@ def test_one_real_point_through_the_launcher(tmp_path: Path, tiny_tokens: Path) 
     res = sweep.run_sweep(cfg, tmp_path / "sw")
     (row,) = res["points"]
     assert row["status"] == "ok", row["error"]
+    assert "--master-port" in row["command"]  # rendezvous on the port the sweep reserved for it
     assert row["intervals"] == 1 and row["tokens_per_s"] > 0 and row["tflops_per_gpu_recompute"] > row["tflops_per_gpu_no_recompute"]
     assert row["tflops_per_update"] == pytest.approx(row["tflops_per_gpu_recompute"] * row["step_time_s"], rel=1e-6)
     assert not (tmp_path / "sw" / row["id"] / "checkpoints").exists()  # cleaned: benchmarks need no checkpoints

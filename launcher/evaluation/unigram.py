@@ -33,7 +33,7 @@ def _vocab_counts(counts: np.ndarray, vocab_size: int, what: str) -> np.ndarray:
     """`counts` (per token id) as float64 of length `vocab_size`: zero-padded, or cut when every count past the
     vocabulary is zero; ValueError (the one `fit_unigram` has always raised) when an id outside it occurs."""
     c = np.asarray(counts).ravel()
-    if c.size and c.dtype.kind not in "iu":
+    if c.size and not np.issubdtype(c.dtype, np.integer):
         raise ValueError(f"{what} counts must be integers, not {c.dtype}")
     if c.size and c.min() < 0:
         raise ValueError(f"{what} counts must not be negative")
@@ -150,7 +150,7 @@ def _stored_counts(tok_dir: Path, rel: Any, entries: dict) -> np.ndarray:
         raise ValueError(f"{path}: not a readable token counts file ({why}); re-run data.prepare") from None
     if not isinstance(arr, np.ndarray):
         getattr(arr, "close", lambda: None)()  # an .npz archive
-    if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[0] != len(SPLITS) or arr.dtype.kind not in "iu":
+    if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[0] != len(SPLITS) or not np.issubdtype(arr.dtype, np.integer):
         what = f"shape {arr.shape}, dtype {arr.dtype}" if isinstance(arr, np.ndarray) else type(arr).__name__
         raise ValueError(f"{path}: token counts must be an int64 array of shape ({len(SPLITS)}, V) (one row per split "
                          f"{', '.join(SPLITS)}), not {what}; re-run data.prepare")

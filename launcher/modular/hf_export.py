@@ -26,8 +26,9 @@ Our GPT and GPT-2 are the same network up to layout:
 What a user with only the folder gets (CLI default): config.json (bos/eos/pad ids), generation_config.json,
 model.safetensors, the tokenizer as a Hugging Face fast tokenizer that reproduces the project's ids and prepends the
 beginning-of-document token as training and `launcher.evaluation.generate` do (launcher/modular/hf_tokenizer.py),
-README.md (a model card: domains, the expert or merge weights, training tokens, the source model's perplexities)
-and demix_export.json (the record). The tokenizer comes from the prepared data the model was trained on (`--data`,
+README.md (a model card: domains, the expert or merge weights, training tokens (an added or DAPT-adapted
+expert's own, `training_tokens_line`), the source model's perplexities from `launcher.evaluation.evaluate`'s
+CKPT/eval/eval.json, else the run's CKPT/../eval/eval.json, or --eval-json) and demix_export.json (the record). The tokenizer comes from the prepared data the model was trained on (`--data`,
 default the checkpoint's `data.path`), checked against the checkpoint's tokenizer fingerprint.
 
 Merged model (a single-expert model standing for a mixture): every expert tensor is the weighted average
@@ -228,17 +229,46 @@ def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = No
     return load_prepared_tokenizer(root, name)
 
 
-def _eval_table(eval_json: Optional[Path], domain: Optional[str]) -> list[str]:
-    """Markdown rows of the source model's test perplexities (launcher.evaluation.evaluate's eval.json)."""
+def eval_json_candidates(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> list[Path]:
+    """Where `launcher.evaluation.evaluate CKPT` leaves its eval.json, in the order the export looks: its default
+    --out `CKPT/eval` (`CKPT/eval-without-<names>` for an evaluation with --exclude-experts, when the export opts
+    the same experts out), then the run directory's `CKPT/../eval` (benchmarks/demo.py, reproduce.py; the export's
+    older default)."""
+    ckpt = Path(checkpoint)
+    without = [ckpt / f"eval-without-{'-'.join(exclude)}" / "eval.json"] if exclude else []
+    return [*without, ckpt / "eval" / "eval.json", ckpt.parent / "eval" / "eval.json"]
+
+
+def find_eval_json(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> Optional[Path]:
+    """The first `eval_json_candidates` that is a file, else None."""
+    return next((p for p in eval_json_candidates(checkpoint, exclude) if p.is_file()), None)
+
+
+def _blocks_phrase(res: dict[str, Any]) -> str:
+    """'N blocks of T tokens per domain' from the domains' own block counts (evaluate records `blocks` per domain;
+    `max_blocks` is only the cap, None without --max-blocks); without either, the count is left out."""
+    counts = sorted({r["blocks"] for r in res["domains"].values() if isinstance(r.get("blocks"), int)})
+    n = (f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,} to {counts[-1]:,}" if counts
+         else f"at most {res['max_blocks']:,}" if isinstance(res.get("max_blocks"), int) else None)
+    seq = f" of {res['seq_len']} tokens" if isinstance(res.get("seq_len"), int) else ""
+    return (f"{n} blocks{seq} per domain; " if n else
+            f"{res['seq_len']}-token blocks; " if isinstance(res.get("seq_len"), int) else "")
+
+
+def _eval_table(eval_json: Optional[Path], domain: Optional[str], looked: Sequence[Path] = ()) -> list[str]:
+    """Markdown rows of the source model's test perplexities (launcher.evaluation.evaluate's eval.json); `looked`:
+    where the default search looked, named when nothing was found."""
     if eval_json is None or not eval_json.is_file():
-        return ["No evaluation of the source checkpoint was found (run `python -m launcher.evaluation.evaluate CKPT`; "
-                "its eval/eval.json beside the checkpoint is read by the export)."]
+        where = ", ".join(f"`{p}`" for p in looked) if looked else "eval/eval.json in the checkpoint directory"
+        return [f"No evaluation of the source checkpoint was found (looked for {where}; run `python -m "
+                "launcher.evaluation.evaluate CKPT`, which writes CKPT/eval/eval.json, or pass --eval-json)."]
     res = read_json_object(eval_json, {"domains": dict}, what="the source's evaluation")
     try:
         modes = [m for m in ("ppl", "naive", "cached") if any(m in r.get("ppl", {}) for r in res["domains"].values())]
-        lines = [f"Test perplexity of the source checkpoint ({res.get('max_blocks')} blocks of {res.get('seq_len')} "
-                 f"tokens per domain; `naive` = each domain's own expert, `cached` = the expert mixture with the cached "
-                 "prior, DEMix §5; unigram = the domain's own unigram model):", "",
+        split = res.get("split") if isinstance(res.get("split"), str) else "test"
+        lines = [f"{split.capitalize()} perplexity of the source checkpoint ({_blocks_phrase(res)}`naive` = each "
+                 "domain's own expert, `cached` = the expert mixture with the cached prior, DEMix §5; unigram = the "
+                 f"domain's own unigram model; from `{eval_json}`):", "",
                  "| domain | role | " + " | ".join(modes) + " | unigram |", "|---|---|" + "---|" * (len(modes) + 1)]
         for d, r in sorted(res["domains"].items()):
             mark = " (this export)" if d == domain else ""
@@ -252,8 +282,54 @@ def _eval_table(eval_json: Optional[Path], domain: Optional[str]) -> list[str]:
     return lines
 
 
-def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None) -> str:
-    """README.md of the export: what the model is, how to load it, what it was trained on, how well it does."""
+def _base_tokens(init_from: str) -> Optional[int]:
+    """`train_tokens` of the checkpoint a run started from (train.init_from), None when it cannot be read."""
+    try:
+        tokens = read_meta(init_from).get("train_tokens")
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return tokens if isinstance(tokens, int) else None
+
+
+def training_tokens_line(c: Consolidated, domain: Optional[str]) -> str:
+    """The model card's training-token line. An exported expert that `launcher.modular.experts add` appended (its
+    `added_experts` record in meta.json) has none of its own: the count in meta.json is the model it was added to.
+    A run started from a checkpoint (`train.init_from`: DAPT) counts only its own tokens in `train_tokens`: with
+    `train.trainable=experts` (DEMix-DAPT) those are the tokens of the experts of data.domains, and any other
+    expert is the starting checkpoint's."""
+    tokens = c.meta.get("train_tokens")
+    added = next((r for r in c.meta.get("added_experts", []) if isinstance(r, dict) and r.get("domain") == domain
+                  and domain is not None), None)
+    if added is not None:
+        base = f"; the model it was added to: {tokens:,} tokens" if isinstance(tokens, int) else ""
+        return (f"- training tokens: none of its own (the {domain} expert was added by `launcher.modular.experts add` "
+                f"as a copy of the {added.get('source')} expert and not trained since: adapt it with `experts dapt`)"
+                + base)
+    if not isinstance(tokens, int) or not tokens:
+        return "- training tokens: not recorded by this checkpoint"
+    t = c.cfg.train
+    if not t.init_from:
+        return f"- training tokens: {tokens:,}"
+    base_tokens = _base_tokens(t.init_from)
+    base = f"{base_tokens:,} tokens" if base_tokens is not None else "a count not at hand"
+    trained = list(c.cfg.data.domains or c.domains)
+    if t.trainable == "experts" and domain is not None:
+        if domain not in trained:
+            return (f"- training tokens: this expert was not trained by this run (DEMix-DAPT of {', '.join(trained)}): "
+                    f"it is `{t.init_from}`'s, trained on {base}")
+        own = (f"{tokens:,} of {domain}, this expert's own" if trained == [domain] else
+               f"{tokens:,} over {', '.join(trained)} (this expert's share of them by the run's allocation)")
+        return (f"- training tokens: {own} (DEMix-DAPT from `{t.init_from}`: only the experts of "
+                f"{', '.join(trained)} trained; the shared weights and the other experts are that checkpoint's, "
+                f"trained on {base})")
+    what = "DEMix-DAPT of the experts of" if t.trainable == "experts" else "continued training on"
+    return f"- training tokens: {tokens:,} ({what} {', '.join(trained)}) after `{t.init_from}`'s {base}"
+
+
+def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None,
+               looked: Sequence[Path] = ()) -> str:
+    """README.md of the export: what the model is, how to load it, what it was trained on, how well it does
+    (`looked`: where the evaluation was searched for, named when none was found)."""
     m = c.cfg.model
     if record["domain"]:
         what = f"the **{record['domain']}** expert of a DEMix model (its expert FFNs with the shared weights)"
@@ -263,7 +339,6 @@ def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path
                 "an approximation of the output mixture (DEMix eq. 6), exact only where the experts agree")
     else:
         what = f"a {record['kind']} GPT"
-    tokens = c.meta.get("train_tokens")
     lines = [f"# {Path(record['out']).name}", "", f"Exported from `{record['source']}` (step {c.step}): {what}.", "",
              "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
              "tok = AutoTokenizer.from_pretrained(DIR)         # prepends the beginning-of-document token",
@@ -277,8 +352,11 @@ def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path
              f"- training domains: {', '.join(c.domains)}"
              + (f"; experts opted out (not in this model; their weights were never read): "
                 f"{', '.join(record['excluded_experts'])}" if record["excluded_experts"] else ""),
-             f"- training tokens: {tokens:,}" if tokens else "- training tokens: not recorded by this checkpoint",
-             f"- logits vs the project's model: max |diff| {record.get('max_abs_logit_diff')}", "", *_eval_table(eval_json, record["domain"]), ""]
+             training_tokens_line(c, record["domain"]),
+             f"- logits vs the project's model: max |diff| {record['max_abs_logit_diff']}" if
+             record.get("max_abs_logit_diff") is not None else "- logits vs the project's model: not compared (--no-check)",
+             "",
+             *_eval_table(eval_json, record["domain"], looked), ""]
     return "\n".join(lines)
 
 
@@ -289,8 +367,8 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     """Write `out` (config.json, generation_config.json, model.safetensors via save_pretrained; with the project's
     `tokenizer`, the fast tokenizer files and a trimmed vocabulary; README.md; demix_export.json). Returns the record
     (source, domain or merge weights, logit check). `eval_json`: the source's evaluation for the model card
-    (default: eval/eval.json beside the checkpoint directory, if there); `source`: the checkpoint's path when
-    `ckpt` is already loaded."""
+    (default: the first of `eval_json_candidates`, where `launcher.evaluation.evaluate` writes it); `source`: the
+    checkpoint's path when `ckpt` is already loaded."""
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
     model = build_hf_model(c, weights, tokenizer)
@@ -305,8 +383,10 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
               "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)"}
     if check:
         record["max_abs_logit_diff"] = max_logit_diff(c, model, weights)
+    looked: list[Path] = []
     if eval_json is None and record["source"] is not None:
-        eval_json = Path(record["source"]).parent / "eval" / "eval.json"
+        looked = eval_json_candidates(record["source"], record["excluded_experts"])
+        eval_json = find_eval_json(record["source"], record["excluded_experts"])
     out = Path(out)
     # staged and published whole (data/atomic.py `staged_dir`): a failed or killed export leaves no half model
     with staged_dir(out, manifest="demix_export.json") as tmp:
@@ -315,7 +395,7 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
             from launcher.modular.hf_tokenizer import save_hf_tokenizer
 
             record["hf_tokenizer"] = save_hf_tokenizer(tokenizer, tmp)
-        (tmp / "README.md").write_text(model_card(c, record, Path(eval_json) if eval_json else None))
+        (tmp / "README.md").write_text(model_card(c, record, Path(eval_json) if eval_json else None, looked))
         write_json_atomic(tmp / "demix_export.json", record)
     return record
 
@@ -349,7 +429,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="export the weights only (padded vocabulary, no tokenizer files): not usable on its own")
     p.add_argument("--exclude-experts", default="", help="comma-separated DEMix experts to opt out: never read, "
                    "no part in the export (merges renormalise over the rest)")
-    p.add_argument("--eval-json", help="the source's eval.json for the model card (default: eval/eval.json beside it)")
+    p.add_argument("--eval-json", help="the source's eval.json for the model card (default: where "
+                   "launcher.evaluation.evaluate writes it, CKPT/eval/eval.json, else the run's CKPT/../eval/eval.json)")
     return p.parse_args(argv)
 
 
@@ -360,9 +441,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_output_dir(Path(args.out), _READ_FORMATS, ["config.json", "model.safetensors", "demix_export.json",
                                                           "tokenizer.json", "README.md", "generation_config.json"],
                          inputs=[Path(args.checkpoint)], manifest="demix_export.json")
-        eval_json = Path(args.eval_json) if args.eval_json else Path(args.checkpoint).parent / "eval" / "eval.json"
-        _eval_table(eval_json, args.domain)  # the model card's input, checked before any tensor is read
         exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
+        eval_json = Path(args.eval_json) if args.eval_json else find_eval_json(args.checkpoint, exclude)
+        if args.eval_json and not eval_json.is_file():
+            raise CheckpointError(f"--eval-json {args.eval_json}: no such file (evaluate writes CKPT/eval/eval.json)")
+        _eval_table(eval_json, args.domain)  # the model card's input, checked before any tensor is read
         merge, source = None, None
         if args.merge_prior:
             prior = mx.CachedPrior.load(args.merge_prior)
