@@ -74,8 +74,11 @@ Decisions on look-alikes (documented because they are judgement calls):
 
 The steps of `_anonymise` run on the progressively anonymised text (fediverse handles before e-mails, then
 roughly in the order of `CATEGORIES`), so a dummy token is never re-matched (tokens hold no digit, `@`, `/` or
-`.`). `find_spans` runs the same steps and maps every replacement back to its range of the input;
-`evaluate_spans` scores it against a labelled set, also from the command line:
+`.`). Each step runs only where cheap tests on a byte shape of the text say it can match (the "pre-screens"
+section; `_anonymise_reference` is the same pipeline unscreened, with the same output), so anonymising costs less
+than a third of GPT-2 encoding (benchmarks/results/anonymise_speed.md). `find_spans` runs the same steps and maps
+every replacement back to its range of the input; `evaluate_spans` scores it against a labelled set, also from the
+command line:
 
     python -m data.anonymise --evaluate tests/data/anonymise_labelled.jsonl [--errors] [--baseline OTHER.py]
 """
@@ -91,7 +94,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 from data.cli import cli_main, exit_process
 
@@ -194,9 +197,11 @@ _COUNTRY_CODES: frozenset[str] = frozenset(
 )
 
 # user handles -------------------------------------------------------------------------------------------------
-_FEDI_HANDLE = re.compile(r"(?<![\w@.+-])@[A-Za-z0-9_]{1,30}@" + _LABEL)  # @alex@mastodon.social
+# Both start with the literal `@` (the look-behind on the character before it comes second, `@(?<!X@)` being
+# `(?<!X)@`), so the regex engine jumps from one `@` to the next instead of trying every position.
+_FEDI_HANDLE = re.compile(r"@(?<![\w@.+-]@)[A-Za-z0-9_]{1,30}@" + _LABEL)  # @alex@mastodon.social
 _HANDLE = re.compile(
-    r"(?<![\w@./+`%*-])@(?P<name>[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,28}[A-Za-z0-9_])?)"
+    r"@(?<![\w@./+`%*-]@)(?P<name>[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,28}[A-Za-z0-9_])?)"
     r"(?![\w@/(-]|\.\w|\s+(?:public|private|protected|static|final|void|abstract|def|fun|async|function)\b)"
 )
 _HANDLE_DOMAIN = re.compile(r".+\.(?:com|net|org|edu|gov|mil|int|io|co|uk|de|fr|ru|jp|cn|info|biz)", re.IGNORECASE)
@@ -312,12 +317,16 @@ def _is_labelled_phone(m: re.Match) -> bool:
     return 7 <= sum(c.isdigit() for c in v) <= 15 and not _DATE_LIKE.search(v)
 
 
+_RETINA = re.compile(r"\d+(?:\.\d+)?x\.")  # logo@2x.png
+_PATH_NEXT = re.compile(r"/[\w.-]")  # github.com/org/repo
+
+
 def _email_ok(m: re.Match) -> bool:
     """Not `git@github.com` (a code host's SSH account) nor `logo@2x.png` (a retina image name)."""
     local, _, domain = m.group(0).lower().partition("@")
     if local == "git" and (domain in _CODE_HOSTS or domain.startswith(("github.", "gitlab."))):
         return False
-    return not re.match(r"\d+(?:\.\d+)?x\.", domain)
+    return not _RETINA.match(domain)
 
 
 def _obfuscated_ok(m: re.Match) -> bool:
@@ -335,7 +344,7 @@ def _profile_ok(m: re.Match) -> bool:
     name, host = m.group("v").lower(), m.group("host").lower()
     if name in _PROFILE_RESERVED:
         return False
-    return not host.startswith("github") or not re.match(r"/[\w.-]", m.string[m.end():m.end() + 2])
+    return not host.startswith("github") or not _PATH_NEXT.match(m.string[m.end():m.end() + 2])
 
 
 def _at_url_ok(m: re.Match) -> bool:
@@ -369,6 +378,7 @@ class _Pass:
         self.spans: list[Optional[Span]] = []  # None: absorbed by a later, wider match
         self._tokens: list[tuple[int, int, int]] = []
         self._starts: list[int] = []
+        self._shape: Optional[_Shape] = None
 
     def _to_input(self, s: int, e: int) -> tuple[int, int]:
         """Map the range [s, e) of the current text to the input; a range touching a token covers its input."""
@@ -398,29 +408,46 @@ class _Pass:
         tokens.extend((a + shift, b + shift, k) for a, b, k in old[i:])
         self._tokens, self._starts = tokens, [t[0] for t in tokens]
 
-    def run(self, cat: str, pattern: re.Pattern, accept: Callable[[re.Match], bool] = lambda m: True) -> None:
-        """Replace each accepted match of `pattern` (only its `v` or `v2` group when set) by the category's token."""
-        token, text = TOKENS[cat], self.text
-        pieces, replaced, last = [], [], 0
-        for m in pattern.finditer(text):
-            if not accept(m):
-                continue
-            start, end = next((m.span(g) for g in ("v", "v2") if g in m.re.groupindex and m.group(g) is not None),
-                              m.span())
-            pieces.append(text[last:start])
-            pieces.append(token)
-            replaced.append((start, end))
-            last = end
+    def shape(self) -> "_Shape":
+        """The byte shape of the current text (made again only after a step changed the text)."""
+        if self._shape is None or self._shape.text is not self.text:
+            self._shape = _Shape(self.text)
+        return self._shape
+
+    def run(self, cat: str, pattern: re.Pattern, accept: Callable[[re.Match], bool] = lambda m: True,
+            matches: Optional[Iterable[re.Match]] = None) -> None:
+        """Replace each accepted match of `pattern` (only its `v` or `v2` group when set) by the category's token.
+
+        `matches`, when given, must be what `pattern.finditer(self.text)` yields (found with fewer regex attempts)."""
+        groups = [g for g in ("v", "v2") if g in pattern.groupindex]
+        replaced = []
+        for m in pattern.finditer(self.text) if matches is None else matches:
+            if accept(m):
+                replaced.append(next((m.span(g) for g in groups if m.group(g) is not None), m.span()) if groups
+                                else m.span())
+        self.replace(cat, replaced)
+
+    def replace(self, cat: str, replaced: list[tuple[int, int]]) -> None:
+        """Replace each range of `replaced` (ascending, disjoint) in the current text by the category's token."""
         if not replaced:
             return
+        token, text = TOKENS[cat], self.text
+        pieces, last = [], 0
+        for start, end in replaced:
+            pieces += (text[last:start], token)
+            last = end
         pieces.append(text[last:])
         self.text = "".join(pieces)
+        if self._shape is not None and self._shape.text is text:
+            self._shape = self._shape.spliced(self.text, replaced, token)
         self.counts[cat] = self.counts.get(cat, 0) + len(replaced)
         if self.track:
             self._record(cat, replaced, len(token))
 
 
-def _handle_ok(spans: list[tuple[int, int]]) -> Callable[[re.Match], bool]:
+def _handle_ok(text: str) -> Callable[[re.Match], bool]:
+    decorators: list[list[tuple[int, int]]] = []  # the decorator lines of `text`, found on first need
+
     def accept(m: re.Match) -> bool:
         name = m.group("name")
         if name.lower() in CODE_AT_WORDS or _HANDLE_QUANTITY.fullmatch(name) or _HANDLE_DOMAIN.fullmatch(name):
@@ -430,8 +457,9 @@ def _handle_ok(spans: list[tuple[int, int]]) -> Callable[[re.Match], bool]:
             if parts[0] in _CODE_MODULES or parts[-1] in ("setter", "getter", "deleter") or any(
                     q.startswith("_") for q in parts) or re.search(r"\d\.\d+$", name):  # @GLIBC_2.3
                 return False
-
-        return not any(s <= m.start() < e for s, e in spans)
+        if not decorators:
+            decorators.append(_decorator_spans(text))
+        return not any(s <= m.start() < e for s, e in decorators[0])
 
     return accept
 
@@ -442,17 +470,371 @@ class Anonymised:
     counts: dict[str, int] = field(default_factory=dict)  # category -> replacements (only non-zero)
 
 
+# --- pre-screens ------------------------------------------------------------------------------------------------
+# Most steps find nothing in most documents, and a regex that cannot jump to a literal first character tries every
+# position of the text (10-40 ns a character, more than GPT-2 encoding leaves us). So `_anonymise`
+#   1. tests a byte *shape* of the text (`_Shape`: same length, so offsets agree; lower-cased, each digit 0-9 is
+#      b"0", each non-ASCII character b"?") with substring tests and byte regexes that start with a literal (~1 ns
+#      a character);
+#   2. runs a step only when the current text holds what every *accepted* match of it needs (with no accepted
+#      match a step changes nothing, whatever it rejects);
+#   3. runs the costly steps only where a match can be: `pattern.match` at candidate starts (`_matches_at`) or
+#      `finditer` in windows around an anchor (an `@`, a `.com/`) that hold every character a match there reads.
+#      Each finder says why it yields exactly `pattern.finditer(text)`.
+# A text whose shape is not exact (a decimal digit other than 0-9; İ ı ſ K, which case-insensitive patterns take
+# for i, i, s, k and `str.lower` turns into ASCII) goes through `_anonymise_reference`, the same steps unscreened.
+# tests/test_anonymise.py compares the two pipelines and pins outputs at every pre-screen's boundary.
+
+_SHAPE = bytes.maketrans(b"123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"000000000abcdefghijklmnopqrstuvwxyz")
+_SHAPE_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f?"  # the shape bytes that may stand for a `\s` character
+_SP = rb"[\s\x1c-\x1f?]"
+_FOLD_HAZARDS = "\u0130\u0131\u017f\u212a"
+_NON_ASCII_DIGIT = re.compile(r"[^\D0-9]")
+# a digit-run start that begins 7 digits separated only by ` ().-/`: an *anchor*. Every card number, SSN and
+# phone number that can be accepted has one: the first digit of its number (nothing but `+(` before it in the match)
+_RUN7 = re.compile(rb"0(?<!00)(?=" + rb"[ ().\-/]*0" * 6 + rb")")
+# each `/` of the lower-cased shape that ends `facebook.com/` or `fb.com/`, another `.com/`, `t.me/`, `wa.me/`,
+# `doubleclick.net/` or `u/`; the empty group that is set names which
+_SLASH = re.compile(rb"/(?<=[meut]/)(?:(?:(?<=facebook\.com/)|(?<=fb\.com/))(?P<fb_host>)|(?<=\.com/)(?P<com>)"
+                    rb"|(?<=t\.me/)(?P<t_me>)|(?<=wa\.me/)(?P<wa_me>)|(?<=doubleclick\.net/)(?P<doubleclick>)"
+                    rb"|(?<=u/)(?P<u>))")
+_SLASH_ENDS = {"fb_host": 4, "com": 4, "t_me": 4, "wa_me": 5, "doubleclick": 15, "u": 1}
+
+
+def _screenable(text: str) -> bool:
+    """Whether the shape of `text` is exact: no decimal digit but 0-9 and none of İ ı ſ K."""
+    if text.isascii():
+        return True
+    for codec in ("latin-1", "cp1252"):  # fast whole-text checks; neither repertoire holds a character >= U+0130
+        try:
+            text.encode(codec)
+            return True
+        except UnicodeEncodeError:
+            pass
+    return not any(c in text for c in _FOLD_HAZARDS) and _NON_ASCII_DIGIT.search(text) is None
+
+
+# At an anchor `d` of the shape: a card number (`_CARD`: 4 digits, then 9+ more or 4-4-4 / 6-4 groups) and an SSN
+# start there (their look-behinds allow no digit before); a NANP number's first digit is there (`1-`/`+1 ` then
+# `(555) `/`555-`, or `(555) `/`555-` alone, then `123-4567`), and so is a labelled SSN's (no digit or `-` before).
+_ANCHOR_KINDS = re.compile(  # one zero-width match at an anchor; each group that is set names a kind
+    rb"(?=(?P<card>0000(?:0{9}|[ \-]0000[ \-]0000|[ \-]000000[ \-]0000))?)"
+    rb"(?=(?P<nanp>(?:0[ .\-]?(?:\(000\) ?|000[ .\-])|000\) ?|000[ .\-])000[ .\-]0000)?)"
+    rb"(?=(?P<ssn_labelled>000(?P<sep>[ \-]?)00(?P=sep)0000(?![0\-]|\.0))?)"
+    rb"(?=(?P<ssn>000-00-0000)?)")
+
+
+class _Shape:
+    """`text` as lower-cased ASCII bytes of the same length (`b`, also `low`): each digit 0-9 becomes b"0", each
+    non-ASCII character b"?". A word of ASCII letters and punctuation is in `low` iff it is in `text.lower()`."""
+
+    __slots__ = ("text", "b", "_anchors", "_kinds", "_slashes")
+
+    def __init__(self, text: str, b: Optional[bytes] = None) -> None:
+        self.text = text
+        self.b = text.encode("ascii", "replace").translate(_SHAPE) if b is None else b
+        self._anchors: Optional[list[int]] = None
+        self._kinds: Optional[dict[str, list[int]]] = None
+        self._slashes: Optional[dict[str, list[int]]] = None
+
+    def spliced(self, text: str, replaced: list[tuple[int, int]], token: str) -> "_Shape":
+        """The shape of `text`: this one with each range of `replaced` turned into `token` (ASCII, no digit)."""
+        parts, last, tok = [], 0, token.lower().encode()
+        for s, e in replaced:
+            parts += (self.b[last:s], tok)
+            last = e
+        parts.append(self.b[last:])
+        return _Shape(text, b"".join(parts))
+
+    @property
+    def low(self) -> bytes:
+        """The shape (lower-cased already): the name says so where case matters."""
+        return self.b
+
+    @property
+    def anchors(self) -> list[int]:
+        """The anchors (`_RUN7`), ascending."""
+        if self._anchors is None:
+            self._anchors = [m.start() for m in _RUN7.finditer(self.b)] if b"0" in self.b else []
+        return self._anchors
+
+    @property
+    def slashes(self) -> dict[str, list[int]]:
+        """Where the lower-cased shape has `.com/` (`com`; in `facebook.com/` or `fb.com/` also `fb_host`), `t.me/`
+        (`t_me`), `wa.me/` (`wa_me`), `doubleclick.net/` and `u/`: the offset of their first character."""
+        if self._slashes is None:
+            k: dict[str, list[int]] = {n: [] for n in ("com", "t_me", "wa_me", "doubleclick", "fb_host", "u")}
+            for m in _SLASH.finditer(self.low) if b"/" in self.low else ():
+                kind = m.lastgroup
+                k[kind].append(m.start() - _SLASH_ENDS[kind])
+            k["com"] = sorted(k["com"] + k["fb_host"])
+            self._slashes = k
+        return self._slashes
+
+    def kind(self, name: str) -> list[int]:
+        """The anchors where a `card` number, a `nanp` number, a labelled SSN (`ssn_labelled`) or an `ssn` can
+        start (`_ANCHOR_KINDS`)."""
+        if self._kinds is None:
+            kinds: dict[str, list[int]] = {"card": [], "nanp": [], "ssn_labelled": [], "ssn": []}
+            match = _ANCHOR_KINDS.match
+            for d in self.anchors:
+                m = match(self.b, d)
+                if m.lastindex:
+                    for kind, found in kinds.items():
+                        if m.group(kind) is not None:
+                            found.append(d)
+            self._kinds = kinds
+        return self._kinds[name]
+
+
+def _matches_at(pattern: re.Pattern, text: str, starts: Iterable[int]) -> Iterator[re.Match]:
+    """`pattern.finditer(text)` when the ascending `starts` hold every position where `pattern.match` succeeds:
+    finditer yields the first such position at or after the end of its previous match, and so does this."""
+    end = 0
+    for s in starts:
+        if s >= end and (m := pattern.match(text, s)) is not None:
+            end = m.end()
+            yield m
+
+
+def _occurrences(hay: Union[str, bytes], needle: Union[str, bytes]) -> list[int]:
+    out, i = [], hay.find(needle)
+    while i >= 0:
+        out.append(i)
+        i = hay.find(needle, i + 1)
+    return out
+
+
+# the shape bytes as `L` (local-part characters `[A-Za-z0-9._%+-]`), `@` (`@` and `:`) and `.` (the rest: stop bytes)
+_EMAIL_MASK = bytes(ord("L") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "._%+-") else
+                    ord("@") if chr(c) in "@:" else ord(".") for c in range(256))
+
+
+_EMAIL_WINDOWS: dict[Union[str, tuple[int, str]], tuple[tuple[int, int], ...]] = {}  # see `_email_spans`
+_EMAIL_WINDOWS_MAX = 4096
+
+
+def _email_spans(sh: _Shape) -> list[tuple[int, int]]:
+    """The ranges `run("EMAIL", _EMAIL, _email_ok)` replaces, from windows: a match holds the first `@` after its
+    start, at most 64 local-part characters (`[A-Za-z0-9._%+-]`) after that start; it holds no stop character
+    (`_EMAIL_MASK`; `:` is not one) and reads at most up to the first one after the `@` (`\\b`, `(?!\\.x|:\\S)`
+    read one character beyond a `.` or `:`). What a window yields depends on its characters and the two before it
+    (the look-behinds) only, and `_email_ok` on the match only, so the accepted ranges are kept per window (the same
+    addresses recur: a changelog's maintainers), in a dict emptied when it is full."""
+    text, pos, spans, n = sh.text, 0, [], len(sh.text)
+    mask, find, memo = sh.b.translate(_EMAIL_MASK), text.find, _EMAIL_WINDOWS
+    while (a := find("@", pos)) >= 0:
+        lo = a - 64 if a - 64 > pos else pos
+        lo = max(lo, mask.rfind(b".", lo, a) + 1, mask.rfind(b"@", lo, a) + 1)  # the local-part run before the `@`
+        pos = mask.find(b".", a) + 1 or n  # just past the first stop byte
+        key = text[lo - 2:pos] if lo >= 2 else (lo, text[:pos])
+        found = memo.get(key)
+        if found is None:
+            found = tuple((m.start() - lo, m.end() - lo) for m in _EMAIL.finditer(text, lo, pos) if _email_ok(m))
+            if len(memo) >= _EMAIL_WINDOWS_MAX:
+                memo.clear()
+            memo[key] = found
+        for s, e in found:
+            spans.append((lo + s, lo + e))
+    return spans
+
+
+# `_EMAIL_OBFUSCATED` needs one of: `[(at)]`-style brackets, ` AT ... DOT `, ` at gmail.com` or ` at gmail dot com`,
+# `%40`
+_OBF_AT = re.compile(  # in the lower-cased shape, `at` after a bracket or a space: before a closing bracket, or
+    # ` at PROVIDER` and `.` or ` dot `
+    rb"at(?<=[\[({<\s\x1c-\x1f?]at)(?:" + _SP + rb"*[\])}>]|" + _SP + rb"+(?:" + _MAIL_PROVIDERS.encode()
+    + rb")(?:\.|" + _SP + rb"+dot" + _SP + rb"))")
+_OBF_UPPER_AT = re.compile(r"AT(?<=\sAT)\s")  # in the text: `_OBFUSCATION_HINT`'s ` AT `
+_SHAPE_SPACE_SET = frozenset(_SHAPE_SPACE)
+
+
+def _obfuscated_possible(sh: _Shape) -> bool:
+    """Whether the text holds the part of an `_EMAIL_OBFUSCATED` match after its local part (see above)."""
+    if "%" in sh.text and "%40" in sh.text:
+        return True
+    if "DOT" in sh.text and _OBF_UPPER_AT.search(sh.text):
+        return True
+    low = sh.low
+    for m in _OBF_AT.finditer(low):
+        if m.group()[-1] not in b"])}>":  # ` at gmail.` / ` at gmail dot `
+            return True
+        j = m.start() - 1  # `at)`: an opening bracket before it, maybe after spaces (`format)` is not one)
+        while j >= 0 and low[j] in _SHAPE_SPACE_SET:
+            j -= 1
+        if j >= 0 and low[j] in b"[({<":
+            return True
+    return False
+
+
+_DART_KEY = re.compile(rb"d(?:art[_\-]?id|c(?:[_\-]?rdid|[_\-]?uid|lid))")  # `dart_id`, `dc_rdid`, `dcuid`, `dclid`
+_DART_HINTS = (b"dart", b"dc_", b"dc-", b"dclid", b"dcrdid", b"dcuid")
+_FB_ID_HINT = re.compile(rb"fb[_\-]?(?:user)?[_\-]?id")  # `fbid=`, `fb_user_id:`
+
+
+_NINO_LABEL = re.compile(rb"ni(?:no|" + _SP + rb"+n)")  # in the lower-cased shape: `NINO`, `NI number`, `NI no`
+_NINO_DIGITS = re.compile(rb"00 ?00 ?00 ?[a-d](?![a-z0-9])")  # how what `_NINO_LABELLED` replaces ends
+_PHONE_PLUS = re.compile(r"\+(?<![\w.+/-]\+)(?=\d)")  # where `_PHONE`'s international form can start
+_PHONE_00 = re.compile(r"00(?<![\w.+/-]00)(?=[1-9])")
+
+
+def _phone_starts(sh: _Shape) -> list[int]:
+    """Where `_PHONE` can match, when some match of it can be accepted (else nothing). An accepted match has 8+
+    digits: a NANP number, which starts at its first digit (an anchor) or at the `+`/`(` before it, or one whose
+    `+` or `00` is at or just before an anchor. International matches start at `+` or `00` and a digit, and the
+    rejected ones count too, as `finditer` goes on after their end."""
+    nanp, text = sh.kind("nanp"), sh.text
+    if not nanp and not any(sh.b[d - 1:d] == b"+" or text.startswith("00", d) for d in sh.anchors):
+        return []
+    starts = set(nanp)
+    starts.update(d - 1 for d in nanp if d)
+    starts.update(m.start() for m in _PHONE_PLUS.finditer(text))
+    starts.update(m.start() for m in _PHONE_00.finditer(text))
+    return sorted(starts)
+
+
+# the shape bytes that can lie between a phone label's start and its number's first digit: letters (é is b"?"),
+# spaces, `.#:=` and the number's `+(`; at most 25 of them are not spaces (`contact number: is +(`)
+_LABEL_ZONE = bytes(ord("Z") if bytes([c]).isalpha() or c in _SHAPE_SPACE or c in b".#:=+(" else ord("|")
+                    for c in range(256))
+_LABEL_NON_SPACE = 26
+# in the lower-cased shape, where a label word of `_PHONE_LABELLED` can start (é is b"?"; a byte-wise \b holds
+# wherever the text's \b does, as a non-ASCII character is a non-word b"?")
+_LABEL_WORD = re.compile(rb"\b(?:t[e?]l|phone|ph|mob|cell|fax|whats|hotline|contact|call|ring|dial|text)")
+
+
+def _labelled_phone_starts(sh: _Shape) -> list[int]:
+    """An accepted `_PHONE_LABELLED` match has 7-15 digits, so its number's first digit `d` is an anchor and its
+    label starts in the run of label characters (`_LABEL_ZONE`) that ends at `d`, after the last 26 non-space
+    characters. Matches with fewer digits, which are not looked for, cannot hold the start of another match (no
+    label word starts inside a label, a number or an extension), so leaving them out changes no other match."""
+    b, low, starts = sh.b, sh.low, []
+    zone = b.translate(_LABEL_ZONE) if sh.anchors else b""
+    for d in sh.anchors:
+        lo = max(0, d - 64)
+        cut = zone.rfind(b"|", lo, d)
+        if cut >= 0:
+            lo = cut + 1
+        else:
+            w = 64
+            while lo > 0 and len(b[lo:d].translate(None, _SHAPE_SPACE)) < _LABEL_NON_SPACE:
+                w *= 4
+                lo = max(0, d - w)
+                cut = zone.rfind(b"|", lo, d)
+                if cut >= 0:
+                    lo = cut + 1
+                    break
+        if _LABEL_WORD.search(low, lo, d):  # rare: look for every start only then
+            starts += [m.start() for m in _LABEL_WORD.finditer(low, lo, d)]
+    return sorted(starts)
+
+
+_URL_STOP = re.compile(rb"[^A-Za-z0-9_.:/\-]")
+_URL_CHARS = bytes(ord("U") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "_.:/-") else ord("|")
+                   for c in range(256))
+
+
+# `github.com/name/x` in the lower-cased shape (at its `.com/`): `name` is the longest run of name characters
+# (`[a-z0-9_.-]`), starts and ends with `[a-z0-9_]`, has at most 100 characters, and an ASCII `[a-z0-9_.-]` follows
+# the `/` after it
+_GITHUB_REPO_LINK = re.compile(rb"(?<=github)\.com/[a-z0-9_](?:[a-z0-9_.\-]{0,98}[a-z0-9_])?/[a-z0-9_.\-]")
+
+
+def _github_repo_link(sh: _Shape, c: int) -> bool:
+    """Whether `.com/` at `c` is in a `_GITHUB_REPO_LINK` (`github.com/org/repo`). A `_PROFILE_URL` match holding
+    this `.com/` has host github.com and, its name being greedy, exactly that `name`: `_profile_ok` rejects it."""
+    return _GITHUB_REPO_LINK.match(sh.low, c) is not None
+
+
+def _profile_matches(sh: _Shape, anchors: list[int]) -> Iterator[re.Match]:
+    """`_PROFILE_URL` in windows: a match holds `.com/` or `t.me/` (`anchors`) at most 24 characters after its
+    start (`https://mobile.instagram.com/`), lies in a run of URL characters (`[A-Za-z0-9_.:/-]`) and reads at most
+    one character beyond that run, so each window holds such a run. A window whose only anchor is a
+    `_github_repo_link` is skipped: the one match it can hold (a match goes past its anchor) is rejected."""
+    text, low, pos, n = sh.text, sh.low, 0, len(sh.text)
+    for i, c in enumerate(anchors):
+        if c < pos:
+            continue
+        stop = _URL_STOP.search(low, c)
+        hi = stop.end() if stop else n
+        if (i + 1 == len(anchors) or anchors[i + 1] >= hi) and _github_repo_link(sh, c):
+            pos = hi
+            continue
+        lo = max(pos, c - 24)
+        lo += sh.b[lo:c].translate(_URL_CHARS).rfind(b"|") + 1  # the run of URL characters holding `c`
+        yield from _PROFILE_URL.finditer(text, lo, hi)
+        pos = hi
+
+
 def _anonymise(text: str, track: bool) -> _Pass:
     """The one anonymisation pipeline behind `anonymise` and `find_spans` (each step sees the previous output).
 
-    Each step runs only when the input holds a string its pattern needs (tokens never add one), so text without
-    any candidate costs a few substring tests rather than a regex scan per pattern."""
+    The steps, their order and their word gates are `_anonymise_reference`'s; here each step runs only when the
+    current text can hold a match it accepts, and only where (the pre-screens above), so a text without
+    candidates costs a few substring tests. The word gates test the input, as the reference's do; a gate that
+    every match implies (a phone label word, a profile host) is left to the step's finder."""
+    if not _screenable(text):
+        return _anonymise_reference(text, track)
+    p = _Pass(text, track)
+    low = p.shape().low
+    has_at = "@" in text
+    if has_at:
+        if text.count("@") > 1:
+            p.run("USER", _FEDI_HANDLE)  # before EMAIL, which would take its user@instance part
+        p.replace("EMAIL", _email_spans(p.shape()))  # = p.run("EMAIL", _EMAIL, _email_ok)
+    if _obfuscated_possible(p.shape()) and ("%40" in text or _OBFUSCATION_HINT.search(text)):
+        p.run("EMAIL", _EMAIL_OBFUSCATED, _obfuscated_ok)
+    if _DART_KEY.search(p.shape().low) and any(k in low for k in _DART_HINTS):
+        p.run("DART", _DART)
+    if p.shape().slashes["doubleclick"] and b"doubleclick" in low:
+        p.run("DART", _DART_URL)
+    if p.shape().slashes["fb_host"] or _FB_ID_HINT.search(p.shape().low):  # then `fb` or `facebook` is in `low`
+        p.run("FB_USERID", _FB_USERID)
+    if "/" in text and p.shape().slashes["fb_host"]:
+        p.run("FB_USERID", _FB_VANITY)
+    if p.shape().anchors:  # a 7-digit number: cards, SSNs, phone numbers
+        if starts := p.shape().kind("card"):
+            p.run("CREDIT_CARD_NUMBER", _CARD, _is_card, _matches_at(_CARD, p.text, starts))
+        if p.shape().kind("ssn_labelled") and any(k in low for k in (b"ssn", b"ss#", b"soc")):
+            p.run("SSN", _SSN_LABELLED, _is_ssn)
+        if "-" in text and (starts := p.shape().kind("ssn")):
+            p.run("SSN", _SSN, _is_ssn, _matches_at(_SSN, p.text, starts))
+    sh = p.shape()
+    if b"0" in sh.b:
+        if starts := [q - 2 for q in _occurrences(sh.b, b" 00 00 00 ") if q >= 2]:  # AB 12 34 56 C
+            p.run("SSN", _NINO, matches=_matches_at(_NINO, p.text, starts))
+        if ((b"insurance" in p.shape().low or _NINO_LABEL.search(p.shape().low)) and _NINO_DIGITS.search(p.shape().b)
+                and any(k in low for k in (b"insurance", b"nino", b"ni "))):
+            p.run("SSN", _NINO_LABELLED)
+        if starts := _phone_starts(p.shape()):
+            p.run("PHONE_NUMBER", _PHONE, _is_phone, _matches_at(_PHONE, p.text, starts))
+        if starts := _labelled_phone_starts(p.shape()):
+            p.run("PHONE_NUMBER", _PHONE_LABELLED, _is_labelled_phone, _matches_at(_PHONE_LABELLED, p.text, starts))
+        if p.shape().slashes["wa_me"] and b"00000000" in p.shape().b:
+            p.run("PHONE_NUMBER", _WHATSAPP)
+    if "/" in text:
+        sh = p.shape()
+        if anchors := sorted(sh.slashes["com"] + sh.slashes["t_me"]):
+            p.run("USER", _PROFILE_URL, _profile_ok, _profile_matches(sh, anchors))
+        if has_at and "/@" in text:
+            p.run("USER", _AT_URL, _at_url_ok)
+        if starts := [s for q in p.shape().slashes["u"] for s in (q - 1, q) if s >= 0]:  # u/name, /u/name
+            p.run("USER", _REDDIT_USER, _reddit_ok, _matches_at(_REDDIT_USER, p.text, starts))
+    if "#" in text and b"#0000" in p.shape().b and b"discord" in low:
+        p.run("USER", _DISCORD)
+    if "@" in p.text:
+        p.run("USER", _HANDLE, _handle_ok(p.text))
+    return p
+
+
+def _anonymise_reference(text: str, track: bool) -> _Pass:
+    """`_anonymise` without pre-screens: each step whose word or character gate passes scans the whole text."""
     p = _Pass(text, track)
     low = text.lower()
     has_at, has_digit, has_slash = "@" in text, any(c.isdigit() for c in text), "/" in text
     if has_at:
         if text.count("@") > 1:
-            p.run("USER", _FEDI_HANDLE)  # before EMAIL, which would take its user@instance part
+            p.run("USER", _FEDI_HANDLE)
         p.run("EMAIL", _EMAIL, _email_ok)
     if "%40" in text or _OBFUSCATION_HINT.search(text):
         p.run("EMAIL", _EMAIL_OBFUSCATED, _obfuscated_ok)
@@ -488,7 +870,7 @@ def _anonymise(text: str, track: bool) -> _Pass:
     if has_digit and "#" in text and "discord" in low:
         p.run("USER", _DISCORD)
     if "@" in p.text:
-        p.run("USER", _HANDLE, _handle_ok(_decorator_spans(p.text)))
+        p.run("USER", _HANDLE, _handle_ok(p.text))
     return p
 
 

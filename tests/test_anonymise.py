@@ -2,6 +2,7 @@
 evaluation on the labelled set tests/data/anonymise_labelled.jsonl (issue 16)."""
 
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from data.anonymise import (CATEGORIES, Span, anonymise, anonymise_many, card_brand_ok, evaluate_spans, find_spans,
-                            load_labelled, luhn_ok, main, resolve_policy, spans_from_output)
+from data.anonymise import (CATEGORIES, Span, _anonymise_reference, anonymise, anonymise_many, card_brand_ok,
+                            evaluate_spans, find_spans, load_labelled, luhn_ok, main, resolve_policy, spans_from_output)
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "tests" / "data" / "anonymise_labelled.jsonl"
@@ -225,6 +226,108 @@ def test_look_alike_is_kept(text):
 def test_card_schemes():
     assert card_brand_ok("4111111111111111") and card_brand_ok("378282246310005") and card_brand_ok("30569309025904")
     assert not card_brand_ok("2000123456000005") and not card_brand_ok("41234567890000003")
+
+
+# --- the pre-screened pipeline ---------------------------------------------------------------------------------------
+# `anonymise` runs each step only where its pre-screens (data/anonymise.py, "pre-screens") say a match can be. Texts
+# at each pre-screen's boundary, with the outputs of the implementation before the pre-screens existed (every step
+# over the whole text): a 7-digit number vs 6, digits inside words, a label far before its number or behind
+# non-ASCII spaces, a rejected `+CC` number covering a NANP one, e-mail windows, GitHub repository links, the `/`
+# index, e-mail windows kept per content (the same address after `//` and after a space), and texts that must take
+# the unscreened path (a non-ASCII digit, K and ı, which (?i) reads as k and i).
+PRESCREEN_BOUNDARIES = [
+    ("call me at 555 1234 today", "call me at <PHONE_NUMBER> today", {"PHONE_NUMBER": 1}),
+    ("call me at 555 123 today", "call me at 555 123 today", {}),
+    ("tel: 1 2 3 4 5 6 7", "tel: <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("tel: 1 2 3 4 5 6", "tel: 1 2 3 4 5 6", {}),
+    ("build abc1234567def and v2x3y4z5w6q7r8", "build abc1234567def and v2x3y4z5w6q7r8", {}),
+    ("ref x4111111111111111 y", "ref x<CREDIT_CARD_NUMBER> y", {"CREDIT_CARD_NUMBER": 1}),
+    ("Copyright (C) 1999-2004 call 1999-2004", "Copyright (C) 1999-2004 call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("on 2021-03-04 call 2021-03-04", "on 2021-03-04 call 2021-03-04", {}),
+    ("Tel." + "\n" * 70 + "07700 900461", "Tel." + "\n" * 70 + "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("mobile" + " " * 300 + "07700 900461", "mobile" + " " * 300 + "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("tel" + " " * 50 + "number" + " " * 20 + ":" + " " * 20 + "is 07700 900461",  # 9 non-space in the last 64
+     "tel" + " " * 50 + "number" + " " * 20 + ":" + " " * 20 + "is <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("tel:\xa0\xa0020 7946 0958", "tel:\xa0\xa0<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("Téléphone : 030/1234567", "Téléphone : <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("phone number is definitely 07700 900461", "phone number is definitely 07700 900461", {}),
+    ("call 12 ext 5 07700 900461", "call 12 ext 5 07700 900461", {}),
+    ("string 07700 900461", "string 07700 900461", {}),
+    ("Date: Mon, 04 Mar 2021 12:30:45 +0100 call 555-123-4567",
+     "Date: Mon, 04 Mar 2021 12:30:45 +0100 call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("+12 345-678-9012", "+12 345-678-9012", {}),  # `+12 ...` is rejected and covers the NANP number
+    ("0044 20 7946 0958", "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("+447700900123", "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("(555) 123-4567 or +1 (555) 123-4567", "<PHONE_NUMBER> or <PHONE_NUMBER>", {"PHONE_NUMBER": 2}),
+    ("4111 1111 1111 1111 and 4111-1111-1111-1111", "<CREDIT_CARD_NUMBER> and <CREDIT_CARD_NUMBER>",
+     {"CREDIT_CARD_NUMBER": 2}),
+    ("3782 822463 10005", "<CREDIT_CARD_NUMBER>", {"CREDIT_CARD_NUMBER": 1}),
+    ("ssn 123 45 6789", "ssn <SSN>", {"SSN": 1}),
+    ("id 123-45-67890", "id 123-45-67890", {}),
+    ("AB 12 34 56 C and AB 12 34 56 E", "<SSN> and AB 12 34 56 E", {"SSN": 1}),
+    ("NINO AB123456C", "NINO <SSN>", {"SSN": 1}),
+    ("user@host.com:path and mail jane@example.com: hi", "user@host.com:path and mail <EMAIL>: hi", {"EMAIL": 1}),
+    ("a" * 64 + "@example.com", "<EMAIL>", {"EMAIL": 1}),
+    ("a" * 65 + "@example.com", "a" * 65 + "@example.com", {}),
+    ("éjane@example.com", "éjane@example.com", {}),
+    ("a@b@c.com", "a@<EMAIL>", {"EMAIL": 1}),
+    ("see //jane@example.com and jane@example.com, jane@example.com",  # one address, kept after `//` only
+     "see //jane@example.com and <EMAIL>, <EMAIL>", {"EMAIL": 2}),
+    ("git@github.com and git@example.org", "git@github.com and <EMAIL>", {"EMAIL": 1}),
+    ("https://github.com/org/repo and https://github.com/jane",
+     "https://github.com/org/repo and https://github.com/<USER>", {"USER": 1}),
+    ("github.com/jane/", "github.com/<USER>/", {"USER": 1}),
+    ("github.com/jane.-/x", "github.com/<USER>.-/x", {"USER": 1}),
+    ("see xhttps://github.com/jane", "see xhttps://github.com/<USER>", {"USER": 1}),
+    ("https://mobile.twitter.com/jack https://t.me/durov", "https://mobile.twitter.com/<USER> https://t.me/<USER>",
+     {"USER": 2}),
+    ("FB.COM/profile.php?id=123456", "FB.COM/profile.php?id=<FB_USERID>", {"FB_USERID": 1}),
+    ("u/spez and /u/bob but src/u/xyz", "<USER> and <USER> but src/u/xyz", {"USER": 2}),
+    ("wa.me/4915123456789 wa.me/1234567", "wa.me/<PHONE_NUMBER> wa.me/1234567", {"PHONE_NUMBER": 1}),
+    ("print(format) at)", "print(format) at)", {}),
+    ("jane (at) example (dot) org", "<EMAIL>", {"EMAIL": 1}),
+    ("TOM AT HOME DOT COM", "TOM AT HOME DOT COM", {}),
+    ("dart_id=AB12cd34 and wildcard dc_uid: 99887766", "dart_id=<DART> and wildcard dc_uid: <DART>", {"DART": 2}),
+    ("fbid=1234567 fb_user_id: 12345", "fbid=<FB_USERID> fb_user_id: <FB_USERID>", {"FB_USERID": 2}),
+    ("discord: jane#1234", "discord: <USER>", {"USER": 1}),
+    ("call \u0665\u0665\u0665 1234", "call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("faceboo\u212a.com/jane.doe", "faceboo\u212a.com/<FB_USERID>", {"FB_USERID": 1}),
+    ("lin\u212aedin.com/in/jane", "lin\u212aedin.com/in/<USER>", {"USER": 1}),
+    ("mob\u0131le 07700 900461", "mob\u0131le <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    ("\uff11\uff12\uff13-\uff14\uff15-\uff16\uff17\uff18\uff19", "<SSN>", {"SSN": 1}),
+]
+
+
+def _reference(text):
+    p = _anonymise_reference(text, track=True)
+    return p.text, p.counts, sorted(s for s in p.spans if s is not None)
+
+
+@pytest.mark.parametrize("text,expected,counts", PRESCREEN_BOUNDARIES)
+def test_prescreen_boundaries_keep_the_output(text, expected, counts):
+    r = anonymise(text)
+    assert (r.text, r.counts) == (expected, counts)
+    assert (r.text, r.counts, find_spans(text)) == _reference(text)
+
+
+def test_prescreened_pipeline_is_the_reference_on_mutated_texts():
+    """Seeded texts made of the labelled set, the boundary texts and the pieces the pre-screens look for, cut and
+    mixed: the pre-screened and the unscreened pipeline give the same text, counts and spans."""
+    rnd = random.Random(16)
+    sources = [r["text"] for r in load_labelled(LABELLED)] + [t for t, _, _ in PRESCREEN_BOUNDARIES]
+    pieces = (list("0123456789@/.-+()#: \n") + ["\xa0", "é", "\u0131", "\u0663", "%40", "tel: ", "call me at ", "SSN ",
+              "NINO ", "facebook.com/", "github.com/", "t.me/", ".com/", "u/", "wa.me/", "https://www.", "ext. 12",
+              "+44 ", "0044 ", "+1 ", "(555) ", "555-123-4567", "4111 1111 1111 1111", "123-45-6789", " AT ", " DOT ",
+              "[at]", " at gmail.com", "jane.doe@example.com", "@alice", "#1234", "discord ", "dart_id=", "1999-2004"])
+    for _ in range(2000):
+        src = rnd.choice(sources)
+        cut = rnd.randint(0, len(src))
+        chars = list(src[cut:cut + rnd.randint(0, 120)])
+        for _ in range(rnd.randint(1, 8)):
+            chars.insert(rnd.randint(0, len(chars)), rnd.choice(pieces))
+        text = "".join(chars)
+        r = anonymise(text)
+        assert (r.text, r.counts, find_spans(text)) == _reference(text), text
 
 
 # --- spans and evaluation -------------------------------------------------------------------------------------------
