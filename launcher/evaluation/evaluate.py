@@ -1,9 +1,19 @@
 """Per-domain test perplexity of a consolidated checkpoint, with inference-time expert mixing (DEMix §4-5).
 
-    python -m launcher.evaluation.evaluate CKPT_DIR --data artifacts/demo/tokens [--tokenizer gpt2] [--split test]
+    python -m launcher.evaluation.evaluate CKPT_DIR [--data DIR] [--tokenizer NAME] [--split test]
         [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk] [--topk 2] [--out DIR]
-        [--device auto|cpu|cuda] [--precision auto|fp32|bf16|fp16]
+        [--device auto|cpu|cuda] [--precision auto|fp32|bf16|fp16] [--no-prior-cache] [--quiet]
     torchrun --nproc-per-node 2 -m launcher.evaluation.evaluate CKPT_DIR ...     # blocks sharded over ranks
+
+Data: --data/--tokenizer default to the data.path and data.tokenizer the checkpoint's run config recorded
+(`checkpoint_data`, the rule of `experts` and `hf_export`); when that data is missing the error names it.
+
+Time: the work is block passes - one all-experts pass per test block (every mode mixes the same log-likelihoods)
+plus, for the cached/topk modes, the cached prior's `--cached-blocks` (100) dev blocks per domain, usually most of
+a small evaluation. Before any work a plan line gives the counts and an estimated time; then block counts with an
+ETA (stderr; --quiet silences them). The prior is cached per checkpoint, data and settings in
+CKPT_DIR/eval_prior_cache/ (launcher/evaluation/prior_cache.py) and reused. Bounds: --max-blocks, --modes; faster:
+a GPU (--device cuda) or several ranks (torchrun); docs/evaluation.md.
 
 Device and precision: by default (`auto`) the training device - `cuda:LOCAL_RANK` where CUDA is available (an
 NCCL group across ranks, launcher/distributed.py), the CPU otherwise (gloo) - in the checkpoint's `train.precision`
@@ -34,27 +44,32 @@ Perplexity is exp(mean NLL over the scored tokens of a domain); averages over do
 per-domain perplexities, as in the paper's Tables 3 and 5. With several ranks, rank r scores blocks r, r+W, ...;
 the E x N x T log-likelihoods are summed over ranks (all_reduce) so every mode sees the whole stream in order.
 
-Outputs under --out: eval.json (schema in `evaluate_model`), eval.md (Tables 3/4/5), cached_priors/<domain>.json,
+Outputs under --out: eval.json (schema: `EVAL_SCHEMA`), eval.md (Tables 3/4/5), cached_priors/<domain>.json,
 posteriors.png (Figure 4) and specialisation.png (Figure 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from data.blocks import BlockDataset
-from data.catalog import check_tokenizer, read_token_manifest
+from data.catalog import DataError, check_tokenizer, read_token_manifest
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
+from launcher.config import RunConfig
 from launcher.distributed import ensure_env, start_distributed, training_device
+from launcher.evaluation.prior_cache import PRIOR_CACHE_DIR, PriorCache, PriorEntries, data_fingerprint
+from launcher.evaluation.progress import Progress, plan_line
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from launcher.evaluation.unigram import domain_unigram
 from model import mixture as mx
@@ -63,6 +78,7 @@ from model.batched import demix_expert_ids, expert_log_likelihoods
 from data.argtypes import positive_int, unit_left_open
 from data.atomic import staged_dir
 from data.cli import check_output_dir, cli_main, exit_process
+from launcher.typed import from_dict
 from parallel.precision import forward_precision, local_precision_problems
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
@@ -71,6 +87,30 @@ EVAL_FORMAT = "demix-eval/1"
 EVAL_FILES = ("eval.json", "eval.md", "posteriors.png", "specialisation.png")
 EVAL_DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 EVAL_PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+EVAL_SCHEMA = """What `evaluate_model` returns (and eval.json holds):
+
+    {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
+         DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
+         "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "posterior": "prefix"|"previous_token",
+         "cached_estimator": "mean"|"ewm"|"updating", "device": "cpu"|"cuda:i", "precision": "fp32"|"bf16"|"fp16",
+         "seconds": s, **extra (evaluate_checkpoint: "checkpoint": path|None, "step": int),
+         "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
+                            DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
+                            DEMix only: "posterior": {"updating_mean_end_of_block": {expert: p},
+                                                      "updating_final_prior": {expert: p}},
+                                        "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
+                                                         "posterior"},
+                                        "cached_prior_variants": {"<estimator>/<posterior>": {expert: p}},
+                                        "topk": {"k", "experts", "experts_evaluated", "of"}}},
+         every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
+         and with `unigram`: "unigram": {"ppl", "k", "train_tokens", "block_nll"} (launcher/evaluation/unigram.py: the
+         domain's own add-k unigram on the same test targets),
+         "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
+                    "per_domain": {domain: {mode: ppl}}, "in_domain_average_ci" / "novel_average_ci": {mode: [lo, hi]},
+                    "per_domain_ci": {domain: {mode: [lo, hi]}}}  (95 % bootstrap over blocks, stats.py),
+         "prior_cache": {"file": path|None, "from_cache": [domains], "scored": [domains]}  (DEMix with cached/topk),
+         "files": {"json", "markdown", "posteriors", "specialisation"}  (when out_dir is given)}
+"""
 
 
 def _dist() -> tuple[int, int]:
@@ -139,6 +179,39 @@ def check_checkpoint_data(c: Union[Consolidated, str, Path], data_root: Union[st
     return data_manifest(data_root, tokenizer, meta.get("tokenizer_sha256"), meta.get("vocab_size"))
 
 
+def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:
+    """Where the domain data lives: given, else the checkpoint's own training data; refused (DataError) when its
+    tokens come from another tokenizer than the checkpoint's."""
+    data, tokenizer = data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
+    check_checkpoint_data(c, data, tokenizer)
+    return data, tokenizer
+
+
+def checkpoint_data(checkpoint: Union[Consolidated, str, Path], data: Optional[Union[str, Path]] = None,
+                    tokenizer: Optional[str] = None) -> tuple[str, str]:
+    """(data root, tokenizer) to evaluate or generate with: the ones given, else the checkpoint's own - the data.path
+    and data.tokenizer its run config recorded, by `data_source` (the rule `launcher.modular.experts` uses too) -
+    checked against its tokenizer fingerprint. A path reads only meta.json, so a CLI checks the data
+    before loading any tensor. When the recorded data is not there, DataError names the recorded path and --data;
+    the demo's data is never a silent default."""
+    if isinstance(checkpoint, Consolidated):
+        c = checkpoint
+    else:  # meta.json only: no tensor is read
+        meta = read_meta(checkpoint)
+        c = Consolidated(cfg=from_dict(RunConfig, meta["config"], source=str(Path(checkpoint) / "meta.json")),
+                         domains=list(meta["domains"]), state_dict={}, step=int(meta.get("step", 0)), meta=meta)
+    if data is None:
+        recorded, name = Path(c.cfg.data.path), tokenizer or c.cfg.data.tokenizer
+        if not (recorded / name / "manifest.json").is_file():
+            raise DataError(f"the checkpoint's recorded data is not there: its run config says data.path={recorded} "
+                            f"(tokenizer {name}), and {recorded / name / 'manifest.json'} is missing"
+                            + (f" (relative to {Path.cwd()})" if not recorded.is_absolute() else "")
+                            + "; pass --data DIR, the prepared tokens root the model was trained on (the directory "
+                            f"holding {name}/manifest.json, written by python -m data.prepare)")
+    root, name = data_source(c, None if data is None else str(data), tokenizer)
+    return str(root), name
+
+
 def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
                 max_blocks: Optional[int]) -> np.ndarray:
     """The first `max_blocks` blocks (N x (T+1) tokens, in stream order) of a domain's split; N may be 0."""
@@ -148,6 +221,16 @@ def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split:
         return np.zeros((0, seq_len + 1), dtype=np.int64)
     n = len(ds) if max_blocks is None else min(len(ds), max_blocks)
     return np.stack([ds[i] for i in range(n)]) if n else np.zeros((0, seq_len + 1), dtype=np.int64)
+
+
+def count_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
+                 max_blocks: Optional[int]) -> int:
+    """How many blocks `load_blocks` returns, without reading them."""
+    try:
+        n = len(BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len))
+    except (ValueError, FileNotFoundError):
+        return 0
+    return n if max_blocks is None else min(n, max_blocks)
 
 
 def check_eval_request(checkpoint: Union[str, Path], data_root: Union[str, Path], tokenizer: Optional[str],
@@ -194,9 +277,11 @@ def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> 
 def stream_log_likelihoods(
     model: torch.nn.Module, tokens_NT: torch.Tensor, targets_NT: torch.Tensor,
     expert_ids: Optional[Sequence[int]] = None, batch_size: int = 4, precision: str = "fp32",
+    on_blocks: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """ll E x N x T (fp32, on the host) over a stream of N blocks, scored on the model's device in `precision`
-    (`forward_precision`); blocks are sharded over ranks and summed back (all_reduce)."""
+    (`forward_precision`); blocks are sharded over ranks and summed back (all_reduce). `on_blocks(k)` after each
+    batch: about k of the N blocks are done over all ranks (progress)."""
     rank, world = _dist()
     N, T = tokens_NT.shape
     mine = list(range(rank, N, world))
@@ -207,6 +292,8 @@ def stream_log_likelihoods(
         with forward_precision(model, precision, device.type):
             parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx].to(device), targets_NT[idx].to(device),
                                                        expert_ids)
+        if on_blocks is not None:
+            on_blocks(min(N, (s + len(idx)) * world))
     E = next(iter(parts.values())).shape[0] if parts else max(1, len(expert_ids or demix_expert_ids(model)))
     full = torch.zeros(E, N, T, dtype=torch.float32, device=device)
     for idx, ll in parts.items():
@@ -216,18 +303,19 @@ def stream_log_likelihoods(
     return full.cpu()
 
 
-def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int, precision: str = "fp32"
-                     ) -> torch.Tensor:
+def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int, precision: str = "fp32",
+                     on_blocks: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """+Domain-Token: ll under each domain token d (the token plays the expert's part), G x N x T."""
     out = []
     for d in range(num_domains):
         tokens, targets, _ = block_inputs(blocks, base + d)
-        out.append(stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)[0])
+        tick = None if on_blocks is None else (lambda k, d=d: on_blocks(d * len(blocks) + k))
+        out.append(stream_log_likelihoods(model, tokens, targets, None, batch_size, precision, tick)[0])
     return torch.stack(out)
 
 
 def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, estimator: str = "mean",
-                  posterior: str = "prefix", precision: str = "fp32",
+                  posterior: str = "prefix", precision: str = "fp32", on_blocks: Optional[Callable[[int], None]] = None,
                   ) -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
     """The cached prior of one domain from its development blocks (None without any), and every estimator x
     posterior variant of it on the same log-likelihoods ({"<estimator>/<posterior>": {expert: p}}, Figure 4 for
@@ -235,7 +323,7 @@ def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, 
     if not len(dev_blocks):
         return None, {}
     tokens, targets, mask = block_inputs(dev_blocks)
-    ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
+    ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision, on_blocks)
     variants = {}
     for est in mx.CACHED_ESTIMATORS:
         for post in mx.POSTERIORS:
@@ -247,9 +335,10 @@ def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, 
 
 
 def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
-                        batch_size: int, precision: str = "fp32") -> dict[str, Any]:
+                        batch_size: int, precision: str = "fp32", on_blocks: Optional[Callable[[int], None]] = None,
+                        ) -> dict[str, Any]:
     """+Domain-Token: own token in-domain, the best token on a novel domain (DEMix §5.3)."""
-    ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size, precision)
+    ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size, precision, on_blocks)
     mask = torch.ones(ll.shape[1:])
     exp_ppl = mx.expert_perplexities(ll, mask)
     best = mx.naive_expert(ll, own, mask)
@@ -308,6 +397,161 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
     return res
 
 
+@dataclass
+class _Eval:
+    """What every stage of one evaluation (`evaluate_model`) shares."""
+
+    model: torch.nn.Module
+    data_root: Union[str, Path]
+    tokenizer: str
+    manifest: dict[str, Any]
+    train_domains: list[str]
+    experts: list[str]
+    modes: list[str]
+    split: str
+    dev_split: str
+    seq_len: int
+    max_blocks: Optional[int]
+    batch_size: int
+    precision: str
+    cached_blocks: int
+    decay: float
+    topk: int
+    posterior: str
+    cached_estimator: str
+    unigram: bool
+    domain_token: bool
+
+    @property
+    def passes_per_block(self) -> int:
+        """Forward passes per block: one (all experts batched, or a dense model), G for +Domain-Token."""
+        return len(self.train_domains) if self.domain_token and not self.experts else 1
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _time_block_pass(e: _Eval, dom: str) -> tuple[float, int]:
+    """Seconds per block pass from one timed batch of `dom`'s first test blocks (the plan line's estimate), and
+    how many blocks it timed. On a GPU one block is passed first (CUDA start-up is not timed)."""
+    n = e.batch_size if e.max_blocks is None else min(e.batch_size, e.max_blocks)
+    tokens, targets, _ = block_inputs(load_blocks(e.data_root, e.tokenizer, dom, e.split, e.seq_len, n))
+    tokens, targets = tokens.to(e.device), targets.to(e.device)
+    with torch.no_grad(), forward_precision(e.model, e.precision, e.device.type):
+        if e.device.type == "cuda":
+            expert_log_likelihoods(e.model, tokens[:1], targets[:1])
+            torch.cuda.synchronize(e.device)
+        t = time.perf_counter()
+        expert_log_likelihoods(e.model, tokens, targets)
+        if e.device.type == "cuda":
+            torch.cuda.synchronize(e.device)
+    return (time.perf_counter() - t) / len(tokens), len(tokens)
+
+
+def _agree_over_ranks(hits: list[str], need: list[str], device: torch.device) -> list[str]:
+    """The cache hits every rank has (all ranks must score the same priors: the passes are collective)."""
+    if _dist()[1] == 1 or not need:
+        return hits
+    flags = torch.tensor([1.0 if d in hits else 0.0 for d in need], device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+    return [d for d, f in zip(need, flags.tolist()) if f > 0]
+
+
+def _prior_plan(e: _Eval, domains: list[str], given: Optional[dict[str, mx.CachedPrior]],
+                cache: Optional[PriorCache], say: Callable[[str], None],
+                ) -> tuple[PriorEntries, dict[str, int], str, Optional[dict[str, Any]]]:
+    """The priors given or cached, the development blocks to score for the other domains, the plan line's
+    "prior: ..." clause, and the cache key (None without a cache)."""
+    entries: PriorEntries = {d: {"prior": given[d], "given": True} for d in domains if given and d in given}
+    need = [d for d in domains if d not in entries]
+    key, cached = None, {}
+    if cache is not None and need:
+        key = cache.fingerprint(data_fingerprint(e.data_root, e.tokenizer, e.dev_split), {
+            "dev_split": e.dev_split, "cached_blocks": e.cached_blocks, "seq_len": e.seq_len, "decay": e.decay,
+            "estimator": e.cached_estimator, "posterior": e.posterior, "precision": e.precision,
+            "device": e.device.type, "experts": e.experts})
+        cached, why = cache.read(key)
+        if why:
+            say(f"[eval] prior cache not used: {why}")
+    hits = _agree_over_ranks([d for d in need if d in cached], need, e.device)
+    entries.update({d: cached[d] for d in hits})
+    to_score = {d: count_blocks(e.data_root, e.tokenizer, d, e.dev_split, e.seq_len, e.cached_blocks)
+                for d in need if d not in hits}
+    parts = []
+    if hits:
+        parts.append(f"prior: cached from {cache.file(key)}" + (f" for {', '.join(hits)}" if to_score else "")
+                     + f" (its {e.cached_blocks} {e.dev_split} blocks per domain are not scored again)")
+    if to_score:
+        n = sorted(set(to_score.values()))
+        where = (f"once per checkpoint: cached in {cache.file(key)}" if cache is not None
+                 else "not cached: evaluate_checkpoint(prior_cache=True) or the command caches it")
+        parts.append(f"prior: scoring {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} {e.dev_split} blocks per domain"
+                     + (f" for {', '.join(to_score)}" if hits else f" ({len(to_score)} domains)") + f", {where}")
+    if len(entries) > len(hits):
+        parts.append("prior: given for " + ", ".join(d for d in entries if entries[d].get("given")))
+    return entries, to_score, "; ".join(parts), key
+
+
+def _score_priors(e: _Eval, to_score: dict[str, int], prog: Progress) -> PriorEntries:
+    """The cached prior (and its variants) of each domain of `to_score`, from its development blocks."""
+    out: PriorEntries = {}
+    for dom in to_score:
+        prog.start(f"prior {dom} ({e.dev_split})")
+        dev = load_blocks(e.data_root, e.tokenizer, dom, e.dev_split, e.seq_len, e.cached_blocks)
+        prior, variants = _cached_prior(e.model, dev, e.experts, e.cached_blocks, e.decay, e.batch_size,
+                                        e.cached_estimator, e.posterior, e.precision, prog.at)
+        out[dom] = {"prior": prior, "variants": variants}
+        prog.stage_done(len(dev))
+    return out
+
+
+def _save_priors(cache: Optional[PriorCache], key: Optional[dict[str, Any]], scored: PriorEntries, seconds: float,
+                 say: Callable[[str], None]) -> None:
+    """Write the priors scored here into the checkpoint's cache (rank 0; a read-only place is only noted)."""
+    if cache is None or key is None or not scored or _dist()[0] != 0:
+        return
+    try:
+        say(f"[eval] prior: cached in {cache.write(key, scored, seconds)} for the next evaluation")
+    except OSError as err:
+        say(f"[eval] prior: not cached ({err})")
+
+
+def _evaluate_domain(e: _Eval, dom: str, prior: Optional[dict[str, Any]], prog: Progress,
+                     say: Callable[[str], None]) -> dict[str, Any]:
+    """One domain's entry of eval.json: every mode from the same log-likelihoods of its test blocks."""
+    role = "train" if dom in e.train_domains else "novel"
+    own = e.train_domains.index(dom) if role == "train" else None
+    prog.start(f"{dom} ({role}, {e.split})")
+    blocks = load_blocks(e.data_root, e.tokenizer, dom, e.split, e.seq_len, e.max_blocks)
+    tokens, targets, mask = block_inputs(blocks)
+    entry: dict[str, Any] = {"role": role, "blocks": int(len(blocks)), "tokens": int(mask.sum())}
+    if e.unigram:
+        try:
+            entry["unigram"] = domain_unigram(e.data_root, e.tokenizer, dom, e.seq_len,
+                                              int(e.manifest["tokenizer"]["vocab_size"]), targets, mask, e.dev_split)
+        except ValueError as err:
+            say(f"[eval] {dom}: no unigram baseline ({err})")
+    if e.experts:
+        ll = stream_log_likelihoods(e.model, tokens, targets, None, e.batch_size, e.precision, prog.at)
+        if prior and prior.get("variants"):
+            entry["cached_prior_variants"] = prior["variants"]
+        entry.update(_demix_domain(ll, mask, own, e.experts, e.modes, prior["prior"] if prior else None, e.topk,
+                                   e.decay, e.posterior))
+    elif e.domain_token:
+        base = int(e.manifest["tokenizer"]["vocab_size"])
+        entry.update(_domain_token_entry(e.model, blocks, base, e.train_domains, own, e.batch_size, e.precision,
+                                         prog.at))
+    else:
+        ll = stream_log_likelihoods(e.model, tokens, targets, None, e.batch_size, e.precision, prog.at)
+        entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
+        nll, entry["block_tokens"] = block_sums(ll[0], mask)
+        entry["block_nll"] = {"ppl": nll}
+    prog.stage_done(len(blocks) * e.passes_per_block,
+                    "done: " + ", ".join(f"{m} {_fmt(v)}" for m, v in entry["ppl"].items()))
+    return entry
+
+
 def evaluate_model(
     model: torch.nn.Module, cfg: Any, train_domains: Sequence[str], data_root: Union[str, Path], *,
     tokenizer: Optional[str] = None, split: str = "test", dev_split: str = "valid", max_blocks: Optional[int] = None,
@@ -316,117 +560,82 @@ def evaluate_model(
     seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
     extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
     posterior: str = "prefix", cached_estimator: str = "mean", unigram: bool = True, precision: str = "fp32",
+    prior_cache: Optional[PriorCache] = None,
 ) -> dict[str, Any]:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data, on the model's device in
     `precision` (fp32, or bf16/fp16 autocast over fp32 weights: `forward_precision`). `cached_priors` maps a
-    domain to a prior to use instead of estimating one on `dev_split`. Returns
-
-        {"format": "demix-eval/1", "kind": "demix"|"dense"|..., "data_mixture": str, "experts": [names] ([] unless
-         DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
-         "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "posterior": "prefix"|"previous_token",
-         "cached_estimator": "mean"|"ewm"|"updating", "device": "cpu"|"cuda:i", "precision": "fp32"|"bf16"|"fp16",
-         "seconds": s, **extra (evaluate_checkpoint: "checkpoint": path|None, "step": int),
-         "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
-                            DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
-                            DEMix only: "posterior": {"updating_mean_end_of_block": {expert: p},
-                                                      "updating_final_prior": {expert: p}},
-                                        "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
-                                                         "posterior"},
-                                        "cached_prior_variants": {"<estimator>/<posterior>": {expert: p}},
-                                        "topk": {"k", "experts", "experts_evaluated", "of"}}},
-         every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
-         and with `unigram`: "unigram": {"ppl", "k", "train_tokens", "block_nll"} (launcher/evaluation/unigram.py: the
-         domain's own add-k unigram on the same test targets),
-         "tables": {"in_domain_average": {mode: ppl}, "novel_average": {mode: ppl},
-                    "per_domain": {domain: {mode: ppl}}, "in_domain_average_ci" / "novel_average_ci": {mode: [lo, hi]},
-                    "per_domain_ci": {domain: {mode: [lo, hi]}}}  (95 % bootstrap over blocks, stats.py),
-         "files": {"json", "markdown", "posteriors", "specialisation"}  (when out_dir is given)}
-    """
+    domain to a prior to use instead of estimating one on `dev_split`; `prior_cache` (launcher/evaluation/
+    prior_cache.py) keeps the estimated ones for the next evaluation of the same checkpoint, data and settings.
+    With `progress`, a plan line (work, estimated time, the prior's cost) and then block counts with an ETA go to
+    stderr (launcher/evaluation/progress.py). Returns the dict documented in `EVAL_SCHEMA`."""
     if posterior not in mx.POSTERIORS or cached_estimator not in mx.CACHED_ESTIMATORS:
         raise ValueError(f"posterior={posterior!r} / cached_estimator={cached_estimator!r}: choose from "
                          f"{', '.join(mx.POSTERIORS)} / {', '.join(mx.CACHED_ESTIMATORS)}")
-    precision = normalise_precision(precision)
     t0 = time.perf_counter()
-    tokenizer = tokenizer or cfg.data.tokenizer
-    seq_len = seq_len or cfg.model.seq_len
+    say = functools.partial(_say, progress)
+    tokenizer, seq_len = tokenizer or cfg.data.tokenizer, seq_len or cfg.model.seq_len
     if seq_len > cfg.model.seq_len:
         raise ValueError(f"seq_len={seq_len} is beyond the model's context ({cfg.model.seq_len} tokens)")
-    manifest = data_manifest(data_root, tokenizer, extra.get("tokenizer_sha256") if extra else None,
-                             (extra or {}).get("vocab_size"))
+    manifest = data_manifest(data_root, tokenizer, (extra or {}).get("tokenizer_sha256"), (extra or {}).get("vocab_size"))
     all_domains = list(domains) if domains is not None else list(manifest["domains"])
     is_demix = bool(demix_expert_ids(model))
-    domain_token = cfg.data.mixture == "domain_token"
     experts = list(train_domains) if is_demix else []
     if is_demix and len(experts) != len(demix_expert_ids(model)):
         raise ValueError(f"{len(experts)} domain names for {len(demix_expert_ids(model))} experts")
-    modes = [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"]
-    model.eval()
-    estimated: dict[str, Any] = {}  # domain -> the cached prior estimated here, saved with the report
+    e = _Eval(model.eval(), data_root, tokenizer, manifest, list(train_domains), experts,
+              [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"], split, dev_split, seq_len, max_blocks,
+              batch_size, normalise_precision(precision), cached_blocks, decay, topk, posterior, cached_estimator,
+              unigram, cfg.data.mixture == "domain_token")
     results: dict[str, Any] = {
         "format": EVAL_FORMAT, "kind": cfg.model.ffn.kind, "data_mixture": cfg.data.mixture, "experts": experts,
         "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
-        "max_blocks": max_blocks, "modes": modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
-        "posterior": posterior, "cached_estimator": cached_estimator,
-        "device": str(next(model.parameters()).device), "precision": precision,
-        **(extra or {}), "domains": {},
+        "max_blocks": max_blocks, "modes": e.modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
+        "posterior": posterior, "cached_estimator": cached_estimator, "device": str(e.device),
+        "precision": e.precision, **(extra or {}), "domains": {},
     }
-    for dom in all_domains:
-        role = "train" if dom in train_domains else "novel"
-        own = list(train_domains).index(dom) if role == "train" else None
-        blocks = load_blocks(data_root, tokenizer, dom, split, seq_len, max_blocks)
-        if not len(blocks):
-            _say(progress, f"[eval] {dom}/{split}: no blocks of {seq_len}+1 tokens, skipped")
-            continue
-        _say(progress, f"[eval] {dom} ({role}): {len(blocks)} blocks")
-        tokens, targets, mask = block_inputs(blocks)
-        entry: dict[str, Any] = {"role": role, "blocks": int(len(blocks)), "tokens": int(mask.sum())}
-        if unigram:
-            try:
-                entry["unigram"] = domain_unigram(data_root, tokenizer, dom, seq_len,
-                                                  int(manifest["tokenizer"]["vocab_size"]), targets, mask, dev_split)
-            except ValueError as e:
-                _say(progress, f"[eval] {dom}: no unigram baseline ({e})")
-        if is_demix:
-            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
-            cached = None
-            if cached_priors and dom in cached_priors:  # given (e.g. loaded with CachedPrior.load): not re-estimated
-                cached = cached_priors[dom]
-            elif any(m in modes for m in ("cached", "topk")):
-                dev = load_blocks(data_root, tokenizer, dom, dev_split, seq_len, cached_blocks)
-                cached, variants = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size,
-                                                 cached_estimator, posterior, precision)
-                if variants:
-                    entry["cached_prior_variants"] = variants
-                if cached is not None and out_dir is not None and _dist()[0] == 0:
-                    estimated[dom] = cached  # written with the report (write_outputs), not into --out midway
-            entry.update(_demix_domain(ll, mask, own, experts, modes, cached, topk, decay, posterior))
-        elif domain_token:
-            base = int(manifest["tokenizer"]["vocab_size"])
-            entry.update(_domain_token_entry(model, blocks, base, list(train_domains), own, batch_size, precision))
-        else:
-            ll = stream_log_likelihoods(model, tokens, targets, None, batch_size, precision)
-            entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
-            nll, entry["block_tokens"] = block_sums(ll[0], mask)
-            entry["block_nll"] = {"ppl": nll}
-        results["domains"][dom] = entry
-    if not results["domains"]:
+    plan = {d: count_blocks(data_root, tokenizer, d, split, seq_len, max_blocks) for d in all_domains}
+    for dom in [d for d, n in plan.items() if not n]:
+        say(f"[eval] {dom}/{split}: no blocks of {seq_len}+1 tokens, skipped")
+    plan = {d: n for d, n in plan.items() if n}
+    if not plan:
         raise ValueError(f"no domain of {all_domains} has a {split} block of {seq_len}+1 tokens in {data_root}/"
                          f"{tokenizer}: the evaluation has no rows")
+    priors, to_score, prior_note, key = ({}, {}, "", None)
+    if is_demix and any(m in e.modes for m in ("cached", "topk")):
+        priors, to_score, prior_note, key = _prior_plan(e, list(plan), cached_priors, prior_cache, say)
+        results["prior_cache"] = {"file": str(prior_cache.file(key)) if key else None,
+                                  "from_cache": [d for d in priors if not priors[d].get("given")],
+                                  "scored": list(to_score)}
+    elif is_demix:
+        priors = {d: {"prior": p, "given": True} for d, p in (cached_priors or {}).items() if d in plan}
+        prior_note = "prior: none (no cached/topk mode)"
+    sec, timed = _time_block_pass(e, next(iter(plan))) if progress and _dist()[0] == 0 else (None, 0)
+    say(plan_line(plan, split, seq_len, len(experts), e.modes, e.passes_per_block, to_score, dev_split, prior_note,
+                  sec, timed, _dist()[1]))
+    prog = Progress(sum(plan.values()) * e.passes_per_block + sum(to_score.values()), say)
+    t_prior = time.perf_counter()
+    scored = _score_priors(e, to_score, prog)
+    _save_priors(prior_cache, key, scored, time.perf_counter() - t_prior, say)
+    priors.update(scored)
+    estimated = {d: p["prior"] for d, p in priors.items() if p["prior"] is not None and not p.get("given")}
+    for dom in plan:
+        results["domains"][dom] = _evaluate_domain(e, dom, priors.get(dom), prog, say)
     results["tables"] = summary_tables(results)
     results["seconds"] = round(time.perf_counter() - t0, 3)
-    if out_dir is not None and _dist()[0] == 0:
+    if out_dir is not None and _dist()[0] == 0:  # the estimated priors are written with the report, not midway
         results["files"] = write_outputs(results, out_dir, estimated)
     return results
 
 
 def evaluate_checkpoint(
     ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], exclude_experts: Sequence[str] = (),
-    device: Union[str, torch.device] = "auto", precision: str = "auto", **kwargs: Any,
+    device: Union[str, torch.device] = "auto", precision: str = "auto",
+    prior_cache: Union[bool, str, Path, PriorCache, None] = None, **kwargs: Any,
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
-    posterior, cached_estimator, seq_len, out_dir, progress, cached_priors). Returns the result dict documented
-    there, plus "checkpoint", "step" and "excluded_experts".
+    posterior, cached_estimator, seq_len, out_dir, progress, cached_priors). Returns the result dict of
+    `EVAL_SCHEMA`, with "checkpoint", "step" and "excluded_experts".
 
     `device` (auto|cpu|cuda or a torch.device, `resolve_eval_device`) and `precision` (auto|fp32|bf16|fp16,
     `resolve_eval_precision` against the checkpoint's train.precision): on a CPU machine the defaults are the CPU
@@ -434,8 +643,16 @@ def evaluate_checkpoint(
 
     `exclude_experts` (opt-out): the model is built without those DEMix experts, their weights never read; every
     mode mixes the remaining experts only and an excluded expert's domain is evaluated as a novel domain - the
-    same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`)."""
+    same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`).
+
+    `prior_cache`: True keeps the cached priors in CKPT_DIR/eval_prior_cache (launcher/evaluation/prior_cache.py,
+    keyed by the checkpoint's recorded shard sums, the data and the prior's settings) and reuses them; a path, that
+    directory; None/False, none (the priors are scored every time). Only for a checkpoint given by its path."""
     dev = device if isinstance(device, torch.device) else resolve_eval_device(device)  # before loading anything
+    if prior_cache not in (None, False) and not isinstance(prior_cache, PriorCache):
+        if isinstance(ckpt, Consolidated):
+            raise ValueError("prior_cache needs the checkpoint's path (an in-memory checkpoint has no recorded sums)")
+        prior_cache = PriorCache.beside(ckpt, exclude_experts, None if prior_cache is True else prior_cache)
     if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/surgery.py)
         from launcher.modular.surgery import load_without
 
@@ -448,7 +665,8 @@ def evaluate_checkpoint(
     prec = resolve_eval_precision(precision, c.cfg.train.precision, dev)
     if precision == "auto" and prec != normalise_precision(c.cfg.train.precision):
         _say(kwargs.get("progress", True), f"[eval] trained in {c.cfg.train.precision}, evaluated in {prec} on {dev}")
-    return evaluate_model(c.build_model().to(dev), c.cfg, c.domains, data_root, extra=extra, precision=prec, **kwargs)
+    return evaluate_model(c.build_model().to(dev), c.cfg, c.domains, data_root, extra=extra, precision=prec,
+                          prior_cache=prior_cache or None, **kwargs)
 
 
 def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
@@ -565,7 +783,7 @@ def _join_ranks(device_choice: str) -> torch.device:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory (meta.json + model.pt)")
-    ap.add_argument("--data", default="artifacts/demo/tokens", help="prepared tokens root (data.prepare)")
+    ap.add_argument("--data", help="prepared tokens root (data.prepare; default: the checkpoint's data.path)")
     ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
     ap.add_argument("--split", default="test")
     ap.add_argument("--dev-split", default="valid", help="split the cached prior is estimated on")
@@ -593,27 +811,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--precision", choices=EVAL_PRECISIONS, default="auto",
                     help="auto: the checkpoint's train.precision on a GPU that has it (bf16/fp16 as autocast), fp32 "
                          "on the CPU")
+    ap.add_argument("--prior-cache", metavar="DIR", help="where the cached priors are kept and reused (default: "
+                    f"CKPT_DIR/{PRIOR_CACHE_DIR}, keyed by the checkpoint's sums, the data and the prior's settings)")
+    ap.add_argument("--no-prior-cache", action="store_true", help="score the cached prior's dev blocks again, keep nothing")
+    ap.add_argument("--quiet", action="store_true", help="no plan line, progress or ETA on stderr")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in DEMIX_MODES]
     if bad:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
     resolve_eval_device(args.device)  # e.g. --device cuda without CUDA: refused before anything is read
-    check_checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
-    check_eval_request(args.checkpoint, args.data, args.tokenizer, args.split,
+    data, tokenizer = checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
+    check_eval_request(args.checkpoint, data, tokenizer, args.split,
                        args.domains.split(",") if args.domains else None, args.seq_len, args.allow_missing)
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
-    check_output_dir(Path(args.out or default_out), [EVAL_FORMAT], EVAL_FILES, inputs=[Path(args.data)],
+    check_output_dir(Path(args.out or default_out), [EVAL_FORMAT], EVAL_FILES, inputs=[Path(data)],
                      manifest="eval.json", what="--out")  # a user's eval.md is not replaced
     device = _join_ranks(args.device)
+    _say(not args.quiet, f"[eval] {args.checkpoint} on {data}/{tokenizer}"
+         + ("" if args.data else " (the checkpoint's recorded data.path; --data DIR for another)"))
     res = evaluate_checkpoint(
-        args.checkpoint, args.data, tokenizer=args.tokenizer, split=args.split, dev_split=args.dev_split,
+        args.checkpoint, data, tokenizer=tokenizer, split=args.split, dev_split=args.dev_split,
         max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,
         batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
         posterior=args.posterior, cached_estimator=args.cached_estimator,
         seq_len=args.seq_len, out_dir=args.out or str(default_out), exclude_experts=exclude,
-        device=device, precision=args.precision,
+        device=device, precision=args.precision, progress=not args.quiet,
+        prior_cache=False if args.no_prior_cache else (args.prior_cache or True),
     )
     if _dist()[0] == 0:
         print(markdown_report(res))

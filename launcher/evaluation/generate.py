@@ -2,7 +2,10 @@
 
     python -m launcher.evaluation.generate CKPT_DIR --prompt "The patient" --expert biomed [--max-new-tokens 50]
     python -m launcher.evaluation.generate CKPT_DIR --prompt "The patient" --mixture [--prior uniform|PATH.json]
-        [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--seed 0]
+        [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--seed 0] [--data DIR] [--tokenizer NAME]
+
+The tokenizer is the checkpoint's own: from the data.path and data.tokenizer its run config recorded (evaluate's
+`checkpoint_data`), unless --data/--tokenizer say otherwise; GPT-2 needs no data.
 
 Shape legend: E experts, V vocabulary.
 
@@ -27,16 +30,16 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from launcher.checkpoint import load_consolidated
+from launcher.checkpoint import load_consolidated, read_meta
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
 from data.argtypes import nonneg_float, nonneg_int, positive_int, random_seed, unit_left_open
 from data.cli import cli_main, exit_process
-from launcher.evaluation.evaluate import check_checkpoint_data
+from launcher.evaluation.evaluate import checkpoint_data
 
 
 @dataclass
@@ -108,6 +111,22 @@ def generate(
     return out
 
 
+def checkpoint_tokenizer(checkpoint: Union[str, Path], data: Optional[str] = None, tokenizer: Optional[str] = None
+                         ) -> Any:
+    """The tokenizer to generate with: from the data given, else from the data and tokenizer the checkpoint's run
+    config recorded (evaluate's `checkpoint_data`, the rule every tool follows), checked against its fingerprint;
+    DataError naming the recorded path and --data when that data is missing. GPT-2 needs no data (offline files):
+    without its prepared manifest it is loaded as is."""
+    from data.tokenizer import load_prepared_tokenizer, load_tokenizer
+
+    recorded = read_meta(checkpoint)["config"]["data"]
+    name, root = tokenizer or recorded["tokenizer"], data if data is not None else recorded["path"]
+    if name == "gpt2" and not (Path(root) / name / "manifest.json").is_file():
+        return load_tokenizer("gpt2")
+    root, name = checkpoint_data(checkpoint, data, tokenizer)
+    return load_prepared_tokenizer(root, name)
+
+
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,17 +142,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--top-p", type=unit_left_open, default=1.0, help="nucleus mass in (0, 1]; 1: no filter")
     ap.add_argument("--seed", type=random_seed, default=0)
     ap.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
-    ap.add_argument("--data", default="artifacts/demo/tokens", help="prepared tokens root (sentencepiece model)")
+    ap.add_argument("--data", help="prepared tokens root holding the tokenizer (default: the checkpoint's recorded "
+                    "data.path; GPT-2 needs none)")
+    ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
     ap.add_argument("--json", action="store_true", help="print a JSON record (ids, text, posteriors)")
     args = ap.parse_args(argv)
-    from data.tokenizer import load_prepared_tokenizer
-
     prior = mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None  # before the model
+    tok = checkpoint_tokenizer(args.checkpoint, args.data, args.tokenizer)  # before any tensor is read
     ckpt = load_consolidated(args.checkpoint)
     model = ckpt.build_model()
-    if (Path(args.data) / ckpt.cfg.data.tokenizer / "manifest.json").is_file():  # gpt2 needs no data; if there, check it
-        check_checkpoint_data(ckpt, args.data, ckpt.cfg.data.tokenizer)
-    tok = load_prepared_tokenizer(args.data, ckpt.cfg.data.tokenizer)
     is_demix = bool(demix_expert_ids(model))
     domain_token = ckpt.cfg.data.mixture == "domain_token"
     if args.expert is not None and args.expert not in ckpt.domains:

@@ -47,8 +47,8 @@ from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint
                                  save_consolidated, write_json_atomic)
 from launcher.config import ConfigError
 from data.catalog import read_token_manifest
-from launcher.evaluation.evaluate import (block_inputs, check_checkpoint_data, evaluate_checkpoint, load_blocks,
-                                         stream_log_likelihoods)
+from launcher.evaluation.evaluate import (block_inputs, check_checkpoint_data, data_source, evaluate_checkpoint,  # noqa: F401
+                                         load_blocks, stream_log_likelihoods)
 from launcher.ffn_kinds import ffn_kind
 from launcher.modular.surgery import (EXPERT_KEY, CkptLike, _keep_indices, _load, _require_demix, _with_experts,  # noqa: F401
                                       load_without, remove_experts_state)
@@ -66,14 +66,6 @@ def save(c: Consolidated, out: Union[str, Path]) -> Path:
     """Write `c` as a consolidated checkpoint, keeping the source's extra metadata (tokenizer, lineage)."""
     extra = {k: v for k, v in c.meta.items() if k not in _META_OWN}
     return save_consolidated(out, c.state_dict, c.cfg, c.domains, c.step, extra=extra)
-
-
-def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:
-    """Where the domain data lives: given, else the checkpoint's own training data; refused (DataError) when its
-    tokens come from another tokenizer than the checkpoint's."""
-    data, tokenizer = data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
-    check_checkpoint_data(c, data, tokenizer)
-    return data, tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------
