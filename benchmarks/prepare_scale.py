@@ -48,6 +48,7 @@ import psutil
 
 from data.argtypes import nonneg_int, positive_int, random_seed
 from data.atomic import atomic_path, write_json_atomic
+from data.tokenizer import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -197,11 +198,7 @@ def _cached(corpus: Path, want: dict[str, Any], verify: bool) -> Optional[dict[s
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def generate_corpus(corpus: Path, size: int, seed: int = 0, *, pool_bytes: int = POOL_BYTES,

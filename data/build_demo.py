@@ -34,6 +34,7 @@ from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchE
                           package_version)
 from data.argtypes import nonneg_float, positive_int
 from data.cli import cli_main, exit_process
+from data.tokenizer import sha256_file
 
 MIN_TRAIN_DOMAINS = 6
 MANIFEST_FORMAT = 1
@@ -46,14 +47,6 @@ def normalise(text: Optional[str]) -> str:
     text = _CONTROL.sub("", text)
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_domain(domain: str, docs: Iterable[str], path: Path, max_docs: Optional[int],
