@@ -491,8 +491,17 @@ _SP = rb"[\s\x1c-\x1f?]"
 _FOLD_HAZARDS = "\u0130\u0131\u017f\u212a"
 _NON_ASCII_DIGIT = re.compile(r"[^\D0-9]")
 # a digit-run start that begins 7 digits separated only by ` ().-/`: an *anchor*. Every card number, SSN and
-# phone number that can be accepted has one: the first digit of its number (nothing but `+(` before it in the match)
-_RUN7 = re.compile(rb"0(?<!00)(?=" + rb"[ ().\-/]*0" * 6 + rb")")
+# phone number that can be accepted has one: the first digit of its number (nothing but `+(` before it in the match).
+# After the anchor's first digit, each group that is set names a *kind* of number that can start there: a card number
+# (`_CARD`: 4 digits, then 9+ more or 4-4-4 / 6-4 groups) and an SSN start at an anchor (their look-behinds allow no
+# digit before), and so do a NANP number's first digit (`1-`/`+1 ` then `(555) `/`555-`, or `(555) `/`555-` alone,
+# then `123-4567`) and a labelled SSN's (no digit or `-` before it).
+_RUN7 = re.compile(
+    rb"0(?<!00)(?=" + rb"[ ().\-/]*0" * 6 + rb")"
+    rb"(?=(?P<card>000(?:0{9}|[ \-]0000[ \-]0000|[ \-]000000[ \-]0000))?)"
+    rb"(?=(?P<nanp>(?:[ .\-]?(?:\(000\) ?|000[ .\-])|00\) ?|00[ .\-])000[ .\-]0000)?)"
+    rb"(?=(?P<ssn_labelled>00(?P<sep>[ \-]?)00(?P=sep)0000(?![0\-]|\.0))?)"
+    rb"(?=(?P<ssn>00-00-0000)?)")
 # each `/` of the lower-cased shape that ends `facebook.com/` or `fb.com/`, another `.com/`, `t.me/`, `wa.me/`,
 # `doubleclick.net/` or `u/`; the empty group that is set names which
 _SLASH = re.compile(rb"/(?<=[meut]/)(?:(?:(?<=facebook\.com/)|(?<=fb\.com/))(?P<fb_host>)|(?<=\.com/)(?P<com>)"
@@ -514,26 +523,18 @@ def _screenable(text: str) -> bool:
     return not any(c in text for c in _FOLD_HAZARDS) and _NON_ASCII_DIGIT.search(text) is None
 
 
-# At an anchor `d` of the shape: a card number (`_CARD`: 4 digits, then 9+ more or 4-4-4 / 6-4 groups) and an SSN
-# start there (their look-behinds allow no digit before); a NANP number's first digit is there (`1-`/`+1 ` then
-# `(555) `/`555-`, or `(555) `/`555-` alone, then `123-4567`), and so is a labelled SSN's (no digit or `-` before).
-_ANCHOR_KINDS = re.compile(  # one zero-width match at an anchor; each group that is set names a kind
-    rb"(?=(?P<card>0000(?:0{9}|[ \-]0000[ \-]0000|[ \-]000000[ \-]0000))?)"
-    rb"(?=(?P<nanp>(?:0[ .\-]?(?:\(000\) ?|000[ .\-])|000\) ?|000[ .\-])000[ .\-]0000)?)"
-    rb"(?=(?P<ssn_labelled>000(?P<sep>[ \-]?)00(?P=sep)0000(?![0\-]|\.0))?)"
-    rb"(?=(?P<ssn>000-00-0000)?)")
-
-
 class _Shape:
     """`text` as lower-cased ASCII bytes of the same length (`b`, also `low`): each digit 0-9 becomes b"0", each
-    non-ASCII character b"?". A word of ASCII letters and punctuation is in `low` iff it is in `text.lower()`."""
+    non-ASCII character b"?". For a `_screenable` text, a word of ASCII letters and punctuation (not `?`) is in it
+    iff it is in `text.lower()`, and b"0" stands for exactly the characters `\\d` matches."""
 
-    __slots__ = ("text", "b", "_anchors", "_kinds", "_slashes")
+    __slots__ = ("text", "b", "_anchors", "_anchor_matches", "_kinds", "_slashes")
 
     def __init__(self, text: str, b: Optional[bytes] = None) -> None:
         self.text = text
         self.b = text.encode("ascii", "replace").translate(_SHAPE) if b is None else b
         self._anchors: Optional[list[int]] = None
+        self._anchor_matches: list[re.Match] = []
         self._kinds: Optional[dict[str, list[int]]] = None
         self._slashes: Optional[dict[str, list[int]]] = None
 
@@ -548,15 +549,19 @@ class _Shape:
 
     @property
     def low(self) -> bytes:
-        """The shape (lower-cased already): the name says so where case matters."""
+        """The shape itself, named so where a test relies on it being lower-cased."""
         return self.b
 
     @property
     def anchors(self) -> list[int]:
         """The anchors (`_RUN7`), ascending."""
         if self._anchors is None:
-            self._anchors = [m.start() for m in _RUN7.finditer(self.b)] if b"0" in self.b else []
+            self._scan_anchors()
         return self._anchors
+
+    def _scan_anchors(self) -> None:
+        self._anchor_matches = list(_RUN7.finditer(self.b)) if b"0" in self.b else []
+        self._anchors = [m.start() for m in self._anchor_matches]
 
     @property
     def slashes(self) -> dict[str, list[int]]:
@@ -573,16 +578,16 @@ class _Shape:
 
     def kind(self, name: str) -> list[int]:
         """The anchors where a `card` number, a `nanp` number, a labelled SSN (`ssn_labelled`) or an `ssn` can
-        start (`_ANCHOR_KINDS`)."""
+        start (`_RUN7`'s groups)."""
         if self._kinds is None:
             kinds: dict[str, list[int]] = {"card": [], "nanp": [], "ssn_labelled": [], "ssn": []}
-            match = _ANCHOR_KINDS.match
-            for d in self.anchors:
-                m = match(self.b, d)
+            if self._anchors is None:
+                self._scan_anchors()
+            for m in self._anchor_matches:
                 if m.lastindex:
                     for kind, found in kinds.items():
                         if m.group(kind) is not None:
-                            found.append(d)
+                            found.append(m.start())
             self._kinds = kinds
         return self._kinds[name]
 
@@ -776,51 +781,70 @@ def _anonymise(text: str, track: bool) -> _Pass:
     if not _screenable(text):
         return _anonymise_reference(text, track)
     p = _Pass(text, track)
-    low = p.shape().low
+    sh = p.shape()  # the current text's shape: taken again after each step that ran (a replacement splices it)
+    low = sh.low  # the input's, for the word gates
     has_at = "@" in text
     if has_at:
         if text.count("@") > 1:
             p.run("USER", _FEDI_HANDLE)  # before EMAIL, which would take its user@instance part
         p.replace("EMAIL", _email_spans(p.shape()))  # = p.run("EMAIL", _EMAIL, _email_ok)
-    if _obfuscated_possible(p.shape()) and ("%40" in text or _OBFUSCATION_HINT.search(text)):
+        sh = p.shape()
+    if _obfuscated_possible(sh) and ("%40" in text or _OBFUSCATION_HINT.search(text)):
         p.run("EMAIL", _EMAIL_OBFUSCATED, _obfuscated_ok)
-    if _DART_KEY.search(p.shape().low) and any(k in low for k in _DART_HINTS):
+        sh = p.shape()
+    if _DART_KEY.search(sh.low) and any(k in low for k in _DART_HINTS):
         p.run("DART", _DART)
-    if p.shape().slashes["doubleclick"] and b"doubleclick" in low:
+        sh = p.shape()
+    if sh.slashes["doubleclick"] and b"doubleclick" in low:
         p.run("DART", _DART_URL)
-    if p.shape().slashes["fb_host"] or _FB_ID_HINT.search(p.shape().low):  # then `fb` or `facebook` is in `low`
+        sh = p.shape()
+    if sh.slashes["fb_host"] or _FB_ID_HINT.search(sh.low):  # then `fb` or `facebook` is in `low`
         p.run("FB_USERID", _FB_USERID)
-    if "/" in text and p.shape().slashes["fb_host"]:
-        p.run("FB_USERID", _FB_VANITY)
-    if p.shape().anchors:  # a 7-digit number: cards, SSNs, phone numbers
-        if starts := p.shape().kind("card"):
+        sh = p.shape()
+        if "/" in text and sh.slashes["fb_host"]:
+            p.run("FB_USERID", _FB_VANITY)
+            sh = p.shape()
+    if sh.anchors:  # a 7-digit number: cards, SSNs, phone numbers
+        if starts := sh.kind("card"):
             p.run("CREDIT_CARD_NUMBER", _CARD, _is_card, _matches_at(_CARD, p.text, starts))
-        if p.shape().kind("ssn_labelled") and any(k in low for k in (b"ssn", b"ss#", b"soc")):
+            sh = p.shape()
+        if sh.kind("ssn_labelled") and any(k in low for k in (b"ssn", b"ss#", b"soc")):
             p.run("SSN", _SSN_LABELLED, _is_ssn)
-        if "-" in text and (starts := p.shape().kind("ssn")):
+            sh = p.shape()
+        if "-" in text and (starts := sh.kind("ssn")):
             p.run("SSN", _SSN, _is_ssn, _matches_at(_SSN, p.text, starts))
-    sh = p.shape()
+            sh = p.shape()
     if b"0" in sh.b:
         if starts := [q - 2 for q in _occurrences(sh.b, b" 00 00 00 ") if q >= 2]:  # AB 12 34 56 C
             p.run("SSN", _NINO, matches=_matches_at(_NINO, p.text, starts))
-        if ((b"insurance" in p.shape().low or _NINO_LABEL.search(p.shape().low)) and _NINO_DIGITS.search(p.shape().b)
+            sh = p.shape()
+        if (_NINO_DIGITS.search(sh.b) and (b"insurance" in sh.low or _NINO_LABEL.search(sh.low))
                 and any(k in low for k in (b"insurance", b"nino", b"ni "))):
             p.run("SSN", _NINO_LABELLED)
-        if starts := _phone_starts(p.shape()):
-            p.run("PHONE_NUMBER", _PHONE, _is_phone, _matches_at(_PHONE, p.text, starts))
-        if starts := _labelled_phone_starts(p.shape()):
-            p.run("PHONE_NUMBER", _PHONE_LABELLED, _is_labelled_phone, _matches_at(_PHONE_LABELLED, p.text, starts))
-        if p.shape().slashes["wa_me"] and b"00000000" in p.shape().b:
+            sh = p.shape()
+        if sh.anchors:
+            if starts := _phone_starts(sh):
+                p.run("PHONE_NUMBER", _PHONE, _is_phone, _matches_at(_PHONE, p.text, starts))
+                sh = p.shape()
+            if starts := _labelled_phone_starts(sh):
+                p.run("PHONE_NUMBER", _PHONE_LABELLED, _is_labelled_phone,
+                      _matches_at(_PHONE_LABELLED, p.text, starts))
+                sh = p.shape()
+        if sh.slashes["wa_me"] and b"00000000" in sh.b:
             p.run("PHONE_NUMBER", _WHATSAPP)
+            sh = p.shape()
     if "/" in text:
-        sh = p.shape()
-        if anchors := sorted(sh.slashes["com"] + sh.slashes["t_me"]):
+        slashes = sh.slashes
+        if anchors := sorted(slashes["com"] + slashes["t_me"]):
             p.run("USER", _PROFILE_URL, _profile_ok, _profile_matches(sh, anchors))
+            sh = p.shape()
         if has_at and "/@" in text:
             p.run("USER", _AT_URL, _at_url_ok)
-        if starts := [s for q in p.shape().slashes["u"] for s in (q - 1, q) if s >= 0]:  # u/name, /u/name
+            sh = p.shape()
+        if starts := [s for q in sh.slashes["u"] for s in (q - 1, q) if s >= 0]:  # u/name, /u/name
             p.run("USER", _REDDIT_USER, _reddit_ok, _matches_at(_REDDIT_USER, p.text, starts))
-    if "#" in text and b"#0000" in p.shape().b and b"discord" in low:
+            sh = p.shape()
+    if "#" in text and b"#0000" in sh.b and b"discord" in low:
         p.run("USER", _DISCORD)
     if "@" in p.text:
         p.run("USER", _HANDLE, _handle_ok(p.text))

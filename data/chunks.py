@@ -199,6 +199,7 @@ class ChunkJob:
     anonymise: bool
     keep: int  # problems kept in full
     plan_key: str
+    owner_pid: int = 0  # the prepare process that planned the run; a worker stops when it is gone (killed)
 
 
 class _PartWriter:
@@ -326,8 +327,23 @@ def prepare_chunk(chunk: Chunk, job: ChunkJob) -> dict:
     return record
 
 
+def _owner_alive(pid: int) -> bool:
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid): not ours to judge
+        return True
+    return True
+
+
 def _batch(st: _ChunkState, tok, splitter: HashSplit, texts: list[str], keys: list[str]) -> None:
-    """Anonymise (when on), encode and route one batch of documents (held until the end in an exact chunk)."""
+    """Anonymise (when on), encode and route one batch of documents (held until the end in an exact chunk). A
+    worker whose prepare process was killed stops here, before the next batch, instead of finishing its chunk."""
+    if not _owner_alive(st.job.owner_pid):
+        raise SystemExit(f"data.prepare (pid {st.job.owner_pid}) is gone: chunk {st.chunk.name} abandoned")
     if st.job.anonymise:
         for i, t in enumerate(texts):
             r = anonymise(t)

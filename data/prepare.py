@@ -462,7 +462,7 @@ def prepare_corpus(
         tok = _tokenizer(tokenizer, parts, chunks, roles, split, policy, sp_vocab_size, seed, workers, say)
         dtype = _token_dtype(tok, len(files))
         job = ChunkJob(str(parts), tok.spec(), np.dtype(dtype).name, tok.total_vocab_size(len(files)), seed,
-                       valid_fraction, test_fraction, False, max_report, plan_key)
+                       valid_fraction, test_fraction, False, max_report, plan_key, os.getpid())
         pending = [c for c in mine if read_record(parts, c, plan_key) is None]
         stats = _prepare_chunks(pending, job, policy, workers, progress, say, len(mine))
     if num_shards > 1:

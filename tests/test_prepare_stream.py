@@ -182,3 +182,20 @@ def test_changed_corpus_starts_over(corpus, tmp_path):
     reference = _prepare(corpus, tmp_path / "reference").manifest
     _same_manifest(reference, {**r.manifest, "plan_key": reference["plan_key"]})
     assert _files(tmp_path / "reference" / "gpt2") == _files(out / "gpt2")
+
+
+def test_a_worker_stops_when_its_prepare_process_is_gone(corpus, tmp_path):
+    """A SIGKILLed prepare leaves no worker encoding on: each checks its owner before every batch."""
+    from data.chunks import ChunkJob, prepare_chunk
+    from data.tokenizer import TokenizerSpec
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    chunk = plan_chunks({"news": corpus / "news.jsonl"}, CHUNK)[0]
+    parts = tmp_path / "parts"
+    job = ChunkJob(str(parts), TokenizerSpec("gpt2"), "uint16", 50257, 5, 0.1, 0.1, False, 20, "key", gone.pid)
+    with pytest.raises(SystemExit, match="is gone"):
+        prepare_chunk(chunk, job)
+    assert not list(parts.rglob("*.json")) and not list(parts.rglob("*.tmp")) and not list(parts.rglob("*.bin"))
+    record = prepare_chunk(chunk, ChunkJob(**{**job.__dict__, "owner_pid": os.getpid()}))  # the control
+    assert record["splits"] and list(parts.rglob("*.json"))
