@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+_REPO_PREFIX = str(__import__('pathlib').Path(__file__).resolve().parents[1]) + '/'  # frames shown repo-relative
+
 _HOST = "_device_strict_host"
 
 # Factories that place their result on the default device (the host) unless given `device=`.
@@ -107,7 +109,7 @@ def _note_read(name: str) -> None:
     import traceback
 
     frames = [f for f in traceback.extract_stack()[:-1] if "device_strict" not in f.filename]
-    _sync_log.append((name, " <- ".join(f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:"
+    _sync_log.append((name, " <- ".join(f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:"
                                         f"{f.lineno} {f.name}" for f in reversed(frames[-3:]))))
 
 

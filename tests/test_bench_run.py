@@ -6,6 +6,8 @@ and the sweep are stubbed."""
 from __future__ import annotations
 
 import errno
+import functools
+import os
 import json
 import shutil
 import socket
@@ -301,10 +303,13 @@ def test_bench_refuses_unusable_data_before_any_work(tiny_tokens: Path, tmp_path
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_help_and_bench_flags() -> None:
-    helped = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # run as from a shell: under `make test` the parent make's MAKEFLAGS/MAKELEVEL would add "make[1]: ..." lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, check=True, env=env)
+    helped = run(["make", "-s", "help"]).stdout
     assert helped.splitlines()[0].startswith("make venv") and "RECORD=1" in helped
-    dry = subprocess.run(["make", "-n", "bench", "RECORD=1", "BENCH_DATA=/some/tokens", "BENCH_TOKENIZER=gpt2"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    dry = run(["make", "--no-print-directory", "-n", "bench", "RECORD=1", "BENCH_DATA=/some/tokens",
+               "BENCH_TOKENIZER=gpt2"]).stdout
     assert "-m benchmarks.run --record --data \"/some/tokens\" --tokenizer gpt2" in dry
-    plain = subprocess.run(["make", "-n", "bench"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    plain = run(["make", "--no-print-directory", "-n", "bench"]).stdout
     assert plain.splitlines()[-1].split() == [".venv/bin/python", "-m", "benchmarks.run"]

@@ -21,6 +21,8 @@ import pytest
 
 from tests.multirank import run_ranks
 
+_REPO_PREFIX = str(__import__('pathlib').Path(__file__).resolve().parents[1]) + '/'  # frames shown repo-relative
+
 # (file, function) of the reads allowed inside a step, each with why it stays; the project's own two are also counted
 # exactly (`expected_reads`).
 ALLOWED = {
@@ -59,7 +61,7 @@ class count_synchronize:
             import traceback
 
             frames = [f for f in traceback.extract_stack()[:-1] if "/accelerator/" not in f.filename]
-            events.append(" <- ".join(f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:"
+            events.append(" <- ".join(f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:"
                                       f"{f.lineno} {f.name}" for f in reversed(frames[-3:])))
             return original(acc, *args, **kwargs)
 

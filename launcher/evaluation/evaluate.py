@@ -615,7 +615,7 @@ def evaluate_model(
     prog = Progress(sum(plan.values()) * e.passes_per_block + sum(to_score.values()), say)
     t_prior = time.perf_counter()
     scored = _score_priors(e, to_score, prog)
-    _save_priors(prior_cache, key, scored, time.perf_counter() - t_prior, say)
+    prior_seconds = time.perf_counter() - t_prior
     priors.update(scored)
     estimated = {d: p["prior"] for d, p in priors.items() if p["prior"] is not None and not p.get("given")}
     for dom in plan:
@@ -624,6 +624,8 @@ def evaluate_model(
     results["seconds"] = round(time.perf_counter() - t0, 3)
     if out_dir is not None and _dist()[0] == 0:  # the estimated priors are written with the report, not midway
         results["files"] = write_outputs(results, out_dir, estimated)
+    # cached only once the evaluation has succeeded (its outputs published): a failed one leaves nothing behind
+    _save_priors(prior_cache, key, scored, prior_seconds, say)
     return results
 
 
