@@ -13,12 +13,13 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: venv wheels test test-fast demo data flops bench reproduce clean help
+.PHONY: venv wheels test lint format test-fast demo data flops bench reproduce clean help
 
 help:
 	@echo "make venv   - create .venv with everything installed (the other targets do this first when needed)"
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
 	@echo "make test   - run the test suite (unit, multi-rank gloo, parity)"
+	@echo "make lint   - ruff: formatting check and lint (CI runs it before the tests); make format rewrites"
 	@echo "make wheels - wheelhouse/ for an offline GPU node (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
@@ -39,9 +40,10 @@ SYSTEM_TORCH ?= 0
 WHEELHOUSE ?= wheelhouse
 EXTRAS_WHEELS := $(wildcard $(WHEELHOUSE)/extras/*.whl)
 PIP_SOURCE := $(if $(filter 1,$(OFFLINE)),--no-index --find-links $(WHEELHOUSE)/core $(if $(EXTRAS_WHEELS),--find-links $(WHEELHOUSE)/extras),)
-ALL_EXTRAS := dev,tracking,harness
-# Offline without wheelhouse/extras: no wandb, no lm-eval (their tests skip, saying so).
-PROJECT_EXTRAS := $(if $(filter 1,$(OFFLINE)),$(if $(EXTRAS_WHEELS),$(ALL_EXTRAS),dev),$(ALL_EXTRAS))
+NODE_EXTRAS := dev,tracking,harness
+ALL_EXTRAS := $(NODE_EXTRAS),lint
+# Offline without wheelhouse/extras: no wandb, no lm-eval (their tests skip, saying so). No linter on a GPU node.
+PROJECT_EXTRAS := $(if $(filter 1,$(OFFLINE)),$(if $(EXTRAS_WHEELS),$(NODE_EXTRAS),dev),$(ALL_EXTRAS))
 
 $(STAMP): pyproject.toml
 	@if [ "$(SYSTEM_TORCH)" = 1 ]; then \
@@ -78,6 +80,14 @@ wheels: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check . || { echo "make lint: files above need formatting: run 'make format'" >&2; exit 1; }
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

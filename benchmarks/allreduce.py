@@ -29,18 +29,29 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from launcher.config import load_run_config
+    from launcher.ffn_kinds import ffn_kind
     from launcher.train import train_step
     from model.gpt import GPT
-    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
 
     n_dom = domains if kind == "demix" else 1
-    cfg = load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
-        "model.vocab_size=8192", f"model.ffn.kind={kind}", f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
-        "train.micro_batch=2", "train.grad_accum=1", f"train.steps={steps}",
-    ])
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=4",
+            "model.d_model=256",
+            "model.n_heads=4",
+            "model.seq_len=128",
+            "model.vocab_size=8192",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
+            "train.micro_batch=2",
+            "train.grad_accum=1",
+            f"train.steps={steps}",
+        ],
+    )
     topo = build_topology(world, 1, n_dom)
     groups = ProcessGroups.create(topo)
     info = topo.rank_info(rank)
@@ -55,15 +66,21 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
         out = real(tensor, op=op, group=group, async_op=async_op)
         if out is not None and async_op:
             out.wait()
-        log.append((tensor.numel() * tensor.element_size(), dist.get_world_size(group), time.perf_counter() - t0))
+        log.append(
+            (tensor.numel() * tensor.element_size(), dist.get_world_size(group), time.perf_counter() - t0)
+        )
         return out
 
     g = torch.Generator().manual_seed(rank)
     step_times = []
     for step in range(steps + 1):  # step 0 is warm-up, not recorded
         x = torch.randint(0, 8192, (2, 129), generator=g)
-        mb = {"tokens": x[:, :-1], "targets": x[:, 1:], "domain_ids": torch.full((2,), info.domains[0]),
-              "loss_mask": torch.ones(2, 128)}
+        mb = {
+            "tokens": x[:, :-1],
+            "targets": x[:, 1:],
+            "domain_ids": torch.full((2,), info.domains[0]),
+            "loss_mask": torch.ones(2, 128),
+        }
         dist.barrier()
         if step == 1:
             dist.all_reduce = recording
@@ -107,26 +124,44 @@ def main(argv: list[str] | None = None) -> int:
             "step_seconds": mean("step_seconds"),
         }
     d, m = rows["dense"], rows["demix"]
-    ratio = {"ring_bytes_sent": m["ring_bytes_sent_per_rank_per_step"] / d["ring_bytes_sent_per_rank_per_step"],
-             "allreduce_seconds": m["allreduce_seconds_per_step"] / d["allreduce_seconds_per_step"]}
+    ratio = {
+        "ring_bytes_sent": m["ring_bytes_sent_per_rank_per_step"] / d["ring_bytes_sent_per_rank_per_step"],
+        "allreduce_seconds": m["allreduce_seconds_per_step"] / d["allreduce_seconds_per_step"],
+    }
     cmd = "python -m benchmarks.allreduce " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = {"command": cmd.strip(), "ranks": args.ranks, "domains": args.domains, "steps": args.steps,
-           "machine": machine_info(), "rows": rows, "demix_over_dense": ratio}
+    out = {
+        "command": cmd.strip(),
+        "ranks": args.ranks,
+        "domains": args.domains,
+        "steps": args.steps,
+        "machine": machine_info(),
+        "rows": rows,
+        "demix_over_dense": ratio,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "allreduce.json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = [f"# Gradient all-reduce per step: DEMix vs Dense ({args.ranks} gloo ranks, {args.domains} domains)", "",
-             f"Command: `{out['command']}` on {os.cpu_count()} CPU cores (all ranks on one machine: times are gloo over "
-             "shared memory, bytes are what a cluster would move).", "",
-             "| model | params on a rank | payload over all ranks (MB) | payload over domain groups (MB) | ring bytes sent per rank (MB) | all-reduce s/step | step s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Gradient all-reduce per step: DEMix vs Dense ({args.ranks} gloo ranks, {args.domains} domains)",
+        "",
+        f"Command: `{out['command']}` on {os.cpu_count()} CPU cores (all ranks on one machine: times are gloo over "
+        "shared memory, bytes are what a cluster would move).",
+        "",
+        "| model | params on a rank | payload over all ranks (MB) | payload over domain groups (MB) | ring bytes sent per rank (MB) | all-reduce s/step | step s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for kind, r in rows.items():
         pay = r["payload_bytes_per_step_by_group_size"]
         world = pay.get(str(args.ranks), 0.0)
         domain = sum(v for k, v in pay.items() if k != str(args.ranks))
-        lines.append(f"| {kind} | {r['params_on_rank']:,} | {world / 1e6:.2f} | {domain / 1e6:.2f} | "
-                     f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f} | {r['allreduce_seconds_per_step']:.4f} | {r['step_seconds']:.3f} |")
-    lines += ["", f"DEMix / Dense: ring bytes sent {ratio['ring_bytes_sent']:.3f}x, time in all-reduce "
-              f"{ratio['allreduce_seconds']:.3f}x."]
+        lines.append(
+            f"| {kind} | {r['params_on_rank']:,} | {world / 1e6:.2f} | {domain / 1e6:.2f} | "
+            f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f} | {r['allreduce_seconds_per_step']:.4f} | {r['step_seconds']:.3f} |"
+        )
+    lines += [
+        "",
+        f"DEMix / Dense: ring bytes sent {ratio['ring_bytes_sent']:.3f}x, time in all-reduce "
+        f"{ratio['allreduce_seconds']:.3f}x.",
+    ]
     (RESULTS / "allreduce.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -51,7 +51,9 @@ def source_files() -> list[Path]:
     return sorted(p for p in set(files) if p.is_file())
 
 
-def build_documents(mb: float, doc_chars: int, seed: int = 0, per_file: int = 200_000) -> tuple[list[str], int]:
+def build_documents(
+    mb: float, doc_chars: int, seed: int = 0, per_file: int = 200_000
+) -> tuple[list[str], int]:
     """Documents of `doc_chars` characters cut from the source files in a seeded order; and how many files."""
     files = source_files()
     random.Random(seed).shuffle(files)
@@ -65,7 +67,7 @@ def build_documents(mb: float, doc_chars: int, seed: int = 0, per_file: int = 20
         text = raw.decode("utf-8", "replace")[:per_file]
         used += 1
         for i in range(0, len(text), doc_chars):
-            docs.append(text[i:i + doc_chars])
+            docs.append(text[i : i + doc_chars])
             size += len(docs[-1].encode())
         if size >= mb * 1e6:
             break
@@ -106,11 +108,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=positive_float, default=10.0, help="megabytes of UTF-8 text (default 10)")
     ap.add_argument("--doc-kb", type=positive_float, default=4.0, help="document size in KB (default 4)")
-    ap.add_argument("--rounds", type=positive_int, default=3, help="timed rounds; the best is reported (default 3)")
+    ap.add_argument(
+        "--rounds", type=positive_int, default=3, help="timed rounds; the best is reported (default 3)"
+    )
     ap.add_argument("--seed", type=random_seed, default=0, help="order of the source files (default 0)")
     base_arg = ap.add_mutually_exclusive_group()
-    base_arg.add_argument("--baseline-rev", metavar="REV", help="also time (and compare with) data/anonymise.py at REV")
-    base_arg.add_argument("--baseline", metavar="OLD.py", help="also time (and compare with) another copy of it")
+    base_arg.add_argument(
+        "--baseline-rev", metavar="REV", help="also time (and compare with) data/anonymise.py at REV"
+    )
+    base_arg.add_argument(
+        "--baseline", metavar="OLD.py", help="also time (and compare with) another copy of it"
+    )
     ap.add_argument("--out", default=str(RESULTS / "anonymise_speed.md"), help="the Markdown report")
     a = ap.parse_args(argv)
 
@@ -149,8 +157,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     names = list(rows)
     enc = names[0]
     tokens = sum(len(ids) for ids in outputs[enc])
-    result = {"mb": mb, "docs": len(docs), "files": n_files, "tokens": tokens, "times": times, "cpu": cpu,
-              "load_before": load_before, "load_after": load_after, "others": others.result()}
+    result = {
+        "mb": mb,
+        "docs": len(docs),
+        "files": n_files,
+        "tokens": tokens,
+        "times": times,
+        "cpu": cpu,
+        "load_before": load_before,
+        "load_after": load_after,
+        "others": others.result(),
+    }
     if base is not None:
         ours, theirs = outputs[names[1]], outputs[names[2]]
         result["identical"] = sum((x.text, x.counts) == (y.text, y.counts) for x, y in zip(ours, theirs))
@@ -165,34 +182,49 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     best_cpu = {k: min(v) for k, v in cpu.items()}
     args = list(argv if argv is not None else sys.argv[1:])
     command = " ".join(["python -m benchmarks.anonymise_speed"] + ([shlex.join(args)] if args else []))
-    lines = ["# Anonymisation speed vs GPT-2 encoding (one core)", "", f"Command: `{command}`", "",
-             f"Machine: {os.cpu_count()} cores, {_cpu()}, {platform.platform()}, Python {platform.python_version()}. "
-             f"`/proc/loadavg` before: `{load_before}`; after: `{load_after}`. Other processes used "
-             f"{_fmt(others.result().get('others_cores'))} cores on average during the timed rounds (the machine is "
-             "shared: only ratios taken in the same run compare).", "",
-             f"Text: {len(docs)} documents of up to {a.doc_kb:g} KB, {mb:.2f} MB of UTF-8 ({tokens:,} GPT-2 tokens), "
-             f"cut from {n_files} files in a seeded order (seed {a.seed}, at most 200 KB from each): README, "
-             "changelog, NEWS and copyright files of /usr/share/doc (.gz decompressed), /usr/share/common-licenses, "
-             f"the Python standard library's .py files. {result['unscreened_docs']} documents hold a character the "
-             "byte shape cannot stand for (a non-ASCII digit, İ ı ſ K) and take the unscreened path. Replacements: "
-             + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) + ".", "",
-             f"Best of {a.rounds} rounds (each round runs every row once, in this order); wall time, and the CPU "
-             "time of this process (`time.process_time`), which counts less of what other processes take:", "",
-             "| row | best wall s | MB/s | vs encoding | per round vs encoding | best CPU s | CPU MB/s | vs encoding "
-             "(CPU) |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "# Anonymisation speed vs GPT-2 encoding (one core)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {os.cpu_count()} cores, {_cpu()}, {platform.platform()}, Python {platform.python_version()}. "
+        f"`/proc/loadavg` before: `{load_before}`; after: `{load_after}`. Other processes used "
+        f"{_fmt(others.result().get('others_cores'))} cores on average during the timed rounds (the machine is "
+        "shared: only ratios taken in the same run compare).",
+        "",
+        f"Text: {len(docs)} documents of up to {a.doc_kb:g} KB, {mb:.2f} MB of UTF-8 ({tokens:,} GPT-2 tokens), "
+        f"cut from {n_files} files in a seeded order (seed {a.seed}, at most 200 KB from each): README, "
+        "changelog, NEWS and copyright files of /usr/share/doc (.gz decompressed), /usr/share/common-licenses, "
+        f"the Python standard library's .py files. {result['unscreened_docs']} documents hold a character the "
+        "byte shape cannot stand for (a non-ASCII digit, İ ı ſ K) and take the unscreened path. Replacements: "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()))
+        + ".",
+        "",
+        f"Best of {a.rounds} rounds (each round runs every row once, in this order); wall time, and the CPU "
+        "time of this process (`time.process_time`), which counts less of what other processes take:",
+        "",
+        "| row | best wall s | MB/s | vs encoding | per round vs encoding | best CPU s | CPU MB/s | vs encoding "
+        "(CPU) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for name in names:
         per_round = ", ".join(f"{e / t:.2f}x" for e, t in zip(times[enc], times[name]))
-        lines.append(f"| {name} | {best[name]:.3f} | {mb / best[name]:.2f} | {best[enc] / best[name]:.2f}x | "
-                     f"{per_round} | {best_cpu[name]:.3f} | {mb / best_cpu[name]:.2f} | "
-                     f"{best_cpu[enc] / best_cpu[name]:.2f}x |")
+        lines.append(
+            f"| {name} | {best[name]:.3f} | {mb / best[name]:.2f} | {best[enc] / best[name]:.2f}x | "
+            f"{per_round} | {best_cpu[name]:.3f} | {mb / best_cpu[name]:.2f} | "
+            f"{best_cpu[enc] / best_cpu[name]:.2f}x |"
+        )
     if base is not None:
-        lines += ["", f"Baseline: data/anonymise.py {base_name} (sha256 {digest}...). Output: {result['identical']} "
-                  f"of {len(docs)} documents give the same text and counts with both copies; this copy is "
-                  f"{best[names[2]] / best[names[1]]:.1f}x as fast as the baseline."]
+        lines += [
+            "",
+            f"Baseline: data/anonymise.py {base_name} (sha256 {digest}...). Output: {result['identical']} "
+            f"of {len(docs)} documents give the same text and counts with both copies; this copy is "
+            f"{best[names[2]] / best[names[1]]:.1f}x as fast as the baseline.",
+        ]
     lines += ["", "## Where the time went before", "", _BEFORE, "", "## How `anonymise` keeps up", "", _HOW]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:len(lines) - 7]))
+    print("\n".join(lines[: len(lines) - 7]))
     return result
 
 
@@ -236,7 +268,9 @@ precision/recall table (`python -m data.anonymise --evaluate tests/data/anonymis
 
 def _cpu() -> str:
     try:
-        return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+        return next(
+            (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"
+        )
     except OSError:
         return "?"
 

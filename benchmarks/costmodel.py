@@ -152,9 +152,20 @@ GRAD_REDUCE: tuple[str, ...] = ("fixed", "overlap", "after_backward")  # CostOpt
 # HBM bandwidth per GPU, GB/s (vendor datasheets; the largest-memory variant where model/accounting's device
 # table lists that memory). Used only by the memory-bound GShard terms; a cluster YAML may override it.
 HBM_GBYTES_PER_S: dict[str, float] = {
-    "v100-sxm2": 900.0, "v100-pcie": 900.0, "v100s": 1134.0, "a100": 2039.0, "h100-sxm": 3350.0,
-    "h100-pcie": 2000.0, "h100-nvl": 3900.0, "h200": 4800.0, "l40s": 864.0, "l4": 300.0, "a10": 600.0,
-    "rtx4090": 1008.0, "mi250x": 3277.0, "mi300x": 5300.0,
+    "v100-sxm2": 900.0,
+    "v100-pcie": 900.0,
+    "v100s": 1134.0,
+    "a100": 2039.0,
+    "h100-sxm": 3350.0,
+    "h100-pcie": 2000.0,
+    "h100-nvl": 3900.0,
+    "h200": 4800.0,
+    "l40s": 864.0,
+    "l4": 300.0,
+    "a10": 600.0,
+    "rtx4090": 1008.0,
+    "mi250x": 3277.0,
+    "mi300x": 5300.0,
 }
 
 
@@ -201,9 +212,13 @@ class ClusterSpec:
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             out.append(f"peak_tflops={self.peak_tflops}: must be > 0")
         if self.peak_tflops is None and acc.match_device_name(self.device) is None:
-            out.append(f"device={self.device!r}: unknown; set peak_tflops or use one of {', '.join(d.key for d in acc.DEVICES)}")
+            out.append(
+                f"device={self.device!r}: unknown; set peak_tflops or use one of {', '.join(d.key for d in acc.DEVICES)}"
+            )
         elif self.peak_tflops is None and acc.peak_tflops(self.device, self.precision) is None:
-            out.append(f"device={self.device!r} has no {self.precision} peak in model/accounting: set peak_tflops")
+            out.append(
+                f"device={self.device!r} has no {self.precision} peak in model/accounting: set peak_tflops"
+            )
         if (self.efficiency_max is None) != (self.efficiency_h_half is None):
             out.append("efficiency_max and efficiency_h_half: give both or neither")
         if self.efficiency_max is not None and not 0 < self.efficiency_max <= 1:
@@ -274,7 +289,9 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     if not path.suffix and str(name_or_path) in cluster_presets():
         path = CLUSTER_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise ConfigError([f"no cluster file {str(path)!r}; presets: {', '.join(cluster_presets())}"], "cluster")
+        raise ConfigError(
+            [f"no cluster file {str(path)!r}; presets: {', '.join(cluster_presets())}"], "cluster"
+        )
     try:
         raw = read_yaml(path)
     except InputFileError as e:
@@ -287,7 +304,9 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
 # --------------------------------------------------------------------------------------------------
 
 
-def ring_allreduce_seconds(nbytes: float, p: int, bytes_per_s: float, latency_s: float, messages: int = 1) -> float:
+def ring_allreduce_seconds(
+    nbytes: float, p: int, bytes_per_s: float, latency_s: float, messages: int = 1
+) -> float:
     """Ring all-reduce of `nbytes` over p ranks (reduce-scatter + all-gather, Patarasuk & Yuan 2009):
 
         t = 2·(p-1)/p · S / bw + m · 2·(p-1) · α
@@ -377,23 +396,33 @@ class CostOptions:
     grad_dtype: str = "fp16"  # gradients all-reduced in this dtype
     act_dtype: str = "fp16"  # activations exchanged by all-to-all
     recompute: str = "full"  # activation recomputation: a second forward (and its all-to-alls)
-    overlap: float = 0.0  # grad_reduce "fixed": fraction of the gradient all-reduce hidden behind backward; 0 = none
+    overlap: float = (
+        0.0  # grad_reduce "fixed": fraction of the gradient all-reduce hidden behind backward; 0 = none
+    )
     bucket_mb: float = 25.0  # gradient bucket (PyTorch DDP / fairseq default), each pays the latency
     # "fixed": `overlap` and `bucket_mb` as given (the paper fit); "overlap" / "after_backward": this trainer's
     # parallel.grad_reduce, its bucket rule (parallel/engine.py bucket_elements, or `bucket_elements`) and the hidden
     # part derived (`exposed_allreduce_seconds`)
     grad_reduce: str = "fixed"
     bucket_elements: Optional[int] = None  # the trainer's parallel.bucket_elements (None: the rule)
-    gshard_overheads: str = "fairseq"  # t_gshard: the fairseq MoE's einsums, gating, padding, ...; "none": left out
+    gshard_overheads: str = (
+        "fairseq"  # t_gshard: the fairseq MoE's einsums, gating, padding, ...; "none": left out
+    )
     gate_calls: int = 2  # forward gate evaluations per MoE layer (the DEMix fork calls self.gate twice)
-    gshard_optimizer: str = "fp16"  # fairseq --fp16 (fp32 master weights, the reference GShard) or memory_efficient_fp16
+    gshard_optimizer: str = (
+        "fp16"  # fairseq --fp16 (fp32 master weights, the reference GShard) or memory_efficient_fp16
+    )
     on_oom: str = "recompute"  # recompute='none' and it does not fit the GPU: "recompute" it, or "ignore"
 
     def problems(self) -> list[str]:
         out = []
         if self.gate_calls < 1:
             out.append(f"gate_calls={self.gate_calls}: must be >= 1")
-        for name, choices in (("gshard_overheads", GSHARD_OVERHEADS), ("gshard_optimizer", OPTIMIZERS), ("on_oom", ON_OOM)):
+        for name, choices in (
+            ("gshard_overheads", GSHARD_OVERHEADS),
+            ("gshard_optimizer", OPTIMIZERS),
+            ("on_oom", ON_OOM),
+        ):
             if getattr(self, name) not in choices:
                 out.append(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("grad_dtype", "act_dtype"):
@@ -452,7 +481,9 @@ class Prediction:
     allreduce_bytes: float  # gradient bytes each rank all-reduces (over groups of > 1 rank)
     alltoall_bytes: float  # bytes each GPU hands to all-to-all per update (its own slice included)
     internode_bytes: float  # bytes each node sends through its NICs per update (all-reduce + all-to-all)
-    bytes_from: str = "formulas"  # 'measured' when priced on a run's measured bytes (`predict(measured_bytes=)`)
+    bytes_from: str = (
+        "formulas"  # 'measured' when priced on a run's measured bytes (`predict(measured_bytes=)`)
+    )
 
 
 def demix_groups(cfg: ModelConfig, gpus: int) -> tuple[int, int]:
@@ -464,7 +495,9 @@ def demix_groups(cfg: ModelConfig, gpus: int) -> tuple[int, int]:
         return gpus // n, 1
     if n % gpus == 0:
         return 1, n // gpus
-    raise ValueError(f"DEMix: {gpus} GPUs cannot be split evenly among {n} domains (nor {n} domains among {gpus} GPUs)")
+    raise ValueError(
+        f"DEMix: {gpus} GPUs cannot be split evenly among {n} domains (nor {n} domains among {gpus} GPUs)"
+    )
 
 
 def allreduce_plan(cfg: ModelConfig, gpus: int, grad_bytes: int) -> list[tuple[float, int]]:
@@ -490,8 +523,8 @@ def allreduce_plan(cfg: ModelConfig, gpus: int, grad_bytes: int) -> list[tuple[f
 def alltoall_volume(cfg: ModelConfig, opts: CostOptions) -> tuple[float, int]:
     """(bytes per GPU per all-to-all, all-to-alls per update) for GShard; (0, 0) otherwise.
 
-        V = c · k · (micro_batch · seq_len) · d · act_bytes
-        count = L_moe · (2 + 2 + [2 if recompute]) · grad_accum
+    V = c · k · (micro_batch · seq_len) · d · act_bytes
+    count = L_moe · (2 + 2 + [2 if recompute]) · grad_accum
     """
     if cfg.ffn.kind != "gshard":
         return 0.0, 0
@@ -538,8 +571,9 @@ def comm_bytes_per_update(cfg: ModelConfig, gpus: int, opts: CostOptions) -> dic
     return out
 
 
-def plan_from_measured(cfg: ModelConfig, gpus: int, opts: CostOptions,
-                       measured: dict[str, float]) -> tuple[list[tuple[float, int]], float, int]:
+def plan_from_measured(
+    cfg: ModelConfig, gpus: int, opts: CostOptions, measured: dict[str, float]
+) -> tuple[list[tuple[float, int]], float, int]:
     """`allreduce_plan` and `alltoall_volume` with the bytes a running trainer measured (`measured`: bytes per
     update keyed `<group>/<op>`, as `comm_bytes_per_update` and the sweep's `comm_bytes`) in place of the
     formulas: each measured group keeps its size from the layout, the all-to-all count stays structural
@@ -548,16 +582,21 @@ def plan_from_measured(cfg: ModelConfig, gpus: int, opts: CostOptions,
     modelled = comm_bytes_per_update(cfg, gpus, opts)
     unknown = sorted(set(measured) - set(modelled))
     if unknown:
-        raise ValueError(f"measured collectives {', '.join(unknown)} are not in the cost model's plan "
-                         f"({', '.join(sorted(modelled))}) for {cfg.ffn.kind} on {gpus} GPUs")
+        raise ValueError(
+            f"measured collectives {', '.join(unknown)} are not in the cost model's plan "
+            f"({', '.join(sorted(modelled))}) for {cfg.ffn.kind} on {gpus} GPUs"
+        )
     sizes = {"data_parallel": gpus, "local": 1}
     if cfg.ffn.kind == "demix":
         sizes["expert"] = demix_groups(cfg, gpus)[0]
     elif cfg.ffn.kind == "gshard":
         n_exp = acc.resolved_num_experts(cfg)
         sizes[_ranks_name(range(0, gpus, n_exp), gpus)] = max(1, gpus // n_exp)
-    plan = [(nbytes - (NORM_BYTES if key == "data_parallel/all_reduce" else 0), sizes[key.split("/")[0]])
-            for key, nbytes in measured.items() if key.endswith("/all_reduce")]
+    plan = [
+        (nbytes - (NORM_BYTES if key == "data_parallel/all_reduce" else 0), sizes[key.split("/")[0]])
+        for key, nbytes in measured.items()
+        if key.endswith("/all_reduce")
+    ]
     _, count = alltoall_volume(cfg, opts)
     a2a = sum(v for k, v in measured.items() if k.endswith("/all_to_all_single"))
     return plan, (a2a / count if count else 0.0), count
@@ -586,7 +625,9 @@ def gshard_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
     return top_k * math.ceil(capacity_factor * tokens / num_experts)
 
 
-def dispatch_combine_flops(tokens: int, num_experts: int, capacity: int, d_model: int, forward_passes: int) -> int:
+def dispatch_combine_flops(
+    tokens: int, num_experts: int, capacity: int, d_model: int, forward_passes: int
+) -> int:
     """FLOPs of the one-hot dispatch (sec,sm->ecm) and combine (sec,ecm->sm) matmuls of one MoE layer and
     micro-batch: 2·N·d per matmul, N = S·E·C; forward 2 matmuls per pass, backward 3 (dispatch w.r.t. the
     input only, combine w.r.t. both operands): 2·N·d·(2·f + 3)."""
@@ -598,11 +639,15 @@ def gating_bytes(tokens: int, num_experts: int, capacity: int, forward_passes: i
     """Memory traffic of the element-wise routing work of one MoE layer and micro-batch (module docstring):
     N·((31·g + 3)·f + 14) + S·E·(516·g·f + 110)."""
     n, se = tokens * num_experts * capacity, tokens * num_experts
-    sec = n * ((SEC_BYTES_PER_GATE_CALL * gate_calls + SEC_BYTES_PER_FORWARD) * forward_passes + SEC_BYTES_BACKWARD)
+    sec = n * (
+        (SEC_BYTES_PER_GATE_CALL * gate_calls + SEC_BYTES_PER_FORWARD) * forward_passes + SEC_BYTES_BACKWARD
+    )
     return float(sec + se * (SE_BYTES_PER_GATE_CALL * gate_calls * forward_passes + SE_BYTES_BACKWARD))
 
 
-def _roofline_excess(flops: float, nbytes: float, matmul_flops_per_s: float, bytes_per_s: Optional[float]) -> float:
+def _roofline_excess(
+    flops: float, nbytes: float, matmul_flops_per_s: float, bytes_per_s: Optional[float]
+) -> float:
     """Seconds a kernel's memory time exceeds its compute time (0 when compute-bound or B unknown)."""
     return 0.0 if bytes_per_s is None else max(0.0, nbytes / bytes_per_s - flops / matmul_flops_per_s)
 
@@ -620,7 +665,9 @@ def params_per_gpu(cfg: ModelConfig, gpus: int) -> int:
 
 
 def _state_kind(cfg: ModelConfig, opts: CostOptions) -> str:
-    return "fp32_master" if cfg.ffn.kind == "gshard" and opts.gshard_optimizer == "fp16" else "memory_efficient"
+    return (
+        "fp32_master" if cfg.ffn.kind == "gshard" and opts.gshard_optimizer == "fp16" else "memory_efficient"
+    )
 
 
 def memory_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions, recompute: bool) -> float:
@@ -640,7 +687,11 @@ def memory_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions, recompute: bool
     act = activation_bytes(cfg, opts.micro_batch, 1, recompute, "fp16")
     if cfg.ffn.kind == "gshard":
         tokens, n_exp = opts.micro_batch * cfg.seq_len, acc.resolved_num_experts(cfg)
-        n = tokens * n_exp * gshard_capacity(tokens, n_exp, cfg.ffn.gshard.top_k, cfg.ffn.gshard.capacity_factor)
+        n = (
+            tokens
+            * n_exp
+            * gshard_capacity(tokens, n_exp, cfg.ffn.gshard.top_k, cfg.ffn.gshard.capacity_factor)
+        )
         act += SAVED_SEC_BYTES * n * (1 if recompute else len(cfg.moe_layer_ids()))
     return float(states + act)
 
@@ -657,10 +708,18 @@ class GShardTerms:
 
     @property
     def total(self) -> float:
-        return self.dispatch_combine_s + self.gating_s + self.capacity_padding_s + self.expert_roofline_s + self.fp32_master_s
+        return (
+            self.dispatch_combine_s
+            + self.gating_s
+            + self.capacity_padding_s
+            + self.expert_roofline_s
+            + self.fp32_master_s
+        )
 
 
-def gshard_terms(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, opts: CostOptions, recompute: bool) -> GShardTerms:
+def gshard_terms(
+    cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, opts: CostOptions, recompute: bool
+) -> GShardTerms:
     """The t_gshard components of one update on one GPU (module docstring); all zero unless GShard and
     `opts.gshard_overheads` is "fairseq". Matmuls run at e_max (the padded expert rows at e(h): they are FFN
     work like F's); memory-bound work at the cluster's HBM bandwidth (left out when it is unknown)."""
@@ -700,8 +759,14 @@ def gshard_terms(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficie
     return GShardTerms(dispatch, gating, padding, roofline, master)
 
 
-def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, opts: CostOptions = CostOptions(),
-            measured_bytes: Optional[dict[str, float]] = None) -> Prediction:
+def predict(
+    cfg: ModelConfig,
+    gpus: int,
+    cluster: ClusterSpec,
+    eff: Efficiency,
+    opts: CostOptions = CostOptions(),
+    measured_bytes: Optional[dict[str, float]] = None,
+) -> Prediction:
     """Predicted step time and TFLOPs/GPU of one update of `cfg` data-parallel over `gpus` GPUs. With
     `measured_bytes` (a run's bytes per update and group, `plan_from_measured`) the communication is priced on
     the bytes the trainer handed to its collectives instead of the byte formulas."""
@@ -727,7 +792,9 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     allreduce = sum(allreduce_seconds(nbytes, p, cluster, bucket) for nbytes, p in plan)
     ep_group = min(gpus, acc.resolved_num_experts(cfg)) if count else 1
     alltoall = count * alltoall_seconds(volume, ep_group, cluster)
-    last_bucket = max((allreduce_seconds(min(nbytes, bucket), p, cluster, bucket) for nbytes, p in plan), default=0.0)
+    last_bucket = max(
+        (allreduce_seconds(min(nbytes, bucket), p, cluster, bucket) for nbytes, p in plan), default=0.0
+    )
     backward = compute / opts.grad_accum * (3 / 4 if recompute else 2 / 3)  # the last micro-batch's backward
     exposed = exposed_allreduce_seconds(allreduce, last_bucket, backward, opts) + alltoall
     terms = gshard_terms(cfg, gpus, cluster, eff, opts, recompute)
@@ -736,20 +803,36 @@ def predict(cfg: ModelConfig, gpus: int, cluster: ClusterSpec, eff: Efficiency, 
     internode = sum(allreduce_internode_bytes(nbytes, p, g) for nbytes, p in plan)
     internode += count * alltoall_internode_bytes(volume, ep_group, g)
     return Prediction(
-        arch=cfg.ffn.kind, gpus=gpus, d_model=cfg.d_model, tflops_per_update=flops.recompute / 1e12, efficiency=e,
-        compute_s=compute, allreduce_s=allreduce, alltoall_s=alltoall, step_s=step,
-        dispatch_combine_s=terms.dispatch_combine_s, gating_s=terms.gating_s,
-        capacity_padding_s=terms.capacity_padding_s, expert_roofline_s=terms.expert_roofline_s,
-        fp32_master_s=terms.fp32_master_s, gshard_s=terms.total, memory_gib=memory / 2**30,
+        arch=cfg.ffn.kind,
+        gpus=gpus,
+        d_model=cfg.d_model,
+        tflops_per_update=flops.recompute / 1e12,
+        efficiency=e,
+        compute_s=compute,
+        allreduce_s=allreduce,
+        alltoall_s=alltoall,
+        step_s=step,
+        dispatch_combine_s=terms.dispatch_combine_s,
+        gating_s=terms.gating_s,
+        capacity_padding_s=terms.capacity_padding_s,
+        expert_roofline_s=terms.expert_roofline_s,
+        fp32_master_s=terms.fp32_master_s,
+        gshard_s=terms.total,
+        memory_gib=memory / 2**30,
         recompute="full" if recompute else "none",
         tflops_per_gpu=flops.recompute / (gpus * step) / 1e12,
-        tflops_per_gpu_no_recompute=flops.no_recompute / (gpus * step) / 1e12, comm_share=exposed / step,
-        allreduce_bytes=sum(nbytes for nbytes, p in plan if p > 1), alltoall_bytes=volume * count,
-        internode_bytes=internode, bytes_from="formulas" if measured_bytes is None else "measured",
+        tflops_per_gpu_no_recompute=flops.no_recompute / (gpus * step) / 1e12,
+        comm_share=exposed / step,
+        allreduce_bytes=sum(nbytes for nbytes, p in plan if p > 1),
+        alltoall_bytes=volume * count,
+        internode_bytes=internode,
+        bytes_from="formulas" if measured_bytes is None else "measured",
     )
 
 
-def exposed_allreduce_seconds(allreduce_s: float, last_bucket_s: float, backward_s: float, opts: CostOptions) -> float:
+def exposed_allreduce_seconds(
+    allreduce_s: float, last_bucket_s: float, backward_s: float, opts: CostOptions
+) -> float:
     """The gradient all-reduce time left on the critical path of an update:
 
         fixed           (1 - overlap) · t_allreduce                   a what-if fraction (the paper fit: 0)
@@ -774,7 +857,9 @@ def trainer_bucket_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions) -> floa
     (or `opts.bucket_elements`), in the gradient dtype."""
     from parallel.engine import bucket_elements
 
-    return bucket_elements(params_per_gpu(cfg, gpus), gpus, opts.bucket_elements) * DTYPE_BYTES[opts.grad_dtype]
+    return (
+        bucket_elements(params_per_gpu(cfg, gpus), gpus, opts.bucket_elements) * DTYPE_BYTES[opts.grad_dtype]
+    )
 
 
 def trainer_cost_options(train: TrainConfig, parallel: ParallelConfig, **changes: Any) -> CostOptions:
@@ -784,9 +869,15 @@ def trainer_cost_options(train: TrainConfig, parallel: ParallelConfig, **changes
     grad = train.precision
     if train.precision == "bf16" and (parallel.zero_stage == 0 or train.grad_reduce_dtype == "fp32"):
         grad = "fp32"
-    base = dict(micro_batch=train.micro_batch, grad_accum=train.grad_accum, grad_dtype=grad, act_dtype=train.precision,
-                recompute="full" if train.activation_checkpointing == "full" else "none",
-                grad_reduce=parallel.grad_reduce, bucket_elements=parallel.bucket_elements)
+    base = dict(
+        micro_batch=train.micro_batch,
+        grad_accum=train.grad_accum,
+        grad_dtype=grad,
+        act_dtype=train.precision,
+        recompute="full" if train.activation_checkpointing == "full" else "none",
+        grad_reduce=parallel.grad_reduce,
+        bucket_elements=parallel.bucket_elements,
+    )
     return CostOptions(**{**base, **changes})
 
 
@@ -817,7 +908,10 @@ def paper_points() -> list[PaperPoint]:
 
 
 def fit_efficiency(
-    points: Sequence[PaperPoint], cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: str = "saturating"
+    points: Sequence[PaperPoint],
+    cluster: ClusterSpec,
+    opts: CostOptions = CostOptions(),
+    form: str = "saturating",
 ) -> Efficiency:
     """Fit e(h) on the **Dense** points only (others are ignored, so they stay predictions).
 
@@ -854,7 +948,9 @@ def cluster_efficiency(cluster: ClusterSpec, opts: CostOptions, form: str = "sat
     """The cluster's own e(h) if its YAML gives one, else the fit on the paper's V100 Dense rows (the
     paper's cluster preset), which is only a guess for other devices."""
     if cluster.efficiency_max is not None and cluster.efficiency_h_half is not None:
-        return Efficiency(cluster.efficiency_max, cluster.efficiency_h_half, "saturating", f"{cluster.name} YAML")
+        return Efficiency(
+            cluster.efficiency_max, cluster.efficiency_h_half, "saturating", f"{cluster.name} YAML"
+        )
     return fit_efficiency(paper_points(), load_cluster("v100-dgx1"), opts, form)
 
 
@@ -866,7 +962,14 @@ def paper_report(cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: 
     for pt in points:
         pred = predict(pt.cfg, pt.gpus, cluster, eff, opts)
         err = (pred.tflops_per_gpu - pt.measured_tflops_per_gpu) / pt.measured_tflops_per_gpu
-        rows.append({"size": pt.size, **asdict(pred), "paper_tflops_per_gpu": pt.measured_tflops_per_gpu, "rel_err": err})
+        rows.append(
+            {
+                "size": pt.size,
+                **asdict(pred),
+                "paper_tflops_per_gpu": pt.measured_tflops_per_gpu,
+                "rel_err": err,
+            }
+        )
     mean_abs = {a: sum(abs(r["rel_err"]) for r in rows if r["arch"] == a) / 4 for a in ARCHS}
     return {
         "cluster": asdict(cluster),
@@ -882,10 +985,18 @@ def before_options(opts: CostOptions) -> CostOptions:
     return replace(opts, gshard_overheads="none", on_oom="ignore")
 
 
-GSHARD_TERM_KEYS: tuple[str, ...] = ("dispatch_combine_s", "gating_s", "capacity_padding_s", "expert_roofline_s", "fp32_master_s")
+GSHARD_TERM_KEYS: tuple[str, ...] = (
+    "dispatch_combine_s",
+    "gating_s",
+    "capacity_padding_s",
+    "expert_roofline_s",
+    "fp32_master_s",
+)
 
 
-def gshard_comparison(cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: str = "saturating") -> list[dict]:
+def gshard_comparison(
+    cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: str = "saturating"
+) -> list[dict]:
     """Each GShard point before (all-to-all only) and after the t_gshard terms, for `opts` and for
     recompute='none' (what the reference train.sh runs: no --checkpoint-activations), each refitted on Dense
     only; with the step time the paper's TFLOPs/GPU implies and what-ifs for the notes."""
@@ -898,12 +1009,22 @@ def gshard_comparison(cluster: ClusterSpec, opts: CostOptions = CostOptions(), f
     for i, r in enumerate(reports["after"]["rows"]):
         if r["arch"] != "gshard":
             continue
-        row = {"size": r["size"], "gpus": r["gpus"], "paper_tflops_per_gpu": r["paper_tflops_per_gpu"],
-               "paper_step_s": r["tflops_per_update"] / (r["gpus"] * r["paper_tflops_per_gpu"])}
+        row = {
+            "size": r["size"],
+            "gpus": r["gpus"],
+            "paper_tflops_per_gpu": r["paper_tflops_per_gpu"],
+            "paper_step_s": r["tflops_per_update"] / (r["gpus"] * r["paper_tflops_per_gpu"]),
+        }
         for name, rep_ in reports.items():
             x = rep_["rows"][i]
-            row.update({f"{name}_tflops_per_gpu": x["tflops_per_gpu"], f"{name}_rel_err": x["rel_err"],
-                        f"{name}_step_s": x["step_s"], f"{name}_alltoall_s": x["alltoall_s"]})
+            row.update(
+                {
+                    f"{name}_tflops_per_gpu": x["tflops_per_gpu"],
+                    f"{name}_rel_err": x["rel_err"],
+                    f"{name}_step_s": x["step_s"],
+                    f"{name}_alltoall_s": x["alltoall_s"],
+                }
+            )
             if name.endswith("after"):
                 row.update({f"{name}_{k}": x[k] for k in GSHARD_TERM_KEYS})
                 row.update({f"{name}_memory_gib": x["memory_gib"], f"{name}_recompute": x["recompute"]})
@@ -916,13 +1037,27 @@ def gshard_comparison(cluster: ClusterSpec, opts: CostOptions = CostOptions(), f
 # --------------------------------------------------------------------------------------------------
 
 _COLUMNS = (
-    ("size", "size"), ("arch", "arch"), ("GPUs", "gpus"), ("TFLOPs/upd", "tflops_per_update"),
-    ("e(h)", "efficiency"), ("compute s", "compute_s"), ("all-reduce s", "allreduce_s"),
-    ("all-to-all s", "alltoall_s"), ("dispatch/combine s", "dispatch_combine_s"), ("gating s", "gating_s"),
-    ("padding s", "capacity_padding_s"), ("expert roofline s", "expert_roofline_s"), ("fp32 master s", "fp32_master_s"),
-    ("NIC GB/node", "internode_bytes"), ("mem GiB", "memory_gib"), ("recompute", "recompute"),
-    ("step s", "step_s"), ("comm share", "comm_share"),
-    ("pred TFLOPs/GPU", "tflops_per_gpu"), ("paper", "paper_tflops_per_gpu"), ("error", "rel_err"),
+    ("size", "size"),
+    ("arch", "arch"),
+    ("GPUs", "gpus"),
+    ("TFLOPs/upd", "tflops_per_update"),
+    ("e(h)", "efficiency"),
+    ("compute s", "compute_s"),
+    ("all-reduce s", "allreduce_s"),
+    ("all-to-all s", "alltoall_s"),
+    ("dispatch/combine s", "dispatch_combine_s"),
+    ("gating s", "gating_s"),
+    ("padding s", "capacity_padding_s"),
+    ("expert roofline s", "expert_roofline_s"),
+    ("fp32 master s", "fp32_master_s"),
+    ("NIC GB/node", "internode_bytes"),
+    ("mem GiB", "memory_gib"),
+    ("recompute", "recompute"),
+    ("step s", "step_s"),
+    ("comm share", "comm_share"),
+    ("pred TFLOPs/GPU", "tflops_per_gpu"),
+    ("paper", "paper_tflops_per_gpu"),
+    ("error", "rel_err"),
 )
 
 
@@ -948,9 +1083,14 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
     header = [n for n, _ in cols]
     body = [[_cell(k, r[k]) for _, k in cols] for r in rows]
     if markdown:
-        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(b) + " |" for b in body])
+        return "\n".join(
+            ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(b) + " |" for b in body]
+        )
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    fmt = lambda cells: "  ".join(
+        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
 
 
@@ -964,17 +1104,34 @@ def sensitivity(opts: CostOptions) -> list[dict]:
     """Mean |error| per arch under alternative assumptions (each refitted on Dense only), and each DEMix and
     GShard point's error; GShard also before the t_gshard terms (`before_options`)."""
     out = []
-    variants = [(c, f, o, r) for c in ("v100-dgx1", "v100-dgx1-4ib") for f in EFFICIENCY_FORMS for o in (0.0, 1.0) for r in ("full",)]
+    variants = [
+        (c, f, o, r)
+        for c in ("v100-dgx1", "v100-dgx1-4ib")
+        for f in EFFICIENCY_FORMS
+        for o in (0.0, 1.0)
+        for r in ("full",)
+    ]
     variants += [(c, "saturating", 0.0, "none") for c in ("v100-dgx1", "v100-dgx1-4ib")]
     for cluster_name, form, overlap, recompute in variants:
         o = CostOptions(**{**asdict(opts), "overlap": overlap, "recompute": recompute})
         rep = paper_report(load_cluster(cluster_name), o, form)
         before = paper_report(load_cluster(cluster_name), before_options(o), form)
-        out.append({"cluster": cluster_name, "efficiency_form": form, "overlap": overlap, "recompute": recompute,
-                    **{f"{a}_mean_abs_err": rep["mean_abs_rel_err"][a] for a in ARCHS},
-                    **{f"{r['size']}_{r['arch']}_err": r["rel_err"] for r in rep["rows"] if r["arch"] != "dense"},
-                    **{f"{r['size']}_gshard_err_before": r["rel_err"] for r in before["rows"] if r["arch"] == "gshard"},
-                    "gshard_mean_abs_err_before": before["mean_abs_rel_err"]["gshard"]})
+        out.append(
+            {
+                "cluster": cluster_name,
+                "efficiency_form": form,
+                "overlap": overlap,
+                "recompute": recompute,
+                **{f"{a}_mean_abs_err": rep["mean_abs_rel_err"][a] for a in ARCHS},
+                **{f"{r['size']}_{r['arch']}_err": r["rel_err"] for r in rep["rows"] if r["arch"] != "dense"},
+                **{
+                    f"{r['size']}_gshard_err_before": r["rel_err"]
+                    for r in before["rows"]
+                    if r["arch"] == "gshard"
+                },
+                "gshard_mean_abs_err_before": before["mean_abs_rel_err"]["gshard"],
+            }
+        )
     return out
 
 
@@ -983,7 +1140,9 @@ REFERENCE_MAX_UPDATES: dict[str, int] = {"125M": 300_000, "350M": 120_000, "760M
 REFERENCE_HOURS = 48.0
 
 
-def gshard_what_ifs(cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: str = "saturating") -> dict:
+def gshard_what_ifs(
+    cluster: ClusterSpec, opts: CostOptions = CostOptions(), form: str = "saturating"
+) -> dict:
     """Numbers for the report's GShard notes (none of them is fitted to a GShard row):
     the 1.3B GShard's memory at micro-batch 2 without recompute, its prediction at micro-batch 1 x 16
     accumulation (recompute none, e(h) unchanged: the fit has no micro-batch information), and every GShard
@@ -1000,14 +1159,25 @@ def gshard_what_ifs(cluster: ClusterSpec, opts: CostOptions = CostOptions(), for
         for r in rep["rows"]:
             if r["arch"] == "gshard":
                 tpg = r["tflops_per_update"] / (r["gpus"] * (r["step_s"] - r["alltoall_s"]))
-                no_a2a[f"{label}{r['size']}"] = {"tflops_per_gpu": tpg, "rel_err": tpg / r["paper_tflops_per_gpu"] - 1}
+                no_a2a[f"{label}{r['size']}"] = {
+                    "tflops_per_gpu": tpg,
+                    "rel_err": tpg / r["paper_tflops_per_gpu"] - 1,
+                }
     limit = cluster.gpu_memory_bytes
-    too_big = [f"{pt.size} {pt.arch}" for pt in paper_points()
-               if limit is not None and memory_bytes(pt.cfg, pt.gpus, none, False) > limit]
+    too_big = [
+        f"{pt.size} {pt.arch}"
+        for pt in paper_points()
+        if limit is not None and memory_bytes(pt.cfg, pt.gpus, none, False) > limit
+    ]
     xl_dense = next(pt for pt in paper_points() if pt.size == "1.3B" and pt.arch == "dense")
-    wall = {pt.size: acc.flops_per_update(pt.cfg, pt.gpus * opts.micro_batch * opts.grad_accum).recompute
-            * REFERENCE_MAX_UPDATES[pt.size] / (pt.gpus * REFERENCE_HOURS * 3600) / 1e12
-            for pt in paper_points() if pt.arch == "dense"}
+    wall = {
+        pt.size: acc.flops_per_update(pt.cfg, pt.gpus * opts.micro_batch * opts.grad_accum).recompute
+        * REFERENCE_MAX_UPDATES[pt.size]
+        / (pt.gpus * REFERENCE_HOURS * 3600)
+        / 1e12
+        for pt in paper_points()
+        if pt.arch == "dense"
+    }
     return {
         "dense_tflops_per_gpu_from_max_updates_over_48h": wall,
         "not_fitting_without_recompute": too_big,
@@ -1017,9 +1187,14 @@ def gshard_what_ifs(cluster: ClusterSpec, opts: CostOptions = CostOptions(), for
         "xl_memory_gib_recompute": memory_bytes(xl.cfg, xl.gpus, opts, True) / 2**30,
         "xl_memory_gib_mb1_no_recompute": memory_bytes(xl.cfg, xl.gpus, mb1, False) / 2**30,
         "gpu_memory_gib": None if limit is None else limit / 2**30,
-        "xl_mb1": {"micro_batch": mb1.micro_batch, "grad_accum": mb1.grad_accum, "recompute": pred_mb1.recompute,
-                   "step_s": pred_mb1.step_s, "tflops_per_gpu": pred_mb1.tflops_per_gpu,
-                   "rel_err": pred_mb1.tflops_per_gpu / xl.measured_tflops_per_gpu - 1},
+        "xl_mb1": {
+            "micro_batch": mb1.micro_batch,
+            "grad_accum": mb1.grad_accum,
+            "recompute": pred_mb1.recompute,
+            "step_s": pred_mb1.step_s,
+            "tflops_per_gpu": pred_mb1.tflops_per_gpu,
+            "rel_err": pred_mb1.tflops_per_gpu / xl.measured_tflops_per_gpu - 1,
+        },
         "no_alltoall": no_a2a,
     }
 
@@ -1032,11 +1207,13 @@ def _gshard_section(cmp: list[dict], what: dict, opts: dict) -> list[str]:
     """The GShard before/after table and the honest accounting of what is left."""
     rc = opts["recompute"]
     lines = [
-        "## GShard: before / after the t_gshard terms", "",
+        "## GShard: before / after the t_gshard terms",
+        "",
         "Before: the all-to-all-only model (`--gshard-overheads none`). After: + dispatch/combine einsums, gating, "
         "capacity padding, expert roofline, fp32 master weights (and, with recompute none, the memory fallback). "
         f"Main table: recompute {rc}. Right: recompute none, what the reference `demix/train.sh` runs (no "
-        "`--checkpoint-activations`); each refitted on Dense only.", "",
+        "`--checkpoint-activations`); each refitted on Dense only.",
+        "",
         f"| size | paper TFLOPs/GPU | before ({rc}) | after ({rc}) | t_gshard s: dispatch/combine + gating + padding + roofline + fp32 master "
         "| after step s / paper-implied step s | before (none) | after (none) | mem GiB, recompute (none) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -1049,7 +1226,8 @@ def _gshard_section(cmp: list[dict], what: dict, opts: dict) -> list[str]:
             f"| {r['after_step_s']:.2f} / {r['paper_step_s']:.2f} "
             f"| {r['none_before_tflops_per_gpu']:.1f} ({_pct(r['none_before_rel_err'])}) "
             f"| {r['none_after_tflops_per_gpu']:.1f} ({_pct(r['none_after_rel_err'])}) "
-            f"| {r['none_after_memory_gib']:.1f}, {r['none_after_recompute']} |")
+            f"| {r['none_after_memory_gib']:.1f}, {r['none_after_recompute']} |"
+        )
     xl = next(r for r in cmp if r["size"] == "1.3B")
     small = [r for r in cmp if r["size"] != "1.3B"]
     gap = xl["paper_step_s"] - xl["after_step_s"]
@@ -1060,21 +1238,28 @@ def _gshard_section(cmp: list[dict], what: dict, opts: dict) -> list[str]:
     wall = ", ".join(f"{v:.0f}" for v in what["dense_tflops_per_gpu_from_max_updates_over_48h"].values())
     routing = ", ".join(f"{r['after_dispatch_combine_s'] + r['after_gating_s']:.2f}" for r in cmp)
     a2a = ", ".join(f"{r['after_alltoall_s']:.2f}" for r in cmp)
-    no_a2a = ", ".join(f"{v['tflops_per_gpu']:.1f}" for k, v in what["no_alltoall"].items() if not k.startswith("none_"))
+    no_a2a = ", ".join(
+        f"{v['tflops_per_gpu']:.1f}" for k, v in what["no_alltoall"].items() if not k.startswith("none_")
+    )
     after_small = ", ".join(_pct(r["after_rel_err"]) for r in small)
     if all(r["before_rel_err"] < 0 for r in small):
-        slow_line = (f"- With recompute {rc} (main table) the 125M-760M points were already predicted too slow; the terms add "
-                     f"time, so they move further below the paper ({after_small}). An under-prediction cannot be fixed by "
-                     "adding justified costs; what is off is an assumption shared with the all-to-all (the inter-node "
-                     "bandwidth) or the recompute setting (next point). No GShard constant was tuned.")
+        slow_line = (
+            f"- With recompute {rc} (main table) the 125M-760M points were already predicted too slow; the terms add "
+            f"time, so they move further below the paper ({after_small}). An under-prediction cannot be fixed by "
+            "adding justified costs; what is off is an assumption shared with the all-to-all (the inter-node "
+            "bandwidth) or the recompute setting (next point). No GShard constant was tuned."
+        )
     else:
-        slow_line = (f"- With recompute {rc} (main table) the terms move 125M-760M from "
-                     f"{', '.join(_pct(r['before_rel_err']) for r in small)} to {after_small}. No GShard constant was tuned.")
+        slow_line = (
+            f"- With recompute {rc} (main table) the terms move 125M-760M from "
+            f"{', '.join(_pct(r['before_rel_err']) for r in small)} to {after_small}. No GShard constant was tuned."
+        )
     explained = abs(xl["after_rel_err"]) <= 0.2 or abs(xl["none_after_rel_err"]) <= 0.2
     gpu_txt = "unknown GPU memory" if gpu is None else f"{gpu:g} GiB per GPU"
     lines += [
         "",
-        "What the terms do and do not explain:", "",
+        "What the terms do and do not explain:",
+        "",
         f"- The terms are small next to the all-to-all: {routing} s per update (dispatch/combine + gating, "
         f"125M ... 1.3B) against an all-to-all of {a2a} s. "
         "Capacity padding and the expert roofline are 0 for every paper row: fairseq's C = 2·ceil(S/E) fills "
@@ -1115,38 +1300,59 @@ def _gshard_section(cmp: list[dict], what: dict, opts: dict) -> list[str]:
     return lines
 
 
-def write_paper_report(report: dict, sens: list[dict], command: str, out_dir: Path,
-                       gshard: Optional[tuple[list[dict], dict]] = None) -> tuple[Path, Path]:
+def write_paper_report(
+    report: dict,
+    sens: list[dict],
+    command: str,
+    out_dir: Path,
+    gshard: Optional[tuple[list[dict], dict]] = None,
+) -> tuple[Path, Path]:
     """benchmarks/results/costmodel_paper.{md,json}; `gshard` = (gshard_comparison, gshard_what_ifs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "costmodel_paper.json", out_dir / "costmodel_paper.md"
     extra = {} if gshard is None else {"gshard_before_after": gshard[0], "gshard_what_ifs": gshard[1]}
-    json_path.write_text(json.dumps({"command": command, **report, "sensitivity": sens, **extra}, indent=1) + "\n")
+    json_path.write_text(
+        json.dumps({"command": command, **report, "sensitivity": sens, **extra}, indent=1) + "\n"
+    )
     c = report["cluster"]
     lines = [
-        "# Cluster cost model vs DEMix Tables 2/9 (V100 TFLOPs/GPU)", "",
-        f"Command: `{command}`", "",
-        f"Cluster `{c['name']}`: {c['description']}", "",
-        f"Fitted (Dense rows only; DEMix and GShard are predictions): {_fitted_line(report['fitted'])}.", "",
-        f"Options: {report['options']}", "",
-        format_table(report["rows"], markdown=True), "",
-        "Mean |error|: " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in report["mean_abs_rel_err"].items()), "",
+        "# Cluster cost model vs DEMix Tables 2/9 (V100 TFLOPs/GPU)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Cluster `{c['name']}`: {c['description']}",
+        "",
+        f"Fitted (Dense rows only; DEMix and GShard are predictions): {_fitted_line(report['fitted'])}.",
+        "",
+        f"Options: {report['options']}",
+        "",
+        format_table(report["rows"], markdown=True),
+        "",
+        "Mean |error|: " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in report["mean_abs_rel_err"].items()),
+        "",
     ]
     if gshard is not None:
         lines += _gshard_section(gshard[0], gshard[1], report["options"]) + [""]
     lines += [
-        "## Sensitivity (each variant refitted on Dense only)", "",
+        "## Sensitivity (each variant refitted on Dense only)",
+        "",
         "Mean |error| per arch (gshard: before → after the t_gshard terms), then each GShard point's error "
-        "before → after.", "",
+        "before → after.",
+        "",
         "| cluster | e(h) form | overlap | recompute | dense | demix | gshard | GShard 125M / 350M / 760M / 1.3B |",
         "|---|---|---|---|---|---|---|---|",
     ]
     sizes = ("125M", "350M", "760M", "1.3B")
-    lines += [f"| {s['cluster']} | {s['efficiency_form']} | {s['overlap']:.0%} | {s['recompute']} | "
-              + f"{100 * s['dense_mean_abs_err']:.1f}% | {100 * s['demix_mean_abs_err']:.1f}% | "
-              + f"{100 * s['gshard_mean_abs_err_before']:.1f}% → {100 * s['gshard_mean_abs_err']:.1f}% | "
-              + " / ".join(f"{100 * s[f'{z}_gshard_err_before']:+.0f}% → {100 * s[f'{z}_gshard_err']:+.0f}%" for z in sizes)
-              + " |" for s in sens]
+    lines += [
+        f"| {s['cluster']} | {s['efficiency_form']} | {s['overlap']:.0%} | {s['recompute']} | "
+        + f"{100 * s['dense_mean_abs_err']:.1f}% | {100 * s['demix_mean_abs_err']:.1f}% | "
+        + f"{100 * s['gshard_mean_abs_err_before']:.1f}% → {100 * s['gshard_mean_abs_err']:.1f}% | "
+        + " / ".join(
+            f"{100 * s[f'{z}_gshard_err_before']:+.0f}% → {100 * s[f'{z}_gshard_err']:+.0f}%" for z in sizes
+        )
+        + " |"
+        for s in sens
+    ]
     md_path.write_text("\n".join(lines) + "\n\n" + REPORT_NOTES + "\n")
     return md_path, json_path
 
@@ -1190,27 +1396,55 @@ contention between concurrent collectives, NCCL protocol effects, and time outsi
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.costmodel", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--paper", action="store_true", help="the 12 configurations of DEMix Tables 2/9; writes results")
+    mode.add_argument(
+        "--paper", action="store_true", help="the 12 configurations of DEMix Tables 2/9; writes results"
+    )
     mode.add_argument("--preset", help="a model preset (gpt3-small ... gpt3-xl) for one configuration")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--cluster", default="v100-dgx1", help="cluster preset: " + ", ".join(cluster_presets()))
+    where.add_argument(
+        "--cluster", default="v100-dgx1", help="cluster preset: " + ", ".join(cluster_presets())
+    )
     where.add_argument("--cluster-file", help="a cluster YAML (keys of ClusterSpec)")
     p.add_argument("--arch", choices=ARCHS, default="dense", help="with --preset")
     p.add_argument("--gpus", type=positive_int, default=8, help="with --preset")
-    p.add_argument("--experts", type=nonneg_int, default=0, help="with --preset: DEMix domains (8) / GShard experts (= GPUs)")
+    p.add_argument(
+        "--experts",
+        type=nonneg_int,
+        default=0,
+        help="with --preset: DEMix domains (8) / GShard experts (= GPUs)",
+    )
     p.add_argument("--micro-batch", type=positive_int, default=acc.PAPER_MICRO_BATCH)
     p.add_argument("--grad-accum", type=positive_int, default=acc.PAPER_GRAD_ACCUM)
     p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default="fp16")
     p.add_argument("--recompute", choices=RECOMPUTE, default="full")
-    p.add_argument("--overlap", type=unit_closed, default=0.0, help="fraction of the all-reduce hidden by backward")
+    p.add_argument(
+        "--overlap", type=unit_closed, default=0.0, help="fraction of the all-reduce hidden by backward"
+    )
     p.add_argument("--bucket-mb", type=positive_float, default=25.0)
-    p.add_argument("--gshard-overheads", choices=GSHARD_OVERHEADS, default="fairseq",
-                   help="t_gshard terms of fairseq's MoE layer; none = the all-to-all-only model")
-    p.add_argument("--gate-calls", type=positive_int, default=2, help="GShard gate evaluations per MoE-layer forward (fork: 2)")
-    p.add_argument("--gshard-optimizer", choices=OPTIMIZERS, default="fp16",
-                   help="GShard's fairseq optimizer wrapper (the reference ran --fp16: fp32 master weights)")
-    p.add_argument("--on-oom", choices=ON_OOM, default="recompute",
-                   help="with --recompute none, a configuration that does not fit the GPU is recomputed or not")
+    p.add_argument(
+        "--gshard-overheads",
+        choices=GSHARD_OVERHEADS,
+        default="fairseq",
+        help="t_gshard terms of fairseq's MoE layer; none = the all-to-all-only model",
+    )
+    p.add_argument(
+        "--gate-calls",
+        type=positive_int,
+        default=2,
+        help="GShard gate evaluations per MoE-layer forward (fork: 2)",
+    )
+    p.add_argument(
+        "--gshard-optimizer",
+        choices=OPTIMIZERS,
+        default="fp16",
+        help="GShard's fairseq optimizer wrapper (the reference ran --fp16: fp32 master weights)",
+    )
+    p.add_argument(
+        "--on-oom",
+        choices=ON_OOM,
+        default="recompute",
+        help="with --recompute none, a configuration that does not fit the GPU is recomputed or not",
+    )
     p.add_argument("--efficiency-form", choices=EFFICIENCY_FORMS, default="saturating")
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="with --paper: where the .md/.json go")
     p.add_argument("--no-write", action="store_true", help="with --paper: print only")
@@ -1222,7 +1456,9 @@ def _model(preset: str, arch: str, gpus: int, experts: int) -> ModelConfig:
     from launcher.config import load_run_config
 
     n = experts or {"dense": 0, "demix": acc.PAPER_DEMIX_EXPERTS, "gshard": gpus}[arch]
-    return load_run_config(None, [f"model.preset={preset}", f"model.ffn.kind={arch}", f"model.ffn.num_experts={n}"]).model
+    return load_run_config(
+        None, [f"model.preset={preset}", f"model.ffn.kind={arch}", f"model.ffn.num_experts={n}"]
+    ).model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -1231,13 +1467,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cluster = load_cluster(args.cluster_file or args.cluster)
         opts = CostOptions(
-            micro_batch=args.micro_batch, grad_accum=args.grad_accum, grad_dtype=args.grad_dtype, act_dtype="fp16",
-            recompute=args.recompute, overlap=args.overlap, bucket_mb=args.bucket_mb,
-            gshard_overheads=args.gshard_overheads, gate_calls=args.gate_calls, gshard_optimizer=args.gshard_optimizer,
+            micro_batch=args.micro_batch,
+            grad_accum=args.grad_accum,
+            grad_dtype=args.grad_dtype,
+            act_dtype="fp16",
+            recompute=args.recompute,
+            overlap=args.overlap,
+            bucket_mb=args.bucket_mb,
+            gshard_overheads=args.gshard_overheads,
+            gate_calls=args.gate_calls,
+            gshard_optimizer=args.gshard_optimizer,
             on_oom=args.on_oom,
         )
         if opts.problems() or args.gpus < 1:
-            raise ConfigError(opts.problems() + ([f"--gpus={args.gpus}: must be >= 1"] if args.gpus < 1 else []), "options")
+            raise ConfigError(
+                opts.problems() + ([f"--gpus={args.gpus}: must be >= 1"] if args.gpus < 1 else []), "options"
+            )
         if args.paper:
             report = paper_report(cluster, opts, args.efficiency_form)
             if args.json:
@@ -1247,7 +1492,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"\nfitted on Dense only: {_fitted_line(report['fitted'])}")
             if not args.no_write:
                 command = "python -m benchmarks.costmodel " + shlex.join(argv)
-                gshard = (gshard_comparison(cluster, opts, args.efficiency_form), gshard_what_ifs(cluster, opts, args.efficiency_form))
+                gshard = (
+                    gshard_comparison(cluster, opts, args.efficiency_form),
+                    gshard_what_ifs(cluster, opts, args.efficiency_form),
+                )
                 paths = write_paper_report(report, sensitivity(opts), command, Path(args.out_dir), gshard)
                 print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
             return 0

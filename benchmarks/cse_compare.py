@@ -29,6 +29,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
 from data.argtypes import positive_int, random_seed
 
 ARMS = ("dense", "cse", "demix-clustered", "demix-true")
@@ -106,7 +107,10 @@ def cse_plots(run_dir: Path, out_dir: Optional[Path] = None) -> dict[str, Any]:
                 vals = np.array([share[c].get(dm, 0.0) for c in sorted(share, key=int)])
                 axes[1].bar(range(len(share)), vals, bottom=bottom, label=dm)
                 bottom += vals
-            axes[1].set(title=f"layer {layer}: domain share per cluster (sizes {lr['dispatch_sizes']})", xlabel="cluster")
+            axes[1].set(
+                title=f"layer {layer}: domain share per cluster (sizes {lr['dispatch_sizes']})",
+                xlabel="cluster",
+            )
             if doms:
                 axes[1].legend(fontsize=7)
             fig.tight_layout()
@@ -174,16 +178,33 @@ def train_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"status": "reused", "run_dir": str(demo)}
     if _finished(run_dir, args.steps) and not args.fresh:
         return {"status": "reused", "run_dir": str(run_dir)}
-    argv = ["--config", f"configs/cse/{arm}.yaml", "--nproc", str(args.nproc), "--run-dir", str(run_dir),
-            "--resume", "never" if args.fresh else "auto", "--set", f"train.steps={args.steps}"]
+    argv = [
+        "--config",
+        f"configs/cse/{arm}.yaml",
+        "--nproc",
+        str(args.nproc),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "never" if args.fresh else "auto",
+        "--set",
+        f"train.steps={args.steps}",
+    ]
     print(f"[cse] training {arm}: python -m launcher.launch {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     try:
         rc = launch(argv)
     except BaseException as e:  # a failing arm is a result, not the end of the comparison
-        return {"status": "failed", "run_dir": str(run_dir), "error": "".join(traceback.format_exception_only(e)).strip()}
-    rec = {"run_dir": str(run_dir), "seconds": round(time.perf_counter() - t0, 1),
-           "command": f"python -m launcher.launch {' '.join(argv)}"}
+        return {
+            "status": "failed",
+            "run_dir": str(run_dir),
+            "error": "".join(traceback.format_exception_only(e)).strip(),
+        }
+    rec = {
+        "run_dir": str(run_dir),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "command": f"python -m launcher.launch {' '.join(argv)}",
+    }
     if rc != 0 or not _finished(run_dir, args.steps):
         return {**rec, "status": "failed", "error": f"launcher exit {rc}; see {run_dir} and the output above"}
     return {**rec, "status": "trained"}
@@ -192,9 +213,17 @@ def train_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 def evaluate_arm(run_dir: Path, domains: Sequence[str], max_blocks: int) -> dict[str, Any]:
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
-    res = evaluate_checkpoint(run_dir / "model", TRUE_DATA, tokenizer="sentencepiece", split="test",
-                              max_blocks=max_blocks, domains=list(domains), modes=("naive", "updating", "cached"),
-                              out_dir=run_dir / "eval_true_domains", progress=False)
+    res = evaluate_checkpoint(
+        run_dir / "model",
+        TRUE_DATA,
+        tokenizer="sentencepiece",
+        split="test",
+        max_blocks=max_blocks,
+        domains=list(domains),
+        modes=("naive", "updating", "cached"),
+        out_dir=run_dir / "eval_true_domains",
+        progress=False,
+    )
     return {d: e["ppl"] for d, e in res["domains"].items()}
 
 
@@ -203,9 +232,11 @@ def arm_columns(arm: str, ppl: dict[str, dict[str, float]]) -> dict[str, dict[st
     if arm == "demix-true":
         return {"DEMix-true (own expert)": {d: p["naive"] for d, p in ppl.items()}}
     if arm == "demix-clustered":
-        return {"DEMix-clustered updating": {d: p["updating"] for d, p in ppl.items()},
-                "DEMix-clustered cached": {d: p["cached"] for d, p in ppl.items()},
-                "DEMix-clustered best expert": {d: p["naive"] for d, p in ppl.items()}}
+        return {
+            "DEMix-clustered updating": {d: p["updating"] for d, p in ppl.items()},
+            "DEMix-clustered cached": {d: p["cached"] for d, p in ppl.items()},
+            "DEMix-clustered best expert": {d: p["naive"] for d, p in ppl.items()},
+        }
     return {{"dense": "Dense", "cse": "CSE"}[arm]: {d: p["ppl"] for d, p in ppl.items()}}
 
 
@@ -213,18 +244,33 @@ def markdown(report: dict) -> str:
     cols = report["columns"]
     names = list(cols)
     doms = report["domains"]
-    lines = [f"# CSE comparison ({report['steps']} steps, {report['nproc']} CPU ranks, k = {report['k']})", "",
-             "Test perplexity on the true training domains (lower is better). Only DEMix-true saw the labels.", "",
-             "| domain | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines = [
+        f"# CSE comparison ({report['steps']} steps, {report['nproc']} CPU ranks, k = {report['k']})",
+        "",
+        "Test perplexity on the true training domains (lower is better). Only DEMix-true saw the labels.",
+        "",
+        "| domain | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
     for d in doms + ["average"]:
         lines.append(f"| {d} | " + " | ".join(f"{cols[n].get(d, float('nan')):.1f}" for n in names) + " |")
     a = report["agreement"]
-    lines += ["", f"Clusters vs true domains (k-means, labels hidden): train purity {a['train']['purity']:.3f}, "
-              f"NMI {a['train']['nmi']:.3f}, ARI {a['train']['ari']:.3f}; test purity {a['test']['purity']:.3f}, "
-              f"NMI {a['test']['nmi']:.3f}.", "", "Arms:", ""]
+    lines += [
+        "",
+        f"Clusters vs true domains (k-means, labels hidden): train purity {a['train']['purity']:.3f}, "
+        f"NMI {a['train']['nmi']:.3f}, ARI {a['train']['ari']:.3f}; test purity {a['test']['purity']:.3f}, "
+        f"NMI {a['test']['nmi']:.3f}.",
+        "",
+        "Arms:",
+        "",
+    ]
     for arm, st in report["arms"].items():
-        lines.append(f"- {arm}: {st['status']}" + (f" ({st['run_dir']})" if st.get("run_dir") else "")
-                     + (f" - {st['error']}" if st.get("error") else "") + (f" - `{st['command']}`" if st.get("command") else ""))
+        lines.append(
+            f"- {arm}: {st['status']}"
+            + (f" ({st['run_dir']})" if st.get("run_dir") else "")
+            + (f" - {st['error']}" if st.get("error") else "")
+            + (f" - `{st['command']}`" if st.get("command") else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -233,10 +279,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--nproc", type=positive_int, default=4)
     p.add_argument("--steps", type=positive_int, default=60)
-    p.add_argument("--k", type=positive_int, default=8, help="clusters for DEMix-clustered (default: as many as true domains)")
+    p.add_argument(
+        "--k",
+        type=positive_int,
+        default=8,
+        help="clusters for DEMix-clustered (default: as many as true domains)",
+    )
     p.add_argument("--seed", type=random_seed, default=0)
     p.add_argument("--max-blocks", type=positive_int, default=16, help="test blocks per domain")
-    p.add_argument("--reuse-demo", action="store_true", help="take Dense / DEMix-true from runs/demo when finished")
+    p.add_argument(
+        "--reuse-demo", action="store_true", help="take Dense / DEMix-true from runs/demo when finished"
+    )
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--out", default="runs/cse")
     args = p.parse_args(argv)
@@ -267,15 +320,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     st["plots"] = summary["files"]
                     if not summary["clustering"]:  # the layers never left warm-up: this was the dense model
                         st["status"] = "unclustered"
-                        st["error"] = ("no `cse` record in metrics.jsonl: the trainer does not call "
-                                       "parallel.cse.CSEController yet, so every sequence used expert 0 (= Dense)")
+                        st["error"] = (
+                            "no `cse` record in metrics.jsonl: the trainer does not call "
+                            "parallel.cse.CSEController yet, so every sequence used expert 0 (= Dense)"
+                        )
             except Exception as e:  # noqa: BLE001 - recorded, the other arms still count
                 st = {**st, "status": "failed", "error": f"evaluation: {e}"}
         arms[arm] = st
-    report = {"format": "demix-cse-compare/1", "steps": args.steps, "nproc": args.nproc, "k": args.k, "domains": domains,
-              "columns": columns, "arms": arms, "seconds": round(time.perf_counter() - t0, 1),
-              "agreement": {s: {m: clusters["splits"][s][m] for m in ("purity", "nmi", "ari")} for s in ("train", "test")},
-              "cluster_sizes": {s: clusters["splits"][s]["sizes"] for s in ("train", "valid", "test")}}
+    report = {
+        "format": "demix-cse-compare/1",
+        "steps": args.steps,
+        "nproc": args.nproc,
+        "k": args.k,
+        "domains": domains,
+        "columns": columns,
+        "arms": arms,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "agreement": {
+            s: {m: clusters["splits"][s][m] for m in ("purity", "nmi", "ari")} for s in ("train", "test")
+        },
+        "cluster_sizes": {s: clusters["splits"][s]["sizes"] for s in ("train", "valid", "test")},
+    }
     write_json_atomic(out / "report.json", report)
     (out / "report.md").write_text(markdown(report))
     print(markdown(report))

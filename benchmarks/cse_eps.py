@@ -23,11 +23,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from data.argtypes import positive_int
 from benchmarks.machine import machine_info
+from data.argtypes import positive_int
 
 
-def embeddings(model_dir: str, data: str, blocks: int, layers: Sequence[int]) -> tuple[dict[int, torch.Tensor], np.ndarray, list[str], int]:
+def embeddings(
+    model_dir: str, data: str, blocks: int, layers: Sequence[int]
+) -> tuple[dict[int, torch.Tensor], np.ndarray, list[str], int]:
     """Projected sequence embeddings per layer (N x P), the true domain index of each sequence, the domains and the
     checkpoint's step."""
     from launcher.checkpoint import load_consolidated
@@ -37,8 +39,10 @@ def embeddings(model_dir: str, data: str, blocks: int, layers: Sequence[int]) ->
     c = load_consolidated(model_dir)
     model = c.build_model().eval()
     caps: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
-    hooks = [model.blocks[l].ffn.register_forward_hook(lambda m, inp, out, l=l: caps[l].append(inp[0].detach()))
-             for l in layers]
+    hooks = [
+        model.blocks[l].ffn.register_forward_hook(lambda m, inp, out, l=l: caps[l].append(inp[0].detach()))
+        for l in layers
+    ]
     truth: list[int] = []
     tok_name = c.cfg.data.tokenizer
     for i, dom in enumerate(c.domains):
@@ -57,7 +61,9 @@ def embeddings(model_dir: str, data: str, blocks: int, layers: Sequence[int]) ->
     return out, np.array(truth), list(c.domains), c.step
 
 
-def compare(v: torch.Tensor, truth: np.ndarray, lo: int, hi: int, min_samples: int = 5) -> dict[str, dict[str, Any]]:
+def compare(
+    v: torch.Tensor, truth: np.ndarray, lo: int, hi: int, min_samples: int = 5
+) -> dict[str, dict[str, Any]]:
     """The `target` rule's clustering and the old least-noise rule's, from the same eps scan."""
     from parallel.cse import cluster_embeddings, cluster_record
 
@@ -71,8 +77,13 @@ def compare(v: torch.Tensor, truth: np.ndarray, lo: int, hi: int, min_samples: i
     for name, r in rows.items():
         rec = cluster_record(r, v, truth)
         sizes = np.bincount(r.dbscan_labels_N[r.dbscan_labels_N >= 0]).tolist()
-        out[name] = {"eps": r.eps, "clusters": r.num_clusters, "sizes": sizes,
-                     "noise": int((r.dbscan_labels_N < 0).sum()), "purity": rec["purity"]}
+        out[name] = {
+            "eps": r.eps,
+            "clusters": r.num_clusters,
+            "sizes": sizes,
+            "noise": int((r.dbscan_labels_N < 0).sum()),
+            "purity": rec["purity"],
+        }
     return out
 
 
@@ -91,17 +102,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layers = [int(x) for x in a.layers.split(",")]
     emb, truth, domains, step = embeddings(a.model, a.data, a.blocks, layers)
     m = machine_info()
-    lines = ["# DBSCAN eps from the data: `target` rule vs least noise", "",
-             f"`python -m benchmarks.cse_eps {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"Model `{a.model}` at step {step}; {len(truth)} train blocks ({a.blocks} per domain, {len(domains)} domains); "
-             f"clusters wanted {a.min_clusters}..{a.max_clusters}; purity of the routed sequences against the true "
-             f"domains (1/{len(domains)} = {1 / len(domains):.3f} is chance for balanced domains). Machine: "
-             f"{m['cpu']}, 1-min load {m['loadavg_1m']}; {time.perf_counter() - t0:.0f} s.", "",
-             "| layer | rule | eps | clusters | sizes | noise | purity |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# DBSCAN eps from the data: `target` rule vs least noise",
+        "",
+        f"`python -m benchmarks.cse_eps {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "",
+        f"Model `{a.model}` at step {step}; {len(truth)} train blocks ({a.blocks} per domain, {len(domains)} domains); "
+        f"clusters wanted {a.min_clusters}..{a.max_clusters}; purity of the routed sequences against the true "
+        f"domains (1/{len(domains)} = {1 / len(domains):.3f} is chance for balanced domains). Machine: "
+        f"{m['cpu']}, 1-min load {m['loadavg_1m']}; {time.perf_counter() - t0:.0f} s.",
+        "",
+        "| layer | rule | eps | clusters | sizes | noise | purity |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for l in layers:
         for name, r in compare(emb[l], truth, a.min_clusters, a.max_clusters).items():
-            lines.append(f"| {l} | {name} | {r['eps']:.3f} | {r['clusters']} | {'/'.join(map(str, r['sizes']))} | "
-                         f"{r['noise']} | {r['purity']:.3f} |")
+            lines.append(
+                f"| {l} | {name} | {r['eps']:.3f} | {r['clusters']} | {'/'.join(map(str, r['sizes']))} | "
+                f"{r['noise']} | {r['purity']:.3f} |"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -26,13 +26,15 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from data.argtypes import positive_int
 from benchmarks.machine import OtherLoad, machine_info, uptime
+from data.argtypes import positive_int
 from model.demix import DemixFFN, reference_demix_hidden
 from model.mlp import FFNOutput
 
 
-def reference_forward(self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+def reference_forward(
+    self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None
+) -> FFNOutput:
     """DemixFFN.forward before issue 29 item 5 (model/demix.py `reference_demix_hidden`)."""
     if len(self.expert_ids) == 1:
         return FFNOutput(hidden=self.experts[str(self.expert_ids[0])](x_BTD))
@@ -52,8 +54,13 @@ def old_forward() -> Iterator[None]:
 def _cfg(preset: str, experts: int, seq: int, **over: object):
     from launcher.config import load_run_config
 
-    sets = [f"model.preset={preset}", f"model.seq_len={seq}", "model.ffn.kind=demix",
-            f"model.ffn.num_experts={experts}", "model.vocab_size=512"] + [f"model.{k}={v}" for k, v in over.items()]
+    sets = [
+        f"model.preset={preset}",
+        f"model.seq_len={seq}",
+        "model.ffn.kind=demix",
+        f"model.ffn.num_experts={experts}",
+        "model.vocab_size=512",
+    ] + [f"model.{k}={v}" for k, v in over.items()]
     return load_run_config(None, sets).model
 
 
@@ -69,7 +76,7 @@ def _alternate(step: Callable[[], None], repeats: int) -> dict[str, list[float]]
         step()
     times: dict[str, list[float]] = {"before": [], "after": []}
     for r in range(repeats):
-        for which in (("before", "after") if r % 2 == 0 else ("after", "before")):
+        for which in ("before", "after") if r % 2 == 0 else ("after", "before"):
             if which == "before":
                 with old_forward():
                     times[which].append(_time(step))
@@ -113,10 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--experts", type=positive_int, default=8)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
-    cases = [("DemixFFN layer, D 768 F 3072, B 8 x T 128 (8 domains, 1 sequence each)", layer_case, 8, 128),
-             ("DemixFFN layer, D 768 F 3072, B 2 x T 1024 (2 of 8 domains)", layer_case, 2, 1024),
-             ("DemixFFN layer, D 768 F 3072, B 16 x T 64 (8 domains cycling: unsorted)", layer_case, 16, 64),
-             ("GPT tiny preset, 4 layers, B 8 x T 128 (8 domains, 1 sequence each)", gpt_case, 8, 128)]
+    cases = [
+        ("DemixFFN layer, D 768 F 3072, B 8 x T 128 (8 domains, 1 sequence each)", layer_case, 8, 128),
+        ("DemixFFN layer, D 768 F 3072, B 2 x T 1024 (2 of 8 domains)", layer_case, 2, 1024),
+        ("DemixFFN layer, D 768 F 3072, B 16 x T 64 (8 domains cycling: unsorted)", layer_case, 16, 64),
+        ("GPT tiny preset, 4 layers, B 8 x T 128 (8 domains, 1 sequence each)", gpt_case, 8, 128),
+    ]
     up0, info = uptime(), machine_info()
     rows = []
     with OtherLoad() as ol:
@@ -124,29 +133,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             t = fn(args.experts, B, T, args.repeats)
             before, after = statistics.median(t["before"]), statistics.median(t["after"])
             rows.append((name, before, after, before / after, t))
-            print(f"{name}: before {before * 1e3:.1f} ms, after {after * 1e3:.1f} ms, ratio {before / after:.2f}x",
-                  flush=True)
+            print(
+                f"{name}: before {before * 1e3:.1f} ms, after {after * 1e3:.1f} ms, ratio {before / after:.2f}x",
+                flush=True,
+            )
     load, up1 = ol.result(), uptime()
     cmd = "OMP_NUM_THREADS=1 python -m benchmarks.demix_local_experts " + " ".join(argv or sys.argv[1:])
-    lines = ["# DEMix: several experts on one process, forward + backward step time (issue 29 item 5)", "",
-             f"Command: `{cmd.strip()}`", "",
-             "Before: per-expert out-of-place `index_put` into the whole activation + `0.0 * p.view(-1)[0]` of every "
-             "expert parameter added to the output (a dense zero gradient for every expert in backward). After: "
-             "model/demix.py `run_grouped`: one stable sort of the sequences by expert, each expert on its contiguous "
-             "slice, one `index_copy_` back (none when the batch is already sorted), a zero gradient made in "
-             "backward only for experts with no row. Median of "
-             f"{args.repeats} alternated repeats (wall time per forward+backward+zero_grad), {args.experts} experts.", "",
-             "| case | before (ms) | after (ms) | before / after |", "|---|---:|---:|---:|"]
+    lines = [
+        "# DEMix: several experts on one process, forward + backward step time (issue 29 item 5)",
+        "",
+        f"Command: `{cmd.strip()}`",
+        "",
+        "Before: per-expert out-of-place `index_put` into the whole activation + `0.0 * p.view(-1)[0]` of every "
+        "expert parameter added to the output (a dense zero gradient for every expert in backward). After: "
+        "model/demix.py `run_grouped`: one stable sort of the sequences by expert, each expert on its contiguous "
+        "slice, one `index_copy_` back (none when the batch is already sorted), a zero gradient made in "
+        "backward only for experts with no row. Median of "
+        f"{args.repeats} alternated repeats (wall time per forward+backward+zero_grad), {args.experts} experts.",
+        "",
+        "| case | before (ms) | after (ms) | before / after |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {n} | {b * 1e3:.1f} | {a * 1e3:.1f} | {r:.2f}x |" for n, b, a, r, _ in rows]
-    lines += ["", "Machine (shared with other engineers' jobs while this ran):", "",
-              f"- {info['cpu']}, {info['cores']} usable cores, torch {info['torch']}, OMP_NUM_THREADS="
-              f"{info['omp_num_threads']}",
-              f"- uptime before: `{up0}`", f"- uptime after: `{up1}`",
-              f"- CPU used by other processes during the run (OtherLoad): {load['others_cores']} cores "
-              f"(niced {load['niced_cores']}); this process {load['own_cores']} cores over {load['wall_s']} s", "",
-              "All repeats (ms):", ""]
-    lines += [f"- {n}: before {[round(v * 1e3, 1) for v in t['before']]}, after {[round(v * 1e3, 1) for v in t['after']]}"
-              for n, _, _, _, t in rows]
+    lines += [
+        "",
+        "Machine (shared with other engineers' jobs while this ran):",
+        "",
+        f"- {info['cpu']}, {info['cores']} usable cores, torch {info['torch']}, OMP_NUM_THREADS="
+        f"{info['omp_num_threads']}",
+        f"- uptime before: `{up0}`",
+        f"- uptime after: `{up1}`",
+        f"- CPU used by other processes during the run (OtherLoad): {load['others_cores']} cores "
+        f"(niced {load['niced_cores']}); this process {load['own_cores']} cores over {load['wall_s']} s",
+        "",
+        "All repeats (ms):",
+        "",
+    ]
+    lines += [
+        f"- {n}: before {[round(v * 1e3, 1) for v in t['before']]}, after {[round(v * 1e3, 1) for v in t['after']]}"
+        for n, _, _, _, t in rows
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demix_local_experts.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out / 'demix_local_experts.md'}")

@@ -33,8 +33,16 @@ def train_one(arch: str, args: argparse.Namespace) -> Path:
 
     run_dir = Path(args.out) / arch
     sets = [f"train.steps={args.steps}", f"logging.wandb_mode={args.wandb}"]
-    argv = ["--config", f"configs/demo/{arch}.yaml", "--nproc", str(args.nproc), "--run-dir", str(run_dir),
-            "--resume", "never" if args.fresh else "auto"]
+    argv = [
+        "--config",
+        f"configs/demo/{arch}.yaml",
+        "--nproc",
+        str(args.nproc),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "never" if args.fresh else "auto",
+    ]
     for s in sets:
         argv += ["--set", s]
     if (run_dir / "model" / "meta.json").is_file() and not args.fresh and _finished(run_dir, args.steps):
@@ -74,7 +82,9 @@ def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, An
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
     modes = DEMIX_MODES if arch == "demix" else ("ppl",)
-    kwargs: dict[str, Any] = dict(split="test", max_blocks=args.eval_blocks, out_dir=run_dir / "eval", progress=False)
+    kwargs: dict[str, Any] = dict(
+        split="test", max_blocks=args.eval_blocks, out_dir=run_dir / "eval", progress=False
+    )
     if arch == "demix":
         kwargs.update(modes=modes, cached_blocks=args.cached_blocks)
     print(f"[demo] evaluating {arch} ...", flush=True)
@@ -82,11 +92,23 @@ def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, An
     if arch == "gshard":  # the paper's evidence that token routing does not specialise by domain
         from launcher.evaluation.gating import main as gating
 
-        gating([str(run_dir / "model"), "--data", "artifacts/demo/tokens", "--out", str(run_dir / "gating"), "--batches", "4"])
+        gating(
+            [
+                str(run_dir / "model"),
+                "--data",
+                "artifacts/demo/tokens",
+                "--out",
+                str(run_dir / "gating"),
+                "--batches",
+                "4",
+            ]
+        )
     return result
 
 
-def build_report(results: dict[str, dict[str, Any]], speed: dict[str, dict], args: argparse.Namespace, seconds: float) -> dict:
+def build_report(
+    results: dict[str, dict[str, Any]], speed: dict[str, dict], args: argparse.Namespace, seconds: float
+) -> dict:
     """Rows: domains (training, then novel); columns: Dense, DEMix (each mode), GShard."""
     first = next(iter(results.values()))
     roles = {d: r["role"] for d, r in first["domains"].items()}
@@ -103,9 +125,18 @@ def build_report(results: dict[str, dict[str, Any]], speed: dict[str, dict], arg
     averages = {}
     for role in ("train", "novel"):
         averages[role] = {c: _mean([table[d][c] for d in roles if roles[d] == role]) for c in names}
-    return {"format": "demix-demo-report/1", "steps": args.steps, "ranks": args.nproc, "seconds": round(seconds, 1),
-            "columns": names, "roles": roles, "perplexity": table, "averages": averages,
-            "throughput": speed, "commands": {a: (Path(args.out) / a / "command.sh").read_text().splitlines()[-1] for a in results}}
+    return {
+        "format": "demix-demo-report/1",
+        "steps": args.steps,
+        "ranks": args.nproc,
+        "seconds": round(seconds, 1),
+        "columns": names,
+        "roles": roles,
+        "perplexity": table,
+        "averages": averages,
+        "throughput": speed,
+        "commands": {a: (Path(args.out) / a / "command.sh").read_text().splitlines()[-1] for a in results},
+    }
 
 
 def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
@@ -119,31 +150,53 @@ def _f(v: Optional[float], spec: str = ".1f") -> str:
 
 def markdown(report: dict) -> str:
     cols = report["columns"]
-    head = "| domain | role | " + " | ".join(c.replace(":ppl", "").replace("demix:", "DEMix ") for c in cols) + " |"
-    lines = [f"# Demo: Dense vs DEMix vs GShard ({report['steps']} steps, {report['ranks']} CPU ranks)", "",
-             "Test perplexity per domain (lower is better). DEMix modes: naive = the domain's own expert (novel "
-             "domains: the best single expert), average = uniform average of experts, uniform / updating / cached = "
-             "posterior mixture (DEMix eqs. 6-9) with that prior. unigram = each domain's own add-k unigram "
-             "(fitted on its train split): on a training domain the floor a model must beat to have learnt more than "
-             "token frequencies; on a novel domain it was fitted on text the models never saw, so not a floor.", "",
-             "What a run this short can show: that the whole path works (data, ranks, DEMix's per-domain expert "
-             "synchronisation, GShard's routing, evaluation, mixing) and the direction of the differences; not whether "
-             "they are real: one seed and a few test blocks (each run's eval/eval.json has the 95 % bootstrap interval "
-             "over blocks of every number; a claim needs longer training, several seeds and more blocks). `make "
-             "reproduce` does that: every architecture, two seeds of Dense and DEMix, 64 blocks per domain, each of "
-             "the paper's claims with a verdict and an interval (benchmarks/results/reproduce/report.md).", "",
-             head, "|" + "---|" * (len(cols) + 2)]
+    head = (
+        "| domain | role | "
+        + " | ".join(c.replace(":ppl", "").replace("demix:", "DEMix ") for c in cols)
+        + " |"
+    )
+    lines = [
+        f"# Demo: Dense vs DEMix vs GShard ({report['steps']} steps, {report['ranks']} CPU ranks)",
+        "",
+        "Test perplexity per domain (lower is better). DEMix modes: naive = the domain's own expert (novel "
+        "domains: the best single expert), average = uniform average of experts, uniform / updating / cached = "
+        "posterior mixture (DEMix eqs. 6-9) with that prior. unigram = each domain's own add-k unigram "
+        "(fitted on its train split): on a training domain the floor a model must beat to have learnt more than "
+        "token frequencies; on a novel domain it was fitted on text the models never saw, so not a floor.",
+        "",
+        "What a run this short can show: that the whole path works (data, ranks, DEMix's per-domain expert "
+        "synchronisation, GShard's routing, evaluation, mixing) and the direction of the differences; not whether "
+        "they are real: one seed and a few test blocks (each run's eval/eval.json has the 95 % bootstrap interval "
+        "over blocks of every number; a claim needs longer training, several seeds and more blocks). `make "
+        "reproduce` does that: every architecture, two seeds of Dense and DEMix, 64 blocks per domain, each of "
+        "the paper's claims with a verdict and an interval (benchmarks/results/reproduce/report.md).",
+        "",
+        head,
+        "|" + "---|" * (len(cols) + 2),
+    ]
     for role in ("train", "novel"):
         for d, r in report["roles"].items():
             if r == role:
-                lines.append(f"| {d} | {r} | " + " | ".join(_f(report["perplexity"][d][c]) for c in cols) + " |")
-        lines.append(f"| **average** | {role} | " + " | ".join(f"**{_f(report['averages'][role][c])}**" for c in cols) + " |")
-    lines += ["", "| model | parameters (total) | active per token | tokens/s | TFLOP/s/GPU (no recompute) | "
-              "TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |", "|---|---|---|---|---|---|---|---|"]
+                lines.append(
+                    f"| {d} | {r} | " + " | ".join(_f(report["perplexity"][d][c]) for c in cols) + " |"
+                )
+        lines.append(
+            f"| **average** | {role} | "
+            + " | ".join(f"**{_f(report['averages'][role][c])}**" for c in cols)
+            + " |"
+        )
+    lines += [
+        "",
+        "| model | parameters (total) | active per token | tokens/s | TFLOP/s/GPU (no recompute) | "
+        "TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for a, t in report["throughput"].items():
-        lines.append(f"| {a} | {t['params_total']:,} | {t['params_active']:,} | {_f(t['tokens_per_s'], '.0f')} | "
-                     f"{_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
-                     f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | {_f(t['final_train_loss'], '.3f')} |")
+        lines.append(
+            f"| {a} | {t['params_total']:,} | {t['params_active']:,} | {_f(t['tokens_per_s'], '.0f')} | "
+            f"{_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
+            f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | {_f(t['final_train_loss'], '.3f')} |"
+        )
     lines += ["", "Commands:", ""] + [f"- {a}: `{c}`" for a, c in report["commands"].items()]
     lines += ["", f"Total demo time: {report['seconds']} s."]
     return "\n".join(lines) + "\n"
@@ -151,11 +204,18 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=positive_int, default=2, help="local ranks per model (default 2: one per core of a 2-core machine)")
+    p.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=2,
+        help="local ranks per model (default 2: one per core of a 2-core machine)",
+    )
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps per model (default 200)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     p.add_argument("--eval-blocks", type=positive_int, default=8, help="test blocks per domain (default 8)")
-    p.add_argument("--cached-blocks", type=positive_int, default=20, help="dev blocks for the cached prior (paper: 100)")
+    p.add_argument(
+        "--cached-blocks", type=positive_int, default=20, help="dev blocks for the cached prior (paper: 100)"
+    )
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--wandb", default="offline", choices=["offline", "disabled"])
     p.add_argument("--fresh", action="store_true", help="retrain even if a finished run exists")

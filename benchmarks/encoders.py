@@ -16,7 +16,9 @@ from data.chunks import encode_concat
 from data.tokenizer import GPT2Tokenizer, TokenizerSpec
 
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
-THREAD_CHUNK_CHARS = 1 << 17  # text per encoding-thread task: no pickling, so smaller: less idle time at the end
+THREAD_CHUNK_CHARS = (
+    1 << 17
+)  # text per encoding-thread task: no pickling, so smaller: less idle time at the end
 
 
 def _anonymise_chunk(texts: list[str]) -> tuple[list[str], dict[str, int]]:
@@ -91,7 +93,9 @@ class ThreadEncoder:
         wait(pending)
 
     def _submit(self, domain: str, batch: list[str]) -> None:
-        self._futures.setdefault(domain, deque()).append(self._ex.submit(encode_concat, self.tok, batch, self.dtype))
+        self._futures.setdefault(domain, deque()).append(
+            self._ex.submit(encode_concat, self.tok, batch, self.dtype)
+        )
 
 
 def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
@@ -121,7 +125,11 @@ def make_pool(workers: int, warm: Optional[TokenizerSpec] = None):
 
 
 def tokenize_documents(
-    texts: Sequence[str], spec: TokenizerSpec, dtype: str, pool=None, chunk_chars: int = CHUNK_CHARS,
+    texts: Sequence[str],
+    spec: TokenizerSpec,
+    dtype: str,
+    pool=None,
+    chunk_chars: int = CHUNK_CHARS,
     progress: Optional[tqdm] = None,
 ) -> Iterator[np.ndarray]:
     """[bos] + ids for every text, in order, encoded by `pool` (or in this process when None)."""

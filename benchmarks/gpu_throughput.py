@@ -78,8 +78,10 @@ DEFAULT_RECORD = RESULTS / "gpu_throughput.md"
 SIZES = ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl")
 ARMS = ("dense", "demix-1", "demix-2", "demix-8", "gshard")
 GIB = 1024**3
-NO_CUDA = ("benchmarks.gpu_throughput: no CUDA device here (torch.cuda.is_available() is False); the full sweep "
-           "needs a GPU. Run `python -m benchmarks.gpu_throughput --tiny` for the CPU smoke run of the same code path.")
+NO_CUDA = (
+    "benchmarks.gpu_throughput: no CUDA device here (torch.cuda.is_available() is False); the full sweep "
+    "needs a GPU. Run `python -m benchmarks.gpu_throughput --tiny` for the CPU smoke run of the same code path."
+)
 # The tiny configuration: small enough for a CPU step in milliseconds, every arm still meaningful.
 TINY_MODEL = ("model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512")
 
@@ -94,10 +96,16 @@ class Arm:
     experts: int = 0  # GShard: experts, all on this GPU
 
     def overrides(self) -> list[str]:
-        out = [f"model.ffn.kind={self.kind}", f"data.mixture={'by_domain' if self.kind == 'demix' else 'natural'}",
-               f"data.domains=[{','.join(self.domain_names())}]"]
+        out = [
+            f"model.ffn.kind={self.kind}",
+            f"data.mixture={'by_domain' if self.kind == 'demix' else 'natural'}",
+            f"data.domains=[{','.join(self.domain_names())}]",
+        ]
         if self.kind == "gshard":
-            out += [f"model.ffn.num_experts={self.experts}", f"model.ffn.gshard.experts_per_rank={self.experts}"]
+            out += [
+                f"model.ffn.num_experts={self.experts}",
+                f"model.ffn.gshard.experts_per_rank={self.experts}",
+            ]
         return out
 
     def domain_names(self) -> list[str]:
@@ -112,7 +120,9 @@ def parse_arm(name: str, gshard_experts: int) -> Arm:
         return Arm(name, "gshard", experts=gshard_experts)
     if name.startswith("demix-") and name[6:].isdigit() and int(name[6:]) >= 1:
         return Arm(name, "demix", domains=int(name[6:]))
-    raise ValueError(f"unknown arm {name!r}: choose dense, demix-<N> (N domains on the GPU, e.g. demix-1) or gshard")
+    raise ValueError(
+        f"unknown arm {name!r}: choose dense, demix-<N> (N domains on the GPU, e.g. demix-1) or gshard"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -125,10 +135,20 @@ def run_config(size: str, arm: Arm, a: argparse.Namespace):
     from launcher.config import load_run_config
 
     model = ["model.preset=tiny", *TINY_MODEL] if size == "tiny" else [f"model.preset={size}"]
-    sets = [*model, f"model.seq_len={a.seq_len}", *arm.overrides(), "data.path=(random tokens)",
-            f"train.steps={a.warmup + a.steps}", f"train.micro_batch={a.micro_batch}", f"train.grad_accum={a.grad_accum}",
-            f"train.precision={a.precision}", f"train.activation_checkpointing={a.recompute}",
-            f"parallel.zero_stage={a.zero_stage}", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
+    sets = [
+        *model,
+        f"model.seq_len={a.seq_len}",
+        *arm.overrides(),
+        "data.path=(random tokens)",
+        f"train.steps={a.warmup + a.steps}",
+        f"train.micro_batch={a.micro_batch}",
+        f"train.grad_accum={a.grad_accum}",
+        f"train.precision={a.precision}",
+        f"train.activation_checkpointing={a.recompute}",
+        f"parallel.zero_stage={a.zero_stage}",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+    ]
     return load_run_config(None, sets, check=False)
 
 
@@ -182,9 +202,12 @@ def random_batches(plan, updates: int, device: torch.device, seed: int = 0) -> l
         for m in range(ga):
             x_BT = torch.randint(0, V, (B, T + 1), generator=g)
             base = (step * ga + m) * B
-            b = {"tokens_BT": x_BT[:, :-1].contiguous(), "targets_BT": x_BT[:, 1:].contiguous(),
-                 "loss_mask_BT": torch.ones((B, T), dtype=torch.float32),
-                 "domain_ids_B": torch.tensor([(base + i) % k for i in range(B)], dtype=torch.long)}
+            b = {
+                "tokens_BT": x_BT[:, :-1].contiguous(),
+                "targets_BT": x_BT[:, 1:].contiguous(),
+                "loss_mask_BT": torch.ones((B, T), dtype=torch.float32),
+                "domain_ids_B": torch.tensor([(base + i) % k for i in range(B)], dtype=torch.long),
+            }
             micro.append(to_model_batch(b, device, plan))
         out.append(micro)
     return out
@@ -200,8 +223,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_updates(step: Callable[[list[dict[str, Any]]], Any], batches: list[list[dict[str, Any]]], warmup: int,
-                 device: torch.device) -> float:
+def time_updates(
+    step: Callable[[list[dict[str, Any]]], Any],
+    batches: list[list[dict[str, Any]]],
+    warmup: int,
+    device: torch.device,
+) -> float:
     """Seconds per update over batches[warmup:], after running batches[:warmup] untimed. On CUDA: two events
     around the timed region, synchronised only before and after it."""
     for micro in batches[:warmup]:
@@ -255,13 +282,23 @@ def framework_phase(plan, model, batches, warmup: int, device: torch.device) -> 
             bundle.engine.destroy()
 
 
-def bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list[dict[str, Any]], clip: float,
-              autocast: Callable[[], Any]) -> None:
+def bare_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    micro: list[dict[str, Any]],
+    clip: float,
+    autocast: Callable[[], Any],
+) -> None:
     """forward (autocast) -> loss (+aux) -> backward / accum, per micro-batch; clip; AdamW; zero_grad."""
     for mb in micro:
         with autocast():
-            out = model(mb["tokens"], mb["expert_ids"], targets_BT=mb["targets"], loss_mask_BT=mb["loss_mask"],
-                        return_logits=False)
+            out = model(
+                mb["tokens"],
+                mb["expert_ids"],
+                targets_BT=mb["targets"],
+                loss_mask_BT=mb["loss_mask"],
+                return_logits=False,
+            )
             loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         (loss / len(micro)).backward()
     if clip > 0:
@@ -281,11 +318,19 @@ def bare_phase(plan, model, batches, warmup: int, device: torch.device) -> dict[
         apply_activation_recompute(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-    autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext)
-    seconds = time_updates(lambda micro: bare_step(model, opt, micro, t.clip_grad, autocast), batches, warmup, device)
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    )
+    seconds = time_updates(
+        lambda micro: bare_step(model, opt, micro, t.clip_grad, autocast), batches, warmup, device
+    )
     return {"status": "ok", "s_per_update": seconds, "peak_mem_gib": _peak_gib(device)}
 
 
@@ -312,7 +357,11 @@ def predicted_states_gib(cfg, phase: str) -> float:
     from parallel.memory import state_bytes_per_param
 
     n = param_counts(cfg.model, vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel)).total
-    per = state_bytes_per_param(cfg.train.precision, cfg.parallel.zero_stage) if phase == "framework" else (4, 4, 8)
+    per = (
+        state_bytes_per_param(cfg.train.precision, cfg.parallel.zero_stage)
+        if phase == "framework"
+        else (4, 4, 8)
+    )
     return n * sum(per) / GIB
 
 
@@ -326,9 +375,16 @@ def throughput(cfg, res: dict[str, Any], device_label: str) -> None:
     rep = flops_per_update(cfg.model, B, vocab_size=cfg.model.vocab_size)
     t = res["s_per_update"]
     model = tflops_per_gpu(rep.no_recompute, t, 1)
-    hw = tflops_per_gpu(rep.recompute if cfg.train.activation_checkpointing == "full" else rep.no_recompute, t, 1)
-    res.update(tokens_per_s=B * cfg.model.seq_len / t, tflops_per_gpu=model, hw_tflops_per_gpu=hw,
-               mfu=mfu(model, device_label, cfg.train.precision), hfu=mfu(hw, device_label, cfg.train.precision))
+    hw = tflops_per_gpu(
+        rep.recompute if cfg.train.activation_checkpointing == "full" else rep.no_recompute, t, 1
+    )
+    res.update(
+        tokens_per_s=B * cfg.model.seq_len / t,
+        tflops_per_gpu=model,
+        hw_tflops_per_gpu=hw,
+        mfu=mfu(model, device_label, cfg.train.precision),
+        hfu=mfu(hw, device_label, cfg.train.precision),
+    )
 
 
 def describe_cell(size: str, arm: Arm, cfg) -> dict[str, Any]:
@@ -337,30 +393,50 @@ def describe_cell(size: str, arm: Arm, cfg) -> dict[str, Any]:
 
     B = cfg.train.micro_batch * cfg.train.grad_accum
     rep = flops_per_update(cfg.model, B, vocab_size=cfg.model.vocab_size)
-    return {"size": size, "arm": arm.name, "kind": cfg.model.ffn.kind,
-            "domains": arm.domains if arm.kind == "demix" else None,
-            "experts": cfg.model.ffn.num_experts if arm.kind != "dense" else 0, "layers": cfg.model.n_layers,
-            "d_model": cfg.model.d_model, "seq_len": cfg.model.seq_len, "micro_batch": cfg.train.micro_batch,
-            "grad_accum": cfg.train.grad_accum, "tokens_per_update": B * cfg.model.seq_len,
-            "flops_per_update_no_recompute": rep.no_recompute, "flops_per_update_recompute": rep.recompute,
-            "predicted_states_gib": {p: round(predicted_states_gib(cfg, p), 2) for p in ("framework", "bare")}}
+    return {
+        "size": size,
+        "arm": arm.name,
+        "kind": cfg.model.ffn.kind,
+        "domains": arm.domains if arm.kind == "demix" else None,
+        "experts": cfg.model.ffn.num_experts if arm.kind != "dense" else 0,
+        "layers": cfg.model.n_layers,
+        "d_model": cfg.model.d_model,
+        "seq_len": cfg.model.seq_len,
+        "micro_batch": cfg.train.micro_batch,
+        "grad_accum": cfg.train.grad_accum,
+        "tokens_per_update": B * cfg.model.seq_len,
+        "flops_per_update_no_recompute": rep.no_recompute,
+        "flops_per_update_recompute": rep.recompute,
+        "predicted_states_gib": {p: round(predicted_states_gib(cfg, p), 2) for p in ("framework", "bare")},
+    }
 
 
-def run_cell(size: str, arm: Arm, a: argparse.Namespace, device: torch.device, device_label: str,
-             memory_gib: Optional[float]) -> dict[str, Any]:
+def run_cell(
+    size: str,
+    arm: Arm,
+    a: argparse.Namespace,
+    device: torch.device,
+    device_label: str,
+    memory_gib: Optional[float],
+) -> dict[str, Any]:
     """Both phases of one (size, arm) on the same batches, framework first (the bare phase moves the template
     model itself to the device); OOM-safe."""
     t0 = time.perf_counter()
     plan = plan_random_tokens(run_config(size, arm, a), arm.domain_names())
     row = describe_cell(size, arm, plan.cfg)
-    too_big = {p: g for p, g in row["predicted_states_gib"].items() if memory_gib is not None and g > memory_gib}
+    too_big = {
+        p: g for p, g in row["predicted_states_gib"].items() if memory_gib is not None and g > memory_gib
+    }
     template = build_model(plan) if len(too_big) < 2 else None  # the initial weights both phases start from
     row["params"] = template.num_parameters() if template is not None else None
     batches = random_batches(plan, a.warmup + a.steps, device)
     for phase in ("framework", "bare"):
         if phase in too_big:
-            row[phase] = {"status": "OOM", "error": f"not run: model states alone {too_big[phase]:.1f} GiB > "
-                                                    f"{memory_gib:.1f} GiB of device memory"}
+            row[phase] = {
+                "status": "OOM",
+                "error": f"not run: model states alone {too_big[phase]:.1f} GiB > "
+                f"{memory_gib:.1f} GiB of device memory",
+            }
             continue
         if phase == "framework":
             fn = lambda: framework_phase(plan, copy.deepcopy(template), batches, a.warmup, device)  # noqa: E731
@@ -374,7 +450,9 @@ def run_cell(size: str, arm: Arm, a: argparse.Namespace, device: torch.device, d
     # Frozen out of later collections, it no longer costs every phase's collection 0.2-0.4 s (CPU, measured).
     gc.freeze()
     f, b = row["framework"], row["bare"]
-    row["ratio"] = f["tokens_per_s"] / b["tokens_per_s"] if "tokens_per_s" in f and "tokens_per_s" in b else None
+    row["ratio"] = (
+        f["tokens_per_s"] / b["tokens_per_s"] if "tokens_per_s" in f and "tokens_per_s" in b else None
+    )
     row["cell_s"] = time.perf_counter() - t0
     return row
 
@@ -389,8 +467,14 @@ def run(a: argparse.Namespace, sizes: list[str], arms: list[Arm]) -> dict[str, A
     device = training_device()
     label = device_name()
     memory = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
-    result: dict[str, Any] = {"device": label, "peak_tflops": peak_tflops(label, a.precision), "uptime_before": uptime(),
-                              "machine": machine_info(), "versions": gpu_versions(), "rows": []}
+    result: dict[str, Any] = {
+        "device": label,
+        "peak_tflops": peak_tflops(label, a.precision),
+        "uptime_before": uptime(),
+        "machine": machine_info(),
+        "versions": gpu_versions(),
+        "rows": [],
+    }
     with OtherLoad() as others:
         for size in sizes:
             for arm in arms:
@@ -417,42 +501,61 @@ def _cell(res: dict[str, Any], key: str, fmt: str) -> str:
 def markdown(result: dict[str, Any]) -> str:
     v, s, ot = result["versions"], result["settings"], result["others"]
     peak = result["peak_tflops"]
-    lines = ["# GPU training throughput: the framework's step vs a bare PyTorch loop (random tokens, one GPU)", "",
-             f"Command: `{result['command']}`", "",
-             f"Device: {v['gpu'] or 'CPU (no CUDA): a --tiny smoke run, not a measurement'}"
-             + (f" ({v['gpu_memory_gib']} GiB, compute capability {v.get('capability')}), driver {v['driver']}"
-                if v["gpu"] else "")
-             + f"; torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, DeepSpeed {v['deepspeed']}; "
-             f"peak {s['precision']} {peak if peak is not None else 'n/a'} TFLOP/s (model/accounting.py).", "",
-             f"Machine load: before `{result['uptime_before']}`; after `{result['uptime_after']}`; other processes' "
-             f"CPU during the sweep {ot['others_cores']} cores (benchmarks/machine.py OtherLoad) on "
-             f"{result['machine']['cores']} cores.", "",
-             f"Recipe: {s['precision']}, ZeRO {s['zero_stage']}, activation recompute {s['recompute']}, seq "
-             f"{s['seq_len']}, micro-batch {s['micro_batch']} x grad_accum {s['grad_accum']} per update, "
-             f"{s['warmup']} warm-up + {s['steps']} timed updates per phase; GShard: top-2 every other layer over "
-             f"{s['gshard_experts']} experts on this GPU. Sweep wall time {result['wall_s']:.0f} s.", "",
-             "| size | arm | params held | tokens/update | framework tok/s | TFLOP/s/GPU | MFU | HFU | peak GiB | "
-             "bare tok/s | bare TFLOP/s | bare MFU | bare peak GiB | framework / bare |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# GPU training throughput: the framework's step vs a bare PyTorch loop (random tokens, one GPU)",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Device: {v['gpu'] or 'CPU (no CUDA): a --tiny smoke run, not a measurement'}"
+        + (
+            f" ({v['gpu_memory_gib']} GiB, compute capability {v.get('capability')}), driver {v['driver']}"
+            if v["gpu"]
+            else ""
+        )
+        + f"; torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, DeepSpeed {v['deepspeed']}; "
+        f"peak {s['precision']} {peak if peak is not None else 'n/a'} TFLOP/s (model/accounting.py).",
+        "",
+        f"Machine load: before `{result['uptime_before']}`; after `{result['uptime_after']}`; other processes' "
+        f"CPU during the sweep {ot['others_cores']} cores (benchmarks/machine.py OtherLoad) on "
+        f"{result['machine']['cores']} cores.",
+        "",
+        f"Recipe: {s['precision']}, ZeRO {s['zero_stage']}, activation recompute {s['recompute']}, seq "
+        f"{s['seq_len']}, micro-batch {s['micro_batch']} x grad_accum {s['grad_accum']} per update, "
+        f"{s['warmup']} warm-up + {s['steps']} timed updates per phase; GShard: top-2 every other layer over "
+        f"{s['gshard_experts']} experts on this GPU. Sweep wall time {result['wall_s']:.0f} s.",
+        "",
+        "| size | arm | params held | tokens/update | framework tok/s | TFLOP/s/GPU | MFU | HFU | peak GiB | "
+        "bare tok/s | bare TFLOP/s | bare MFU | bare peak GiB | framework / bare |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         f, b = r["framework"], r["bare"]
         ratio = "n/a" if r["ratio"] is None else f"**{r['ratio']:.3f}**"
         params = f"{r['params']:,}" if r.get("params") else "-"
-        lines.append(f"| {r['size']} | {r['arm']} | {params} | {r['tokens_per_update']:,} | "
-                     f"{_cell(f, 'tokens_per_s', ',.0f')} | {_cell(f, 'tflops_per_gpu', '.3g')} | {_cell(f, 'mfu', '.1%')} | "
-                     f"{_cell(f, 'hfu', '.1%')} | {_cell(f, 'peak_mem_gib', '.1f')} | {_cell(b, 'tokens_per_s', ',.0f')} | "
-                     f"{_cell(b, 'tflops_per_gpu', '.3g')} | {_cell(b, 'mfu', '.1%')} | {_cell(b, 'peak_mem_gib', '.1f')} | "
-                     f"{ratio} |")
-    notes = [f"- {r['size']} {r['arm']} {p}: {r[p]['status']} ({r[p].get('error', '')})"
-             for r in result["rows"] for p in ("framework", "bare") if r[p].get("status") != "ok"]
-    lines += ["", "TFLOP/s/GPU and MFU: model FLOPs without recompute (Narayanan et al. eq. 3, 3 passes, unpadded "
-              "vocabulary: model/accounting.py `flops_per_update`), against the device's dense peak; HFU adds the "
-              "recomputed forward when recompute is on (else HFU = MFU). framework / bare = framework tokens/s over "
-              "bare tokens/s on the same batches in the same process. *framework*: `launcher.train.train_step` on "
-              "the DeepSpeed engine the trainer builds (its generated config; DeepSpeed's throughput timer, on by "
-              "default, synchronises the device in forward and step). *bare*: autocast forward, backward, "
-              "`clip_grad_norm_`, torch AdamW on fp32 weights. Peak memory: torch.cuda.max_memory_allocated per "
-              "phase. OOM = out of memory (caught, or model states alone larger than the device)."]
+        lines.append(
+            f"| {r['size']} | {r['arm']} | {params} | {r['tokens_per_update']:,} | "
+            f"{_cell(f, 'tokens_per_s', ',.0f')} | {_cell(f, 'tflops_per_gpu', '.3g')} | {_cell(f, 'mfu', '.1%')} | "
+            f"{_cell(f, 'hfu', '.1%')} | {_cell(f, 'peak_mem_gib', '.1f')} | {_cell(b, 'tokens_per_s', ',.0f')} | "
+            f"{_cell(b, 'tflops_per_gpu', '.3g')} | {_cell(b, 'mfu', '.1%')} | {_cell(b, 'peak_mem_gib', '.1f')} | "
+            f"{ratio} |"
+        )
+    notes = [
+        f"- {r['size']} {r['arm']} {p}: {r[p]['status']} ({r[p].get('error', '')})"
+        for r in result["rows"]
+        for p in ("framework", "bare")
+        if r[p].get("status") != "ok"
+    ]
+    lines += [
+        "",
+        "TFLOP/s/GPU and MFU: model FLOPs without recompute (Narayanan et al. eq. 3, 3 passes, unpadded "
+        "vocabulary: model/accounting.py `flops_per_update`), against the device's dense peak; HFU adds the "
+        "recomputed forward when recompute is on (else HFU = MFU). framework / bare = framework tokens/s over "
+        "bare tokens/s on the same batches in the same process. *framework*: `launcher.train.train_step` on "
+        "the DeepSpeed engine the trainer builds (its generated config; DeepSpeed's throughput timer, on by "
+        "default, synchronises the device in forward and step). *bare*: autocast forward, backward, "
+        "`clip_grad_norm_`, torch AdamW on fp32 weights. Peak memory: torch.cuda.max_memory_allocated per "
+        "phase. OOM = out of memory (caught, or model states alone larger than the device).",
+    ]
     if notes:
         lines += ["", "Cells not measured:", *notes]
     return "\n".join(lines) + "\n"
@@ -464,8 +567,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", default=",".join(SIZES), help="model presets (configs/model/), comma-separated")
     p.add_argument("--arms", default=",".join(ARMS), help="dense, demix-<N> (N domains on the GPU), gshard")
     p.add_argument("--steps", type=positive_int, help="timed updates per phase (default 5; --tiny 3)")
@@ -473,14 +579,23 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch (default 4)")
     p.add_argument("--grad-accum", type=positive_int, default=2, help="micro-batches per update")
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 2048; --tiny 64)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
-                   help="bf16: DeepSpeed bf16 (ZeRO >= 1) vs autocast; fp32 on both sides")
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=("bf16", "fp32"),
+        help="bf16: DeepSpeed bf16 (ZeRO >= 1) vs autocast; fp32 on both sides",
+    )
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--recompute", default="none", choices=("none", "full"), help="activation recompute")
-    p.add_argument("--gshard-experts", type=positive_int, default=8, help="experts of the gshard arm, all on this GPU")
+    p.add_argument(
+        "--gshard-experts", type=positive_int, default=8, help="experts of the gshard arm, all on this GPU"
+    )
     p.add_argument("--tiny", action="store_true", help="2 layers, d 64, seq 64, vocab 512: runs on CPU")
-    p.add_argument("--record", help=f"results markdown (+ .json beside it); default {DEFAULT_RECORD.relative_to(ROOT)} "
-                                    "for a full run, none for --tiny")
+    p.add_argument(
+        "--record",
+        help=f"results markdown (+ .json beside it); default {DEFAULT_RECORD.relative_to(ROOT)} "
+        "for a full run, none for --tiny",
+    )
     a = p.parse_args(argv)
     tiny = a.tiny
     a.steps = a.steps or (3 if tiny else 5)
@@ -497,8 +612,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     record = Path(a.record) if a.record else (None if a.tiny else DEFAULT_RECORD)
     if a.tiny and record is not None and record.resolve() == DEFAULT_RECORD.resolve():
-        print(f"error: --tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another "
-              "--record path", file=sys.stderr)
+        print(
+            f"error: --tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another "
+            "--record path",
+            file=sys.stderr,
+        )
         return 2
     try:
         arms = [parse_arm(n.strip(), a.gshard_experts) for n in a.arms.split(",") if n.strip()]
@@ -510,8 +628,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     unknown = [s for s in sizes if s != "tiny" and s not in model_presets()]
     if unknown or a.steps < 1 or a.warmup < 0 or a.micro_batch < 1 or a.grad_accum < 1:
-        print(f"error: unknown sizes {unknown} (presets: {', '.join(model_presets())})" if unknown else
-              "error: need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1", file=sys.stderr)
+        print(
+            f"error: unknown sizes {unknown} (presets: {', '.join(model_presets())})"
+            if unknown
+            else "error: need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.perf_counter()
     try:
@@ -520,10 +642,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["wall_s"] = time.perf_counter() - t0
-    result["command"] = "python -m benchmarks.gpu_throughput " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    result["command"] = "python -m benchmarks.gpu_throughput " + shlex.join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
     result["command"] = result["command"].strip()
-    result["settings"] = {k: getattr(a, k) for k in ("tiny", "steps", "warmup", "micro_batch", "grad_accum", "seq_len",
-                                                       "precision", "zero_stage", "recompute", "gshard_experts")}
+    result["settings"] = {
+        k: getattr(a, k)
+        for k in (
+            "tiny",
+            "steps",
+            "warmup",
+            "micro_batch",
+            "grad_accum",
+            "seq_len",
+            "precision",
+            "zero_stage",
+            "recompute",
+            "gshard_experts",
+        )
+    }
     md = markdown(result)
     if record is not None:
         record.parent.mkdir(parents=True, exist_ok=True)

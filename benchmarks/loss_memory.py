@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from data.argtypes import positive_int
 from benchmarks.machine import machine_info
+from data.argtypes import positive_int
 from launcher.config import load_run_config
 from model.gpt import LOSS_CHUNK_LOGITS
 from parallel.memory import trace_peak
@@ -42,8 +42,16 @@ def peak_bytes(preset: str, micro_batch: int, seq: int, chunked: bool, recompute
     the backward), and the tokens per loss chunk."""
     cfg = load_run_config(None, [f"model.preset={preset}", f"model.seq_len={seq}", "model.dropout=0.0"]).model
     chunk = LOSS_CHUNK_LOGITS if chunked else 2**62
-    m = trace_peak(cfg, micro_batch, None, recompute, torch.bfloat16, loss_chunk_logits=chunk, memtracker=True,
-                   preallocate_grads=False)
+    m = trace_peak(
+        cfg,
+        micro_batch,
+        None,
+        recompute,
+        torch.bfloat16,
+        loss_chunk_logits=chunk,
+        memtracker=True,
+        preallocate_grads=False,
+    )
     m.pop("activations")
     rows = max(1, LOSS_CHUNK_LOGITS // cfg.padded_vocab_size()) if chunked else micro_batch * seq
     return {**m, "rows": rows}
@@ -58,8 +66,11 @@ def run(presets: list[str], micro_batch: int, seq: int) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 m = peak_bytes(preset, micro_batch, seq, chunked, recompute)
                 r["chunked" if chunked else "whole"] = m
-                print(f"{preset} recompute={recompute} chunked={chunked}: {m['total'] / GiB:.2f} GiB "
-                      f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+                print(
+                    f"{preset} recompute={recompute} chunked={chunked}: {m['total'] / GiB:.2f} GiB "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    file=sys.stderr,
+                )
                 gc.collect()
             rows.append(r)
     return rows
@@ -92,12 +103,21 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
             f"| {(w['total'] - c['total']) / GiB:.2f} | {c['total'] / w['total']:.2f} | {c['rows']} "
             f"| {act(w) / GiB:.2f} -> {act(c) / GiB:.2f} |"
         )
-    kinds = sorted({k for r in rows for m in (r["whole"], r["chunked"]) for k in m if k not in ("total", "rows")})
-    lines += ["", "Peak by MemTracker kind (GiB, whole / chunked):", "",
-              "| model | recompute | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    kinds = sorted(
+        {k for r in rows for m in (r["whole"], r["chunked"]) for k in m if k not in ("total", "rows")}
+    )
+    lines += [
+        "",
+        "Peak by MemTracker kind (GiB, whole / chunked):",
+        "",
+        "| model | recompute | " + " | ".join(kinds) + " |",
+        "|---|---|" + "---|" * len(kinds),
+    ]
     for r in rows:
         cells = [f"{r['whole'].get(k, 0) / GiB:.2f} / {r['chunked'].get(k, 0) / GiB:.2f}" for k in kinds]
-        lines.append(f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

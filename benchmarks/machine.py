@@ -14,7 +14,9 @@ def machine_info() -> dict[str, Any]:
 
     cpu = ""
     try:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+        cpu = next(
+            (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), ""
+        )
     except OSError:
         pass
     try:
@@ -25,10 +27,15 @@ def machine_info() -> dict[str, Any]:
         ds = None
     return {
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "deepspeed": ds,
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": ds,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "loadavg_1m": round(os.getloadavg()[0], 2),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -80,8 +87,12 @@ class OtherLoad:
     def result(self) -> dict[str, Optional[float]]:
         wall = max(self._t1 - self._t0, 1e-9)
         own = (self._own1 - self._own0) / wall
-        out: dict[str, Optional[float]] = {"others_cores": None, "niced_cores": None, "own_cores": round(own, 3),
-                                           "wall_s": round(wall, 3)}
+        out: dict[str, Optional[float]] = {
+            "others_cores": None,
+            "niced_cores": None,
+            "own_cores": round(own, 3),
+            "wall_s": round(wall, 3),
+        }
         if self._busy0 is not None and self._busy1 is not None:
             hz = os.sysconf("SC_CLK_TCK")
             busy = (self._busy1[0] - self._busy0[0]) / hz / wall
@@ -113,22 +124,43 @@ def gpu_versions() -> dict[str, Any]:
             except Exception:  # noqa: BLE001
                 return None
 
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                           "cudnn": None, "nccl": None, "deepspeed": _version("deepspeed"),
-                           "megatron_core": _version("megatron-core"), "gpus": 0, "gpu": None, "capability": None,
-                           "gpu_memory_gib": None, "driver": None}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "nccl": None,
+        "deepspeed": _version("deepspeed"),
+        "megatron_core": _version("megatron-core"),
+        "gpus": 0,
+        "gpu": None,
+        "capability": None,
+        "gpu_memory_gib": None,
+        "driver": None,
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        out.update(gpus=torch.cuda.device_count(), gpu=props.name, capability=f"{props.major}.{props.minor}",
-                   gpu_memory_gib=round(props.total_memory / 2**30, 2), cudnn=torch.backends.cudnn.version())
+        out.update(
+            gpus=torch.cuda.device_count(),
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 2),
+            cudnn=torch.backends.cudnn.version(),
+        )
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
             pass
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30)
-            out["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            out["driver"] = (
+                smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+            )
         except (OSError, subprocess.SubprocessError):
             pass
     return out

@@ -50,7 +50,13 @@ TOLERANCE = 0.10
 PRECISION = "bf16"
 ZERO_SETUPS = (1, 0)  # bf16 parameters (ZeRO >= 1), bf16 autocast over fp32 weights (ZeRO 0)
 TINY_ZERO_SETUPS = (1,)  # --tiny is for tests: the same code path, half the traces
-TINY_MODEL = ("model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=512")
+TINY_MODEL = (
+    "model.preset=tiny",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.vocab_size=512",
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,17 @@ LAYOUTS = (
     Layout("dense", 8, None, ("data.mixture=natural",)),
     Layout("demix, 1 domain/GPU", 8, 8, ("model.ffn.kind=demix",)),
     Layout("demix, 4 domains/GPU", 2, 8, ("model.ffn.kind=demix",)),
-    Layout("gshard top-2, 8 experts/GPU", 8, None, ("model.ffn.kind=gshard", "model.ffn.num_experts=8",
-                                                    "model.ffn.gshard.experts_per_rank=8", "data.mixture=natural")),
+    Layout(
+        "gshard top-2, 8 experts/GPU",
+        8,
+        None,
+        (
+            "model.ffn.kind=gshard",
+            "model.ffn.num_experts=8",
+            "model.ffn.gshard.experts_per_rank=8",
+            "data.mixture=natural",
+        ),
+    ),
 )
 
 
@@ -77,8 +92,15 @@ def dry_run_argv(layout: Layout, model_sets: Sequence[str], micro_batch: int, ou
     argv = ["--world-size", str(layout.world_size)]
     if layout.domains is not None:
         argv += ["--domains", str(layout.domains)]
-    return argv + ["--set", *model_sets, *layout.sets, f"train.precision={PRECISION}",
-                   f"train.micro_batch={micro_batch}", "--out", str(out)]
+    return argv + [
+        "--set",
+        *model_sets,
+        *layout.sets,
+        f"train.precision={PRECISION}",
+        f"train.micro_batch={micro_batch}",
+        "--out",
+        str(out),
+    ]
 
 
 def run_dry_run(argv: list[str]) -> dict[str, Any]:
@@ -97,8 +119,14 @@ def run_dry_run(argv: list[str]) -> dict[str, Any]:
     if rc != 0:
         raise RuntimeError(f"dry run {shlex.join(argv)} failed with status {rc}")
     summary = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
-    return {"summary": summary, "printed": printed.getvalue(), "wall_s": wall, "cpu_s": cpu,
-            "others_cores": load.result()["others_cores"], "loadavg": os.getloadavg()[0]}
+    return {
+        "summary": summary,
+        "printed": printed.getvalue(),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "others_cores": load.result()["others_cores"],
+        "loadavg": os.getloadavg()[0],
+    }
 
 
 def standalone_dry_run(argv: list[str]) -> dict[str, Any]:
@@ -110,16 +138,25 @@ def standalone_dry_run(argv: list[str]) -> dict[str, Any]:
 
     cpu0, wall0 = os.times(), time.perf_counter()
     with OtherLoad() as load:
-        proc = subprocess.run([sys.executable, "-m", "launcher.dryrun", *argv], capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "launcher.dryrun", *argv],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     wall, cpu1 = time.perf_counter() - wall0, os.times()
     if proc.returncode != 0:
         raise RuntimeError(f"dry run {shlex.join(argv)} failed: {proc.stderr[-2000:]}")
     summary = json.loads(Path(argv[argv.index("--out") + 1]).read_text())
-    return {"argv": argv, "wall_s": wall, "cpu_s": (cpu1.children_user - cpu0.children_user)
-            + (cpu1.children_system - cpu0.children_system), "estimate_s": summary["memory"]["activations"]["seconds"],
-            "others_cores": load.result()["others_cores"], "loadavg": os.getloadavg()[0],
-            "printed": _memory_lines(proc.stdout)}
+    return {
+        "argv": argv,
+        "wall_s": wall,
+        "cpu_s": (cpu1.children_user - cpu0.children_user) + (cpu1.children_system - cpu0.children_system),
+        "estimate_s": summary["memory"]["activations"]["seconds"],
+        "others_cores": load.result()["others_cores"],
+        "loadavg": os.getloadavg()[0],
+        "printed": _memory_lines(proc.stdout),
+    }
 
 
 def _memory_lines(printed: str) -> list[str]:
@@ -136,8 +173,9 @@ def rank_model(layout: Layout, model_sets: Sequence[str], micro_batch: int, summ
     from launcher.dryrun import resolve_domains
     from launcher.plan import plan_layout
 
-    cfg = load_run_config(None, [*model_sets, *layout.sets, f"train.precision={PRECISION}",
-                                 f"train.micro_batch={micro_batch}"])
+    cfg = load_run_config(
+        None, [*model_sets, *layout.sets, f"train.precision={PRECISION}", f"train.micro_batch={micro_batch}"]
+    )
     names, problems = resolve_domains(cfg, layout.domains)
     plan = plan_layout(cfg, layout.world_size, names)
     assert not problems and not plan.problems, problems + plan.problems  # the dry run has just accepted it
@@ -153,8 +191,16 @@ def measure(model_cfg, micro_batch: int, expert_ids, zero: int) -> dict[bool, di
     return trace_peaks(model_cfg, micro_batch, expert_ids, (False, True), dtype, autocast, memtracker=True)
 
 
-def compare(layout: Layout, preset: str, dry: dict[str, Any], model_cfg, micro_batch: int, expert_ids,
-            zero: int, measured: dict[bool, dict[str, int]]) -> list[dict[str, Any]]:
+def compare(
+    layout: Layout,
+    preset: str,
+    dry: dict[str, Any],
+    model_cfg,
+    micro_batch: int,
+    expert_ids,
+    zero: int,
+    measured: dict[bool, dict[str, int]],
+) -> list[dict[str, Any]]:
     """One result row per recompute mode: the dry run's numbers for this ZeRO stage against MemTracker's."""
     from parallel.memory import activation_bytes
 
@@ -165,17 +211,26 @@ def compare(layout: Layout, preset: str, dry: dict[str, Any], model_cfg, micro_b
         mode = "recompute" if recompute else "no_recompute"
         m = measured[recompute]
         est_act = row[f"activations_{mode}"]
-        out.append({
-            "layout": layout.label, "preset": preset, "zero": zero, "recompute": recompute,
-            "method": mem["activations"]["method"],
-            "formula_act": activation_bytes(model_cfg, micro_batch, 1, recompute, PRECISION),
-            "est_act": est_act, "est_total": row["params"] + row["grads"] + est_act,
-            "dry_run_total": row[f"total_{mode}"],
-            "mt_act": m["total"] - m.get("PARAM", 0) - m.get("GRAD", 0), "mt_total": m["total"],
-            "mt_kinds": {k: v for k, v in m.items() if k not in ("total", "activations")},
-            "estimate_s": mem["activations"]["seconds"], "dry_run_wall_s": dry["wall_s"], "dry_run_cpu_s": dry["cpu_s"],
-            "others_cores": dry["others_cores"],
-        })
+        out.append(
+            {
+                "layout": layout.label,
+                "preset": preset,
+                "zero": zero,
+                "recompute": recompute,
+                "method": mem["activations"]["method"],
+                "formula_act": activation_bytes(model_cfg, micro_batch, 1, recompute, PRECISION),
+                "est_act": est_act,
+                "est_total": row["params"] + row["grads"] + est_act,
+                "dry_run_total": row[f"total_{mode}"],
+                "mt_act": m["total"] - m.get("PARAM", 0) - m.get("GRAD", 0),
+                "mt_total": m["total"],
+                "mt_kinds": {k: v for k, v in m.items() if k not in ("total", "activations")},
+                "estimate_s": mem["activations"]["seconds"],
+                "dry_run_wall_s": dry["wall_s"],
+                "dry_run_cpu_s": dry["cpu_s"],
+                "others_cores": dry["others_cores"],
+            }
+        )
     return out
 
 
@@ -186,50 +241,84 @@ def check(rows: Sequence[dict[str, Any]], tolerance: float = TOLERANCE) -> list[
         for what in ("total", "act"):
             ratio = r[f"est_{what}"] / r[f"mt_{what}"]
             if abs(ratio - 1) > tolerance:
-                bad.append(f"{r['layout']} {r['preset']} ZeRO {r['zero']} recompute={r['recompute']}: estimate/MemTracker "
-                           f"{what} = {ratio:.3f} ({r[f'est_{what}'] / GIB:.2f} vs {r[f'mt_{what}'] / GIB:.2f} GiB)")
+                bad.append(
+                    f"{r['layout']} {r['preset']} ZeRO {r['zero']} recompute={r['recompute']}: estimate/MemTracker "
+                    f"{what} = {ratio:.3f} ({r[f'est_{what}'] / GIB:.2f} vs {r[f'mt_{what}'] / GIB:.2f} GiB)"
+                )
     return bad
 
 
-def run(presets: Sequence[str], micro_batch: int, seq: int, tiny: bool,
-        layouts: Sequence[Layout] = LAYOUTS) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+def run(
+    presets: Sequence[str], micro_batch: int, seq: int, tiny: bool, layouts: Sequence[Layout] = LAYOUTS
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(comparison rows, ZeRO-2 model-state cross-checks, fresh-process dry runs of the last preset's DEMix and
     GShard layouts; none with --tiny) for every layout and preset."""
     rows, states, fresh = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
-            model_sets = [*TINY_MODEL, f"model.seq_len={seq}"] if tiny else [f"model.preset={preset}",
-                                                                              f"model.seq_len={seq}"]
+            model_sets = (
+                [*TINY_MODEL, f"model.seq_len={seq}"]
+                if tiny
+                else [f"model.preset={preset}", f"model.seq_len={seq}"]
+            )
             for layout in layouts:
                 argv = dry_run_argv(layout, model_sets, micro_batch, Path(tmp) / "summary.json")
                 dry = run_dry_run(argv)
                 mem = dry["summary"]["memory"]
                 model_cfg, ids = rank_model(layout, model_sets, micro_batch, dry["summary"])
                 z2 = mem["rows"][2]
-                states.append({"layout": layout.label, "preset": preset, "ours": z2["model_states"],
-                               "deepspeed": z2.get("deepspeed_estimate"), "argv": argv,
-                               "wall_s": dry["wall_s"], "cpu_s": dry["cpu_s"], "estimate_s": mem["activations"]["seconds"],
-                               "others_cores": dry["others_cores"], "loadavg": dry["loadavg"]})
+                states.append(
+                    {
+                        "layout": layout.label,
+                        "preset": preset,
+                        "ours": z2["model_states"],
+                        "deepspeed": z2.get("deepspeed_estimate"),
+                        "argv": argv,
+                        "wall_s": dry["wall_s"],
+                        "cpu_s": dry["cpu_s"],
+                        "estimate_s": mem["activations"]["seconds"],
+                        "others_cores": dry["others_cores"],
+                        "loadavg": dry["loadavg"],
+                    }
+                )
                 for zero in TINY_ZERO_SETUPS if tiny else ZERO_SETUPS:
                     t0 = time.perf_counter()
                     measured = measure(model_cfg, micro_batch, ids, zero)
                     new = compare(layout, preset, dry, model_cfg, micro_batch, ids, zero, measured)
                     rows += new
-                    print(f"{preset} {layout.label} ZeRO {zero}: dry run {dry['wall_s']:.1f} s wall / {dry['cpu_s']:.1f} s "
-                          f"CPU; MemTracker {time.perf_counter() - t0:.1f} s; ratios "
-                          + ", ".join(f"{r['est_total'] / r['mt_total']:.3f}" for r in new), file=sys.stderr, flush=True)
+                    print(
+                        f"{preset} {layout.label} ZeRO {zero}: dry run {dry['wall_s']:.1f} s wall / {dry['cpu_s']:.1f} s "
+                        f"CPU; MemTracker {time.perf_counter() - t0:.1f} s; ratios "
+                        + ", ".join(f"{r['est_total'] / r['mt_total']:.3f}" for r in new),
+                        file=sys.stderr,
+                        flush=True,
+                    )
         if not tiny:
             model_sets = [f"model.preset={presets[-1]}", f"model.seq_len={seq}"]
             for layout in (layouts[1], layouts[-1]):
-                fresh.append(standalone_dry_run(dry_run_argv(layout, model_sets, micro_batch,
-                                                             Path(tmp) / "fresh.json") + ["--device", "h100"]))
-                print(f"fresh dry run {layout.label}: {fresh[-1]['wall_s']:.1f} s wall, {fresh[-1]['cpu_s']:.1f} s CPU",
-                      file=sys.stderr, flush=True)
+                fresh.append(
+                    standalone_dry_run(
+                        dry_run_argv(layout, model_sets, micro_batch, Path(tmp) / "fresh.json")
+                        + ["--device", "h100"]
+                    )
+                )
+                print(
+                    f"fresh dry run {layout.label}: {fresh[-1]['wall_s']:.1f} s wall, {fresh[-1]['cpu_s']:.1f} s CPU",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return rows, states, fresh
 
 
-def report(rows: Sequence[dict[str, Any]], states: Sequence[dict[str, Any]], micro_batch: int, seq: int,
-           argv: Sequence[str], tiny: bool, fresh: Sequence[dict[str, Any]] = ()) -> str:
+def report(
+    rows: Sequence[dict[str, Any]],
+    states: Sequence[dict[str, Any]],
+    micro_batch: int,
+    seq: int,
+    argv: Sequence[str],
+    tiny: bool,
+    fresh: Sequence[dict[str, Any]] = (),
+) -> str:
     from benchmarks.machine import machine_info
 
     info = machine_info()
@@ -267,35 +356,61 @@ def report(rows: Sequence[dict[str, Any]], states: Sequence[dict[str, Any]], mic
             f"| {g(r['dry_run_total'])} | {r['estimate_s']:.1f} |"
         )
     methods = sorted({r["method"] for r in rows})
-    lines += ["", f"Activations method in every dry run: {', '.join(methods)}. `estimate s` is the wall time of the "
-              "dry run's activation estimate (every ZeRO stage and recompute mode: two traces of two passes each), "
-              "cold; the machine was shared, so the CPU seconds below are the better measure.", "",
-              "Dry runs (wall and CPU seconds of the whole command; CPU that other processes used meanwhile, in cores) "
-              "and model states at ZeRO 2, ours vs DeepSpeed's `estimate_zero2_model_states_mem_needs`:", "",
-              "| layout | model | command | wall s | CPU s | other load (cores) | ZeRO-2 states | DeepSpeed | diff |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Activations method in every dry run: {', '.join(methods)}. `estimate s` is the wall time of the "
+        "dry run's activation estimate (every ZeRO stage and recompute mode: two traces of two passes each), "
+        "cold; the machine was shared, so the CPU seconds below are the better measure.",
+        "",
+        "Dry runs (wall and CPU seconds of the whole command; CPU that other processes used meanwhile, in cores) "
+        "and model states at ZeRO 2, ours vs DeepSpeed's `estimate_zero2_model_states_mem_needs`:",
+        "",
+        "| layout | model | command | wall s | CPU s | other load (cores) | ZeRO-2 states | DeepSpeed | diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in states:
         cmd = shlex.join(["python", "-m", "launcher.dryrun", *[a for a in s["argv"][:-2]]])
         ds = s["deepspeed"]
         others = "?" if s["others_cores"] is None else f"{s['others_cores']:.1f}"
         diff = "-" if ds is None else f"{(s['ours'] - ds) / ds:+.1%}"
-        lines.append(f"| {s['layout']} | {s['preset']} | `{cmd}` | {s['wall_s']:.1f} | {s['cpu_s']:.1f} | {others} "
-                     f"| {g(s['ours'])} | {'-' if ds is None else g(ds)} | {diff} |")
+        lines.append(
+            f"| {s['layout']} | {s['preset']} | `{cmd}` | {s['wall_s']:.1f} | {s['cpu_s']:.1f} | {others} "
+            f"| {g(s['ours'])} | {'-' if ds is None else g(ds)} | {diff} |"
+        )
     if fresh:
-        lines += ["", "The dry run as a user starts it, a fresh process (imports included), against an H100's 80 GiB:", ""]
+        lines += [
+            "",
+            "The dry run as a user starts it, a fresh process (imports included), against an H100's 80 GiB:",
+            "",
+        ]
         for f in fresh:
             others = "?" if f["others_cores"] is None else f"{f['others_cores']:.1f}"
             cmd = shlex.join(["python", "-m", "launcher.dryrun", *f["argv"]]).replace(
-                f" --out {shlex.quote(f['argv'][f['argv'].index('--out') + 1])}", "")
-            lines += [f"`{cmd}`: {f['wall_s']:.1f} s wall, {f['cpu_s']:.1f} s CPU (activation estimate "
-                      f"{f['estimate_s']:.1f} s wall; other processes {others} cores, load average {f['loadavg']:.1f})",
-                      "", "```", *f["printed"], "```", ""]
+                f" --out {shlex.quote(f['argv'][f['argv'].index('--out') + 1])}", ""
+            )
+            lines += [
+                f"`{cmd}`: {f['wall_s']:.1f} s wall, {f['cpu_s']:.1f} s CPU (activation estimate "
+                f"{f['estimate_s']:.1f} s wall; other processes {others} cores, load average {f['loadavg']:.1f})",
+                "",
+                "```",
+                *f["printed"],
+                "```",
+                "",
+            ]
     kinds = sorted({k for r in rows for k in r["mt_kinds"]})
-    lines += ["", f"MemTracker's peak by kind ({unit}):", "",
-              "| layout | model | ZeRO | recompute | " + " | ".join(kinds) + " |", "|---|---|---|---|" + "---|" * len(kinds)]
+    lines += [
+        "",
+        f"MemTracker's peak by kind ({unit}):",
+        "",
+        "| layout | model | ZeRO | recompute | " + " | ".join(kinds) + " |",
+        "|---|---|---|---|" + "---|" * len(kinds),
+    ]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} | "
-                     + " | ".join(g(r["mt_kinds"].get(k, 0)) for k in kinds) + " |")
+        lines.append(
+            f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} | "
+            + " | ".join(g(r["mt_kinds"].get(k, 0)) for k in kinds)
+            + " |"
+        )
     bad = check(rows)
     lines += ["", f"Rows outside {TOLERANCE:.0%}: " + ("none." if not bad else "; ".join(bad))]
     return "\n".join(lines) + "\n"
@@ -303,10 +418,14 @@ def report(rows: Sequence[dict[str, Any]], states: Sequence[dict[str, Any]], mic
 
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="a tiny GPT instead of the presets (seconds; for tests)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny GPT instead of the presets (seconds; for tests)"
+    )
     ap.add_argument("--presets", nargs="+", default=["gpt3-small", "gpt3-xl"])
     ap.add_argument("--micro-batch", type=positive_int, default=8)
-    ap.add_argument("--seq", type=positive_int, default=None, help="sequence length (default 2048; 128 with --tiny)")
+    ap.add_argument(
+        "--seq", type=positive_int, default=None, help="sequence length (default 2048; 128 with --tiny)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     seq = args.seq or (128 if args.tiny else 2048)

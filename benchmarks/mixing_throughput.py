@@ -61,9 +61,13 @@ from data.argtypes import positive_int
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("batched", "sequential", "forward")
-OTHERS_WARN = 0.25  # cores used by other processes during a timed row above which the results say "under load"
+OTHERS_WARN = (
+    0.25  # cores used by other processes during a timed row above which the results say "under load"
+)
 TARGET_VS_FORWARD = 1.5  # issue 17 point 4: batched >= 1.5x the E forward passes at E = 8
-NOISE = 0.98  # batched / sequential below this is "slower"; at E = 1 both run identical code and differ by ~1-2 %
+NOISE = (
+    0.98  # batched / sequential below this is "slower"; at E = 1 both run identical code and differ by ~1-2 %
+)
 GEMM_SAMPLE_S = 0.05  # each timed GEMM sample repeats the product until it lasts about this long
 
 
@@ -72,11 +76,18 @@ def _build(args: argparse.Namespace, experts_held: int):
     from model.gpt import GPT
 
     torch.set_num_threads(args.threads)
-    cfg = load_run_config(None, [
-        "model.preset=tiny", f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
-        f"model.n_heads={args.heads}", f"model.seq_len={args.seq_len}", "model.ffn.kind=demix",
-        f"model.ffn.num_experts={experts_held}",
-    ])
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            f"model.n_layers={args.layers}",
+            f"model.d_model={args.d_model}",
+            f"model.n_heads={args.heads}",
+            f"model.seq_len={args.seq_len}",
+            "model.ffn.kind=demix",
+            f"model.ffn.num_experts={experts_held}",
+        ],
+    )
     dev = torch.device(args.device)
     model = GPT(cfg.model, init_seed=0).to(dev).eval()
     g = torch.Generator().manual_seed(0)
@@ -133,10 +144,31 @@ def _probe_memory(args: argparse.Namespace) -> dict:
 def _peak_memory(args: argparse.Namespace, path: str, E: int) -> Optional[float]:
     if not Path("/proc/self/clear_refs").exists():
         return None
-    cmd = [sys.executable, "-m", "benchmarks.mixing_throughput", "--layers", str(args.layers), "--d-model",
-           str(args.d_model), "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-           "--threads", str(args.threads), "--device", "cpu", "--fanout-tokens", str(args.fanout_tokens),
-           "--probe-memory", path, "--probe-experts", str(E)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.mixing_throughput",
+        "--layers",
+        str(args.layers),
+        "--d-model",
+        str(args.d_model),
+        "--heads",
+        str(args.heads),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--threads",
+        str(args.threads),
+        "--device",
+        "cpu",
+        "--fanout-tokens",
+        str(args.fanout_tokens),
+        "--probe-memory",
+        path,
+        "--probe-experts",
+        str(E),
+    ]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
@@ -154,13 +186,21 @@ def flop_model(cfg, vocab: int, T: int, E: int) -> dict:
     layer = attn + 2 * 2 * D * Fd
     per_expert_token = head + L * layer
     shared = attn  # DEMix: every layer is an expert layer, the first one's attention is shared
-    return {"head_flops": head, "per_expert_token_flops": per_expert_token, "head_share": head / per_expert_token,
-            "shared_flops": shared,
-            "ceiling_vs_sequential": E * per_expert_token / (E * per_expert_token - (E - 1) * shared)}
+    return {
+        "head_flops": head,
+        "per_expert_token_flops": per_expert_token,
+        "head_share": head / per_expert_token,
+        "shared_flops": shared,
+        "ceiling_vs_sequential": E * per_expert_token / (E * per_expert_token - (E - 1) * shared),
+    }
 
 
-def gemm_rates(shapes: dict[str, tuple[int, int, int, bool]], device: torch.device, repeats: int,
-               sync: Callable[[], None]) -> dict:
+def gemm_rates(
+    shapes: dict[str, tuple[int, int, int, bool]],
+    device: torch.device,
+    repeats: int,
+    sync: Callable[[], None],
+) -> dict:
     """Achievable fp32 `torch.mm` rate for each named (M, K, N, B transposed) shape: best of `repeats` samples
     (each about GEMM_SAMPLE_S long) after a warm-up, in GFLOP/s (2·M·K·N per product), with the current torch
     thread count; `rate_gflop_s` is the highest."""
@@ -184,13 +224,21 @@ def gemm_rates(shapes: dict[str, tuple[int, int, int, bool]], device: torch.devi
                 fn()
             sync()
             best = min(best, (time.perf_counter() - t0) / inner)
-        out["shapes"][name] = {"m": M, "k": K, "n": N, "b_transposed": nt, "seconds": round(best, 7),
-                               "gflop_s": round(2 * M * K * N / best / 1e9, 2)}
+        out["shapes"][name] = {
+            "m": M,
+            "k": K,
+            "n": N,
+            "b_transposed": nt,
+            "seconds": round(best, 7),
+            "gflop_s": round(2 * M * K * N / best / 1e9, 2),
+        }
     out["rate_gflop_s"] = max(v["gflop_s"] for v in out["shapes"].values())
     return out
 
 
-def head_floor(model, tokens: torch.Tensor, targets: torch.Tensor, repeats: int, sync: Callable[[], None]) -> dict:
+def head_floor(
+    model, tokens: torch.Tensor, targets: torch.Tensor, repeats: int, sync: Callable[[], None]
+) -> dict:
     """One expert's LM head over the batch, split into what it cannot avoid: the blocked GEMM over the whole
     vocabulary alone, the GEMM with the in-place exp of every logit (torch's vectorised exp), and the real head
     (`target_log_probs`: + sums, target gather, log) -- best wall seconds of each, round-robin."""
@@ -206,15 +254,22 @@ def head_floor(model, tokens: torch.Tensor, targets: torch.Tensor, repeats: int,
 
         def blocks(exp: bool) -> None:
             for s in range(0, h_ND.shape[0], R):
-                h = h_ND[s:s + R]
+                h = h_ND[s : s + R]
                 for v in range(0, W_VD.shape[0], C):
-                    w = W_VD[v:v + C]
-                    l = torch.mm(h, w.t(), out=buf[:h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0]))
+                    w = W_VD[v : v + C]
+                    l = torch.mm(h, w.t(), out=buf[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0]))
                     if exp:
                         l.exp_()
 
-        t = _round_robin({"gemm": lambda: blocks(False), "gemm_exp": lambda: blocks(True),
-                          "head": lambda: target_log_probs(model, h_ND, t_N)}, repeats, sync)["wall"]
+        t = _round_robin(
+            {
+                "gemm": lambda: blocks(False),
+                "gemm_exp": lambda: blocks(True),
+                "head": lambda: target_log_probs(model, h_ND, t_N),
+            },
+            repeats,
+            sync,
+        )["wall"]
     return {k: round(v, 5) for k, v in t.items()}
 
 
@@ -230,8 +285,15 @@ def run(args: argparse.Namespace) -> dict:
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     BT = args.batch * args.seq_len
     budget = DEFAULT_LOGIT_BUDGET if dev.type == "cpu" else DEFAULT_LOGIT_BUDGET_CUDA
-    gemm = gemm_rates({"head_block": (DEFAULT_HEAD_ROWS, args.d_model, budget // DEFAULT_HEAD_ROWS, True),
-                       "square": (1024, 1024, 1024, False)}, dev, args.gemm_repeats, sync)
+    gemm = gemm_rates(
+        {
+            "head_block": (DEFAULT_HEAD_ROWS, args.d_model, budget // DEFAULT_HEAD_ROWS, True),
+            "square": (1024, 1024, 1024, False),
+        },
+        dev,
+        args.gemm_repeats,
+        sync,
+    )
     gemm["head_floor_s"] = head_floor(model, tokens, targets, max(3, args.repeats), sync)
     print(json.dumps({"gemm": gemm}), flush=True)
     rows = []
@@ -244,25 +306,31 @@ def run(args: argparse.Namespace) -> dict:
         with OtherLoad() as others:
             t = _round_robin(fns, args.repeats, sync)
         ll = fns["batched"]().double().cpu()
-        t_m = _round_robin({"m": lambda: mx.posterior_mixture_log_probs(ll, mx.updating_priors(ll).log_prior_EB)},
-                           args.repeats, lambda: None)["wall"]["m"]
+        t_m = _round_robin(
+            {"m": lambda: mx.posterior_mixture_log_probs(ll, mx.updating_priors(ll).log_prior_EB)},
+            args.repeats,
+            lambda: None,
+        )["wall"]["m"]
         row = {"experts": E, "loadavg_1m_start": round(load0, 2), "others": others.result()}
         for k in PATHS:
             row[f"{k}_s"], row[f"{k}_cpu_s"] = round(t["wall"][k], 5), round(t["cpu"][k], 5)
-        row.update({
-            "speedup_vs_sequential": round(t["wall"]["sequential"] / t["wall"]["batched"], 3),
-            "speedup_vs_forward": round(t["wall"]["forward"] / t["wall"]["batched"], 3),
-            "cpu_speedup_vs_sequential": round(t["cpu"]["sequential"] / t["cpu"]["batched"], 3),
-            "cpu_speedup_vs_forward": round(t["cpu"]["forward"] / t["cpu"]["batched"], 3),
-            "batched_text_tok_s": round(BT / t["wall"]["batched"], 1),
-            "batched_expert_tok_s": round(E * BT / t["wall"]["batched"], 1),
-            "sequential_expert_tok_s": round(E * BT / t["wall"]["sequential"], 1),
-            "forward_expert_tok_s": round(E * BT / t["wall"]["forward"], 1),
-            "mixture_maths_s": round(t_m, 5),
-            "max_abs_diff_batched": err["batched"], "max_abs_diff_sequential": err["sequential"],
-            "full_logits_mib": round(E * BT * model.vocab_size * 4 / 2**20, 1),
-            "loadavg_1m_end": round(os.getloadavg()[0], 2),
-        })
+        row.update(
+            {
+                "speedup_vs_sequential": round(t["wall"]["sequential"] / t["wall"]["batched"], 3),
+                "speedup_vs_forward": round(t["wall"]["forward"] / t["wall"]["batched"], 3),
+                "cpu_speedup_vs_sequential": round(t["cpu"]["sequential"] / t["cpu"]["batched"], 3),
+                "cpu_speedup_vs_forward": round(t["cpu"]["forward"] / t["cpu"]["batched"], 3),
+                "batched_text_tok_s": round(BT / t["wall"]["batched"], 1),
+                "batched_expert_tok_s": round(E * BT / t["wall"]["batched"], 1),
+                "sequential_expert_tok_s": round(E * BT / t["wall"]["sequential"], 1),
+                "forward_expert_tok_s": round(E * BT / t["wall"]["forward"], 1),
+                "mixture_maths_s": round(t_m, 5),
+                "max_abs_diff_batched": err["batched"],
+                "max_abs_diff_sequential": err["sequential"],
+                "full_logits_mib": round(E * BT * model.vocab_size * 4 / 2**20, 1),
+                "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            }
+        )
         row["flops"] = flop_model(model.cfg, model.vocab_size, args.seq_len, E)
         for k in PATHS:
             rate = row[f"{k}_expert_tok_s"] * row["flops"]["per_expert_token_flops"] / 1e9
@@ -274,15 +342,30 @@ def run(args: argparse.Namespace) -> dict:
     if args.memory and args.device == "cpu":
         for row in rows:
             row["peak_extra_mib"] = {k: _peak_memory(args, k, row["experts"]) for k in PATHS}
-            print(json.dumps({"experts": row["experts"], "peak_extra_mib": row["peak_extra_mib"]}), flush=True)
+            print(
+                json.dumps({"experts": row["experts"], "peak_extra_mib": row["peak_extra_mib"]}), flush=True
+            )
     return {
-        "model": {"layers": args.layers, "d_model": args.d_model, "d_ffn": model.cfg.d_ffn, "heads": args.heads,
-                  "seq_len": args.seq_len, "vocab": model.vocab_size, "experts_held": E_max,
-                  "params": model.num_parameters()},
-        "batch": args.batch, "tokens_per_pass": BT, "repeats": args.repeats, "threads": args.threads,
+        "model": {
+            "layers": args.layers,
+            "d_model": args.d_model,
+            "d_ffn": model.cfg.d_ffn,
+            "heads": args.heads,
+            "seq_len": args.seq_len,
+            "vocab": model.vocab_size,
+            "experts_held": E_max,
+            "params": model.num_parameters(),
+        },
+        "batch": args.batch,
+        "tokens_per_pass": BT,
+        "repeats": args.repeats,
+        "threads": args.threads,
         "device": str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev),
-        "head_block": {"logits": DEFAULT_LOGIT_BUDGET, "rows": DEFAULT_HEAD_ROWS,
-                       "mib": DEFAULT_LOGIT_BUDGET * 4 / 2**20},
+        "head_block": {
+            "logits": DEFAULT_LOGIT_BUDGET,
+            "rows": DEFAULT_HEAD_ROWS,
+            "mib": DEFAULT_LOGIT_BUDGET * 4 / 2**20,
+        },
         "fanout_tokens": args.fanout_tokens,
         "gemm": gemm,
         "rows": rows,
@@ -297,14 +380,20 @@ def write(result: dict, out: Path) -> None:
     m, runs, mach = result["model"], result["runs"], result["machine"]
     rows = [r for run in runs for r in run["rows"]]
     loads = [r[k] for r in rows for k in ("loadavg_1m_start", "loadavg_1m_end")] + [mach["loadavg_1m"]]
-    others = [r["others"]["others_cores"] for r in rows if r.get("others", {}).get("others_cores") is not None]
+    others = [
+        r["others"]["others_cores"] for r in rows if r.get("others", {}).get("others_cores") is not None
+    ]
     lines = ["# Mixing throughput: batched all-experts pass vs E sequential passes", ""]
     if others and max(others) > OTHERS_WARN:
-        lines += [f"**WARNING: other processes used up to {max(others):.2f} cores (> {OTHERS_WARN}) while rows were "
-                  "timed: the wall-clock times (and, through shared caches, the CPU times) of those rows are "
-                  "unreliable. Re-run on an idle machine.**", ""]
+        lines += [
+            f"**WARNING: other processes used up to {max(others):.2f} cores (> {OTHERS_WARN}) while rows were "
+            "timed: the wall-clock times (and, through shared caches, the CPU times) of those rows are "
+            "unreliable. Re-run on an idle machine.**",
+            "",
+        ]
     lines += [
-        f"Command: `{result['command']}`", "",
+        f"Command: `{result['command']}`",
+        "",
         f"Machine: {mach['cores']} usable cores (os.cpu_count() = {mach['cpu_count']}), {mach['cpu'] or 'cpu'}, "
         f"{mach['platform']}, torch {mach['torch']}, device {runs[0]['device']}; torch's default thread count here "
         f"{result['default_threads']}. Other processes' CPU while rows were timed: "
@@ -317,21 +406,30 @@ def write(result: dict, out: Path) -> None:
         f"{runs[0]['repeats']} round-robin rounds after a warm-up. All paths compute the same E x B x T "
         "log-likelihoods. *sequential* = E single-expert passes of the same efficient code (the fair baseline); "
         "*forward* = E `GPT.forward` passes with full logits and cross-entropy (the previous baseline and the parity "
-        "reference).", "",
-        "## Against the targets", "",
+        "reference).",
+        "",
+        "## Against the targets",
+        "",
         f"Issue 17 point 4: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
-        "the E forward passes at the largest E.", "",
+        "the E forward passes at the largest E.",
+        "",
         "| torch threads | batched vs forward at E = max | batched vs sequential, lowest over E | others' CPU, cores "
-        "(max) | met |", "|---|---|---|---|---|",
+        "(max) | met |",
+        "|---|---|---|---|---|",
     ]
     for run in runs:
         last, low = run["rows"][-1], min(r["speedup_vs_sequential"] for r in run["rows"])
         oc = [r["others"]["others_cores"] for r in run["rows"] if r["others"]["others_cores"] is not None]
         met = last["speedup_vs_forward"] >= TARGET_VS_FORWARD and low >= NOISE
-        lines.append(f"| {run['threads']} | {last['speedup_vs_forward']:.2f}x (E = {last['experts']}) | {low:.3f}x | "
-                     f"{_cores(max(oc) if oc else None)} | {'yes' if met else 'no'} |")
-    lines += ["", "At E = 1 the batched and sequential paths run the same computation, so their ratio there is timing "
-              f"noise; \"never slower\" is read as no ratio below {NOISE} (that noise band)."]
+        lines.append(
+            f"| {run['threads']} | {last['speedup_vs_forward']:.2f}x (E = {last['experts']}) | {low:.3f}x | "
+            f"{_cores(max(oc) if oc else None)} | {'yes' if met else 'no'} |"
+        )
+    lines += [
+        "",
+        "At E = 1 the batched and sequential paths run the same computation, so their ratio there is timing "
+        f'noise; "never slower" is read as no ratio below {NOISE} (that noise band).',
+    ]
     for run in runs:
         lines += _section(run)
     (out / "mixing_throughput.md").write_text("\n".join(lines) + "\n")
@@ -341,8 +439,11 @@ def _section(result: dict) -> list[str]:
     """The tables and notes of one thread count's sweep."""
     rows = result["rows"]
     lines = [
-        "", f"## {result['threads']} torch thread(s)", "",
-        "### Wall-clock time", "",
+        "",
+        f"## {result['threads']} torch thread(s)",
+        "",
+        "### Wall-clock time",
+        "",
         "| experts E (= top-k k) | batched s | sequential s | forward s | speed-up vs sequential | speed-up vs forward "
         "| batched text tok/s | batched expert-tok/s | sequential expert-tok/s | forward expert-tok/s | others' CPU, "
         "cores | load 1m |",
@@ -354,63 +455,93 @@ def _section(result: dict) -> list[str]:
             f"{r['speedup_vs_sequential']:.2f}x | {r['speedup_vs_forward']:.2f}x | {r['batched_text_tok_s']:,.0f} | "
             f"{r['batched_expert_tok_s']:,.0f} | {r['sequential_expert_tok_s']:,.0f} | "
             f"{r['forward_expert_tok_s']:,.0f} | {_cores(r['others']['others_cores'])} | "
-            f"{r['loadavg_1m_start']:.2f} -> {r['loadavg_1m_end']:.2f} |")
-    lines += ["", "### Process CPU time (less sensitive to other load)", "",
-              "| experts E | batched CPU s | sequential CPU s | forward CPU s | speed-up vs sequential | "
-              "speed-up vs forward |", "|---|---|---|---|---|---|"]
+            f"{r['loadavg_1m_start']:.2f} -> {r['loadavg_1m_end']:.2f} |"
+        )
+    lines += [
+        "",
+        "### Process CPU time (less sensitive to other load)",
+        "",
+        "| experts E | batched CPU s | sequential CPU s | forward CPU s | speed-up vs sequential | "
+        "speed-up vs forward |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['batched_cpu_s']:.4f} | {r['sequential_cpu_s']:.4f} | "
-                     f"{r['forward_cpu_s']:.4f} | {r['cpu_speedup_vs_sequential']:.2f}x | "
-                     f"{r['cpu_speedup_vs_forward']:.2f}x |")
+        lines.append(
+            f"| {r['experts']} | {r['batched_cpu_s']:.4f} | {r['sequential_cpu_s']:.4f} | "
+            f"{r['forward_cpu_s']:.4f} | {r['cpu_speedup_vs_sequential']:.2f}x | "
+            f"{r['cpu_speedup_vs_forward']:.2f}x |"
+        )
     gm = result["gemm"]
-    shp = "; ".join(f"{k.replace('_', ' ')} {v['m']} x {v['k']} x {v['n']} (M x K x N"
-                    f"{', B transposed' if v['b_transposed'] else ''}): {v['gflop_s']:.1f} GFLOP/s"
-                    for k, v in gm["shapes"].items())
-    lines += ["", "### Achieved rate", "",
-              f"Achievable fp32 GEMM rate measured in this run with the same {gm['threads']} torch thread(s) "
-              f"(`torch.mm`, best of {gm['repeats']} samples after a warm-up): {shp}. Reference = the higher, "
-              f"{gm['rate_gflop_s']:.1f} GFLOP/s. Achieved = expert-tok/s (wall) x "
-              f"{rows[-1]['flops']['per_expert_token_flops'] / 1e6:.1f} MFLOP per expert-token (forward FLOPs, the "
-              "same for every path); fraction = achieved / reference. Best possible speed-up vs forward = "
-              "reference / forward's achieved rate: the most any implementation of these FLOPs could gain.", "",
-              "| experts E | batched GFLOP/s | sequential GFLOP/s | forward GFLOP/s | batched / GEMM | "
-              "sequential / GEMM | forward / GEMM | best possible speed-up vs forward |",
-              "|---|---|---|---|---|---|---|---|"]
+    shp = "; ".join(
+        f"{k.replace('_', ' ')} {v['m']} x {v['k']} x {v['n']} (M x K x N"
+        f"{', B transposed' if v['b_transposed'] else ''}): {v['gflop_s']:.1f} GFLOP/s"
+        for k, v in gm["shapes"].items()
+    )
+    lines += [
+        "",
+        "### Achieved rate",
+        "",
+        f"Achievable fp32 GEMM rate measured in this run with the same {gm['threads']} torch thread(s) "
+        f"(`torch.mm`, best of {gm['repeats']} samples after a warm-up): {shp}. Reference = the higher, "
+        f"{gm['rate_gflop_s']:.1f} GFLOP/s. Achieved = expert-tok/s (wall) x "
+        f"{rows[-1]['flops']['per_expert_token_flops'] / 1e6:.1f} MFLOP per expert-token (forward FLOPs, the "
+        "same for every path); fraction = achieved / reference. Best possible speed-up vs forward = "
+        "reference / forward's achieved rate: the most any implementation of these FLOPs could gain.",
+        "",
+        "| experts E | batched GFLOP/s | sequential GFLOP/s | forward GFLOP/s | batched / GEMM | "
+        "sequential / GEMM | forward / GEMM | best possible speed-up vs forward |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['batched_gflop_s']:.1f} | {r['sequential_gflop_s']:.1f} | "
-                     f"{r['forward_gflop_s']:.1f} | {r['batched_gemm_fraction']:.0%} | "
-                     f"{r['sequential_gemm_fraction']:.0%} | {r['forward_gemm_fraction']:.0%} | "
-                     f"{r['ceiling_vs_forward']:.2f}x |")
+        lines.append(
+            f"| {r['experts']} | {r['batched_gflop_s']:.1f} | {r['sequential_gflop_s']:.1f} | "
+            f"{r['forward_gflop_s']:.1f} | {r['batched_gemm_fraction']:.0%} | "
+            f"{r['sequential_gemm_fraction']:.0%} | {r['forward_gemm_fraction']:.0%} | "
+            f"{r['ceiling_vs_forward']:.2f}x |"
+        )
     hb = result["head_block"]
-    lines += ["", "### Peak memory and parity", "",
-              "Peak resident memory of one pass above the resident size just before it (fresh subprocess per cell; "
-              "see the module docstring; measured in the first thread count's sweep only), next to the size the "
-              "E x B x T x V float32 logits would have if materialised. Max |diff| is against the forward path.", "",
-              "| experts E | batched peak MiB | sequential peak MiB | forward peak MiB | E·B·T·V logits MiB | "
-              "max abs diff batched | max abs diff sequential | mixture maths s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "### Peak memory and parity",
+        "",
+        "Peak resident memory of one pass above the resident size just before it (fresh subprocess per cell; "
+        "see the module docstring; measured in the first thread count's sweep only), next to the size the "
+        "E x B x T x V float32 logits would have if materialised. Max |diff| is against the forward path.",
+        "",
+        "| experts E | batched peak MiB | sequential peak MiB | forward peak MiB | E·B·T·V logits MiB | "
+        "max abs diff batched | max abs diff sequential | mixture maths s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         pk = r.get("peak_extra_mib") or {}
-        lines.append(f"| {r['experts']} | {fmt(pk.get('batched'))} | {fmt(pk.get('sequential'))} | "
-                     f"{fmt(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
-                     f"{r['max_abs_diff_sequential']:.1e} | {r['mixture_maths_s']:.4f} |")
+        lines.append(
+            f"| {r['experts']} | {fmt(pk.get('batched'))} | {fmt(pk.get('sequential'))} | "
+            f"{fmt(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
+            f"{r['max_abs_diff_sequential']:.1e} | {r['mixture_maths_s']:.4f} |"
+        )
     fl, last = rows[-1]["flops"], rows[-1]
     base = rows[0]
     lines += [
-        "", f"The LM head works on blocks of at most {hb['logits']:,} logits ({hb['rows']} rows x "
+        "",
+        f"The LM head works on blocks of at most {hb['logits']:,} logits ({hb['rows']} rows x "
         f"{hb['logits'] // hb['rows']} vocabulary entries, {hb['mib']:.0f} MiB of float32: an L2 cache) whatever "
         "E, B, T and V are; what grows with E in the batched column is the E·B·T·D activations of the transformer "
         "itself (and the attention of E·B sequences), not logits, and that growth stops at "
         f"{result['fanout_tokens']:,} expert-tokens fanned out at once (beyond it the experts go in groups; "
         "`--fanout-tokens` sets it). At E = 1 the batched and sequential columns run the same computation, so "
         "their ratio there is timing noise.",
-        "", "Cost growth relative to E = %d (batched): " % base["experts"] + ", ".join(
-            f"E={r['experts']}: {r['batched_s'] / base['batched_s']:.2f}x" for r in rows) + ". A top-k mixture with "
+        "",
+        "Cost growth relative to E = %d (batched): " % base["experts"]
+        + ", ".join(f"E={r['experts']}: {r['batched_s'] / base['batched_s']:.2f}x" for r in rows)
+        + ". A top-k mixture with "
         "experts chosen by the cached prior runs only k experts, so its cost is the row E = k; choosing top-k per "
         "token from the full posterior needs all E experts' likelihoods and costs the row E = all.",
-        "", "Mixture maths = updating-prior recursion (eq. 9) + posterior (eqs. 7-8) + eq. 6 on the E x B x T "
+        "",
+        "Mixture maths = updating-prior recursion (eq. 9) + posterior (eqs. 7-8) + eq. 6 on the E x B x T "
         "log-likelihoods in float64: negligible next to the forward passes.",
-        "", f"Where the time goes: with the GPT-2 vocabulary the tied LM head is {fl['head_share']:.0%} of the forward "
+        "",
+        f"Where the time goes: with the GPT-2 vocabulary the tied LM head is {fl['head_share']:.0%} of the forward "
         f"FLOPs per expert-token at this width ({fl['head_flops'] / 1e6:.1f} of "
         f"{fl['per_expert_token_flops'] / 1e6:.1f} MFLOP), and it is the same for every path. The batched pass can "
         "only save work that is the same for all experts: the embeddings and the first expert layer's attention "
@@ -430,13 +561,16 @@ def _section(result: dict) -> list[str]:
         e1 = rows[0]
         rest = e1["batched_s"] / e1["experts"] - hf["head"]
         best = rest + hf["gemm_exp"]
-        lines += ["", f"The head's floor, one expert over the batch: the blocked GEMM over the whole vocabulary alone "
-                  f"takes {hf['gemm']:.4f} s, with torch's in-place exp of every logit {hf['gemm_exp']:.4f} s "
-                  f"({hf['gemm_exp'] / hf['gemm'] - 1:.0%} more: the exp of B·T·V values cannot be skipped for an "
-                  f"exact log-partition), and the whole head (`target_log_probs`) {hf['head']:.4f} s. With the rest "
-                  f"of the pass ({rest:.4f} s per expert at E = {e1['experts']}) a pass built from these torch ops "
-                  f"takes at least {best:.4f} s per expert, which is "
-                  f"{e1['forward_s'] / e1['experts'] / best:.2f}x *forward*."]
+        lines += [
+            "",
+            f"The head's floor, one expert over the batch: the blocked GEMM over the whole vocabulary alone "
+            f"takes {hf['gemm']:.4f} s, with torch's in-place exp of every logit {hf['gemm_exp']:.4f} s "
+            f"({hf['gemm_exp'] / hf['gemm'] - 1:.0%} more: the exp of B·T·V values cannot be skipped for an "
+            f"exact log-partition), and the whole head (`target_log_probs`) {hf['head']:.4f} s. With the rest "
+            f"of the pass ({rest:.4f} s per expert at E = {e1['experts']}) a pass built from these torch ops "
+            f"takes at least {best:.4f} s per expert, which is "
+            f"{e1['forward_s'] / e1['experts'] / best:.2f}x *forward*.",
+        ]
     return lines
 
 
@@ -455,13 +589,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--batch", type=positive_int, default=2)
     ap.add_argument("--repeats", type=positive_int, default=3)
-    ap.add_argument("--threads", default=None,
-                    help="comma-separated torch thread counts, one sweep each (default: torch's default here, then 1)")
+    ap.add_argument(
+        "--threads",
+        default=None,
+        help="comma-separated torch thread counts, one sweep each (default: torch's default here, then 1)",
+    )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gemm-repeats", type=positive_int, default=10, help="timed samples of each reference GEMM shape")
-    ap.add_argument("--fanout-tokens", type=positive_int, default=None,
-                    help="expert-tokens fanned out at once by the batched path (default: model/batched.py's)")
-    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses")
+    ap.add_argument(
+        "--gemm-repeats", type=positive_int, default=10, help="timed samples of each reference GEMM shape"
+    )
+    ap.add_argument(
+        "--fanout-tokens",
+        type=positive_int,
+        default=None,
+        help="expert-tokens fanned out at once by the batched path (default: model/batched.py's)",
+    )
+    ap.add_argument(
+        "--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses"
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--probe-memory", choices=PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--probe-experts", type=positive_int, default=1, help=argparse.SUPPRESS)
@@ -482,7 +627,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         return result
     runs = []
     for i, threads in enumerate(counts):
-        runs.append(run(argparse.Namespace(**{**vars(args), "threads": threads, "memory": args.memory and i == 0})))
+        runs.append(
+            run(argparse.Namespace(**{**vars(args), "threads": threads, "memory": args.memory and i == 0}))
+        )
     result = {"model": runs[0].pop("model"), "default_threads": default_threads, "runs": runs}
     for r in runs[1:]:
         r.pop("model")

@@ -54,11 +54,24 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 FORMAT = "demix-prepare-scale-corpus/1"
 MARKER = "prepare_scale_corpus.json"
-DOMAINS = ("docs", "changelogs", "copyright", "licences", "man-commands", "man-library", "man-formats", "man-admin")
+DOMAINS = (
+    "docs",
+    "changelogs",
+    "copyright",
+    "licences",
+    "man-commands",
+    "man-library",
+    "man-formats",
+    "man-admin",
+)
 MAN_SECTIONS = {"man-commands": "16", "man-library": "23", "man-formats": "457", "man-admin": "8"}
 DOC_PREFIXES = ("readme", "news", "authors", "todo", "faq", "thanks", "history", "changes", "bugs", "credits")
 DOC_SUFFIXES = (".md", ".txt", ".rst")
-DOC_DIR, LICENCE_DIR, MAN_DIR = Path("/usr/share/doc"), Path("/usr/share/common-licenses"), Path("/usr/share/man")
+DOC_DIR, LICENCE_DIR, MAN_DIR = (
+    Path("/usr/share/doc"),
+    Path("/usr/share/common-licenses"),
+    Path("/usr/share/man"),
+)
 POOL_BYTES = 4_000_000  # text read per source group
 FILE_BYTES = 1_000_000  # text read per source file
 OWN_SHARE = 0.6  # share of a domain's paragraphs from its own source group
@@ -68,13 +81,16 @@ SAMPLE_S = 0.2
 GOALS = {True: 1.5, False: 1.8}  # anonymise -> the ratio to the tiktoken loop wanted on 2 cores
 TARGET_BYTES = 100e9
 
-_ROFF = re.compile(r"\\(?:[fF](?:\[[^\]]*\]|\(..|.)|\((..)|\*(?:\[[^\]]*\]|\(..|.)"  # fonts, \(xx, strings
-                   r"|[sn][-+]?(?:\(..|\[[^\]]*\]|\d+)|(.))")  # sizes, registers, any other one-character escape
+_ROFF = re.compile(
+    r"\\(?:[fF](?:\[[^\]]*\]|\(..|.)|\((..)|\*(?:\[[^\]]*\]|\(..|.)"  # fonts, \(xx, strings
+    r"|[sn][-+]?(?:\(..|\[[^\]]*\]|\d+)|(.))"
+)  # sizes, registers, any other one-character escape
 _ROFF_CHARS = {"em": "--", "en": "-", "aq": "'", "dq": '"', "lq": '"', "rq": '"', "bu": "*", "co": "(c)"}
 _ROFF_LITERAL = {"-": "-", "e": "\\", " ": " ", "~": " ", "\\": "\\", ".": ".", "'": "'"}
 
 
 # ---------------------------------------------------------------- corpus ----------------------------------------
+
 
 def parse_size(text: str) -> int:
     """'200MB' -> 200_000_000, '1.6GB' -> 1_600_000_000 (decimal units; KB, MB, GB or plain bytes)."""
@@ -90,6 +106,7 @@ def parse_size(text: str) -> int:
 def strip_roff(text: str) -> str:
     """Man page source -> plain text, crudely: request lines ('.' or "'") become paragraph breaks, font and
     character escapes (`\\fB`, `\\f[I]`, `\\(em`, `\\-`, ...) are dropped or replaced by their character."""
+
     def esc(m: re.Match) -> str:
         return _ROFF_CHARS.get(m.group(1), "") if m.group(1) else _ROFF_LITERAL.get(m.group(2) or "", "")
 
@@ -103,7 +120,9 @@ def paragraphs(text: str) -> list[str]:
     return [part for part in parts if 40 <= len(part.strip()) <= 10_000]
 
 
-def _regular(paths: Sequence[Path]) -> list[Path]:  # a symbolic link: another name of a listed file, or nothing
+def _regular(
+    paths: Sequence[Path],
+) -> list[Path]:  # a symbolic link: another name of a listed file, or nothing
     return [p for p in paths if p.is_file() and not p.is_symlink()]
 
 
@@ -125,7 +144,7 @@ def source_files(domain: str) -> list[Path]:
 def _read_text(path: Path) -> str:
     """At most FILE_BYTES of `path` (through gzip for .gz) as text; "" for binary or unreadable files."""
     try:
-        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
             raw = f.read(FILE_BYTES)
     except (OSError, EOFError):
         return ""
@@ -159,22 +178,34 @@ def pools_sha256(pools: dict[str, list[str]]) -> str:
     return h.hexdigest()
 
 
-def _write_domain(path: Path, domain: str, pools: dict[str, list[str]], target: int, seed: int) -> dict[str, Any]:
+def _write_domain(
+    path: Path, domain: str, pools: dict[str, list[str]], target: int, seed: int
+) -> dict[str, Any]:
     """Stream documents of `domain` into `path` (atomically) until `target` bytes; its bytes, documents, sha256."""
     rng = random.Random(f"prepare_scale:{seed}:{domain}")
     own = pools[domain]
     others = [pools[d] for d in DOMAINS if d != domain and pools[d]]
     if not own and not others:
-        raise RuntimeError("no local text found under /usr/share/doc, /usr/share/common-licenses, /usr/share/man")
+        raise RuntimeError(
+            "no local text found under /usr/share/doc, /usr/share/common-licenses, /usr/share/man"
+        )
     sha, size, n = hashlib.sha256(), 0, 0
     with atomic_path(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
         while size < target:
             pars = []
             for _ in range(rng.randint(*PARAGRAPHS)):
-                pool = own if own and (not others or rng.random() < OWN_SHARE) else others[rng.randrange(len(others))]
+                pool = (
+                    own
+                    if own and (not others or rng.random() < OWN_SHARE)
+                    else others[rng.randrange(len(others))]
+                )
                 pars.append(pool[rng.randrange(len(pool))])
-            line = (json.dumps({"id": f"{domain}-{n}", "domain": domain, "text": "\n\n".join(pars)},
-                               ensure_ascii=False) + "\n").encode("utf-8", errors="replace")
+            line = (
+                json.dumps(
+                    {"id": f"{domain}-{n}", "domain": domain, "text": "\n\n".join(pars)}, ensure_ascii=False
+                )
+                + "\n"
+            ).encode("utf-8", errors="replace")
             f.write(line)
             sha.update(line)
             size, n = size + len(line), n + 1
@@ -191,8 +222,11 @@ def _cached(corpus: Path, want: dict[str, Any], verify: bool) -> Optional[dict[s
         return None
     for domain in DOMAINS:
         info, path = marker.get("files", {}).get(domain, {}), corpus / f"{domain}.jsonl"
-        if (not path.is_file() or path.stat().st_size != info.get("bytes")
-                or (verify and _sha256(path) != info.get("sha256"))):
+        if (
+            not path.is_file()
+            or path.stat().st_size != info.get("bytes")
+            or (verify and _sha256(path) != info.get("sha256"))
+        ):
             return None
     return marker
 
@@ -201,14 +235,26 @@ def _sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def generate_corpus(corpus: Path, size: int, seed: int = 0, *, pool_bytes: int = POOL_BYTES,
-                    pools: Optional[dict[str, list[str]]] = None, verify: bool = False) -> dict[str, Any]:
+def generate_corpus(
+    corpus: Path,
+    size: int,
+    seed: int = 0,
+    *,
+    pool_bytes: int = POOL_BYTES,
+    pools: Optional[dict[str, list[str]]] = None,
+    verify: bool = False,
+) -> dict[str, Any]:
     """Write (or reuse) the 8-domain corpus of about `size` bytes in `corpus`; returns its marker, with
     "reused": True when the cached files were kept."""
     corpus = Path(corpus)
     pools = pools if pools is not None else load_pools(pool_bytes)
-    want = {"format": FORMAT, "size_bytes": size, "seed": seed, "pool_bytes": pool_bytes,
-            "pool_sha256": pools_sha256(pools)}
+    want = {
+        "format": FORMAT,
+        "size_bytes": size,
+        "seed": seed,
+        "pool_bytes": pool_bytes,
+        "pool_sha256": pools_sha256(pools),
+    }
     marker = _cached(corpus, want, verify)
     if marker is not None:
         return {**marker, "reused": True}
@@ -217,14 +263,20 @@ def generate_corpus(corpus: Path, size: int, seed: int = 0, *, pool_bytes: int =
     t0 = time.perf_counter()
     target = -(-size // len(DOMAINS))
     files = {d: _write_domain(corpus / f"{d}.jsonl", d, pools, target, seed) for d in DOMAINS}
-    marker = {**want, "pool_paragraphs": {d: len(pools[d]) for d in DOMAINS}, "own_share": OWN_SHARE,
-              "total_bytes": sum(f["bytes"] for f in files.values()), "files": files,
-              "generate_seconds": round(time.perf_counter() - t0, 2)}
+    marker = {
+        **want,
+        "pool_paragraphs": {d: len(pools[d]) for d in DOMAINS},
+        "own_share": OWN_SHARE,
+        "total_bytes": sum(f["bytes"] for f in files.values()),
+        "files": files,
+        "generate_seconds": round(time.perf_counter() - t0, 2),
+    }
     write_json_atomic(corpus / MARKER, marker)
     return {**marker, "reused": False}
 
 
 # ---------------------------------------------------------------- baseline and measured runs --------------------
+
 
 def tiktoken_loop(corpus: Path) -> dict[str, Any]:
     """The baseline: every line of every `<corpus>/*.jsonl`, json.loads, GPT-2 `encode_ordinary`, count tokens."""
@@ -293,7 +345,10 @@ def run_measured(cmd: list[str], timeout: float = 0) -> dict[str, Any]:
     load. `timeout` > 0 kills the tree after that many seconds (exit code -9)."""
     from benchmarks.machine import OtherLoad
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     peaks = {"started": 0, "main_rss": 0, "tree_rss": 0, "largest_rss": 0, "processes": 0}
     done: dict[str, Any] = {}  # from the waiter thread
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -301,9 +356,13 @@ def run_measured(cmd: list[str], timeout: float = 0) -> dict[str, Any]:
         with OtherLoad() as others:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
-            root = psutil.Process(proc.pid)  # before the waiter starts: until reaped, the pid stays this child's
+            root = psutil.Process(
+                proc.pid
+            )  # before the waiter starts: until reaped, the pid stays this child's
 
-            def wait() -> None:  # wait4: the exact end time and the rusage of the child and its waited descendants
+            def wait() -> (
+                None
+            ):  # wait4: the exact end time and the rusage of the child and its waited descendants
                 _, status, ru = os.wait4(proc.pid, 0)
                 done.update(end=time.perf_counter(), status=status, ru=ru)
 
@@ -318,12 +377,21 @@ def run_measured(cmd: list[str], timeout: float = 0) -> dict[str, Any]:
         load1 = _loadavg()
         stdout, stderr = (f.seek(0) or f.read().decode(errors="replace") for f in (out, err))
     ru = done["ru"]
-    return {"command": shlex.join(cmd), "wall_s": round(done["end"] - t0, 3), "rc": proc.returncode,
-            "cpu_s": round(ru.ru_utime + ru.ru_stime, 2), "main_peak_rss_mb": round(peaks["main_rss"] / 1e6, 1),
-            "tree_peak_rss_mb": round(peaks["tree_rss"] / 1e6, 1), "max_processes": peaks["processes"],
-            "largest_process_peak_rss_mb": round(peaks["largest_rss"] / 1e6, 1), "loadavg_before": load0,
-            "loadavg_after": load1, "others": others.result(),
-            "stdout": stdout[-4000:], "stderr_tail": stderr[-2000:] if proc.returncode else ""}
+    return {
+        "command": shlex.join(cmd),
+        "wall_s": round(done["end"] - t0, 3),
+        "rc": proc.returncode,
+        "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
+        "main_peak_rss_mb": round(peaks["main_rss"] / 1e6, 1),
+        "tree_peak_rss_mb": round(peaks["tree_rss"] / 1e6, 1),
+        "max_processes": peaks["processes"],
+        "largest_process_peak_rss_mb": round(peaks["largest_rss"] / 1e6, 1),
+        "loadavg_before": load0,
+        "loadavg_after": load1,
+        "others": others.result(),
+        "stdout": stdout[-4000:],
+        "stderr_tail": stderr[-2000:] if proc.returncode else "",
+    }
 
 
 def _best(fn: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
@@ -333,14 +401,28 @@ def _best(fn: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
     return {**best, "walls_s": [r["wall_s"] for r in runs]}
 
 
-def _prepare_once(corpus: Path, tmp_dir: Optional[str], tokenizer: str, anonymise: bool, workers: int,
-                  timeout: float) -> dict[str, Any]:
+def _prepare_once(
+    corpus: Path, tmp_dir: Optional[str], tokenizer: str, anonymise: bool, workers: int, timeout: float
+) -> dict[str, Any]:
     """One `python -m data.prepare` run into a fresh temporary --out, read its manifest's counts, remove it."""
     out = Path(tempfile.mkdtemp(prefix="prepare_scale_out_", dir=tmp_dir))
     try:
-        cmd = [sys.executable, "-m", "data.prepare", "--corpus", str(corpus), "--out", str(out / "tokens"),
-               "--tokenizer", tokenizer, "--workers", str(workers), *(["--anonymise"] if anonymise else []),
-               "--force", "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "data.prepare",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out / "tokens"),
+            "--tokenizer",
+            tokenizer,
+            "--workers",
+            str(workers),
+            *(["--anonymise"] if anonymise else []),
+            "--force",
+            "--quiet",
+        ]
         run = run_measured(cmd, timeout)
         with contextlib.suppress(OSError, ValueError, AttributeError):  # what the run's manifest says
             manifest = json.loads((out / "tokens" / tokenizer / "manifest.json").read_text())
@@ -353,7 +435,9 @@ def _prepare_once(corpus: Path, tmp_dir: Optional[str], tokenizer: str, anonymis
     return run
 
 
-def _derive(run: dict[str, Any], input_bytes: int, workers: int, cores: int, base_mbs: Optional[float]) -> None:
+def _derive(
+    run: dict[str, Any], input_bytes: int, workers: int, cores: int, base_mbs: Optional[float]
+) -> None:
     """Add MB/s, MB/s per core and the ratio to the loop's MB/s to a run (None where either run failed)."""
     mbs = input_bytes / 1e6 / run["wall_s"] if run["rc"] == 0 else None
     run["mb_per_s"] = round(mbs, 3) if mbs else None
@@ -361,31 +445,51 @@ def _derive(run: dict[str, Any], input_bytes: int, workers: int, cores: int, bas
     run["ratio_to_loop"] = round(mbs / base_mbs, 3) if mbs and base_mbs else None
 
 
-def measure_size(label: str, corpus: Path, marker: dict[str, Any], a: argparse.Namespace,
-                 cores: int) -> list[dict[str, Any]]:
+def measure_size(
+    label: str, corpus: Path, marker: dict[str, Any], a: argparse.Namespace, cores: int
+) -> list[dict[str, Any]]:
     """The loop, then every prepare configuration, on one corpus: one row each."""
     input_bytes = sum((corpus / f"{d}.jsonl").stat().st_size for d in DOMAINS)
     common = {"size": label, "size_bytes": marker["size_bytes"], "input_bytes": input_bytes}
-    base = _best(lambda: run_measured([sys.executable, "-m", "benchmarks.prepare_scale", "--baseline", str(corpus)],
-                                      a.run_timeout), a.repeats)
+    base = _best(
+        lambda: run_measured(
+            [sys.executable, "-m", "benchmarks.prepare_scale", "--baseline", str(corpus)], a.run_timeout
+        ),
+        a.repeats,
+    )
     with contextlib.suppress(ValueError, IndexError):  # the loop's own count and seconds
         base.update(json.loads(base["stdout"].strip().splitlines()[-1]))
     _derive(base, input_bytes, 1, cores, None)
     base_mbs = base["mb_per_s"]
     base["ratio_to_loop"] = 1.0 if base_mbs else None
-    rows = [{**common, "config": "tiktoken loop", "tokenizer": "gpt2", "anonymise": False, "workers": 1, **base}]
+    rows = [
+        {**common, "config": "tiktoken loop", "tokenizer": "gpt2", "anonymise": False, "workers": 1, **base}
+    ]
     _say(f"{label}: tiktoken loop {base['wall_s']} s, {base_mbs} MB/s, rc {base['rc']}")
     for tok in a.tokenizers:
         for anonymise in (True, False):
             for w in a.workers:
-                run = _best(lambda: _prepare_once(corpus, a.tmp_dir, tok, anonymise, w, a.run_timeout), a.repeats)
+                run = _best(
+                    lambda: _prepare_once(corpus, a.tmp_dir, tok, anonymise, w, a.run_timeout), a.repeats
+                )
                 _derive(run, input_bytes, w, cores, base_mbs)
                 if tok == "gpt2" and not anonymise and "tokens" in run and base.get("tokens") is not None:
                     run["tokens_match_loop"] = run["tokens"] - run.get("documents", 0) == base["tokens"]
                 config = f"prepare {tok}, anonymise {'on' if anonymise else 'off'}, {w} worker{'s' * (w > 1)}"
-                rows.append({**common, "config": config, "tokenizer": tok, "anonymise": anonymise, "workers": w, **run})
-                _say(f"{label}: {config}: {run['wall_s']} s, {run['mb_per_s']} MB/s, x{run['ratio_to_loop']} loop, "
-                     f"tree RSS {run['tree_peak_rss_mb']} MB, rc {run['rc']}")
+                rows.append(
+                    {
+                        **common,
+                        "config": config,
+                        "tokenizer": tok,
+                        "anonymise": anonymise,
+                        "workers": w,
+                        **run,
+                    }
+                )
+                _say(
+                    f"{label}: {config}: {run['wall_s']} s, {run['mb_per_s']} MB/s, x{run['ratio_to_loop']} loop, "
+                    f"tree RSS {run['tree_peak_rss_mb']} MB, rc {run['rc']}"
+                )
     return [{k: v for k, v in r.items() if k != "stdout"} for r in rows]
 
 
@@ -395,14 +499,19 @@ def _say(msg: str) -> None:
 
 # ---------------------------------------------------------------- report ----------------------------------------
 
+
 def _machine() -> dict[str, Any]:
     """benchmarks/machine.py's `machine_info`, plus memory and the tiktoken and psutil versions."""
     from importlib.metadata import PackageNotFoundError, version
 
     from benchmarks.machine import machine_info
 
-    m = {**machine_info(), "tiktoken": None, "psutil": None,
-         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    m = {
+        **machine_info(),
+        "tiktoken": None,
+        "psutil": None,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
     for name in ("tiktoken", "psutil"):
         with contextlib.suppress(PackageNotFoundError):
             m[name] = version(name)
@@ -416,9 +525,16 @@ def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         lo = next((r for r in rows if r["config"] == config and r["size_bytes"] == sizes[0]), None)
         hi = next((r for r in rows if r["config"] == config and r["size_bytes"] == sizes[-1]), None)
         if len(sizes) > 1 and lo and hi and lo["tree_peak_rss_mb"] and hi["rc"] == 0 and lo["rc"] == 0:
-            out.append({"config": config, "smallest": lo["size"], "largest": hi["size"],
-                        "rss_smallest_mb": lo["tree_peak_rss_mb"], "rss_largest_mb": hi["tree_peak_rss_mb"],
-                        "change_pct": round((hi["tree_peak_rss_mb"] / lo["tree_peak_rss_mb"] - 1) * 100, 1)})
+            out.append(
+                {
+                    "config": config,
+                    "smallest": lo["size"],
+                    "largest": hi["size"],
+                    "rss_smallest_mb": lo["tree_peak_rss_mb"],
+                    "rss_largest_mb": hi["tree_peak_rss_mb"],
+                    "change_pct": round((hi["tree_peak_rss_mb"] / lo["tree_peak_rss_mb"] - 1) * 100, 1),
+                }
+            )
     return out
 
 
@@ -430,86 +546,138 @@ def extrapolate(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
         if r["size_bytes"] != largest or r["config"] == "tiktoken loop" or r["workers"] != 2 or r["rc"] != 0:
             continue
         goal = GOALS[r["anonymise"]]
-        out.append({"tokenizer": r["tokenizer"], "anonymise": r["anonymise"], "from_size": r["size"],
-                    "mb_per_s_2_workers": r["mb_per_s"],
-                    "hours_2_cores": round(TARGET_BYTES / 1e6 / r["mb_per_s"] / 3600, 2),
-                    "mb_per_s_per_core": r["mb_per_s_per_core"],
-                    "hours_64_cores": round(TARGET_BYTES / 1e6 / (r["mb_per_s_per_core"] * 64) / 3600, 2),
-                    "ratio_to_loop": r["ratio_to_loop"], "goal": goal,
-                    "goal_met": r["ratio_to_loop"] is not None and r["ratio_to_loop"] >= goal,
-                    "cores_measured": min(2, cores)})
+        out.append(
+            {
+                "tokenizer": r["tokenizer"],
+                "anonymise": r["anonymise"],
+                "from_size": r["size"],
+                "mb_per_s_2_workers": r["mb_per_s"],
+                "hours_2_cores": round(TARGET_BYTES / 1e6 / r["mb_per_s"] / 3600, 2),
+                "mb_per_s_per_core": r["mb_per_s_per_core"],
+                "hours_64_cores": round(TARGET_BYTES / 1e6 / (r["mb_per_s_per_core"] * 64) / 3600, 2),
+                "ratio_to_loop": r["ratio_to_loop"],
+                "goal": goal,
+                "goal_met": r["ratio_to_loop"] is not None and r["ratio_to_loop"] >= goal,
+                "cores_measured": min(2, cores),
+            }
+        )
     return out
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| size | configuration | rc | wall s | MB/s | MB/s per core | x loop | CPU s | main peak RSS MB | tree "
-             "peak RSS MB | largest process MB | processes | prepare s | others' cores | loadavg before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| size | configuration | rc | wall s | MB/s | MB/s per core | x loop | CPU s | main peak RSS MB | tree "
+        "peak RSS MB | largest process MB | processes | prepare s | others' cores | loadavg before -> after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         la = f"{' '.join(r['loadavg_before'].split()[:3])} -> {' '.join(r['loadavg_after'].split()[:3])}"
-        lines.append(f"| {r['size']} | {r['config']} | {r['rc']} | {r['wall_s']} | {r['mb_per_s']} | "
-                     f"{r['mb_per_s_per_core']} | {r['ratio_to_loop']} | {r['cpu_s']} | {r['main_peak_rss_mb']} | "
-                     f"{r['tree_peak_rss_mb']} | {r['largest_process_peak_rss_mb']} | {r['max_processes']} | "
-                     f"{r.get('internal_total_seconds')} | {r['others']['others_cores']} | {la} |")
+        lines.append(
+            f"| {r['size']} | {r['config']} | {r['rc']} | {r['wall_s']} | {r['mb_per_s']} | "
+            f"{r['mb_per_s_per_core']} | {r['ratio_to_loop']} | {r['cpu_s']} | {r['main_peak_rss_mb']} | "
+            f"{r['tree_peak_rss_mb']} | {r['largest_process_peak_rss_mb']} | {r['max_processes']} | "
+            f"{r.get('internal_total_seconds')} | {r['others']['others_cores']} | {la} |"
+        )
     return lines
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
     """The markdown report of `result` (as written to the .json)."""
     m, rows = result["machine"], result["rows"]
-    lines = ["# Data preparation at scale: `data.prepare` vs a single-process tiktoken loop", "",
-             f"Command: `{result['command']}`", "",
-             f"Machine: {m['cores']} usable cores (os.cpu_count() = {m['cpu_count']}), {m['cpu'] or 'unknown CPU'}, "
-             f"{m['memory_gib']} GiB memory, {m['platform']}, Python {m['python']}, tiktoken {m['tiktoken']}, "
-             f"psutil {m['psutil']}.", ""]
+    lines = [
+        "# Data preparation at scale: `data.prepare` vs a single-process tiktoken loop",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Machine: {m['cores']} usable cores (os.cpu_count() = {m['cpu_count']}), {m['cpu'] or 'unknown CPU'}, "
+        f"{m['memory_gib']} GiB memory, {m['platform']}, Python {m['python']}, tiktoken {m['tiktoken']}, "
+        f"psutil {m['psutil']}.",
+        "",
+    ]
     busy = [r for r in rows if (r["others"]["others_cores"] or 0) > 0.25]
     if busy:
-        lines += [f"**Taken under load**: other processes used more than 0.25 cores during {len(busy)} of "
-                  f"{len(rows)} runs (column \"others' cores\"); those runs had less CPU than the cores listed.", ""]
-    lines += ["Corpora (8 domains, paragraphs of this machine's /usr/share/doc, common-licenses and man pages "
-              "recombined with a seeded generator; input bytes = the JSONL files' total size):", ""]
+        lines += [
+            f"**Taken under load**: other processes used more than 0.25 cores during {len(busy)} of "
+            f'{len(rows)} runs (column "others\' cores"); those runs had less CPU than the cores listed.',
+            "",
+        ]
+    lines += [
+        "Corpora (8 domains, paragraphs of this machine's /usr/share/doc, common-licenses and man pages "
+        "recombined with a seeded generator; input bytes = the JSONL files' total size):",
+        "",
+    ]
     for c in result["corpora"]:
-        lines.append(f"- {c['size']}: {c['total_bytes']:,} bytes, {c['documents']:,} documents, seed {c['seed']}, "
-                     f"{'reused from' if c['reused'] else 'generated in'} {c['path']}")
-    lines += ["", f"Runs: each a fresh interpreter; wall time from start to exit (interpreter start and imports "
-                  f"included on both sides); best wall of {result['repeats']}. Tree RSS: the peak over "
-                  f"{SAMPLE_S} s samples of the summed RSS of the process and all its descendants (pages shared "
-                  "after fork count once per process, so it overstates what the tree holds); main peak RSS: the "
-                  "largest of the main process's sampled RSS and its VmHWM (peak RSS, read at each sample, so a rise "
-                  "in its last 0.2 s is missed); largest process: the same over every process of the tree. CPU s: "
-                  "user + sys of the main process and the descendants it waited for (wait4). \"x loop\": MB/s / "
-                  "the tiktoken loop's MB/s at the same size. \"prepare s\": the `total_seconds` in the manifest "
-                  "the run wrote (its own clock, without interpreter start and imports).", ""] + _table(rows)
+        lines.append(
+            f"- {c['size']}: {c['total_bytes']:,} bytes, {c['documents']:,} documents, seed {c['seed']}, "
+            f"{'reused from' if c['reused'] else 'generated in'} {c['path']}"
+        )
+    lines += [
+        "",
+        f"Runs: each a fresh interpreter; wall time from start to exit (interpreter start and imports "
+        f"included on both sides); best wall of {result['repeats']}. Tree RSS: the peak over "
+        f"{SAMPLE_S} s samples of the summed RSS of the process and all its descendants (pages shared "
+        "after fork count once per process, so it overstates what the tree holds); main peak RSS: the "
+        "largest of the main process's sampled RSS and its VmHWM (peak RSS, read at each sample, so a rise "
+        "in its last 0.2 s is missed); largest process: the same over every process of the tree. CPU s: "
+        'user + sys of the main process and the descendants it waited for (wait4). "x loop": MB/s / '
+        'the tiktoken loop\'s MB/s at the same size. "prepare s": the `total_seconds` in the manifest '
+        "the run wrote (its own clock, without interpreter start and imports).",
+        "",
+    ] + _table(rows)
     checks = [r for r in rows if "tokens_match_loop" in r]
     if checks:
-        lines += ["", "GPT-2 without anonymisation, the prepared tokens less one bos per document against the "
-                      "loop's count: " + ", ".join(f"{r['size']} {r['workers']} worker(s) "
-                                                   f"{'equal' if r['tokens_match_loop'] else 'DIFFERENT'}"
-                                                   for r in checks) + "."]
+        lines += [
+            "",
+            "GPT-2 without anonymisation, the prepared tokens less one bos per document against the "
+            "loop's count: "
+            + ", ".join(
+                f"{r['size']} {r['workers']} worker(s) {'equal' if r['tokens_match_loop'] else 'DIFFERENT'}"
+                for r in checks
+            )
+            + ".",
+        ]
     g = result["rss_growth"]
     if g:
-        lines += ["", f"Peak tree RSS from {g[0]['smallest']} to {g[0]['largest']}:", "",
-                  "| configuration | RSS smallest MB | RSS largest MB | change |", "|---|---|---|---|"]
-        lines += [f"| {x['config']} | {x['rss_smallest_mb']} | {x['rss_largest_mb']} | {x['change_pct']:+}% |"
-                  for x in g]
+        lines += [
+            "",
+            f"Peak tree RSS from {g[0]['smallest']} to {g[0]['largest']}:",
+            "",
+            "| configuration | RSS smallest MB | RSS largest MB | change |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {x['config']} | {x['rss_smallest_mb']} | {x['rss_largest_mb']} | {x['change_pct']:+}% |"
+            for x in g
+        ]
     lines += _extrapolation_lines(result["extrapolation_100gb"])
     for r in (r for r in rows if r["rc"] != 0):
-        lines += ["", f"Failed: {r['size']} {r['config']} (exit {r['rc']}): `{r['stderr_tail'][-300:].strip()}`"]
+        lines += [
+            "",
+            f"Failed: {r['size']} {r['config']} (exit {r['rc']}): `{r['stderr_tail'][-300:].strip()}`",
+        ]
     return lines
 
 
 def _extrapolation_lines(e: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     if e:
-        lines += ["", f"Extrapolation to 100 GB from the {e[0]['from_size']} runs with 2 workers. 2 cores: 100 GB / "
-                      "the measured MB/s. 64 cores: 100 GB / (the measured MB/s per core x 64) - an extrapolation "
-                      "that assumes per-core throughput holds at 64 cores (not measured here). Goals on 2 cores: "
-                      "with anonymisation >= 1.5x the tiktoken loop, without >= 1.8x.", "",
-                  "| tokenizer | anonymise | MB/s (2 workers) | hours on 2 cores | MB/s per core | hours on 64 cores "
-                  "(extrapolated) | x loop | goal | met |", "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {x['tokenizer']} | {'on' if x['anonymise'] else 'off'} | {x['mb_per_s_2_workers']} | "
-                  f"{x['hours_2_cores']} | {x['mb_per_s_per_core']} | {x['hours_64_cores']} | {x['ratio_to_loop']} | "
-                  f">= {x['goal']}x | {'met' if x['goal_met'] else 'not met'} |" for x in e]
+        lines += [
+            "",
+            f"Extrapolation to 100 GB from the {e[0]['from_size']} runs with 2 workers. 2 cores: 100 GB / "
+            "the measured MB/s. 64 cores: 100 GB / (the measured MB/s per core x 64) - an extrapolation "
+            "that assumes per-core throughput holds at 64 cores (not measured here). Goals on 2 cores: "
+            "with anonymisation >= 1.5x the tiktoken loop, without >= 1.8x.",
+            "",
+            "| tokenizer | anonymise | MB/s (2 workers) | hours on 2 cores | MB/s per core | hours on 64 cores "
+            "(extrapolated) | x loop | goal | met |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {x['tokenizer']} | {'on' if x['anonymise'] else 'off'} | {x['mb_per_s_2_workers']} | "
+            f"{x['hours_2_cores']} | {x['mb_per_s_per_core']} | {x['hours_64_cores']} | {x['ratio_to_loop']} | "
+            f">= {x['goal']}x | {'met' if x['goal_met'] else 'not met'} |"
+            for x in e
+        ]
         if any(x["cores_measured"] < 2 for x in e):
             lines += ["", "Note: fewer than 2 cores were usable, so the 2-worker runs did not have 2 cores."]
     else:
@@ -519,21 +687,31 @@ def _extrapolation_lines(e: list[dict[str, Any]]) -> list[str]:
 
 # ---------------------------------------------------------------- command line ----------------------------------
 
+
 def _sizes(text: str) -> list[tuple[str, int]]:
     return [(s.strip(), parse_size(s)) for s in text.split(",") if s.strip()]
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.prepare_scale", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", metavar="CORPUS", help="run the tiktoken loop on CORPUS, print one JSON line")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.prepare_scale", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--baseline", metavar="CORPUS", help="run the tiktoken loop on CORPUS, print one JSON line"
+    )
     ap.add_argument("--sizes", type=_sizes, help=f"comma-separated, decimal MB/GB (default {DEFAULT_SIZES})")
-    ap.add_argument("--workers", type=lambda t: [positive_int(x) for x in t.split(",") if x.strip()],
-                    help="comma-separated (default 1,2 and all cores)")
+    ap.add_argument(
+        "--workers",
+        type=lambda t: [positive_int(x) for x in t.split(",") if x.strip()],
+        help="comma-separated (default 1,2 and all cores)",
+    )
     ap.add_argument("--tokenizers", default="gpt2,sentencepiece")
     ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--seed", type=random_seed, default=0)
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "demix-prepare-scale"))
-    ap.add_argument("--tmp-dir", default=None, help="where each run's temporary --out goes (default: the system's)")
+    ap.add_argument(
+        "--tmp-dir", default=None, help="where each run's temporary --out goes (default: the system's)"
+    )
     ap.add_argument("--run-timeout", type=nonneg_int, default=0, help="seconds per run, 0 = no limit")
     ap.add_argument("--out", default=None, help="report path (.md; the .json beside it)")
     ap.add_argument("--smoke", action="store_true", help=f"sizes {SMOKE_SIZES}, one worker setting")
@@ -557,8 +735,10 @@ def make_corpora(sizes: list[tuple[str, int]], seed: int, cache_dir: Path) -> li
     for label, size in sizes:
         path = Path(cache_dir) / f"corpus-{size}B-seed{seed}"
         marker = generate_corpus(path, size, seed, pools=pools)
-        _say(f"corpus {label}: {marker['total_bytes']:,} bytes, {'reused' if marker['reused'] else 'generated'} "
-             f"in {path}")
+        _say(
+            f"corpus {label}: {marker['total_bytes']:,} bytes, {'reused' if marker['reused'] else 'generated'} "
+            f"in {path}"
+        )
         corpora.append((label, path, marker))
     return corpora
 
@@ -569,17 +749,32 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if a.baseline:
         print(json.dumps(r := tiktoken_loop(Path(a.baseline))))
         return r
-    command = "python -m benchmarks.prepare_scale " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.prepare_scale " + shlex.join(
+        list(argv) if argv is not None else sys.argv[1:]
+    )
     machine = _machine()
     corpora = make_corpora(a.sizes, a.seed, a.cache_dir)
     rows = [row for label, path, marker in corpora for row in measure_size(label, path, marker, a, a.cores)]
-    result = {"command": command, "machine": machine, "repeats": a.repeats, "workers": a.workers,
-              "tokenizers": a.tokenizers, "goals_on_2_cores": {"anonymise_on": GOALS[True],
-                                                               "anonymise_off": GOALS[False]},
-              "corpora": [{"size": lb, "path": str(p), "documents": sum(f["documents"] for f in mk["files"].values()),
-                           **{k: mk[k] for k in ("reused", "seed", "total_bytes", "files", "pool_sha256")}}
-                          for lb, p, mk in corpora],
-              "rows": rows, "rss_growth": growth(rows), "extrapolation_100gb": extrapolate(rows, a.cores)}
+    result = {
+        "command": command,
+        "machine": machine,
+        "repeats": a.repeats,
+        "workers": a.workers,
+        "tokenizers": a.tokenizers,
+        "goals_on_2_cores": {"anonymise_on": GOALS[True], "anonymise_off": GOALS[False]},
+        "corpora": [
+            {
+                "size": lb,
+                "path": str(p),
+                "documents": sum(f["documents"] for f in mk["files"].values()),
+                **{k: mk[k] for k in ("reused", "seed", "total_bytes", "files", "pool_sha256")},
+            }
+            for lb, p, mk in corpora
+        ],
+        "rows": rows,
+        "rss_growth": growth(rows),
+        "extrapolation_100gb": extrapolate(rows, a.cores),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     a.out.write_text(text := "\n".join(report_lines(result)) + "\n")

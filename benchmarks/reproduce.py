@@ -65,8 +65,10 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {  # name: (base run config, over
     # 8 experts (4 per rank) as DEMix has: the paper's one expert per GPU would give 2 on 2 ranks, too few for
     # Figure 6's question (does the gate follow the 8 domains?)
     "gshard": ("configs/demo/gshard.yaml", ("model.ffn.gshard.experts_per_rank=4",)),
-    "cse": ("configs/cse/cse.yaml", ("model.ffn.cse.dbscan_eps=0.0", "model.ffn.cse.dbscan_auto=target",
-                                     "model.ffn.cse.min_clusters=4")),
+    "cse": (
+        "configs/cse/cse.yaml",
+        ("model.ffn.cse.dbscan_eps=0.0", "model.ffn.cse.dbscan_auto=target", "model.ffn.cse.min_clusters=4"),
+    ),
 }
 DEMIX_MODES = ("naive", "average", "uniform", "updating", "cached", "topk")
 
@@ -116,19 +118,38 @@ def train_arm(arm: str, seed: int, budget: Budget, out: Path) -> Path:
 
     run_dir = out / "arms" / f"{arm}-s{seed}"
     config, arm_sets = ARMS[arm]
-    sets = [f"train.steps={budget.steps}", f"train.seed={seed}", f"data.seed={seed}", "logging.wandb_mode=disabled",
-            f"train.save_interval={budget.save_interval}", "train.keep_checkpoints=1", *budget.sets, *arm_sets]
+    sets = [
+        f"train.steps={budget.steps}",
+        f"train.seed={seed}",
+        f"data.seed={seed}",
+        "logging.wandb_mode=disabled",
+        f"train.save_interval={budget.save_interval}",
+        "train.keep_checkpoints=1",
+        *budget.sets,
+        *arm_sets,
+    ]
     settings = {"config": config, "sets": sets}
     recorded = run_dir / "reproduce_arm.json"
     if recorded.is_file() and json.loads(recorded.read_text()) != settings:
-        raise SystemExit(f"[reproduce] {run_dir} was trained with other settings than this budget asks for "
-                         f"({recorded}); delete it to retrain, or pass another --out")
+        raise SystemExit(
+            f"[reproduce] {run_dir} was trained with other settings than this budget asks for "
+            f"({recorded}); delete it to retrain, or pass another --out"
+        )
     if _finished(run_dir, budget.steps) and recorded.is_file():
         print(f"[reproduce] {arm} seed {seed}: finished earlier, reused", flush=True)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(recorded, settings)
-    argv = ["--config", str(ROOT / config), "--nproc", str(budget.nproc), "--run-dir", str(run_dir), "--resume", "auto"]
+    argv = [
+        "--config",
+        str(ROOT / config),
+        "--nproc",
+        str(budget.nproc),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "auto",
+    ]
     print(f"[reproduce] training {arm} seed {seed}: {budget.steps} steps on {budget.nproc} ranks", flush=True)
     if launch(argv + [a for s in sets for a in ("--set", s)]) != 0:
         raise SystemExit(f"[reproduce] training {arm} seed {seed} failed; rerun to resume ({run_dir})")
@@ -150,8 +171,9 @@ def evaluate_arm(run_dir: Path, budget: Budget, data: str) -> dict[str, Any]:
         if res.get("step") == budget.steps and all(res.get(k) == v for k, v in want.items()):
             return res
     print(f"[reproduce] evaluating {run_dir.name}", flush=True)
-    return evaluate_checkpoint(run_dir / "model", data, modes=DEMIX_MODES, out_dir=run_dir / "eval", progress=False,
-                               **want)
+    return evaluate_checkpoint(
+        run_dir / "model", data, modes=DEMIX_MODES, out_dir=run_dir / "eval", progress=False, **want
+    )
 
 
 def _cached_json(path: Path, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -169,8 +191,12 @@ def modularity(runs: dict[str, dict[int, Path]], budget: Budget, data: str, out:
     res: dict[str, Any] = {}
     demix = runs.get("demix", {}).get(1)
     if demix is not None:
-        res["removal"] = _cached_json(out / "modular" / "removal.json", lambda: experts.removal_report(
-            demix / "model", data, max_blocks=budget.eval_blocks, cached_blocks=budget.cached_blocks))
+        res["removal"] = _cached_json(
+            out / "modular" / "removal.json",
+            lambda: experts.removal_report(
+                demix / "model", data, max_blocks=budget.eval_blocks, cached_blocks=budget.cached_blocks
+            ),
+        )
     dense = runs.get("dense", {}).get(1)
     if demix is None or dense is None or not budget.dapt_steps or not budget.dapt_domain:
         return res
@@ -180,14 +206,19 @@ def modularity(runs: dict[str, dict[int, Path]], budget: Budget, data: str, out:
     after = {}
     for arch, start in (("demix", mod / "demix-added"), ("dense", dense / "model")):
         run = mod / f"{arch}-dapt"
-        after[arch] = run / "model" if _finished(run, budget.dapt_steps) else experts.run_dapt(
-            start, arch, dom, budget.dapt_steps, run, budget.nproc, data)
+        after[arch] = (
+            run / "model"
+            if _finished(run, budget.dapt_steps)
+            else experts.run_dapt(start, arch, dom, budget.dapt_steps, run, budget.nproc, data)
+        )
     settings = {**_eval_settings(budget), "modes": ["naive", "cached"]}
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
     for arch in ("demix", "dense"):
-        res[f"{arch}_dapt_eval"] = _cached_json(mod / f"{arch}-dapt-eval.json", lambda a=arch: evaluate_checkpoint(
-            after[a], data, progress=False, **settings))
+        res[f"{arch}_dapt_eval"] = _cached_json(
+            mod / f"{arch}-dapt-eval.json",
+            lambda a=arch: evaluate_checkpoint(after[a], data, progress=False, **settings),
+        )
     res["dapt_domain"], res["dapt_steps"] = dom, budget.dapt_steps
     return res
 
@@ -236,8 +267,11 @@ def _pooled(res: dict[str, Any], mode: str, domains: Sequence[str]) -> tuple[lis
 
 
 def _avg(res: dict[str, Any], mode: str, role: str = "train") -> Optional[tuple[float, float, float]]:
-    blocks = [(r["block_nll"][mode], r["block_tokens"]) for r in res["domains"].values()
-              if r["role"] == role and mode in r.get("block_nll", {})]
+    blocks = [
+        (r["block_nll"][mode], r["block_tokens"])
+        for r in res["domains"].values()
+        if r["role"] == role and mode in r.get("block_nll", {})
+    ]
     return bootstrap_mean_ppl(blocks) if blocks else None
 
 
@@ -262,7 +296,9 @@ def _mode(res: dict[str, Any]) -> str:
     return "naive" if res.get("experts") else "ppl"
 
 
-def _claim(name: str, paper: str, verdict: Optional[bool], numbers: dict[str, Any], why: str = "") -> dict[str, Any]:
+def _claim(
+    name: str, paper: str, verdict: Optional[bool], numbers: dict[str, Any], why: str = ""
+) -> dict[str, Any]:
     v = "not evaluated" if verdict is None else ("reproduced" if verdict else "not reproduced")
     return {"claim": name, "paper": paper, "verdict": v, "numbers": numbers, "reason": why}
 
@@ -271,8 +307,9 @@ def _missing(name: str, paper: str, what: str) -> dict[str, Any]:
     return _claim(name, paper, None, {}, f"not run: {what}")
 
 
-def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
-           ) -> list[dict[str, Any]]:
+def claims(
+    evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
+) -> list[dict[str, Any]]:
     """Every claim of the module docstring with its verdict, numbers (intervals as [lo, hi]) and a reason."""
     out = []
     # precondition: every arm well below the unigram floor
@@ -282,27 +319,52 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
             uni = res["tables"].get("unigram_in_domain_average")
             rows[f"{arm}-s{seed}"] = {"ppl": res["tables"]["in_domain_average"][_mode(res)], "unigram": uni}
     ok = all(r["unigram"] and r["ppl"] <= 0.5 * r["unigram"] for r in rows.values()) if rows else None
-    out.append(_claim("every model at most half the unigram perplexity (in-domain average)", "precondition", ok, rows,
-                      "" if ok else "undertrained: more steps or a better learning rate"))
+    out.append(
+        _claim(
+            "every model at most half the unigram perplexity (in-domain average)",
+            "precondition",
+            ok,
+            rows,
+            "" if ok else "undertrained: more steps or a better learning rate",
+        )
+    )
     # Tables 3/4
     if evals.get("demix") and evals.get("dense"):
         nums, ok = {}, True
         for seed, dm, dn, r in _seed_pairs(evals, "naive", "train"):
-            nums[f"seed {seed}"] = {"demix_naive": _avg(dm, "naive"), "demix_cached": _avg(dm, "cached"),
-                                    "dense": _avg(dn, "ppl"), "ratio_demix_over_dense": r}
+            nums[f"seed {seed}"] = {
+                "demix_naive": _avg(dm, "naive"),
+                "demix_cached": _avg(dm, "cached"),
+                "dense": _avg(dn, "ppl"),
+                "ratio_demix_over_dense": r,
+            }
             ok &= r[2] < 1
         seeds = [v["demix_naive"][0] for v in nums.values()], [v["dense"][0] for v in nums.values()]
         nums["seed_spread"] = {"demix_naive": seed_spread(seeds[0]), "dense": seed_spread(seeds[1])}
-        out.append(_claim("DEMix beats Dense in-domain", "Tables 3/4", ok, nums,
-                          "" if ok else "the DEMix/Dense ratio interval reaches 1 for some seed: the difference is "
-                          "within block-to-block noise at this training length"))
+        out.append(
+            _claim(
+                "DEMix beats Dense in-domain",
+                "Tables 3/4",
+                ok,
+                nums,
+                ""
+                if ok
+                else "the DEMix/Dense ratio interval reaches 1 for some seed: the difference is "
+                "within block-to-block noise at this training length",
+            )
+        )
     else:
         out.append(_missing("DEMix beats Dense in-domain", "Tables 3/4", "needs the dense and demix arms"))
     # Table 5
     res = evals["demix"][min(evals["demix"])] if evals.get("demix") else None
     if res is not None and not _domains(res, "novel"):
-        out.append(_missing("novel domains: cached <= updating <= uniform < average", "Table 5",
-                            "the data has no novel domain"))
+        out.append(
+            _missing(
+                "novel domains: cached <= updating <= uniform < average",
+                "Table 5",
+                "the data has no novel domain",
+            )
+        )
     elif res is not None:
         novel = _domains(res, "novel")
         pairs = [("cached", "updating"), ("updating", "uniform"), ("uniform", "average")]
@@ -314,32 +376,74 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
             r = paired_ratio(na, nb, tok)
             nums[f"{a}/{b}"] = r
             ok &= (r[2] < 1) if (a, b) == ("uniform", "average") else (r[1] <= 1)
-        out.append(_claim("novel domains: cached <= updating <= uniform < average", "Table 5", ok, nums,
-                          "" if ok else "an ordering is reversed beyond its interval"))
+        out.append(
+            _claim(
+                "novel domains: cached <= updating <= uniform < average",
+                "Table 5",
+                ok,
+                nums,
+                "" if ok else "an ordering is reversed beyond its interval",
+            )
+        )
     else:
-        out.append(_missing("novel domains: cached <= updating <= uniform < average", "Table 5", "needs the demix arm"))
-    if evals.get("demix") and evals.get("dense") and res is not None and _domains(res, "novel"):  # Table 5 vs Dense
+        out.append(
+            _missing(
+                "novel domains: cached <= updating <= uniform < average", "Table 5", "needs the demix arm"
+            )
+        )
+    if (
+        evals.get("demix") and evals.get("dense") and res is not None and _domains(res, "novel")
+    ):  # Table 5 vs Dense
         nums, ok = {}, True
         for seed, dm, dn, r in _seed_pairs(evals, "cached", "novel"):
-            nums[f"seed {seed}"] = {"demix_cached": _avg(dm, "cached", "novel"), "dense": _avg(dn, "ppl", "novel"),
-                                    "ratio_demix_over_dense": r}
+            nums[f"seed {seed}"] = {
+                "demix_cached": _avg(dm, "cached", "novel"),
+                "dense": _avg(dn, "ppl", "novel"),
+                "ratio_demix_over_dense": r,
+            }
             ok &= r[2] < 1
-        out.append(_claim("DEMix (cached mixture) beats Dense on novel domains", "Table 5", ok, nums,
-                          "" if ok else "each expert saw 1/8 of the tokens: at this scale one dense model trained on "
-                          "every domain generalises better to unseen text than a mixture of small experts"))
+        out.append(
+            _claim(
+                "DEMix (cached mixture) beats Dense on novel domains",
+                "Table 5",
+                ok,
+                nums,
+                ""
+                if ok
+                else "each expert saw 1/8 of the tokens: at this scale one dense model trained on "
+                "every domain generalises better to unseen text than a mixture of small experts",
+            )
+        )
     else:
-        out.append(_missing("DEMix (cached mixture) beats Dense on novel domains", "Table 5",
-                            "needs the dense and demix arms and a novel domain"))
+        out.append(
+            _missing(
+                "DEMix (cached mixture) beats Dense on novel domains",
+                "Table 5",
+                "needs the dense and demix arms and a novel domain",
+            )
+        )
     if res is not None:  # Figure 4
         own = {}
         for d, r in res["domains"].items():
             if r["role"] == "train" and "cached_prior_variants" in r:
-                own[d] = {v: {"own": p.get(d), "top": max(p, key=p.get)} for v, p in r["cached_prior_variants"].items()}
+                own[d] = {
+                    v: {"own": p.get(d), "top": max(p, key=p.get)}
+                    for v, p in r["cached_prior_variants"].items()
+                }
         ok = bool(own) and all(v["mean/prefix"]["top"] == d for d, v in own.items())
-        out.append(_claim("the cached prior picks the domain's own expert", "Figure 4", ok if own else None, own,
-                          "" if ok else "some training domain's cached prior favours another expert"))
+        out.append(
+            _claim(
+                "the cached prior picks the domain's own expert",
+                "Figure 4",
+                ok if own else None,
+                own,
+                "" if ok else "some training domain's cached prior favours another expert",
+            )
+        )
     else:
-        out.append(_missing("the cached prior picks the domain's own expert", "Figure 4", "needs the demix arm"))
+        out.append(
+            _missing("the cached prior picks the domain's own expert", "Figure 4", "needs the demix arm")
+        )
     # Table 7
     rem = mod.get("removal")
     if rem:
@@ -347,12 +451,26 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
         own, other = rem["own_change_mean"], rem["other_change_mean"]
         off = [abs(rem["matrix"][r][d]) for r in rem["experts"] for d in rem["evaluated_domains"] if d != r]
         ok = all(x > 0 for x in diag) and own > 3 * float(np.mean(off))
-        out.append(_claim("removing an expert hurts its domain, barely the others", "Table 7", ok,
-                          {"own_change_mean_pct": own, "other_change_mean_pct": other,
-                           "other_abs_change_mean_pct": float(np.mean(off)), "matrix_pct": rem["matrix"]},
-                          "" if ok else "experts are not specialised enough for removal to be local"))
+        out.append(
+            _claim(
+                "removing an expert hurts its domain, barely the others",
+                "Table 7",
+                ok,
+                {
+                    "own_change_mean_pct": own,
+                    "other_change_mean_pct": other,
+                    "other_abs_change_mean_pct": float(np.mean(off)),
+                    "matrix_pct": rem["matrix"],
+                },
+                "" if ok else "experts are not specialised enough for removal to be local",
+            )
+        )
     else:
-        out.append(_missing("removing an expert hurts its domain, barely the others", "Table 7", "needs the demix arm"))
+        out.append(
+            _missing(
+                "removing an expert hurts its domain, barely the others", "Table 7", "needs the demix arm"
+            )
+        )
     # Table 13
     if "demix_dapt_eval" in mod and evals.get("dense") and evals.get("demix"):
         dm_b, dm_a = evals["demix"][1], mod["demix_dapt_eval"]
@@ -366,39 +484,86 @@ def claims(evals: dict[str, dict[int, dict]], mod: dict[str, Any], gate: Optiona
         rn = paired_ratio(a, b, tok)
         ok = abs(rd[0] - 1) < 0.01 and rn[1] > 1
         dom = mod["dapt_domain"]
-        novel = {"demix_before": _ppl(dm_b, "cached", dom), "demix_after": _ppl(dm_a, "cached", dom),
-                 "dense_before": _ppl(dn_b, "ppl", dom), "dense_after": _ppl(dn_a, "ppl", dom)}
-        out.append(_claim("DEMix-DAPT does not forget, Dense-DAPT does", "Table 13", ok,
-                          {"demix_after_over_before": rd, "dense_after_over_before": rn, "domain": dom,
-                           "steps": mod["dapt_steps"], f"{dom}_ppl": novel},
-                          "" if ok else "Dense-DAPT too short or too gentle to forget measurably"))
+        novel = {
+            "demix_before": _ppl(dm_b, "cached", dom),
+            "demix_after": _ppl(dm_a, "cached", dom),
+            "dense_before": _ppl(dn_b, "ppl", dom),
+            "dense_after": _ppl(dn_a, "ppl", dom),
+        }
+        out.append(
+            _claim(
+                "DEMix-DAPT does not forget, Dense-DAPT does",
+                "Table 13",
+                ok,
+                {
+                    "demix_after_over_before": rd,
+                    "dense_after_over_before": rn,
+                    "domain": dom,
+                    "steps": mod["dapt_steps"],
+                    f"{dom}_ppl": novel,
+                },
+                "" if ok else "Dense-DAPT too short or too gentle to forget measurably",
+            )
+        )
     else:
-        out.append(_missing("DEMix-DAPT does not forget, Dense-DAPT does", "Table 13",
-                            "needs the dense and demix arms and dapt_steps > 0"))
+        out.append(
+            _missing(
+                "DEMix-DAPT does not forget, Dense-DAPT does",
+                "Table 13",
+                "needs the dense and demix arms and dapt_steps > 0",
+            )
+        )
     # Figure 6
     if gate:
         ents = [e for rows_ in gate["row_entropy"].values() for e in rows_]
         frac = float(np.mean(ents)) / gate["uniform_entropy"]
-        out.append(_claim("GShard's gating is nearly domain-agnostic", "Figure 6", frac >= 0.8,
-                          {"mean_row_entropy_over_log_E": frac, "num_experts": gate["num_experts"]},
-                          "" if frac >= 0.8 else "the router specialises by domain on this corpus"))
+        out.append(
+            _claim(
+                "GShard's gating is nearly domain-agnostic",
+                "Figure 6",
+                frac >= 0.8,
+                {"mean_row_entropy_over_log_E": frac, "num_experts": gate["num_experts"]},
+                "" if frac >= 0.8 else "the router specialises by domain on this corpus",
+            )
+        )
     else:
         out.append(_missing("GShard's gating is nearly domain-agnostic", "Figure 6", "needs the gshard arm"))
     # CSE
     if cse is not None and evals.get("cse") and evals.get("dense"):
         layers = cse.get("layers", {})
-        nums = {l: {"clusters": r["num_clusters"], "purity": r.get("purity"), "eps": r.get("eps")} for l, r in layers.items()}
+        nums = {
+            l: {"clusters": r["num_clusters"], "purity": r.get("purity"), "eps": r.get("eps")}
+            for l, r in layers.items()
+        }
         ok = any(r["clusters"] >= 4 and (r["purity"] or 0) >= 0.6 for r in nums.values())
-        out.append(_claim("clustered domains recover the true ones", "CSE / DEMix §8", ok, nums,
-                          "" if ok else "fewer than 4 clusters or clusters that mix domains"))
+        out.append(
+            _claim(
+                "clustered domains recover the true ones",
+                "CSE / DEMix §8",
+                ok,
+                nums,
+                "" if ok else "fewer than 4 clusters or clusters that mix domains",
+            )
+        )
         train = _domains(evals["dense"][1], "train")
         a, tok = _pooled(evals["cse"][1], "ppl", train)
         b, _ = _pooled(evals["dense"][1], "ppl", train)
         r = paired_ratio(a, b, tok)
-        out.append(_claim("CSE beats Dense", "CSE paper", r[2] < 1, {"ratio_cse_over_dense": r},
-                          "" if r[2] < 1 else "within noise or worse at this scale"))
+        out.append(
+            _claim(
+                "CSE beats Dense",
+                "CSE paper",
+                r[2] < 1,
+                {"ratio_cse_over_dense": r},
+                "" if r[2] < 1 else "within noise or worse at this scale",
+            )
+        )
     else:
-        out.append(_missing("clustered domains recover the true ones", "CSE / DEMix §8", "needs the cse and dense arms"))
+        out.append(
+            _missing(
+                "clustered domains recover the true ones", "CSE / DEMix §8", "needs the cse and dense arms"
+            )
+        )
         out.append(_missing("CSE beats Dense", "CSE paper", "needs the cse and dense arms"))
     return out
 
@@ -421,37 +586,70 @@ def _fmt(v: Any) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["# Reproducing DEMix on the demo corpus", "",
-             f"Budget `{report['budget_file']}`: {report['budget']['steps']} steps x {report['budget']['nproc']} ranks "
-             f"per arm; seeds {report['budget']['seeds']}; {report['budget']['eval_blocks']} test blocks per domain; "
-             f"cached priors from {report['budget']['cached_blocks']} dev blocks. This invocation took "
-             f"{report['seconds']:.0f} s (stages finished by an earlier one are reused, not re-timed). "
-             "Intervals: 95 % bootstrap over test blocks (paired where two models are compared).", "",
-             "| claim | paper | verdict | numbers | most likely reason if not |", "|---|---|---|---|---|"]
+    lines = [
+        "# Reproducing DEMix on the demo corpus",
+        "",
+        f"Budget `{report['budget_file']}`: {report['budget']['steps']} steps x {report['budget']['nproc']} ranks "
+        f"per arm; seeds {report['budget']['seeds']}; {report['budget']['eval_blocks']} test blocks per domain; "
+        f"cached priors from {report['budget']['cached_blocks']} dev blocks. This invocation took "
+        f"{report['seconds']:.0f} s (stages finished by an earlier one are reused, not re-timed). "
+        "Intervals: 95 % bootstrap over test blocks (paired where two models are compared).",
+        "",
+        "| claim | paper | verdict | numbers | most likely reason if not |",
+        "|---|---|---|---|---|",
+    ]
     for c in report["claims"]:
         nums = "<br>".join(f"{k}: {_fmt(v)}" for k, v in c["numbers"].items() if k != "matrix_pct")
         lines.append(f"| {c['claim']} | {c['paper']} | **{c['verdict']}** | {nums} | {c['reason']} |")
-    lines += ["", "## In-domain and novel averages per arm", "", "| arm | in-domain ppl [95 %] | novel ppl [95 %] | unigram in / novel |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "## In-domain and novel averages per arm",
+        "",
+        "| arm | in-domain ppl [95 %] | novel ppl [95 %] | unigram in / novel |",
+        "|---|---|---|---|",
+    ]
     for name, r in report["arms"].items():
-        lines.append(f"| {name} | {_fmt(r['in_domain'])} | {_fmt(r['novel'])} | {_fmt(r['unigram_in'])} / {_fmt(r['unigram_novel'])} |")
+        lines.append(
+            f"| {name} | {_fmt(r['in_domain'])} | {_fmt(r['novel'])} | {_fmt(r['unigram_in'])} / {_fmt(r['unigram_novel'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def build_report(evals: dict[str, dict[int, dict]], mod: dict, gate: Optional[dict], cse: Optional[dict],
-                 budget: Budget, budget_file: str, seconds: float) -> dict[str, Any]:
+def build_report(
+    evals: dict[str, dict[int, dict]],
+    mod: dict,
+    gate: Optional[dict],
+    cse: Optional[dict],
+    budget: Budget,
+    budget_file: str,
+    seconds: float,
+) -> dict[str, Any]:
     arms = {}
     for arm, by_seed in evals.items():
         for seed, res in by_seed.items():
             m = _mode(res) if arm != "demix" else "cached"
-            arms[f"{arm}-s{seed}"] = {"mode": m, "in_domain": _avg(res, m), "novel": _avg(res, m, "novel"),
-                                      "unigram_in": res["tables"].get("unigram_in_domain_average"),
-                                      "unigram_novel": res["tables"].get("unigram_novel_average")}
-    return {"format": "demix-reproduce/1", "budget_file": budget_file, "budget": budget.__dict__, "seconds": seconds,
-            "claims": claims(evals, mod, gate, cse), "arms": arms, "posterior": "prefix", "cached_estimator": "mean"}
+            arms[f"{arm}-s{seed}"] = {
+                "mode": m,
+                "in_domain": _avg(res, m),
+                "novel": _avg(res, m, "novel"),
+                "unigram_in": res["tables"].get("unigram_in_domain_average"),
+                "unigram_novel": res["tables"].get("unigram_novel_average"),
+            }
+    return {
+        "format": "demix-reproduce/1",
+        "budget_file": budget_file,
+        "budget": budget.__dict__,
+        "seconds": seconds,
+        "claims": claims(evals, mod, gate, cse),
+        "arms": arms,
+        "posterior": "prefix",
+        "cached_estimator": "mean",
+    }
 
 
-def run(budget_file: str, out: Path, arms: Sequence[str], data: str, record: Optional[Path]) -> dict[str, Any]:
+def run(
+    budget_file: str, out: Path, arms: Sequence[str], data: str, record: Optional[Path]
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     budget = Budget.load(ROOT / budget_file if not Path(budget_file).is_absolute() else Path(budget_file))
     unknown = [a for a in arms if a not in ARMS]
@@ -463,13 +661,17 @@ def run(budget_file: str, out: Path, arms: Sequence[str], data: str, record: Opt
         if build_data(["--out", str(ROOT / "artifacts" / "demo"), "--tokenizers", "sentencepiece"]) != 0:
             raise SystemExit("[reproduce] building the demo corpus failed (see above)")
     elif not Path(data).is_dir():
-        raise SystemExit(f"error: --data {data} is not a directory; prepare it with `python -m data.prepare` "
-                         "or leave --data out to use the demo corpus")
+        raise SystemExit(
+            f"error: --data {data} is not a directory; prepare it with `python -m data.prepare` "
+            "or leave --data out to use the demo corpus"
+        )
     runs: dict[str, dict[int, Path]] = {}
     for arm in arms:
         for seed in budget.seeds.get(arm, []):
             runs.setdefault(arm, {})[seed] = train_arm(arm, seed, budget, out)
-    evals = {arm: {s: evaluate_arm(p, budget, data) for s, p in by_seed.items()} for arm, by_seed in runs.items()}
+    evals = {
+        arm: {s: evaluate_arm(p, budget, data) for s, p in by_seed.items()} for arm, by_seed in runs.items()
+    }
     mod = modularity(runs, budget, data, out)
     gate, cse = gating(runs, data), cse_record(runs)
     report = build_report(evals, mod, gate, cse, budget, budget_file, time.perf_counter() - t0)
@@ -489,9 +691,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=str(ROOT / "runs" / "reproduce"))
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     p.add_argument("--data", default=str(ROOT / "artifacts" / "demo" / "tokens"))
-    p.add_argument("--record", default=None, help="also copy report.{md,json} here (e.g. benchmarks/results/reproduce)")
+    p.add_argument(
+        "--record", default=None, help="also copy report.{md,json} here (e.g. benchmarks/results/reproduce)"
+    )
     a = p.parse_args(argv)
-    run(a.budget, Path(a.out), [x for x in a.arms.split(",") if x], a.data, Path(a.record) if a.record else None)
+    run(
+        a.budget,
+        Path(a.out),
+        [x for x in a.arms.split(",") if x],
+        a.data,
+        Path(a.record) if a.record else None,
+    )
     return 0
 
 

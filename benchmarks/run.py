@@ -68,12 +68,17 @@ class BenchPaths:
         return self.costmodel_dir / "costmodel_paper.json"
 
 
-def bench_paths(name: str, record: bool = False, sweep_dir: Optional[str] = None, out: Optional[str] = None) -> BenchPaths:
+def bench_paths(
+    name: str, record: bool = False, sweep_dir: Optional[str] = None, out: Optional[str] = None
+) -> BenchPaths:
     """The outputs of a bench of sweep `name`: under runs/bench/ (ignored by git), or with `record` under
     benchmarks/results/ (the tracked copies); `sweep_dir` and `out` override theirs."""
     base = RECORD_DIR if record else RUNS_DIR / "bench"
-    return BenchPaths(Path(sweep_dir) if sweep_dir else RUNS_DIR / "sweeps" / name,
-                      Path(out) if out else base / f"sweep_{name}", base)
+    return BenchPaths(
+        Path(sweep_dir) if sweep_dir else RUNS_DIR / "sweeps" / name,
+        Path(out) if out else base / f"sweep_{name}",
+        base,
+    )
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -81,14 +86,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/sweeps/cpu.yaml", help="the sweep YAML")
     p.add_argument("--sweep-dir", help="point run directories and results.json (default runs/sweeps/<name>)")
-    p.add_argument("--out", help="the report directory (default runs/bench/sweep_<name>; with --record "
-                                 "benchmarks/results/sweep_<name>)")
-    p.add_argument("--record", action="store_true",
-                   help="write the report and the cost model's table to benchmarks/results/ (the tracked copies)")
-    p.add_argument("--data", metavar="PATH", help="a prepared token directory (python -m data.prepare --out PATH) to "
-                                                  "run every point on, instead of the demo corpus")
-    p.add_argument("--tokenizer", choices=TOKENIZERS,
-                   help="with --data: the tokenizer whose tokens to use (default: the only one prepared there)")
+    p.add_argument(
+        "--out",
+        help="the report directory (default runs/bench/sweep_<name>; with --record "
+        "benchmarks/results/sweep_<name>)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="write the report and the cost model's table to benchmarks/results/ (the tracked copies)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a prepared token directory (python -m data.prepare --out PATH) to "
+        "run every point on, instead of the demo corpus",
+    )
+    p.add_argument(
+        "--tokenizer",
+        choices=TOKENIZERS,
+        help="with --data: the tokenizer whose tokens to use (default: the only one prepared there)",
+    )
     sweep.add_reuse_args(p)
     args = p.parse_args(argv)
     if args.tokenizer and not args.data:
@@ -135,30 +153,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timings["costmodel_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    results = sweep.run_sweep(cfg, paths.sweep_dir, reuse=args.reuse, command=command, config_path=args.config)
+    results = sweep.run_sweep(
+        cfg, paths.sweep_dir, reuse=args.reuse, command=command, config_path=args.config
+    )
     timings["sweep_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     rerender = f"python -m benchmarks.report {_rel(paths.out)} --costmodel {_rel(paths.costmodel_json)}"
-    written = report.render(paths.sweep_dir, paths.out, paths.costmodel_json,
-                            f"python -m benchmarks.report {_rel(paths.sweep_dir)} --out {_rel(paths.out)} "
-                            f"--costmodel {_rel(paths.costmodel_json)}")
+    written = report.render(
+        paths.sweep_dir,
+        paths.out,
+        paths.costmodel_json,
+        f"python -m benchmarks.report {_rel(paths.sweep_dir)} --out {_rel(paths.out)} "
+        f"--costmodel {_rel(paths.costmodel_json)}",
+    )
     timings["report_s"] = time.perf_counter() - t
-    (paths.out / "bench.json").write_text(json.dumps(bench_record(args, command, paths, rerender, timings, results),
-                                                     indent=1) + "\n")
-    print(f"[bench] report: {_rel(written['md'])} and {_rel(written['html'])} (results.json, bench.json, PNGs beside "
-          f"them){'' if args.record else '; `--record` (make bench RECORD=1) writes the tracked copy'}")
+    (paths.out / "bench.json").write_text(
+        json.dumps(bench_record(args, command, paths, rerender, timings, results), indent=1) + "\n"
+    )
+    print(
+        f"[bench] report: {_rel(written['md'])} and {_rel(written['html'])} (results.json, bench.json, PNGs beside "
+        f"them){'' if args.record else '; `--record` (make bench RECORD=1) writes the tracked copy'}"
+    )
     return 0 if all(r["status"] == "ok" for r in results["points"]) else 1
 
 
-def bench_record(args: argparse.Namespace, command: str, paths: BenchPaths, rerender: str,
-                 timings: dict[str, float], results: dict[str, Any]) -> dict[str, Any]:
+def bench_record(
+    args: argparse.Namespace,
+    command: str,
+    paths: BenchPaths,
+    rerender: str,
+    timings: dict[str, float],
+    results: dict[str, Any],
+) -> dict[str, Any]:
     """bench.json: what ran (command, sweep, data, outputs), how long each stage took, the machine, the points."""
     return {
-        "command": command, "sweep_config": args.config, "sweep_dir": _rel(paths.sweep_dir), "record": args.record,
-        "data": str(Path(args.data).resolve()) if args.data else None, "costmodel": _rel(paths.costmodel_json),
-        "rerender": rerender, "timings_s": timings, "machine": results["machine"],
-        "points_ok": sum(r["status"] == "ok" for r in results["points"]), "points": len(results["points"]),
+        "command": command,
+        "sweep_config": args.config,
+        "sweep_dir": _rel(paths.sweep_dir),
+        "record": args.record,
+        "data": str(Path(args.data).resolve()) if args.data else None,
+        "costmodel": _rel(paths.costmodel_json),
+        "rerender": rerender,
+        "timings_s": timings,
+        "machine": results["machine"],
+        "points_ok": sum(r["status"] == "ok" for r in results["points"]),
+        "points": len(results["points"]),
         "reused": results.get("reused", []),
     }
 

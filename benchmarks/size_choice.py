@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,8 +27,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from data.argtypes import positive_float
 from benchmarks.machine import machine_info
+from data.argtypes import positive_float
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "artifacts" / "demo" / "tokens"
@@ -45,12 +43,21 @@ class Shape:
     seq_len: int
 
     def sets(self) -> list[str]:
-        return [f"model.n_layers={self.n_layers}", f"model.d_model={self.d_model}", f"model.seq_len={self.seq_len}",
-                f"model.n_heads={max(2, self.d_model // 32)}", f"train.micro_batch={TOKENS_PER_RANK // self.seq_len}"]
+        return [
+            f"model.n_layers={self.n_layers}",
+            f"model.d_model={self.d_model}",
+            f"model.seq_len={self.seq_len}",
+            f"model.n_heads={max(2, self.d_model // 32)}",
+            f"train.micro_batch={TOKENS_PER_RANK // self.seq_len}",
+        ]
 
 
-SHAPES = (Shape("L4 d128 T256 (chosen)", 4, 128, 256), Shape("L4 d64 T256", 4, 64, 256),
-          Shape("L4 d256 T256", 4, 256, 256), Shape("L4 d128 T512", 4, 128, 512))
+SHAPES = (
+    Shape("L4 d128 T256 (chosen)", 4, 128, 256),
+    Shape("L4 d64 T256", 4, 64, 256),
+    Shape("L4 d256 T256", 4, 256, 256),
+    Shape("L4 d128 T512", 4, 128, 512),
+)
 VOCABS = {"sentencepiece 8k": 8200, "gpt2 50k": 50257}
 
 
@@ -59,8 +66,13 @@ def update_rate(shape: Shape, vocab: int, steps: int = 5) -> float:
     from model.config import ModelConfig
     from model.gpt import GPT
 
-    cfg = ModelConfig(n_layers=shape.n_layers, d_model=shape.d_model, n_heads=max(2, shape.d_model // 32),
-                      seq_len=shape.seq_len, vocab_size=vocab)
+    cfg = ModelConfig(
+        n_layers=shape.n_layers,
+        d_model=shape.d_model,
+        n_heads=max(2, shape.d_model // 32),
+        seq_len=shape.seq_len,
+        vocab_size=vocab,
+    )
     model = GPT(cfg, init_seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     B = TOKENS_PER_RANK // shape.seq_len
@@ -69,7 +81,9 @@ def update_rate(shape: Shape, vocab: int, steps: int = 5) -> float:
         if i == 2:
             t0 = time.perf_counter()
         logits = model(x[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1])[:, :vocab], x[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1])[:, :vocab], x[:, 1:].reshape(-1)
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -84,7 +98,10 @@ def tokens_per_byte(max_docs: int = 20) -> dict[str, float]:
     texts, _ = split_documents_text(DATA, "sentencepiece", "test", max_docs)
     docs = [t for ts in texts.values() for t in ts]
     nbytes = sum(len(t.encode("utf-8")) for t in docs)
-    toks = {"sentencepiece 8k": load_prepared_tokenizer(DATA, "sentencepiece"), "gpt2 50k": load_tokenizer("gpt2")}
+    toks = {
+        "sentencepiece 8k": load_prepared_tokenizer(DATA, "sentencepiece"),
+        "gpt2 50k": load_tokenizer("gpt2"),
+    }
     return {name: sum(len(tok.encode(t)) for t in docs) / nbytes for name, tok in toks.items()}
 
 
@@ -111,11 +128,29 @@ def train(shape: Shape, steps: int, out: Path, reuse: bool = False) -> dict[str,
     if reuse and (run / "model" / "meta.json").is_file():
         recs = list(read_metrics(run / "metrics.jsonl"))
         return _summary(recs, json.loads((run / "model" / "meta.json").read_text())["step"], None)
-    sets = [*shape.sets(), f"train.steps={steps}", "logging.wandb_mode=disabled", "train.eval_batches=16",
-            "logging.log_interval=10", f"train.save_interval={steps}", "train.keep_checkpoints=1"]
+    sets = [
+        *shape.sets(),
+        f"train.steps={steps}",
+        "logging.wandb_mode=disabled",
+        "train.eval_batches=16",
+        "logging.log_interval=10",
+        f"train.save_interval={steps}",
+        "train.keep_checkpoints=1",
+    ]
     t0 = time.perf_counter()
-    rc = launch(["--config", str(ROOT / "configs/demo/dense.yaml"), "--nproc", "2", "--run-dir", str(run),
-                 "--resume", "never", *[a for s in sets for a in ("--set", s)]])
+    rc = launch(
+        [
+            "--config",
+            str(ROOT / "configs/demo/dense.yaml"),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(run),
+            "--resume",
+            "never",
+            *[a for s in sets for a in ("--set", s)],
+        ]
+    )
     wall = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"training {shape.name} failed (exit {rc}); see {run}")
@@ -126,62 +161,119 @@ def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> d
     ev = [r for r in recs if r.get("kind") == "eval"][-1]
     losses = [v for k, v in ev.items() if k.startswith("val_loss/")]
     train_s = sum(r["step_time_s"] * 10 for r in recs if r.get("kind") == "train" and "step_time_s" in r)
-    return {"steps": steps, "val_loss": sum(losses) / len(losses), "wall_s": wall, "train_s": train_s, "records": recs}
+    return {
+        "steps": steps,
+        "val_loss": sum(losses) / len(losses),
+        "wall_s": wall,
+        "train_s": train_s,
+        "records": recs,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.size_choice", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=positive_float, default=120.0, help="training wall clock per shape (part 2)")
+    p.add_argument(
+        "--seconds", type=positive_float, default=120.0, help="training wall clock per shape (part 2)"
+    )
     p.add_argument("--out", default=str(ROOT / "runs" / "size_choice"))
     p.add_argument("--record", default=None, help="also write the markdown here")
-    p.add_argument("--reuse", action="store_true", help="reuse finished runs under --out (part 2 not retrained)")
+    p.add_argument(
+        "--reuse", action="store_true", help="reuse finished runs under --out (part 2 not retrained)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     m0 = machine_info()
     tpb = tokens_per_byte()
     rates = {(s.name, v): update_rate(s, n) for s in SHAPES for v, n in VOCABS.items()}
-    lines = ["# Model shape and vocabulary per CPU-second (make reproduce's budget)", "",
-             f"`python -m benchmarks.size_choice {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"Machine: {m0['cpu']}, {m0['cores']} cores, 1-min load {m0['loadavg_1m']} at the start.", "",
-             "## 1. Cost: one update (forward, backward, AdamW), one thread, 1,024 tokens", "",
-             f"Tokens per byte of the demo's test text: " + ", ".join(f"{k} {v:.3f}" for k, v in tpb.items()) + ".", "",
-             "| shape | vocabulary | tokens/s | bytes of text/s | vs chosen |", "|---|---|---|---|---|"]
+    lines = [
+        "# Model shape and vocabulary per CPU-second (make reproduce's budget)",
+        "",
+        f"`python -m benchmarks.size_choice {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "",
+        f"Machine: {m0['cpu']}, {m0['cores']} cores, 1-min load {m0['loadavg_1m']} at the start.",
+        "",
+        "## 1. Cost: one update (forward, backward, AdamW), one thread, 1,024 tokens",
+        "",
+        "Tokens per byte of the demo's test text: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in tpb.items())
+        + ".",
+        "",
+        "| shape | vocabulary | tokens/s | bytes of text/s | vs chosen |",
+        "|---|---|---|---|---|",
+    ]
     base = rates[(SHAPES[0].name, "sentencepiece 8k")] / tpb["sentencepiece 8k"]
     for (s, v), r in rates.items():
         lines.append(f"| {s} | {v} | {r:,.0f} | {r / tpb[v]:,.0f} | {r / tpb[v] / base:.2f}x |")
-    lines += ["", f"## 2. Learning: Dense, 2 ranks, about {a.seconds:.0f} s of training each, sentencepiece 8k", "",
-              "Steps come from part 1's rate, so the training seconds differ under a changing load; the comparison "
-              "that counts is the training loss after the same seconds of training (T = the shortest run's step "
-              "time; mean of the last 3 logged intervals before T).", "",
-              "| shape | steps | tokens | training s (steps) | final val loss (nats/token) | train loss at T | nats/byte at T |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## 2. Learning: Dense, 2 ranks, about {a.seconds:.0f} s of training each, sentencepiece 8k",
+        "",
+        "Steps come from part 1's rate, so the training seconds differ under a changing load; the comparison "
+        "that counts is the training loss after the same seconds of training (T = the shortest run's step "
+        "time; mean of the last 3 logged intervals before T).",
+        "",
+        "| shape | steps | tokens | training s (steps) | final val loss (nats/token) | train loss at T | nats/byte at T |",
+        "|---|---|---|---|---|---|---|",
+    ]
     out = Path(a.out)
     results = {}
     for s in SHAPES:
         per_rank = rates[(s.name, "sentencepiece 8k")]  # 2 ranks in parallel, each at about the 1-thread rate
-        steps = max(20, int(a.seconds * per_rank / TOKENS_PER_RANK / 1.15))  # 1.15: trainer + all-reduce overhead
+        steps = max(
+            20, int(a.seconds * per_rank / TOKENS_PER_RANK / 1.15)
+        )  # 1.15: trainer + all-reduce overhead
         results[s.name] = train(s, steps, out, a.reuse)
     T = min(r["train_s"] for r in results.values())
     at = {k: loss_at(r["records"], T) for k, r in results.items()}
     for s in SHAPES:
         r = results[s.name]
-        lines.append(f"| {s.name} | {r['steps']} | {r['steps'] * 2 * TOKENS_PER_RANK:,} | {r['train_s']:.0f} | "
-                     f"{r['val_loss']:.3f} | {at[s.name]:.3f} | {at[s.name] * tpb['sentencepiece 8k']:.3f} |")
-    lines += ["", f"T = {T:.0f} s." + (" Part 2's runs were reused from an earlier invocation (`--reuse`); part 1 was "
-                                       "measured again." if a.reuse else "")]
+        lines.append(
+            f"| {s.name} | {r['steps']} | {r['steps'] * 2 * TOKENS_PER_RANK:,} | {r['train_s']:.0f} | "
+            f"{r['val_loss']:.3f} | {at[s.name]:.3f} | {at[s.name] * tpb['sentencepiece 8k']:.3f} |"
+        )
+    lines += [
+        "",
+        f"T = {T:.0f} s."
+        + (
+            " Part 2's runs were reused from an earlier invocation (`--reuse`); part 1 was measured again."
+            if a.reuse
+            else ""
+        ),
+    ]
     best = min(at, key=lambda k: at[k])
     m1 = machine_info()
-    lines += ["", f"Lowest training loss after the same seconds: **{best}**. 1-min load at the start {m0['loadavg_1m']}, "
-              f"at the end {m1['loadavg_1m']}" + (" (above 2.5, more than the benchmark's own 2 ranks: figures taken "
-                                                  "under load)" if max(m0["loadavg_1m"], m1["loadavg_1m"]) > 2.5 else "") + "."]
+    lines += [
+        "",
+        f"Lowest training loss after the same seconds: **{best}**. 1-min load at the start {m0['loadavg_1m']}, "
+        f"at the end {m1['loadavg_1m']}"
+        + (
+            " (above 2.5, more than the benchmark's own 2 ranks: figures taken under load)"
+            if max(m0["loadavg_1m"], m1["loadavg_1m"]) > 2.5
+            else ""
+        )
+        + ".",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.record:
         Path(a.record).write_text(text)
-        Path(a.record).with_suffix(".json").write_text(json.dumps(
-            {"rates": {f"{s}|{v}": r for (s, v), r in rates.items()}, "tokens_per_byte": tpb, "loss_at_T": at, "T": T,
-             "learning": {k: {x: y for x, y in r.items() if x != "records"} for k, r in results.items()},
-             "seconds": a.seconds, "machine": m0}, indent=2) + "\n")
+        Path(a.record).with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "rates": {f"{s}|{v}": r for (s, v), r in rates.items()},
+                    "tokens_per_byte": tpb,
+                    "loss_at_T": at,
+                    "T": T,
+                    "learning": {
+                        k: {x: y for x, y in r.items() if x != "records"} for k, r in results.items()
+                    },
+                    "seconds": a.seconds,
+                    "machine": m0,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

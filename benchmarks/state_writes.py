@@ -62,31 +62,61 @@ def _worker(rank: int, world: int, sets: list[str], run_dir: str, rounds: int) -
         times.append(time.perf_counter() - t0)
     state._save = real
     zero = {p: n for p, n in written.items() if "/zero/" in p and not p.endswith("optimizer_state.pt")}
-    return {"bytes": sum(written.values()), "param_bytes": sum(zero.values()), "param_files": len(zero),
-            "largest_file": max(zero.values(), default=0), "seconds": times,
-            "params": sum(p.numel() for p in trainer.bundle.engine.module.parameters())}
+    return {
+        "bytes": sum(written.values()),
+        "param_bytes": sum(zero.values()),
+        "param_files": len(zero),
+        "largest_file": max(zero.values(), default=0),
+        "seconds": times,
+        "params": sum(p.numel() for p in trainer.bundle.engine.module.parameters()),
+    }
 
 
-def run(world: int, kind: str, zero: int, rounds: int, d_model: int, layers: int, tokens: Path) -> dict[str, Any]:
+def run(
+    world: int, kind: str, zero: int, rounds: int, d_model: int, layers: int, tokens: Path
+) -> dict[str, Any]:
     from tests.multirank import run_ranks
 
-    sets = ["model.preset=tiny", f"model.n_layers={layers}", f"model.d_model={d_model}", "model.n_heads=4",
-            "model.seq_len=64", f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2",
-            f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}", "data.domains=[cooking,sailing]",
-            "train.steps=100", "train.micro_batch=2", "train.grad_accum=1", f"parallel.zero_stage={zero}",
-            "train.keep_checkpoints=1", "logging.wandb_mode=disabled", "logging.progress_bar=false"]
+    sets = [
+        "model.preset=tiny",
+        f"model.n_layers={layers}",
+        f"model.d_model={d_model}",
+        "model.n_heads=4",
+        "model.seq_len=64",
+        f"model.ffn.kind={kind}",
+        f"data.path={tokens}",
+        "data.tokenizer=gpt2",
+        f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}",
+        "data.domains=[cooking,sailing]",
+        "train.steps=100",
+        "train.micro_batch=2",
+        "train.grad_accum=1",
+        f"parallel.zero_stage={zero}",
+        "train.keep_checkpoints=1",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+    ]
     with tempfile.TemporaryDirectory(prefix="state_writes-") as run_dir:
         load = os.getloadavg()[0]
         per_rank = run_ranks(_worker, world, args=(sets, run_dir, rounds), timeout=1800)
     mean = statistics.mean(r["param_bytes"] for r in per_rank)
-    return {"world": world, "kind": kind, "zero": zero, "params": per_rank[0]["params"],
-            "bytes_by_rank": [r["bytes"] for r in per_rank], "param_bytes_by_rank": [r["param_bytes"] for r in per_rank],
-            "param_files_by_rank": [r["param_files"] for r in per_rank],
-            "largest_file": max(r["largest_file"] for r in per_rank),
-            "max_over_mean": max(r["param_bytes"] for r in per_rank) / mean,
-            "save_seconds_median": statistics.median(max(r["seconds"][i] for r in per_rank) for i in range(rounds)),
-            "save_seconds": [max(r["seconds"][i] for r in per_rank) for i in range(rounds)],
-            "load_before": load, "load_after": os.getloadavg()[0]}
+    return {
+        "world": world,
+        "kind": kind,
+        "zero": zero,
+        "params": per_rank[0]["params"],
+        "bytes_by_rank": [r["bytes"] for r in per_rank],
+        "param_bytes_by_rank": [r["param_bytes"] for r in per_rank],
+        "param_files_by_rank": [r["param_files"] for r in per_rank],
+        "largest_file": max(r["largest_file"] for r in per_rank),
+        "max_over_mean": max(r["param_bytes"] for r in per_rank) / mean,
+        "save_seconds_median": statistics.median(
+            max(r["seconds"][i] for r in per_rank) for i in range(rounds)
+        ),
+        "save_seconds": [max(r["seconds"][i] for r in per_rank) for i in range(rounds)],
+        "load_before": load,
+        "load_after": os.getloadavg()[0],
+    }
 
 
 def project(preset: str, gpus: list[int], domains: int) -> list[dict[str, Any]]:
@@ -101,8 +131,15 @@ def project(preset: str, gpus: list[int], domains: int) -> list[dict[str, Any]]:
 
     rows = []
     for kind in ("dense", "demix"):
-        cfg = load_run_config(None, [f"model.preset={preset}", f"model.ffn.kind={kind}",
-                                     f"model.ffn.num_experts={domains if kind == 'demix' else 0}"], check=False)
+        cfg = load_run_config(
+            None,
+            [
+                f"model.preset={preset}",
+                f"model.ffn.kind={kind}",
+                f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
+            ],
+            check=False,
+        )
         with torch.device("meta"), _SkipMetaNormal():
             model = GPT(cfg.model, expert_ids=list(range(domains)) if kind == "demix" else None)
         files: dict[str, int] = {}
@@ -126,50 +163,81 @@ def project(preset: str, gpus: list[int], domains: int) -> list[dict[str, Any]]:
             shared = {f: s for f, s in files.items() if f not in expert_of}
             for f, r in assign_writers(shared, range(n), dict(enumerate(load))).items():
                 load[r] += shared[f]
-            rows.append({"preset": preset, "kind": kind, "gpus": n, "domains": domains if kind == "demix" else 0,
-                         "params": sum(p.numel() for p in model.parameters()), "total_bytes": total,
-                         "old_max_bytes": max(old), "new_max_bytes": max(load), "mean_bytes": total / n,
-                         "largest_file": max(files.values())})
+            rows.append(
+                {
+                    "preset": preset,
+                    "kind": kind,
+                    "gpus": n,
+                    "domains": domains if kind == "demix" else 0,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "total_bytes": total,
+                    "old_max_bytes": max(old),
+                    "new_max_bytes": max(load),
+                    "mean_bytes": total / n,
+                    "largest_file": max(files.values()),
+                }
+            )
     return rows
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = ["# Training-state writes per rank, and save time", "",
-             "Bytes each rank writes in one `save_training_state` (every file, from the worker's count of what it "
-             "saved: the `zero/<name>/*.pt` parameter files, `rng/`, and on rank 0 `trainer.pt` and DeepSpeed's two "
-             "index files), and the save's wall time (median of the rounds; each round's time is the slowest "
-             "rank's, barrier to return). CPU, gloo, every rank on one machine and one local disk (page cache), so "
-             "times are indicative; the bytes are what a cluster's ranks would write.", ""]
+    lines = [
+        "# Training-state writes per rank, and save time",
+        "",
+        "Bytes each rank writes in one `save_training_state` (every file, from the worker's count of what it "
+        "saved: the `zero/<name>/*.pt` parameter files, `rng/`, and on rank 0 `trainer.pt` and DeepSpeed's two "
+        "index files), and the save's wall time (median of the rounds; each round's time is the slowest "
+        "rank's, barrier to return). CPU, gloo, every rank on one machine and one local disk (page cache), so "
+        "times are indicative; the bytes are what a cluster's ranks would write.",
+        "",
+    ]
     for label, entry in results.items():
         if label == "projection":
-            lines += ["## projection (no process: parameter shapes on the meta device)", "",
-                      f"Command: `{entry['command']}`", "",
-                      "Bytes of parameter files (fp32 + Adam moments) the busiest rank writes per training state. Old "
-                      "rule: rank 0 every shared parameter, each domain's first rank its expert. Balanced: "
-                      "launcher/state.py's assignment. The largest single file bounds the balance "
-                      "(max <= mean + largest file).", "",
-                      "| model | GPUs | params | state GiB | old: busiest rank GiB | balanced: busiest rank GiB | "
-                      "mean GiB | largest file GiB |", "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "## projection (no process: parameter shapes on the meta device)",
+                "",
+                f"Command: `{entry['command']}`",
+                "",
+                "Bytes of parameter files (fp32 + Adam moments) the busiest rank writes per training state. Old "
+                "rule: rank 0 every shared parameter, each domain's first rank its expert. Balanced: "
+                "launcher/state.py's assignment. The largest single file bounds the balance "
+                "(max <= mean + largest file).",
+                "",
+                "| model | GPUs | params | state GiB | old: busiest rank GiB | balanced: busiest rank GiB | "
+                "mean GiB | largest file GiB |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for r in entry["rows"]:
                 gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
                 model = r["preset"] + (f" DEMix {r['domains']} domains" if r["kind"] == "demix" else " dense")
-                lines.append(f"| {model} | {r['gpus']} | {r['params']:,} | {gib(r['total_bytes'])} | "
-                             f"{gib(r['old_max_bytes'])} | {gib(r['new_max_bytes'])} | {gib(r['mean_bytes'])} | "
-                             f"{gib(r['largest_file'])} |")
+                lines.append(
+                    f"| {model} | {r['gpus']} | {r['params']:,} | {gib(r['total_bytes'])} | "
+                    f"{gib(r['old_max_bytes'])} | {gib(r['new_max_bytes'])} | {gib(r['mean_bytes'])} | "
+                    f"{gib(r['largest_file'])} |"
+                )
             lines.append("")
             continue
-        lines += [f"## {label}", "", f"Command: `{entry['command']}`", "",
-                  f"Code: {entry['code']}. Machine: {entry['machine']['cores']} cores, {entry['machine']['cpu']}; "
-                  f"`cat /proc/loadavg` before: `{entry['loadavg_before']}`, after: `{entry['loadavg_after']}`.", "",
-                  "| ranks | layout | params | MiB written by rank | param files by rank | max / mean (param files) "
-                  "| largest file (MiB) | save s (median; rounds) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {label}",
+            "",
+            f"Command: `{entry['command']}`",
+            "",
+            f"Code: {entry['code']}. Machine: {entry['machine']['cores']} cores, {entry['machine']['cpu']}; "
+            f"`cat /proc/loadavg` before: `{entry['loadavg_before']}`, after: `{entry['loadavg_after']}`.",
+            "",
+            "| ranks | layout | params | MiB written by rank | param files by rank | max / mean (param files) "
+            "| largest file (MiB) | save s (median; rounds) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in entry["rows"]:
             mib = " / ".join(f"{b / 2**20:.1f}" for b in r["bytes_by_rank"])
             files = " / ".join(str(n) for n in r["param_files_by_rank"])
             rounds = ", ".join(f"{s:.2f}" for s in r["save_seconds"])
-            lines.append(f"| {r['world']} | {r['kind']} ZeRO {r['zero']} | {r['params']:,} | {mib} | {files} | "
-                         f"{r['max_over_mean']:.2f} | {r['largest_file'] / 2**20:.1f} | "
-                         f"{r['save_seconds_median']:.2f} ({rounds}) |")
+            lines.append(
+                f"| {r['world']} | {r['kind']} ZeRO {r['zero']} | {r['params']:,} | {mib} | {files} | "
+                f"{r['max_over_mean']:.2f} | {r['largest_file'] / 2**20:.1f} | "
+                f"{r['save_seconds_median']:.2f} ({rounds}) |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -196,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(path.read_text()) if path.is_file() else {}
     cmd = "python -m benchmarks.state_writes " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.project:
-        results["projection"] = {"command": cmd.strip(), "rows": project(args.preset, args.gpus, args.domains)}
+        results["projection"] = {
+            "command": cmd.strip(),
+            "rows": project(args.preset, args.gpus, args.domains),
+        }
         return _write(results)
     from benchmarks.trainer_overhead import _corpus
 
@@ -208,9 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             for kind, zero in LAYOUTS:
                 rows.append(run(world, kind, zero, args.rounds, args.d_model, args.layers, tokens))
                 print(json.dumps(rows[-1]), flush=True)
-    results[args.label] = {"command": cmd.strip(), "code": args.code, "machine": machine_info(),
-                           "loadavg_before": loadavg_before, "loadavg_after": Path("/proc/loadavg").read_text().strip(),
-                           "rows": rows}
+    results[args.label] = {
+        "command": cmd.strip(),
+        "code": args.code,
+        "machine": machine_info(),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": Path("/proc/loadavg").read_text().strip(),
+        "rows": rows,
+    }
     return _write(results)
 
 

@@ -56,12 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from benchmarks.machine import OtherLoad, machine_info
-
 import yaml
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from benchmarks.machine import OtherLoad, machine_info
 from data.catalog import DataError, load_catalog
 from data.config import TOKENIZERS
 from data.readers import InputFileError, read_yaml
@@ -70,9 +69,22 @@ from model.config import CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
-DEFAULT_MIXTURE: dict[str, str] = {"dense": "natural", "demix": "by_domain", "gshard": "natural", "cse": "natural"}
-MEAN_KEYS: tuple[str, ...] = ("tokens_per_s", "step_time_s", "tflops_per_gpu_recompute", "tflops_per_gpu_no_recompute",
-                              "tflops_per_gpu", "mfu", "hfu", "aux_loss")
+DEFAULT_MIXTURE: dict[str, str] = {
+    "dense": "natural",
+    "demix": "by_domain",
+    "gshard": "natural",
+    "cse": "natural",
+}
+MEAN_KEYS: tuple[str, ...] = (
+    "tokens_per_s",
+    "step_time_s",
+    "tflops_per_gpu_recompute",
+    "tflops_per_gpu_no_recompute",
+    "tflops_per_gpu",
+    "mfu",
+    "hfu",
+    "aux_loss",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,7 +129,9 @@ class SweepConfig:
     set: list[str] = field(default_factory=list)  # extra KEY=VALUE overrides for every point
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     cluster: Optional[str] = None  # a cost-model cluster preset: the report adds predicted TFLOPs/GPU
-    keep_checkpoints: StrictBool = False  # checkpoints and exports are deleted after a point (benchmarks need neither)
+    keep_checkpoints: StrictBool = (
+        False  # checkpoints and exports are deleted after a point (benchmarks need neither)
+    )
 
     def mixture_for(self, arch: str) -> str:
         return self.mixture.get(arch, DEFAULT_MIXTURE.get(arch, "natural"))
@@ -138,28 +152,38 @@ class SweepConfig:
             out.append(f"sizes: names must be unique, got {names}")
         for i, s in enumerate(sizes):
             if not s.name or not all(c.isalnum() or c in "._" for c in s.name):
-                out.append(f"sizes[{i}].name={s.name!r}: use letters, digits, '.' and '_' (it names run directories)")
+                out.append(
+                    f"sizes[{i}].name={s.name!r}: use letters, digits, '.' and '_' (it names run directories)"
+                )
             if s.preset is not None and s.preset not in model_presets():
-                out.append(f"sizes[{i}].preset={s.preset!r}: no such preset; shipped: {', '.join(model_presets())}")
+                out.append(
+                    f"sizes[{i}].preset={s.preset!r}: no such preset; shipped: {', '.join(model_presets())}"
+                )
         for a in self.archs:
             if a not in ARCHS:
                 out.append(f"archs: {a!r} is not an architecture; choose from {', '.join(ARCHS)}")
         if not self.archs or not self.world_sizes:
             out.append("archs and world_sizes must not be empty")
-        for name, values, ok in (("world_sizes", self.world_sizes, lambda v: v >= 1),
-                                 ("zero_stages", self.zero_stages, lambda v: v in (0, 1, 2)),
-                                 ("tensor_parallel", self.tensor_parallel, lambda v: v >= 1)):
+        for name, values, ok in (
+            ("world_sizes", self.world_sizes, lambda v: v >= 1),
+            ("zero_stages", self.zero_stages, lambda v: v in (0, 1, 2)),
+            ("tensor_parallel", self.tensor_parallel, lambda v: v >= 1),
+        ):
             bad = [v for v in values if not ok(v)]
             if bad:
                 out.append(f"{name}={values}: invalid value(s) {bad}")
             if len(set(values)) != len(values):
                 out.append(f"{name}={values}: duplicates")
         if self.steps < 2 or self.log_interval < 1 or self.steps // max(1, self.log_interval) < 2:
-            out.append(f"steps={self.steps}, log_interval={self.log_interval}: need >= 2 logged intervals "
-                       "(the first is warm-up and left out of the means)")
+            out.append(
+                f"steps={self.steps}, log_interval={self.log_interval}: need >= 2 logged intervals "
+                "(the first is warm-up and left out of the means)"
+            )
         for arch, mix in self.mixture.items():
             if arch not in ARCHS or mix not in MIXTURES:
-                out.append(f"mixture.{arch}={mix!r}: keys are architectures, values one of {', '.join(MIXTURES)}")
+                out.append(
+                    f"mixture.{arch}={mix!r}: keys are architectures, values one of {', '.join(MIXTURES)}"
+                )
         out += [f"set: {s!r} is not KEY=VALUE" for s in self.set if "=" not in s]
         if self.launch.gpus_per_node < 1 or self.launch.timeout_s < 1:
             out.append("launch.gpus_per_node and launch.timeout_s must be >= 1")
@@ -167,7 +191,9 @@ class SweepConfig:
             from benchmarks.costmodel import cluster_presets
 
             if self.cluster not in cluster_presets():
-                out.append(f"cluster={self.cluster!r}: no such cluster preset; shipped: {', '.join(cluster_presets())}")
+                out.append(
+                    f"cluster={self.cluster!r}: no such cluster preset; shipped: {', '.join(cluster_presets())}"
+                )
         return out
 
 
@@ -203,7 +229,9 @@ def run_config_problems(cfg: SweepConfig) -> list[str]:
     for size in cfg.sizes:
         for arch in cfg.archs:
             try:
-                load_run_config(base_config_path(cfg), point_overrides(cfg, Point(size.name, arch, 1, None, None)))
+                load_run_config(
+                    base_config_path(cfg), point_overrides(cfg, Point(size.name, arch, 1, None, None))
+                )
             except ConfigError as e:
                 out += [f"size {size.name}: {p}" for p in e.problems if f"size {size.name}: {p}" not in out]
     return out
@@ -234,8 +262,14 @@ class Point:
 
 def points(cfg: SweepConfig) -> list[Point]:
     """The grid in report order: size, arch, ZeRO, TP, world size."""
-    return [Point(s.name, a, w, z, t) for s in cfg.sizes for a in cfg.archs
-            for z in (cfg.zero_stages or [None]) for t in (cfg.tensor_parallel or [None]) for w in cfg.world_sizes]
+    return [
+        Point(s.name, a, w, z, t)
+        for s in cfg.sizes
+        for a in cfg.archs
+        for z in (cfg.zero_stages or [None])
+        for t in (cfg.tensor_parallel or [None])
+        for w in cfg.world_sizes
+    ]
 
 
 def base_config_path(cfg: SweepConfig) -> str:
@@ -258,15 +292,29 @@ def point_overrides(cfg: SweepConfig, point: Point) -> list[str]:
         out.append(f"parallel.zero_stage={point.zero_stage}")
     if point.tensor_parallel is not None:
         out.append(f"parallel.tensor_parallel={point.tensor_parallel}")
-    out += [f"train.steps={cfg.steps}", f"logging.log_interval={cfg.log_interval}", "logging.progress_bar=false"]
+    out += [
+        f"train.steps={cfg.steps}",
+        f"logging.log_interval={cfg.log_interval}",
+        "logging.progress_bar=false",
+    ]
     return out + list(cfg.set)
 
 
-def launch_command(cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False,
-                   master_port: Optional[int] = None) -> list[str]:
+def launch_command(
+    cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False, master_port: Optional[int] = None
+) -> list[str]:
     """The `launcher.launch` command line of one point; `master_port`: its rendezvous port (None: the launcher's)."""
-    cmd = [sys.executable, "-m", "launcher.launch", "--config", cfg.base_config, "--run-dir", str(run_dir),
-           "--resume", "never"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.launch",
+        "--config",
+        cfg.base_config,
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "never",
+    ]
     if master_port is not None:
         cmd += ["--master-port", str(master_port)]
     if cfg.launch.hostfile:
@@ -287,7 +335,9 @@ def resolve_tokenizer(path: str | Path, tokenizer: Optional[str] = None) -> Opti
         return tokenizer
     found = [t for t in TOKENIZERS if (Path(path) / t / "manifest.json").is_file()]
     if len(found) > 1:
-        raise DataError(f"{path} holds tokens of several tokenizers ({', '.join(found)}): choose one with --tokenizer")
+        raise DataError(
+            f"{path} holds tokens of several tokenizers ({', '.join(found)}): choose one with --tokenizer"
+        )
     return found[0] if found else None
 
 
@@ -303,8 +353,11 @@ def with_data(cfg: SweepConfig, path: str | Path, tokenizer: Optional[str] = Non
     base = load_run_config(base_config_path(cfg), point_overrides(cfg, points(cfg)[0]), check=False)
     tokenizer = resolve_tokenizer(path, tokenizer) or base.data.tokenizer
     catalog = load_catalog(path, tokenizer, base.data.domains)
-    data = [f"data.path={json.dumps(str(path))}", f"data.tokenizer={tokenizer}",
-            f"model.vocab_size={catalog.total_vocab_size(with_domain_tokens=True)}"]
+    data = [
+        f"data.path={json.dumps(str(path))}",
+        f"data.tokenizer={tokenizer}",
+        f"model.vocab_size={catalog.total_vocab_size(with_domain_tokens=True)}",
+    ]
     return dataclasses.replace(cfg, set=[*cfg.set, *data])
 
 
@@ -373,9 +426,15 @@ def run_point(cfg: SweepConfig, point: Point, sweep_dir: Path, reuse: bool = Fal
         cmd = launch_command(cfg, point, run_dir, master_port=port)
         rc, wall, timed_out = _run_logged(cmd, run_dir / "sweep.log", cfg.launch.timeout_s)
     row = summarise_point(cfg, point, run_dir, rc, wall, timed_out)
-    row.update(command=shlex.join(cmd), finished=time.strftime("%Y-%m-%d %H:%M:%S"),
-               load={"loadavg_1m_start": round(load0, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2),
-                     "others_cores": others.result()["others_cores"]})
+    row.update(
+        command=shlex.join(cmd),
+        finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+        load={
+            "loadavg_1m_start": round(load0, 2),
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            "others_cores": others.result()["others_cores"],
+        },
+    )
     if not cfg.keep_checkpoints:
         for sub in ("checkpoints", "model", "wandb"):
             shutil.rmtree(run_dir / sub, ignore_errors=True)
@@ -414,10 +473,15 @@ def reusable_row(cfg: SweepConfig, point: Point, run_dir: Path) -> Optional[dict
     if not isinstance(row, dict) or row.get("status") != "ok" or not isinstance(row.get("command"), str):
         return None
     if _launch_key(shlex.split(row["command"])) != _launch_key(launch_command(cfg, point, run_dir)):
-        print(f"[sweep] {point.id}: the earlier run was another launch (config, data or overrides changed): "
-              "running it", flush=True)
+        print(
+            f"[sweep] {point.id}: the earlier run was another launch (config, data or overrides changed): "
+            "running it",
+            flush=True,
+        )
         return None
-    finished = row.get("finished") or time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary.stat().st_mtime))
+    finished = row.get("finished") or time.strftime(
+        "%Y-%m-%d %H:%M:%S", time.localtime(summary.stat().st_mtime)
+    )
     return {**row, "reused_from": finished}
 
 
@@ -445,7 +509,7 @@ def error_tail(log: Path, lines: int = 15) -> str:
     text = log.read_text(errors="replace").splitlines() if log.is_file() else []
     for i in range(len(text) - 1, -1, -1):
         if text[i].startswith("error:"):
-            block = [text[i]] + [t for t in text[i + 1:] if t.startswith("  ")]
+            block = [text[i]] + [t for t in text[i + 1 :] if t.startswith("  ")]
             return "\n".join(block[:40])
     return "\n".join([t for t in text if t.strip()][-lines:])
 
@@ -455,13 +519,24 @@ def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def summarise_point(cfg: SweepConfig, point: Point, run_dir: Path, rc: int, wall: float, timed_out: bool) -> dict[str, Any]:
+def summarise_point(
+    cfg: SweepConfig, point: Point, run_dir: Path, rc: int, wall: float, timed_out: bool
+) -> dict[str, Any]:
     """One results row from a point's run directory (config.yaml, metrics.jsonl, sweep.log)."""
     from launcher.metrics import read_metrics
 
-    row: dict[str, Any] = {"id": point.id, "size": point.size, "arch": point.arch, "world_size": point.world_size,
-                           "zero_stage": point.zero_stage, "tensor_parallel": point.tensor_parallel, "wall_s": wall,
-                           "status": "failed", "error": None, "comm_share": None}
+    row: dict[str, Any] = {
+        "id": point.id,
+        "size": point.size,
+        "arch": point.arch,
+        "world_size": point.world_size,
+        "zero_stage": point.zero_stage,
+        "tensor_parallel": point.tensor_parallel,
+        "wall_s": wall,
+        "status": "failed",
+        "error": None,
+        "comm_share": None,
+    }
     row.update(accounting(run_dir / "config.yaml", point.world_size))
     metrics = run_dir / "metrics.jsonl"
     recs = read_metrics(metrics) if metrics.is_file() else []
@@ -472,19 +547,30 @@ def summarise_point(cfg: SweepConfig, point: Point, run_dir: Path, rc: int, wall
         return row
     start = next((r for r in recs if r.get("kind") == "start"), {})
     warm = train[1:] or train  # the first interval includes start-up
-    row.update(status="ok", device=start.get("device"), intervals=len(warm), steps=train[-1]["step"],
-               final_loss=train[-1].get("loss"))
+    row.update(
+        status="ok",
+        device=start.get("device"),
+        intervals=len(warm),
+        steps=train[-1]["step"],
+        final_loss=train[-1].get("loss"),
+    )
     for key in MEAN_KEYS:
         row[key] = _mean([r.get(key) for r in warm])
     row["tokens_per_s_per_rank"] = row["tokens_per_s"] / point.world_size if row["tokens_per_s"] else None
     row["peak_mem_gb"] = max((r.get("peak_mem_gb") or 0.0) for r in train)
     dropped = [r.get(k) for r in warm for k in r if k.startswith("dropped")]
     row["dropped_fraction"] = _mean([d for d in dropped if isinstance(d, (int, float))])
-    shares = [sum(v for k, v in r.items() if k.startswith("comm/") and k.endswith("/seconds")) / r["step_time_s"]
-              for r in warm if r.get("step_time_s")]
+    shares = [
+        sum(v for k, v in r.items() if k.startswith("comm/") and k.endswith("/seconds")) / r["step_time_s"]
+        for r in warm
+        if r.get("step_time_s")
+    ]
     row["comm_share"] = _mean(shares) if any(k.startswith("comm/") for r in warm for k in r) else None
-    row["comm_bytes"] = {k[len("comm/"):-len("/bytes")]: v for k, v in warm[-1].items()
-                         if k.startswith("comm/") and k.endswith("/bytes")}
+    row["comm_bytes"] = {
+        k[len("comm/") : -len("/bytes")]: v
+        for k, v in warm[-1].items()
+        if k.startswith("comm/") and k.endswith("/bytes")
+    }
     return row
 
 
@@ -503,12 +589,21 @@ def accounting(config_yaml: Path, world_size: int) -> dict[str, Any]:
     flops = flops_per_update(cfg.model, batch, vocab_size=cfg.model.vocab_size)
     params = param_counts(cfg.model)
     return {
-        "model": to_dict(cfg.model), "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
-        "data_parallel": dp, "global_batch": batch, "seq_len": cfg.model.seq_len, "precision": cfg.train.precision,
+        "model": to_dict(cfg.model),
+        "micro_batch": cfg.train.micro_batch,
+        "grad_accum": cfg.train.grad_accum,
+        "data_parallel": dp,
+        "global_batch": batch,
+        "seq_len": cfg.model.seq_len,
+        "precision": cfg.train.precision,
         "activation_checkpointing": cfg.train.activation_checkpointing,
-        "zero_stage_run": cfg.parallel.zero_stage, "tensor_parallel_run": cfg.parallel.tensor_parallel,
-        "num_experts": params.num_experts, "total_params": params.total, "active_params": params.active,
-        "tflops_per_update": flops.recompute / 1e12, "tflops_per_update_no_recompute": flops.no_recompute / 1e12,
+        "zero_stage_run": cfg.parallel.zero_stage,
+        "tensor_parallel_run": cfg.parallel.tensor_parallel,
+        "num_experts": params.num_experts,
+        "total_params": params.total,
+        "active_params": params.active,
+        "tflops_per_update": flops.recompute / 1e12,
+        "tflops_per_update_no_recompute": flops.no_recompute / 1e12,
     }
 
 
@@ -536,8 +631,15 @@ def add_scaling(rows: list[dict[str, Any]], cores: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def run_sweep(cfg: SweepConfig, sweep_dir: Path, *, reuse: bool = False, only: Sequence[str] = (),
-              command: str = "", config_path: str = "") -> dict[str, Any]:
+def run_sweep(
+    cfg: SweepConfig,
+    sweep_dir: Path,
+    *,
+    reuse: bool = False,
+    only: Sequence[str] = (),
+    command: str = "",
+    config_path: str = "",
+) -> dict[str, Any]:
     """Run and time every point (those matching `only`, if given), write and return `<sweep_dir>/results.json`.
     `reuse`: keep points that finished ok earlier with the same launch (`run_point`), listed under "reused"."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -550,17 +652,27 @@ def run_sweep(cfg: SweepConfig, sweep_dir: Path, *, reuse: bool = False, only: S
         rows.append(run_point(cfg, p, sweep_dir, reuse))
     add_scaling(rows, machine["cores"] or 1)
     machine["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    results = {"sweep": to_dict(cfg), "config_path": config_path, "command": command, "started": started,
-               "wall_s": time.perf_counter() - t0, "machine": machine,
-               "comm_share_note": "comm_share = measured time inside collectives (rank 0, gloo: blocking) / step "
-                                  "time; overhead_share = 1 - step_time(N0)/step_time(N) is communication + contention.",
-               "reused": [{"id": r["id"], "reused_from": r["reused_from"]} for r in rows if r.get("reused_from")],
-               "points": rows}
+    results = {
+        "sweep": to_dict(cfg),
+        "config_path": config_path,
+        "command": command,
+        "started": started,
+        "wall_s": time.perf_counter() - t0,
+        "machine": machine,
+        "comm_share_note": "comm_share = measured time inside collectives (rank 0, gloo: blocking) / step "
+        "time; overhead_share = 1 - step_time(N0)/step_time(N) is communication + contention.",
+        "reused": [{"id": r["id"], "reused_from": r["reused_from"]} for r in rows if r.get("reused_from")],
+        "points": rows,
+    }
     (sweep_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     n_ok = sum(r["status"] == "ok" for r in rows)
-    reused = f" ({len(results['reused'])} reused from earlier runs, not re-timed)" if results["reused"] else ""
-    print(f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}",
-          flush=True)
+    reused = (
+        f" ({len(results['reused'])} reused from earlier runs, not re-timed)" if results["reused"] else ""
+    )
+    print(
+        f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}",
+        flush=True,
+    )
     return results
 
 
@@ -568,29 +680,42 @@ def dry_run(cfg: SweepConfig, sweep_dir: Path) -> int:
     """Validate every point through `launcher.launch --dry-run` (config, data, layout); start nothing."""
     bad = 0
     for p in points(cfg):
-        proc = subprocess.run(launch_command(cfg, p, sweep_dir / p.id, dry_run=True), cwd=ROOT,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            launch_command(cfg, p, sweep_dir / p.id, dry_run=True), cwd=ROOT, capture_output=True, text=True
+        )
         bad += proc.returncode != 0
-        print(f"[sweep] {p.id}: " + ("ok" if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]), flush=True)
+        print(
+            f"[sweep] {p.id}: " + ("ok" if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]),
+            flush=True,
+        )
     return 1 if bad else 0
 
 
 def add_reuse_args(p: argparse.ArgumentParser) -> None:
     """--reuse, and --force (the default now, kept so that old command lines still work)."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--reuse", action="store_true",
-                   help="keep points that finished ok earlier with the same launch (marked 'reused from <date>' in "
-                        "the results and the report) instead of re-timing them")
+    g.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep points that finished ok earlier with the same launch (marked 'reused from <date>' in "
+        "the results and the report) instead of re-timing them",
+    )
     g.add_argument("--force", action="store_true", help="re-time every point (the default)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="sweep YAML (configs/sweeps/...)")
-    p.add_argument("--sweep-dir", help="where point run directories and results.json go (default runs/sweeps/<name>)")
+    p.add_argument(
+        "--sweep-dir", help="where point run directories and results.json go (default runs/sweeps/<name>)"
+    )
     add_reuse_args(p)
-    p.add_argument("--only", nargs="+", default=[], metavar="SUBSTRING", help="run only points whose id contains one")
-    p.add_argument("--dry-run", action="store_true", help="validate every point with the launcher; train nothing")
+    p.add_argument(
+        "--only", nargs="+", default=[], metavar="SUBSTRING", help="run only points whose id contains one"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate every point with the launcher; train nothing"
+    )
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -601,8 +726,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sweep_dir = Path(args.sweep_dir or ROOT / "runs" / "sweeps" / cfg.name)
     if args.dry_run:
         return dry_run(cfg, sweep_dir)
-    results = run_sweep(cfg, sweep_dir, reuse=args.reuse, only=args.only,
-                        command="python -m benchmarks.sweep " + shlex.join(argv), config_path=args.config)
+    results = run_sweep(
+        cfg,
+        sweep_dir,
+        reuse=args.reuse,
+        only=args.only,
+        command="python -m benchmarks.sweep " + shlex.join(argv),
+        config_path=args.config,
+    )
     return 0 if any(r["status"] == "ok" for r in results["points"]) else 1
 
 

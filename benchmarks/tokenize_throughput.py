@@ -83,7 +83,9 @@ def _char_ranges(texts: list[str], parts: int) -> list[tuple[int, int]]:
     cuts = [0]
     for k in range(1, parts):
         target = prefix[-1] * k / parts
-        j = bisect.bisect_left(prefix, target)  # cut before or after the document holding `target`, the nearer
+        j = bisect.bisect_left(
+            prefix, target
+        )  # cut before or after the document holding `target`, the nearer
         if j > 0 and (j == len(prefix) or target - prefix[j - 1] <= prefix[j] - target):
             j -= 1
         cuts.append(max(j, cuts[-1]))
@@ -102,7 +104,9 @@ def _warm_ceiling(_: int) -> int:
     return len(_CEILING_TOK.encode_array("def warm(): pass"))
 
 
-def ceiling_processes(tok, texts: list[str], workers: int, repeats: int) -> tuple[float, int, list[tuple[int, int]]]:
+def ceiling_processes(
+    tok, texts: list[str], workers: int, repeats: int
+) -> tuple[float, int, list[tuple[int, int]]]:
     """Best seconds and tokens for `workers` forked processes encoding char-balanced ranges of `texts`, no I/O."""
     global _CEILING_TEXTS, _CEILING_TOK
     _CEILING_TEXTS, _CEILING_TOK = texts, tok
@@ -141,13 +145,27 @@ def first_call(corpus: Path, out: Path, workers: int) -> dict:
     the encoding threads, each building its encoding, before its clock (`setup_seconds`, with the megatron-core
     import); the steady-state rounds reuse them."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, str(corpus), str(out), str(workers)], cwd=root,
-                          env=env, capture_output=True, text=True, check=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL, str(corpus), str(out), str(workers)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"single_seconds": round(r["single_seconds"], 3), "total_seconds": r["total_seconds"],
-            "ratio": round(r["single_seconds"] / r["total_seconds"], 2), "setup_seconds": r["setup_seconds"],
-            "megatron_import_seconds": r["megatron_import_seconds"], "call_seconds": round(r["call_seconds"], 3)}
+    return {
+        "single_seconds": round(r["single_seconds"], 3),
+        "total_seconds": r["total_seconds"],
+        "ratio": round(r["single_seconds"] / r["total_seconds"], 2),
+        "setup_seconds": r["setup_seconds"],
+        "megatron_import_seconds": r["megatron_import_seconds"],
+        "call_seconds": round(r["call_seconds"], 3),
+    }
 
 
 def _best(fn, repeats: int) -> tuple[float, int]:
@@ -175,14 +193,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--with-prepare", action="store_true")
-    ap.add_argument("--cold-runs", type=nonneg_int, default=3,
-                    help="with --with-prepare: first calls of prepare_corpus, each in a fresh process")
+    ap.add_argument(
+        "--cold-runs",
+        type=nonneg_int,
+        default=3,
+        help="with --with-prepare: first calls of prepare_corpus, each in a fresh process",
+    )
     ap.add_argument("--with-anonymise", action="store_true", help="also prepare_corpus with anonymisation on")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
 
-    from benchmarks.machine import OtherLoad, machine_info
     from benchmarks.encoders import ThreadEncoder, make_pool, tokenize_documents
+    from benchmarks.machine import OtherLoad, machine_info
     from data.tokenizer import TokenizerSpec, load_tokenizer
 
     machine = machine_info()  # loadavg_1m: the load when the run starts
@@ -193,23 +215,33 @@ def main(argv=None) -> dict:
     enc = tok._enc
 
     def rate(seconds: float, tokens: int) -> dict:
-        return {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds), "mb_per_s": round(n_bytes / 1e6 / seconds, 2)}
+        return {
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds),
+            "mb_per_s": round(n_bytes / 1e6 / seconds, 2),
+        }
 
     single_s, single_tokens = _best(lambda: sum(len(enc.encode_ordinary(t)) for t in texts), a.repeats)
     numpy_s, numpy_tokens = _best(lambda: sum(len(tok.encode_array(t)) for t in texts), a.repeats)
     # Forked before the thread and process-pool paths run, so the child inherits as little state as possible.
     if "fork" in mp.get_all_start_methods():
         ceil_s, ceil_tokens, ceil_ranges = ceiling_processes(tok, texts, a.workers, a.repeats)
-        ceiling: dict = {"workers": a.workers, "start_method": "fork",
-                         "documents_per_process": [hi - lo for lo, hi in ceil_ranges],
-                         "chars_per_process": [sum(len(t) for t in texts[lo:hi]) for lo, hi in ceil_ranges],
-                         **rate(ceil_s, ceil_tokens)}
+        ceiling: dict = {
+            "workers": a.workers,
+            "start_method": "fork",
+            "documents_per_process": [hi - lo for lo, hi in ceil_ranges],
+            "chars_per_process": [sum(len(t) for t in texts[lo:hi]) for lo, hi in ceil_ranges],
+            **rate(ceil_s, ceil_tokens),
+        }
         assert ceil_tokens == single_tokens, (ceil_tokens, single_tokens)
     else:
-        ceiling = {"skipped": "the 'fork' start method is unavailable on this platform "
-                              f"({', '.join(mp.get_all_start_methods())}), and the ceiling needs workers that inherit "
-                              "the texts without pickling them"}
+        ceiling = {
+            "skipped": "the 'fork' start method is unavailable on this platform "
+            f"({', '.join(mp.get_all_start_methods())}), and the ceiling needs workers that inherit "
+            "the texts without pickling them"
+        }
     assert numpy_tokens == single_tokens, (numpy_tokens, single_tokens)
+
     def threads() -> int:
         encoder = ThreadEncoder(tok, "uint16", a.workers)
         try:
@@ -232,27 +264,40 @@ def main(argv=None) -> dict:
     thread_s, thread_tokens = _best(threads, a.repeats)
     shared_s, shared_tokens = _best(shared_threads, a.repeats)
     # CPU seconds for the same encoding on one thread and on threads: what threading costs
-    cpu = {"single_thread_encode_array": _least_cpu(lambda: [tok.encode_array(t) for t in texts], a.repeats),
-           "pipeline_threads": _least_cpu(threads, a.repeats),
-           "threads_sharing_one_encoding": _least_cpu(shared_threads, a.repeats)}
+    cpu = {
+        "single_thread_encode_array": _least_cpu(lambda: [tok.encode_array(t) for t in texts], a.repeats),
+        "pipeline_threads": _least_cpu(threads, a.repeats),
+        "threads_sharing_one_encoding": _least_cpu(shared_threads, a.repeats),
+    }
     pool = make_pool(a.workers, TokenizerSpec("gpt2"))
     try:
         if pool is not None:
             pool.map(time.sleep, [0.3] * (2 * a.workers))  # let every worker finish loading the encoding
         spec = TokenizerSpec("gpt2")
         proc_s, proc_tokens = _best(
-            lambda: sum(len(x) - 1 for x in tokenize_documents(texts, spec, "uint16", pool)), a.repeats)
+            lambda: sum(len(x) - 1 for x in tokenize_documents(texts, spec, "uint16", pool)), a.repeats
+        )
     finally:
         if pool is not None:
             pool.close()
             pool.join()
-    assert thread_tokens == proc_tokens == shared_tokens == single_tokens, (thread_tokens, proc_tokens, shared_tokens, single_tokens)
+    assert thread_tokens == proc_tokens == shared_tokens == single_tokens, (
+        thread_tokens,
+        proc_tokens,
+        shared_tokens,
+        single_tokens,
+    )
 
     result = {
-        "command": "python -m benchmarks.tokenize_throughput " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.tokenize_throughput "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": machine,
-        "text": {"source": "python stdlib .py files (sorted, tests excluded)", "documents": len(texts),
-                 "megabytes": round(n_bytes / 1e6, 2), "gpt2_tokens": single_tokens},
+        "text": {
+            "source": "python stdlib .py files (sorted, tests excluded)",
+            "documents": len(texts),
+            "megabytes": round(n_bytes / 1e6, 2),
+            "gpt2_tokens": single_tokens,
+        },
         "single_process_tiktoken": rate(single_s, single_tokens),
         "single_thread_encode_array": rate(numpy_s, numpy_tokens),
         "ceiling_processes_no_io": ceiling,
@@ -263,7 +308,9 @@ def main(argv=None) -> dict:
         "speedup_shared_threads_over_single": round(single_s / shared_s, 2),
         "speedup_processes_over_single": round(single_s / proc_s, 2),
         "speedup_encode_array_over_single": round(single_s / numpy_s, 2),
-        "speedup_ceiling_over_single": round(single_s / ceiling["seconds"], 2) if "seconds" in ceiling else None,
+        "speedup_ceiling_over_single": round(single_s / ceiling["seconds"], 2)
+        if "seconds" in ceiling
+        else None,
         "cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
         "repeats": a.repeats,
     }
@@ -285,47 +332,75 @@ def main(argv=None) -> dict:
                     sum(len(enc.encode_ordinary(t)) for t in texts)
                     base = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    r = prepare_corpus(corpus, Path(tmp) / "tokens", workers=a.workers, anonymise=anonymise,
-                                       progress=False, force=True)
+                    r = prepare_corpus(
+                        corpus,
+                        Path(tmp) / "tokens",
+                        workers=a.workers,
+                        anonymise=anonymise,
+                        progress=False,
+                        force=True,
+                    )
                     call = time.perf_counter() - t0
                     ratios.append(base / r.stats["total_seconds"])
                     base_best, call_best = min(base_best, base), min(call_best, call)
                     if best is None or r.stats["total_seconds"] < best["total_seconds"]:
                         best = r.stats
-                out = {k: best[k] for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s", "tokens")}
+                out = {
+                    k: best[k]
+                    for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s", "tokens")
+                }
                 ratios.sort()
-                return {**out, "anonymise": anonymise, "encoder": best.get("encoder"), "call_seconds": round(call_best, 3),
-                        "single_in_rounds_seconds": round(base_best, 3),
-                        "speedup_end_to_end_over_single": round(base_best / best["total_seconds"], 2),
-                        "speedup_call_over_single": round(base_best / call_best, 2),
-                        "round_ratios_min_median_max": [round(ratios[0], 2), round(ratios[len(ratios) // 2], 2),
-                                                        round(ratios[-1], 2)]}
+                return {
+                    **out,
+                    "anonymise": anonymise,
+                    "encoder": best.get("encoder"),
+                    "call_seconds": round(call_best, 3),
+                    "single_in_rounds_seconds": round(base_best, 3),
+                    "speedup_end_to_end_over_single": round(base_best / best["total_seconds"], 2),
+                    "speedup_call_over_single": round(base_best / call_best, 2),
+                    "round_ratios_min_median_max": [
+                        round(ratios[0], 2),
+                        round(ratios[len(ratios) // 2], 2),
+                        round(ratios[-1], 2),
+                    ],
+                }
 
             if a.with_prepare:
                 with OtherLoad() as e2e_others:
                     e2e = run(False, a.repeats)
                 result["prepare_corpus_end_to_end"] = e2e = {**e2e, "others": e2e_others.result()}
-                if result["speedup_ceiling_over_single"]:  # end-to-end seconds as a share of the no-I/O ceiling's
+                if result[
+                    "speedup_ceiling_over_single"
+                ]:  # end-to-end seconds as a share of the no-I/O ceiling's
                     e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
                 with OtherLoad() as cold_others:
                     cold = [first_call(corpus, Path(tmp) / "cold", a.workers) for _ in range(a.cold_runs)]
                 ratios = sorted(r["ratio"] for r in cold)
                 result["prepare_corpus_first_call"] = {
-                    "runs": cold, "median_ratio": ratios[len(ratios) // 2] if ratios else None,
-                    "others": cold_others.result()}
+                    "runs": cold,
+                    "median_ratio": ratios[len(ratios) // 2] if ratios else None,
+                    "others": cold_others.result(),
+                }
             if a.with_anonymise:
                 result["prepare_corpus_anonymised"] = run(True, 1)
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     others.__exit__(None, None, None)
     result["machine"]["others"] = others.result()
     load = max(result["machine"]["loadavg_1m"], result["machine"]["loadavg_1m_at_end"])
-    busy = result.get("prepare_corpus_end_to_end", {}).get("others", result["machine"]["others"])["others_cores"]
+    busy = result.get("prepare_corpus_end_to_end", {}).get("others", result["machine"]["others"])[
+        "others_cores"
+    ]
     result["taken_under_load"] = load > 1.5 or (busy is not None and busy > 0.25)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenize_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    m, s, t, p = result["machine"], result["single_process_tiktoken"], result["pipeline_threads"], result["pipeline_processes"]
+    m, s, t, p = (
+        result["machine"],
+        result["single_process_tiktoken"],
+        result["pipeline_threads"],
+        result["pipeline_processes"],
+    )
     nu, c = result["single_thread_encode_array"], result["ceiling_processes_no_io"]
     sh = result["threads_sharing_one_encoding"]
     lines = [
@@ -335,14 +410,20 @@ def main(argv=None) -> dict:
         "",
     ]
     if result["taken_under_load"]:
-        lines += [f"**Warning: taken under load** (1-minute load average {m['loadavg_1m']} at the start, "
-                  f"{m['loadavg_1m_at_end']} at the end, on {m['cores']} cores; other processes used "
-                  f"{m['others']['others_cores']} cores during the run): other processes shared the CPU, so "
-                  "the ratios understate what idle cores give. Re-run the command above on an idle machine.", ""]
+        lines += [
+            f"**Warning: taken under load** (1-minute load average {m['loadavg_1m']} at the start, "
+            f"{m['loadavg_1m_at_end']} at the end, on {m['cores']} cores; other processes used "
+            f"{m['others']['others_cores']} cores during the run): other processes shared the CPU, so "
+            "the ratios understate what idle cores give. Re-run the command above on an idle machine.",
+            "",
+        ]
     elif load >= 0.5 and m["others"]["others_cores"] is None:
-        lines += [f"Note: 1-minute load average up to {load} on {m['cores']} cores: about {load:.1f} core(s) were busy with "
-                  "other work during the run, so the parallel paths had less than the cores listed; re-run on an idle "
-                  "machine for the idle-core ratios.", ""]
+        lines += [
+            f"Note: 1-minute load average up to {load} on {m['cores']} cores: about {load:.1f} core(s) were busy with "
+            "other work during the run, so the parallel paths had less than the cores listed; re-run on an idle "
+            "machine for the idle-core ratios.",
+            "",
+        ]
     lines += [
         f"Machine: {m['cores']} usable cores (os.cpu_count() = {m['cpu_count']}), {m['cpu'] or 'unknown CPU'}, "
         f"{m['platform']}, Python {m['python']}; other processes used {m['others']['others_cores']} cores on average "
@@ -363,7 +444,8 @@ def main(argv=None) -> dict:
         lines.append(
             f"| {'two' if c['workers'] == 2 else c['workers']}-core ceiling: {c['workers']} forked processes, "
             f"`encode_array` on char-balanced index ranges, no I/O | {c['seconds']} | {c['tokens_per_s']:,} | "
-            f"{c['mb_per_s']} | **{result['speedup_ceiling_over_single']}x** |")
+            f"{c['mb_per_s']} | **{result['speedup_ceiling_over_single']}x** |"
+        )
     else:
         lines.append(f"| {a.workers}-process ceiling (no I/O) | skipped: {c['skipped']} | | | |")
     lines += [
@@ -378,58 +460,81 @@ def main(argv=None) -> dict:
     if "prepare_corpus_end_to_end" in result:
         e = result["prepare_corpus_end_to_end"]
         lo, med, hi = e["round_ratios_min_median_max"]
-        lines += ["", f"`prepare_corpus` end to end on the same text, anonymisation **off** (read the JSONL, split, "
-                      f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted), "
-                      f"{a.repeats} rounds alternating with the single-process baseline (best "
-                      f"{e['single_in_rounds_seconds']} s in those rounds): {e['total_seconds']} s from reading the "
-                      f"corpus to the manifest, encoding (which starts while the corpus is read) to the last file "
-                      f"{e['tokenise_seconds']} s ({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to "
-                      f"single-process `encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end "
-                      f"(per round: min {lo}x, median {med}x, max {hi}x). The whole call, which first hashes the input "
-                      f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
-                      f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
-                      "during these rounds."]
+        lines += [
+            "",
+            f"`prepare_corpus` end to end on the same text, anonymisation **off** (read the JSONL, split, "
+            f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted), "
+            f"{a.repeats} rounds alternating with the single-process baseline (best "
+            f"{e['single_in_rounds_seconds']} s in those rounds): {e['total_seconds']} s from reading the "
+            f"corpus to the manifest, encoding (which starts while the corpus is read) to the last file "
+            f"{e['tokenise_seconds']} s ({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to "
+            f"single-process `encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end "
+            f"(per round: min {lo}x, median {med}x, max {hi}x). The whole call, which first hashes the input "
+            f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
+            f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
+            "during these rounds.",
+        ]
         f = result["prepare_corpus_first_call"]
         if f["runs"]:
             runs = f["runs"]
-            lines += ["", f"First call of `prepare_corpus` in a fresh Python process ({len(runs)} processes; in each, the "
-                          "single-process baseline just before it): end to end as above "
-                          + ", ".join(f"{r['ratio']}x ({r['single_seconds']} s / {r['total_seconds']} s)" for r in runs)
-                          + f", median **{f['median_ratio']}x**. Before that clock starts, the one-off set-up of a "
-                          "process: the megatron-core import ("
-                          + ", ".join(f"{r['megatron_import_seconds']} s" for r in runs)
-                          + ") and starting the encoding threads, each building its own encoding (set-up in all "
-                          + ", ".join(f"{r['setup_seconds']} s" for r in runs) + "); the whole first call took "
-                          + ", ".join(f"{r['call_seconds']} s" for r in runs) + "."]
+            lines += [
+                "",
+                f"First call of `prepare_corpus` in a fresh Python process ({len(runs)} processes; in each, the "
+                "single-process baseline just before it): end to end as above "
+                + ", ".join(f"{r['ratio']}x ({r['single_seconds']} s / {r['total_seconds']} s)" for r in runs)
+                + f", median **{f['median_ratio']}x**. Before that clock starts, the one-off set-up of a "
+                "process: the megatron-core import ("
+                + ", ".join(f"{r['megatron_import_seconds']} s" for r in runs)
+                + ") and starting the encoding threads, each building its own encoding (set-up in all "
+                + ", ".join(f"{r['setup_seconds']} s" for r in runs)
+                + "); the whole first call took "
+                + ", ".join(f"{r['call_seconds']} s" for r in runs)
+                + ".",
+            ]
         if "fraction_of_ceiling" in e:
-            lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
-                          f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
-                          f"against it: end to end reaches **{e['fraction_of_ceiling']:.0%} of the ceiling** "
-                          f"({e['speedup_end_to_end_over_single']}x of {result['speedup_ceiling_over_single']}x)."
-                          + (" Above 100% means the ceiling row was slowed by other work on the machine (it does "
-                             "strictly less than `prepare_corpus`); re-run on an idle machine." if e["fraction_of_ceiling"] > 1
-                             else "")]
+            lines += [
+                "",
+                f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
+                f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
+                f"against it: end to end reaches **{e['fraction_of_ceiling']:.0%} of the ceiling** "
+                f"({e['speedup_end_to_end_over_single']}x of {result['speedup_ceiling_over_single']}x)."
+                + (
+                    " Above 100% means the ceiling row was slowed by other work on the machine (it does "
+                    "strictly less than `prepare_corpus`); re-run on an idle machine."
+                    if e["fraction_of_ceiling"] > 1
+                    else ""
+                ),
+            ]
     cs = result["cpu_seconds"]
     one = cs["single_thread_encode_array"]
-    lines += ["", f"CPU time of the same encoding (`encode_array` of every document), least of {a.repeats}: {one} s on "
-                  f"one thread; {cs['pipeline_threads']} s summed over the pipeline's {t['workers']} threads "
-                  f"({cs['pipeline_threads'] / one - 1:+.0%}); {cs['threads_sharing_one_encoding']} s over "
-                  f"{t['workers']} new threads sharing the process's encoding "
-                  f"({cs['threads_sharing_one_encoding'] / one - 1:+.0%}). With every core busy, wall time is at best "
-                  "total CPU / cores, so that extra CPU was the gap to the processes' ceiling. Its cause: tiktoken's "
-                  "regex keeps its caches in a pool that only its first user thread takes without a lock; the pipeline's "
-                  "threads are kept for the process and each was the first to use an encoding of its own "
-                  "(`GPT2Tokenizer.encoding_threads`)."]
+    lines += [
+        "",
+        f"CPU time of the same encoding (`encode_array` of every document), least of {a.repeats}: {one} s on "
+        f"one thread; {cs['pipeline_threads']} s summed over the pipeline's {t['workers']} threads "
+        f"({cs['pipeline_threads'] / one - 1:+.0%}); {cs['threads_sharing_one_encoding']} s over "
+        f"{t['workers']} new threads sharing the process's encoding "
+        f"({cs['threads_sharing_one_encoding'] / one - 1:+.0%}). With every core busy, wall time is at best "
+        "total CPU / cores, so that extra CPU was the gap to the processes' ceiling. Its cause: tiktoken's "
+        "regex keeps its caches in a pool that only its first user thread takes without a lock; the pipeline's "
+        "threads are kept for the process and each was the first to use an encoding of its own "
+        "(`GPT2Tokenizer.encoding_threads`).",
+    ]
     if "seconds" in c and "prepare_corpus_end_to_end" not in result:
-        lines += ["", f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
-                      "all, so the pipeline's ratios are to be read against it; `--with-prepare` adds the end-to-end "
-                      "ratio and its share of the ceiling."]
+        lines += [
+            "",
+            f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
+            "all, so the pipeline's ratios are to be read against it; `--with-prepare` adds the end-to-end "
+            "ratio and its share of the ceiling.",
+        ]
     if "prepare_corpus_anonymised" in result:
         e = result["prepare_corpus_anonymised"]
-        lines += ["", f"`prepare_corpus` with anonymisation **on** (default policy; anonymised in {a.workers} "
-                      f"processes, then encoded on threads), one run: {e['total_seconds']} s total, "
-                      f"{e['speedup_end_to_end_over_single']}x single-process `encode_ordinary`; the pure-Python "
-                      "anonymiser, not tokenisation, bounds this figure."]
+        lines += [
+            "",
+            f"`prepare_corpus` with anonymisation **on** (default policy; anonymised in {a.workers} "
+            f"processes, then encoded on threads), one run: {e['total_seconds']} s total, "
+            f"{e['speedup_end_to_end_over_single']}x single-process `encode_ordinary`; the pure-Python "
+            "anonymiser, not tokenisation, bounds this figure.",
+        ]
     (out / "tokenize_throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

@@ -25,8 +25,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from data.argtypes import positive_int
 from benchmarks.machine import machine_info
+from data.argtypes import positive_int
 
 HIGH_LOAD = 1.5
 
@@ -38,23 +38,40 @@ def _corpus(root: Path) -> Path:
     from data.prepare import prepare_corpus
 
     rng = random.Random(0)
-    words = {"cooking": "oven flour butter sugar whisk simmer garlic onion pan bake roast salt".split(),
-             "sailing": "hull mast keel tack jib wind harbour anchor bow stern rudder sail".split()}
+    words = {
+        "cooking": "oven flour butter sugar whisk simmer garlic onion pan bake roast salt".split(),
+        "sailing": "hull mast keel tack jib wind harbour anchor bow stern rudder sail".split(),
+    }
     corpus = root / "corpus"
     corpus.mkdir(parents=True)
     for d, ws in words.items():
         with open(corpus / f"{d}.jsonl", "w") as f:
             for i in range(200):
-                f.write(json.dumps({"id": f"{d}{i}", "domain": d, "text": " ".join(rng.choice(ws) for _ in range(400))}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": f"{d}{i}", "domain": d, "text": " ".join(rng.choice(ws) for _ in range(400))}
+                    )
+                    + "\n"
+                )
     prepare_corpus(corpus, root / "tokens", workers=1, progress=False, anonymise=False)
     return root / "tokens"
 
 
-def _bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list[dict[str, Any]], clip: float,
-               total: torch.Tensor) -> None:
+def _bare_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    micro: list[dict[str, Any]],
+    clip: float,
+    total: torch.Tensor,
+) -> None:
     for mb in micro:
-        out = model(mb["tokens"], mb["expert_ids"], targets_BT=mb["targets"], loss_mask_BT=mb["loss_mask"],
-                    return_logits=False)
+        out = model(
+            mb["tokens"],
+            mb["expert_ids"],
+            targets_BT=mb["targets"],
+            loss_mask_BT=mb["loss_mask"],
+            return_logits=False,
+        )
         (out.loss / len(micro)).backward()
         total += out.loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -62,7 +79,9 @@ def _bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list[d
     opt.zero_grad(set_to_none=True)
 
 
-def run(kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: int, micro_batch: int) -> dict[str, Any]:
+def run(
+    kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: int, micro_batch: int
+) -> dict[str, Any]:
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import Trainer, train_step
@@ -74,20 +93,39 @@ def run(kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     root = Path(tempfile.mkdtemp(prefix="trainer_overhead-"))
     tokens = _corpus(root)
-    sets = [f"model.n_layers={layers}", f"model.d_model={d_model}", "model.n_heads=4", f"model.seq_len={seq_len}",
-            "model.vocab_size=50304", f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2",
-            f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}", "data.domains=[cooking]",
-            f"train.steps={10 ** 6}", f"train.micro_batch={micro_batch}", "train.grad_accum=2", "train.clip_grad=1.0",
-            "train.lr=3e-4", "parallel.zero_stage=0", "logging.wandb_mode=disabled",
-            "logging.progress_bar=false"]
+    sets = [
+        f"model.n_layers={layers}",
+        f"model.d_model={d_model}",
+        "model.n_heads=4",
+        f"model.seq_len={seq_len}",
+        "model.vocab_size=50304",
+        f"model.ffn.kind={kind}",
+        f"data.path={tokens}",
+        "data.tokenizer=gpt2",
+        f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}",
+        "data.domains=[cooking]",
+        f"train.steps={10**6}",
+        f"train.micro_batch={micro_batch}",
+        "train.grad_accum=2",
+        "train.clip_grad=1.0",
+        "train.lr=3e-4",
+        "parallel.zero_stage=0",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+    ]
     plan = make_plan(load_run_config(None, sets, check=False), 1)
     cfg = plan.cfg
     trainer = Trainer.setup(plan, root / "run", resume="never")
     model = GPT(cfg.model, expert_ids=list(trainer.bundle.engine.module.expert_ids), init_seed=cfg.train.seed)
     model.load_state_dict(trainer.bundle.engine.module.state_dict())
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
-                            weight_decay=cfg.train.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.train.lr,
+        betas=(cfg.train.beta1, cfg.train.beta2),
+        eps=cfg.train.eps,
+        weight_decay=cfg.train.weight_decay,
+    )
     n = len(plan.catalog.train_domains)
     batches = [trainer.batches(s) for s in range(steps)]
     total = torch.zeros((), device=trainer.device)
@@ -113,31 +151,59 @@ def run(kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: 
             (t_trainer if fn is time_trainer else t_bare).append(fn())
     load_after = os.getloadavg()[0]
     med_t, med_b = statistics.median(t_trainer), statistics.median(t_bare)
-    return {"kind": kind, "rounds": rounds, "steps_per_round": steps, "micro_batch": micro_batch, "grad_accum": 2,
-            "d_model": d_model, "layers": layers, "seq_len": seq_len, "params": sum(p.numel() for p in model.parameters()),
-            "trainer_s_per_update": t_trainer, "bare_s_per_update": t_bare, "median_trainer_s": med_t,
-            "median_bare_s": med_b, "ratio_trainer_over_bare": med_t / med_b, "load_before": load_before,
-            "load_after": load_after}
+    return {
+        "kind": kind,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "micro_batch": micro_batch,
+        "grad_accum": 2,
+        "d_model": d_model,
+        "layers": layers,
+        "seq_len": seq_len,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainer_s_per_update": t_trainer,
+        "bare_s_per_update": t_bare,
+        "median_trainer_s": med_t,
+        "median_bare_s": med_b,
+        "ratio_trainer_over_bare": med_t / med_b,
+        "load_before": load_before,
+        "load_after": load_after,
+    }
 
 
 def markdown(results: list[dict[str, Any]], command: str, machine: dict[str, Any]) -> str:
     loads = [max(r["load_before"], r["load_after"]) for r in results]
     lines = []
     if max(loads) > HIGH_LOAD:
-        lines += [f"**Taken under load** (1-minute load average up to {max(loads):.2f} > {HIGH_LOAD} on "
-                  f"{machine.get('cores', '?')} cores): the ratio is indicative only.", ""]
-    lines += ["# Trainer step vs a bare PyTorch loop (same model, same batches, alternated in one run)", "",
-              f"Command: `{command}`", "", f"Machine: {json.dumps(machine)}", "",
-              "| kind | params | update = micro x accum x seq | trainer s/update (median) | bare s/update (median) "
-              "| trainer / bare | load before / after |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"**Taken under load** (1-minute load average up to {max(loads):.2f} > {HIGH_LOAD} on "
+            f"{machine.get('cores', '?')} cores): the ratio is indicative only.",
+            "",
+        ]
+    lines += [
+        "# Trainer step vs a bare PyTorch loop (same model, same batches, alternated in one run)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {json.dumps(machine)}",
+        "",
+        "| kind | params | update = micro x accum x seq | trainer s/update (median) | bare s/update (median) "
+        "| trainer / bare | load before / after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['kind']} | {r['params']:,} | {r['micro_batch']} x {r['grad_accum']} x {r['seq_len']} | "
-                     f"{r['median_trainer_s']:.4f} | {r['median_bare_s']:.4f} | **{r['ratio_trainer_over_bare']:.3f}** | "
-                     f"{r['load_before']:.2f} / {r['load_after']:.2f} |")
-    lines += ["", "The trainer's step is `launcher.train.train_step` on the DeepSpeed engine (ZeRO 0, fp32): forward, "
-              "loss, backward, the global gradient norm and clipping, AdamW, the LR schedule, per-domain loss sums on "
-              "the device. The bare loop: forward, backward, `clip_grad_norm_`, `torch.optim.AdamW`. Neither reads "
-              "anything back from the device inside the step (tests/test_host_syncs.py)."]
+        lines.append(
+            f"| {r['kind']} | {r['params']:,} | {r['micro_batch']} x {r['grad_accum']} x {r['seq_len']} | "
+            f"{r['median_trainer_s']:.4f} | {r['median_bare_s']:.4f} | **{r['ratio_trainer_over_bare']:.3f}** | "
+            f"{r['load_before']:.2f} / {r['load_after']:.2f} |"
+        )
+    lines += [
+        "",
+        "The trainer's step is `launcher.train.train_step` on the DeepSpeed engine (ZeRO 0, fp32): forward, "
+        "loss, backward, the global gradient norm and clipping, AdamW, the LR schedule, per-domain loss sums on "
+        "the device. The bare loop: forward, backward, `clip_grad_norm_`, `torch.optim.AdamW`. Neither reads "
+        "anything back from the device inside the step (tests/test_host_syncs.py).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -153,13 +219,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-    results = [run(k, a.rounds, a.steps, a.d_model, a.layers, a.seq_len, a.micro_batch) for k in a.kinds.split(",")]
+    results = [
+        run(k, a.rounds, a.steps, a.d_model, a.layers, a.seq_len, a.micro_batch) for k in a.kinds.split(",")
+    ]
     command = "python -m benchmarks.trainer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(results, command.strip(), machine_info())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_overhead.md").write_text(md)
-    (out / "trainer_overhead.json").write_text(json.dumps({"command": command, "results": results}, indent=2) + "\n")
+    (out / "trainer_overhead.json").write_text(
+        json.dumps({"command": command, "results": results}, indent=2) + "\n"
+    )
     print(md)
     return 0
 

@@ -98,15 +98,27 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, 
 
 from data.cli import cli_main, exit_process
 
-CATEGORIES: tuple[str, ...] = ("EMAIL", "DART", "FB_USERID", "CREDIT_CARD_NUMBER", "SSN", "PHONE_NUMBER", "USER")
+CATEGORIES: tuple[str, ...] = (
+    "EMAIL",
+    "DART",
+    "FB_USERID",
+    "CREDIT_CARD_NUMBER",
+    "SSN",
+    "PHONE_NUMBER",
+    "USER",
+)
 TOKENS: dict[str, str] = {c: f"<{c}>" for c in CATEGORIES}
 
-_LABEL = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}\b"  # dotted domain, alphabetic TLD
+_LABEL = (
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}\b"  # dotted domain, alphabetic TLD
+)
 _EMAIL = re.compile(
     r"(?<![\w.+-])(?<!//)[A-Za-z0-9_][A-Za-z0-9._%+-]{0,63}@" + _LABEL + r"(?!\.[A-Za-z0-9]|:\S)"
 )
 # jane [at] example [dot] org, info(at)example.de, tom AT example DOT com, jane at gmail dot com, bob%40example.net
-_CODE_HOSTS = frozenset("github.com gitlab.com bitbucket.org codeberg.org gitee.com ssh.dev.azure.com git.sr.ht".split())
+_CODE_HOSTS = frozenset(
+    "github.com gitlab.com bitbucket.org codeberg.org gitee.com ssh.dev.azure.com git.sr.ht".split()
+)
 _MAIL_PROVIDERS = (
     "gmail|googlemail|yahoo|hotmail|outlook|live|msn|aol|icloud|me|protonmail|proton|gmx|web|yandex|mail|zoho"
 )
@@ -182,8 +194,23 @@ _PHONE_LABELLED = re.compile(
     r"\b\.?(?:\s*(?:number|no\.?|num|\#))?\s*[:#.=]?\s*(?:is\s+|at\s+|on\s+)?)"
     r"(?<![\w.+/-])(?P<v>(?:\+|00)?\(?\d[\d ().\-/]*\d" + _EXT + r")(?![\w-]|\.\d)"
 )
-_PHONE_LABEL_HINTS = ("tel", "tél", "phone", "ph.", "ph:", "mob", "cell", "fax", "whats", "hotline", "contact",
-                      "call", "ring", "dial", "text")
+_PHONE_LABEL_HINTS = (
+    "tel",
+    "tél",
+    "phone",
+    "ph.",
+    "ph:",
+    "mob",
+    "cell",
+    "fax",
+    "whats",
+    "hotline",
+    "contact",
+    "call",
+    "ring",
+    "dial",
+    "text",
+)
 _WHATSAPP = re.compile(r"(?i)\bwa\.me/(?P<v>\d{8,15})\b")
 _DATE_LIKE = re.compile(r"\d{4}-\d{1,2}-\d{1,2}|\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b")
 _THOUSANDS = re.compile(r"\+?\d{1,3}(?:([ .,])\d{3})(?:\1\d{3})*")
@@ -192,8 +219,11 @@ _COUNTRY_CODES: frozenset[str] = frozenset(
     "1 7 20 27 30 31 32 33 34 36 39 40 41 43 44 45 46 47 48 49 51 52 53 54 55 56 57 58 60 61 62 63 64 65 66 81 82 84 "
     "86 90 91 92 93 94 95 98 211 212 213 216 218 290 291 297 298 299 420 421 423 670 800 808 850 852 853 855 856 870 "
     "878 880 881 882 883 886 888 979 992 993 994 995 996 998".split()
-    + [str(c) for lo, hi in ((220, 269), (350, 359), (370, 389), (500, 509), (590, 599), (672, 692), (960, 977))
-       for c in range(lo, hi + 1)]
+    + [
+        str(c)
+        for lo, hi in ((220, 269), (350, 359), (370, 389), (500, 509), (590, 599), (672, 692), (960, 977))
+        for c in range(lo, hi + 1)
+    ]
 )
 
 # user handles -------------------------------------------------------------------------------------------------
@@ -204,8 +234,12 @@ _HANDLE = re.compile(
     r"@(?<![\w@./+`%*-]@)(?P<name>[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,28}[A-Za-z0-9_])?)"
     r"(?![\w@/(-]|\.\w|\s+(?:public|private|protected|static|final|void|abstract|def|fun|async|function)\b)"
 )
-_HANDLE_DOMAIN = re.compile(r".+\.(?:com|net|org|edu|gov|mil|int|io|co|uk|de|fr|ru|jp|cn|info|biz)", re.IGNORECASE)
-_HANDLE_QUANTITY = re.compile(r"\d+(?:\.\d+)?(?:am|pm|k|m|x|h|hrs?|min|s|mph|px|em|rem|kg|g|lb)?", re.IGNORECASE)
+_HANDLE_DOMAIN = re.compile(
+    r".+\.(?:com|net|org|edu|gov|mil|int|io|co|uk|de|fr|ru|jp|cn|info|biz)", re.IGNORECASE
+)
+_HANDLE_QUANTITY = re.compile(
+    r"\d+(?:\.\d+)?(?:am|pm|k|m|x|h|hrs?|min|s|mph|px|em|rem|kg|g|lb)?", re.IGNORECASE
+)
 # u/name, /u/name (Reddit: 3-20 letters, digits, _ and -); not inside paths (src/u/x) or doses (10 u/day)
 _REDDIT_USER = re.compile(r"(?<![\w/.~\\-])(?<!\d )/?u/(?P<name>[A-Za-z0-9_-]{3,20})(?![\w/-])")
 # profile URLs: the name of twitter.com/NAME, x.com/NAME, instagram.com/NAME, t.me/NAME, reddit.com/user/NAME,
@@ -215,8 +249,16 @@ _PROFILE_URL = re.compile(
     r"(?P<host>twitter\.com|x\.com|instagram\.com|t\.me|github\.com|reddit\.com/(?:u|user)|linkedin\.com/in|"
     r"youtube\.com/user)/(?P<v>[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,98}[A-Za-z0-9_])?)(?![\w-]|\.\w)"
 )
-_PROFILE_HOSTS = ("twitter.com", "x.com", "instagram.com", "t.me/", "github.com", "reddit.com", "linkedin.com",
-                  "youtube.com")
+_PROFILE_HOSTS = (
+    "twitter.com",
+    "x.com",
+    "instagram.com",
+    "t.me/",
+    "github.com",
+    "reddit.com",
+    "linkedin.com",
+    "youtube.com",
+)
 _PROFILE_RESERVED: frozenset[str] = frozenset(
     "home explore search i intent share hashtag settings notifications messages login logout signup tos privacy "
     "about compose p reel reels stories tv accounts direct features topics orgs marketplace pricing sponsors join "
@@ -232,7 +274,9 @@ _AT_URL_HOSTS = ("youtube.com", "tiktok.com", "medium.com", "threads.net")
 _DISCORD = re.compile(
     r"(?i:\bdiscord(?:\s+(?:tag|id|name|username))?\s*[:=]?\s*(?:is\s+)?)(?P<v>[A-Za-z0-9_.]{2,32}#\d{4})\b"
 )
-_DECORATOR_LINE = re.compile(r"^[ \t]*(?:(?:>>>|\.\.\.)[ \t]+)?@[A-Za-z_][\w.]*[ \t]*(?:\(.*)?(?:#.*)?$", re.MULTILINE)
+_DECORATOR_LINE = re.compile(
+    r"^[ \t]*(?:(?:>>>|\.\.\.)[ \t]+)?@[A-Za-z_][\w.]*[ \t]*(?:\(.*)?(?:#.*)?$", re.MULTILINE
+)
 # a dotted @name that reads as code (`@np.vectorize`, `@x.setter`, `@pytest.mark.slow`, `@nx._dispatchable`)
 _CODE_MODULES: frozenset[str] = frozenset(
     "np numpy pd pandas torch tf jax jnp nn F pytest unittest mock functools typing abc app router bp api nx st "
@@ -256,6 +300,7 @@ CODE_AT_WORDS: frozenset[str] = frozenset(
     "function debug warn error content at-root here channel everyone "
     "system-service privileged basic-io raw-io file-system network-io".split()  # systemd syscall filter sets
 )
+
 
 def luhn_ok(digits: str) -> bool:
     """The Luhn mod-10 check that every payment-card number satisfies."""
@@ -300,7 +345,7 @@ def _is_phone(m: re.Match) -> bool:
     """International (`+CC`, `00CC`) numbers: 8-15 digits, a real country code, not a signed quantity."""
     if m.group("intl") is None:
         return True
-    number = m.group(0)[:m.start("ext") - m.start()] if m.group("ext") else m.group(0)
+    number = m.group(0)[: m.start("ext") - m.start()] if m.group("ext") else m.group(0)
     digits = re.sub(r"\D", "", number)
     if m.group("intl") == "00":
         digits = digits[2:]
@@ -313,7 +358,7 @@ def _is_phone(m: re.Match) -> bool:
 
 
 def _is_labelled_phone(m: re.Match) -> bool:
-    v = m.group("v")[:m.start("ext") - m.start("v")] if m.group("ext") else m.group("v")
+    v = m.group("v")[: m.start("ext") - m.start("v")] if m.group("ext") else m.group("v")
     return 7 <= sum(c.isdigit() for c in v) <= 15 and not _DATE_LIKE.search(v)
 
 
@@ -344,7 +389,7 @@ def _profile_ok(m: re.Match) -> bool:
     name, host = m.group("v").lower(), m.group("host").lower()
     if name in _PROFILE_RESERVED:
         return False
-    return not host.startswith("github") or not _PATH_NEXT.match(m.string[m.end():m.end() + 2])
+    return not host.startswith("github") or not _PATH_NEXT.match(m.string[m.end() : m.end() + 2])
 
 
 def _at_url_ok(m: re.Match) -> bool:
@@ -414,8 +459,13 @@ class _Pass:
             self._shape = _Shape(self.text)
         return self._shape
 
-    def run(self, cat: str, pattern: re.Pattern, accept: Callable[[re.Match], bool] = lambda m: True,
-            matches: Optional[Iterable[re.Match]] = None) -> None:
+    def run(
+        self,
+        cat: str,
+        pattern: re.Pattern,
+        accept: Callable[[re.Match], bool] = lambda m: True,
+        matches: Optional[Iterable[re.Match]] = None,
+    ) -> None:
         """Replace each accepted match of `pattern` (only its `v` or `v2` group when set) by the category's token.
 
         `matches`, when given, must be what `pattern.finditer(self.text)` yields (found with fewer regex attempts)."""
@@ -423,8 +473,11 @@ class _Pass:
         replaced = []
         for m in pattern.finditer(self.text) if matches is None else matches:
             if accept(m):
-                replaced.append(next((m.span(g) for g in groups if m.group(g) is not None), m.span()) if groups
-                                else m.span())
+                replaced.append(
+                    next((m.span(g) for g in groups if m.group(g) is not None), m.span())
+                    if groups
+                    else m.span()
+                )
         self.replace(cat, replaced)
 
     def replace(self, cat: str, replaced: list[tuple[int, int]]) -> None:
@@ -450,12 +503,20 @@ def _handle_ok(text: str) -> Callable[[re.Match], bool]:
 
     def accept(m: re.Match) -> bool:
         name = m.group("name")
-        if name.lower() in CODE_AT_WORDS or _HANDLE_QUANTITY.fullmatch(name) or _HANDLE_DOMAIN.fullmatch(name):
+        if (
+            name.lower() in CODE_AT_WORDS
+            or _HANDLE_QUANTITY.fullmatch(name)
+            or _HANDLE_DOMAIN.fullmatch(name)
+        ):
             return False  # @param, @media, @3pm, @2x, '%@example.com'
         if "." in name:
             parts = name.split(".")
-            if parts[0] in _CODE_MODULES or parts[-1] in ("setter", "getter", "deleter") or any(
-                    q.startswith("_") for q in parts) or re.search(r"\d\.\d+$", name):  # @GLIBC_2.3
+            if (
+                parts[0] in _CODE_MODULES
+                or parts[-1] in ("setter", "getter", "deleter")
+                or any(q.startswith("_") for q in parts)
+                or re.search(r"\d\.\d+$", name)
+            ):  # @GLIBC_2.3
                 return False
         if not decorators:
             decorators.append(_decorator_spans(text))
@@ -501,12 +562,15 @@ _RUN7 = re.compile(
     rb"(?=(?P<card>000(?:0{9}|[ \-]0000[ \-]0000|[ \-]000000[ \-]0000))?)"
     rb"(?=(?P<nanp>(?:[ .\-]?(?:\(000\) ?|000[ .\-])|00\) ?|00[ .\-])000[ .\-]0000)?)"
     rb"(?=(?P<ssn_labelled>00(?P<sep>[ \-]?)00(?P=sep)0000(?![0\-]|\.0))?)"
-    rb"(?=(?P<ssn>00-00-0000)?)")
+    rb"(?=(?P<ssn>00-00-0000)?)"
+)
 # each `/` of the lower-cased shape that ends `facebook.com/` or `fb.com/`, another `.com/`, `t.me/`, `wa.me/`,
 # `doubleclick.net/` or `u/`; the empty group that is set names which
-_SLASH = re.compile(rb"/(?<=[meut]/)(?:(?:(?<=facebook\.com/)|(?<=fb\.com/))(?P<fb_host>)|(?<=\.com/)(?P<com>)"
-                    rb"|(?<=t\.me/)(?P<t_me>)|(?<=wa\.me/)(?P<wa_me>)|(?<=doubleclick\.net/)(?P<doubleclick>)"
-                    rb"|(?<=u/)(?P<u>))")
+_SLASH = re.compile(
+    rb"/(?<=[meut]/)(?:(?:(?<=facebook\.com/)|(?<=fb\.com/))(?P<fb_host>)|(?<=\.com/)(?P<com>)"
+    rb"|(?<=t\.me/)(?P<t_me>)|(?<=wa\.me/)(?P<wa_me>)|(?<=doubleclick\.net/)(?P<doubleclick>)"
+    rb"|(?<=u/)(?P<u>))"
+)
 _SLASH_ENDS = {"fb_host": 4, "com": 4, "t_me": 4, "wa_me": 5, "doubleclick": 15, "u": 1}
 
 
@@ -514,7 +578,10 @@ def _screenable(text: str) -> bool:
     """Whether the shape of `text` is exact: no decimal digit but 0-9 and none of İ ı ſ K."""
     if text.isascii():
         return True
-    for codec in ("latin-1", "cp1252"):  # fast whole-text checks; neither repertoire holds a character >= U+0130
+    for codec in (
+        "latin-1",
+        "cp1252",
+    ):  # fast whole-text checks; neither repertoire holds a character >= U+0130
         try:
             text.encode(codec)
             return True
@@ -611,8 +678,14 @@ def _occurrences(hay: Union[str, bytes], needle: Union[str, bytes]) -> list[int]
 
 
 # the shape bytes as `L` (local-part characters `[A-Za-z0-9._%+-]`), `@` (`@` and `:`) and `.` (the rest: stop bytes)
-_EMAIL_MASK = bytes(ord("L") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "._%+-") else
-                    ord("@") if chr(c) in "@:" else ord(".") for c in range(256))
+_EMAIL_MASK = bytes(
+    ord("L")
+    if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "._%+-")
+    else ord("@")
+    if chr(c) in "@:"
+    else ord(".")
+    for c in range(256)
+)
 
 
 _EMAIL_WINDOWS: dict[Union[str, tuple[int, str]], tuple[tuple[int, int], ...]] = {}  # see `_email_spans`
@@ -630,12 +703,16 @@ def _email_spans(sh: _Shape) -> list[tuple[int, int]]:
     mask, find, memo = sh.b.translate(_EMAIL_MASK), text.find, _EMAIL_WINDOWS
     while (a := find("@", pos)) >= 0:
         lo = a - 64 if a - 64 > pos else pos
-        lo = max(lo, mask.rfind(b".", lo, a) + 1, mask.rfind(b"@", lo, a) + 1)  # the local-part run before the `@`
+        lo = max(
+            lo, mask.rfind(b".", lo, a) + 1, mask.rfind(b"@", lo, a) + 1
+        )  # the local-part run before the `@`
         pos = mask.find(b".", a) + 1 or n  # just past the first stop byte
-        key = text[lo - 2:pos] if lo >= 2 else (lo, text[:pos])
+        key = text[lo - 2 : pos] if lo >= 2 else (lo, text[:pos])
         found = memo.get(key)
         if found is None:
-            found = tuple((m.start() - lo, m.end() - lo) for m in _EMAIL.finditer(text, lo, pos) if _email_ok(m))
+            found = tuple(
+                (m.start() - lo, m.end() - lo) for m in _EMAIL.finditer(text, lo, pos) if _email_ok(m)
+            )
             if len(memo) >= _EMAIL_WINDOWS_MAX:
                 memo.clear()
             memo[key] = found
@@ -646,10 +723,22 @@ def _email_spans(sh: _Shape) -> list[tuple[int, int]]:
 
 # `_EMAIL_OBFUSCATED` needs one of: `[(at)]`-style brackets, ` AT ... DOT `, ` at gmail.com` or ` at gmail dot com`,
 # `%40`
-_OBF_AT = re.compile(  # in the lower-cased shape, `at` after a bracket or a space: before a closing bracket, or
-    # ` at PROVIDER` and `.` or ` dot `
-    rb"at(?<=[\[({<\s\x1c-\x1f?]at)(?:" + _SP + rb"*[\])}>]|" + _SP + rb"+(?:" + _MAIL_PROVIDERS.encode()
-    + rb")(?:\.|" + _SP + rb"+dot" + _SP + rb"))")
+_OBF_AT = (
+    re.compile(  # in the lower-cased shape, `at` after a bracket or a space: before a closing bracket, or
+        # ` at PROVIDER` and `.` or ` dot `
+        rb"at(?<=[\[({<\s\x1c-\x1f?]at)(?:"
+        + _SP
+        + rb"*[\])}>]|"
+        + _SP
+        + rb"+(?:"
+        + _MAIL_PROVIDERS.encode()
+        + rb")(?:\.|"
+        + _SP
+        + rb"+dot"
+        + _SP
+        + rb"))"
+    )
+)
 _OBF_UPPER_AT = re.compile(r"AT(?<=\sAT)\s")  # in the text: `_OBFUSCATION_HINT`'s ` AT `
 _SHAPE_SPACE_SET = frozenset(_SHAPE_SPACE)
 
@@ -672,12 +761,16 @@ def _obfuscated_possible(sh: _Shape) -> bool:
     return False
 
 
-_DART_KEY = re.compile(rb"d(?:art[_\-]?id|c(?:[_\-]?rdid|[_\-]?uid|lid))")  # `dart_id`, `dc_rdid`, `dcuid`, `dclid`
+_DART_KEY = re.compile(
+    rb"d(?:art[_\-]?id|c(?:[_\-]?rdid|[_\-]?uid|lid))"
+)  # `dart_id`, `dc_rdid`, `dcuid`, `dclid`
 _DART_HINTS = (b"dart", b"dc_", b"dc-", b"dclid", b"dcrdid", b"dcuid")
 _FB_ID_HINT = re.compile(rb"fb[_\-]?(?:user)?[_\-]?id")  # `fbid=`, `fb_user_id:`
 
 
-_NINO_LABEL = re.compile(rb"ni(?:no|" + _SP + rb"+n)")  # in the lower-cased shape: `NINO`, `NI number`, `NI no`
+_NINO_LABEL = re.compile(
+    rb"ni(?:no|" + _SP + rb"+n)"
+)  # in the lower-cased shape: `NINO`, `NI number`, `NI no`
 _NINO_DIGITS = re.compile(rb"00 ?00 ?00 ?[a-d](?![a-z0-9])")  # how what `_NINO_LABELLED` replaces ends
 _PHONE_PLUS = re.compile(r"\+(?<![\w.+/-]\+)(?=\d)")  # where `_PHONE`'s international form can start
 _PHONE_00 = re.compile(r"00(?<![\w.+/-]00)(?=[1-9])")
@@ -689,7 +782,7 @@ def _phone_starts(sh: _Shape) -> list[int]:
     `+` or `00` is at or just before an anchor. International matches start at `+` or `00` and a digit, and the
     rejected ones count too, as `finditer` goes on after their end."""
     nanp, text = sh.kind("nanp"), sh.text
-    if not nanp and not any(sh.b[d - 1:d] == b"+" or text.startswith("00", d) for d in sh.anchors):
+    if not nanp and not any(sh.b[d - 1 : d] == b"+" or text.startswith("00", d) for d in sh.anchors):
         return []
     starts = set(nanp)
     starts.update(d - 1 for d in nanp if d)
@@ -700,8 +793,9 @@ def _phone_starts(sh: _Shape) -> list[int]:
 
 # the shape bytes that can lie between a phone label's start and its number's first digit: letters (é is b"?"),
 # spaces, `.#:=` and the number's `+(`; at most 25 of them are not spaces (`contact number: is +(`)
-_LABEL_ZONE = bytes(ord("Z") if bytes([c]).isalpha() or c in _SHAPE_SPACE or c in b".#:=+(" else ord("|")
-                    for c in range(256))
+_LABEL_ZONE = bytes(
+    ord("Z") if bytes([c]).isalpha() or c in _SHAPE_SPACE or c in b".#:=+(" else ord("|") for c in range(256)
+)
 _LABEL_NON_SPACE = 26
 # in the lower-cased shape, where a label word of `_PHONE_LABELLED` can start (é is b"?"; a byte-wise \b holds
 # wherever the text's \b does, as a non-ASCII character is a non-word b"?")
@@ -735,8 +829,9 @@ def _labelled_phone_starts(sh: _Shape) -> list[int]:
 
 
 _URL_STOP = re.compile(rb"[^A-Za-z0-9_.:/\-]")
-_URL_CHARS = bytes(ord("U") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "_.:/-") else ord("|")
-                   for c in range(256))
+_URL_CHARS = bytes(
+    ord("U") if chr(c).isascii() and (chr(c).isalnum() or chr(c) in "_.:/-") else ord("|") for c in range(256)
+)
 
 
 # `github.com/name/x` in the lower-cased shape (at its `.com/`): `name` is the longest run of name characters
@@ -781,7 +876,9 @@ def _anonymise(text: str, track: bool) -> _Pass:
     if not _screenable(text):
         return _anonymise_reference(text, track)
     p = _Pass(text, track)
-    sh = p.shape()  # the current text's shape: taken again after each step that ran (a replacement splices it)
+    sh = (
+        p.shape()
+    )  # the current text's shape: taken again after each step that ran (a replacement splices it)
     low = sh.low  # the input's, for the word gates
     has_at = "@" in text
     if has_at:
@@ -818,8 +915,11 @@ def _anonymise(text: str, track: bool) -> _Pass:
         if starts := [q - 2 for q in _occurrences(sh.b, b" 00 00 00 ") if q >= 2]:  # AB 12 34 56 C
             p.run("SSN", _NINO, matches=_matches_at(_NINO, p.text, starts))
             sh = p.shape()
-        if (_NINO_DIGITS.search(sh.b) and (b"insurance" in sh.low or _NINO_LABEL.search(sh.low))
-                and any(k in low for k in (b"insurance", b"nino", b"ni "))):
+        if (
+            _NINO_DIGITS.search(sh.b)
+            and (b"insurance" in sh.low or _NINO_LABEL.search(sh.low))
+            and any(k in low for k in (b"insurance", b"nino", b"ni "))
+        ):
             p.run("SSN", _NINO_LABELLED)
             sh = p.shape()
         if sh.anchors:
@@ -827,8 +927,12 @@ def _anonymise(text: str, track: bool) -> _Pass:
                 p.run("PHONE_NUMBER", _PHONE, _is_phone, _matches_at(_PHONE, p.text, starts))
                 sh = p.shape()
             if starts := _labelled_phone_starts(sh):
-                p.run("PHONE_NUMBER", _PHONE_LABELLED, _is_labelled_phone,
-                      _matches_at(_PHONE_LABELLED, p.text, starts))
+                p.run(
+                    "PHONE_NUMBER",
+                    _PHONE_LABELLED,
+                    _is_labelled_phone,
+                    _matches_at(_PHONE_LABELLED, p.text, starts),
+                )
                 sh = p.shape()
         if sh.slashes["wa_me"] and b"00000000" in sh.b:
             p.run("PHONE_NUMBER", _WHATSAPP)
@@ -976,14 +1080,24 @@ def load_labelled(path: Union[str, os.PathLike]) -> list[dict]:
                 r = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{where}: not JSON ({e})") from None
-            if not isinstance(r, dict) or not isinstance(r.get("text"), str) or not isinstance(r.get("spans"), list):
+            if (
+                not isinstance(r, dict)
+                or not isinstance(r.get("text"), str)
+                or not isinstance(r.get("spans"), list)
+            ):
                 raise ValueError(f'{where}: expected {{"text": str, "spans": [...]}}')
             last = 0
             for s in sorted(r["spans"], key=lambda s: s.get("start", -1) if isinstance(s, dict) else -1):
                 ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("start", "end"))
-                if not ok or not last <= s["start"] < s["end"] <= len(r["text"]) or s.get("category") not in TOKENS:
-                    raise ValueError(f"{where}: bad or overlapping span {s!r} (start < end within the text, "
-                                     f"category one of {', '.join(CATEGORIES)})")
+                if (
+                    not ok
+                    or not last <= s["start"] < s["end"] <= len(r["text"])
+                    or s.get("category") not in TOKENS
+                ):
+                    raise ValueError(
+                        f"{where}: bad or overlapping span {s!r} (start < end within the text, "
+                        f"category one of {', '.join(CATEGORIES)})"
+                    )
                 last = s["end"]
             records.append(r)
     return records
@@ -1006,8 +1120,11 @@ def _overlaps(a: SpanLike, b: SpanLike) -> bool:
     return a[0] < b[1] and b[0] < a[1] and a[2] == b[2]
 
 
-def evaluate_spans(records: Iterable[Mapping], find: Callable[[str], Iterable[SpanLike]] = find_spans,
-                   errors: Optional[list[tuple[str, str, str]]] = None) -> dict[str, dict[str, float]]:
+def evaluate_spans(
+    records: Iterable[Mapping],
+    find: Callable[[str], Iterable[SpanLike]] = find_spans,
+    errors: Optional[list[tuple[str, str, str]]] = None,
+) -> dict[str, dict[str, float]]:
     """Span-level precision and recall of `find` against gold spans, per category and `"overall"` (micro).
 
     A gold span is *found* when some predicted span of the same category overlaps it (shares a character); a
@@ -1024,25 +1141,38 @@ def evaluate_spans(records: Iterable[Mapping], find: Callable[[str], Iterable[Sp
             n[g[2]][0] += 1
             n[g[2]][1] += hit
             if not hit and errors is not None:
-                errors.append(("missed", g[2], text[g[0]:g[1]]))
+                errors.append(("missed", g[2], text[g[0] : g[1]]))
         for p in pred:
             hit = any(_overlaps(p, g) for g in gold)
             n[p[2]][2] += 1
             n[p[2]][3] += hit
             if not hit and errors is not None:
-                errors.append(("spurious", p[2], text[p[0]:p[1]]))
+                errors.append(("spurious", p[2], text[p[0] : p[1]]))
     n["overall"] = [sum(v[i] for v in n.values()) for i in range(4)]
-    return {c: {"gold": g, "found": f, "predicted": p, "correct": k,
-                "precision": k / p if p else 1.0, "recall": f / g if g else 1.0} for c, (g, f, p, k) in n.items()}
+    return {
+        c: {
+            "gold": g,
+            "found": f,
+            "predicted": p,
+            "correct": k,
+            "precision": k / p if p else 1.0,
+            "recall": f / g if g else 1.0,
+        }
+        for c, (g, f, p, k) in n.items()
+    }
 
 
 def format_table(result: Mapping[str, Mapping[str, float]]) -> str:
     """The `evaluate_spans` result as a Markdown table."""
-    rows = ["| category | gold | found | predicted | correct | precision | recall |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| category | gold | found | predicted | correct | precision | recall |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for c, v in result.items():
-        rows.append(f"| {c} | {v['gold']} | {v['found']} | {v['predicted']} | {v['correct']} | "
-                    f"{v['precision']:.3f} | {v['recall']:.3f} |")
+        rows.append(
+            f"| {c} | {v['gold']} | {v['found']} | {v['predicted']} | {v['correct']} | "
+            f"{v['precision']:.3f} | {v['recall']:.3f} |"
+        )
     return "\n".join(rows)
 
 
@@ -1069,10 +1199,15 @@ def _load_anonymiser(path: str) -> Callable[[str], str]:
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m data.anonymise --evaluate FILE`: a precision/recall table (0), or one error line (2)."""
-    p = argparse.ArgumentParser(prog="python -m data.anonymise", description=evaluate_spans.__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m data.anonymise", description=evaluate_spans.__doc__.split("\n")[0]
+    )
     p.add_argument("--evaluate", required=True, metavar="FILE", help="labelled JSONL (see load_labelled)")
-    p.add_argument("--baseline", metavar="MODULE.py",
-                   help="evaluate the anonymise() of another copy of this module instead of this one")
+    p.add_argument(
+        "--baseline",
+        metavar="MODULE.py",
+        help="evaluate the anonymise() of another copy of this module instead of this one",
+    )
     p.add_argument("--errors", action="store_true", help="also list every missed and spurious span")
     a = p.parse_args(argv)
     records = load_labelled(a.evaluate)

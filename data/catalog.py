@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 
 from data.readers import InputFileError, read_json_object
 
-
 # What readers of a token manifest (data/prepare.py) index directly (data/readers.py shapes)
 TOKEN_MANIFEST_SHAPE = {"domains": list, "counts": dict, "tokenizer": {"vocab_size": int, "bos_id": int}}
 
@@ -66,7 +65,9 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
     else:
         unknown = [d for d in domains if d not in available]
         if unknown:
-            raise DataError(f"data.domains {unknown} are not in {manifest_path}; available: {', '.join(available)}")
+            raise DataError(
+                f"data.domains {unknown} are not in {manifest_path}; available: {', '.join(available)}"
+            )
         train = list(domains)
     novel = sorted(d for d in available if d not in train)
     empty = [d for d in train if int(m["counts"][d]["train"]["tokens"]) == 0]
@@ -74,8 +75,17 @@ def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[st
         raise DataError(f"training domains {empty} have no training tokens in {manifest_path}")
     check_token_files(root, m, train, manifest_path)
     tok = m["tokenizer"]
-    return Catalog(root, tokenizer, int(tok["vocab_size"]), int(tok["bos_id"]), tuple(train), tuple(novel), m["counts"],
-                   tokenizer_fingerprint(tok), None if tok.get("eod_id") is None else int(tok["eod_id"]))
+    return Catalog(
+        root,
+        tokenizer,
+        int(tok["vocab_size"]),
+        int(tok["bos_id"]),
+        tuple(train),
+        tuple(novel),
+        m["counts"],
+        tokenizer_fingerprint(tok),
+        None if tok.get("eod_id") is None else int(tok["eod_id"]),
+    )
 
 
 def token_file_problems(root: Path, manifest: dict, domains: Sequence[str]) -> list[str]:
@@ -105,16 +115,21 @@ def check_token_files(root: Path, manifest: dict, domains: Sequence[str], manife
     """DataError naming every token file of `domains` that does not match `manifest_path` (`token_file_problems`)."""
     problems = token_file_problems(root, manifest, domains)
     if problems:
-        raise DataError(f"the token files of {manifest_path} do not match it (prepare them again into a new "
-                        f"directory, or restore them):\n  " + "\n  ".join(problems[:20])
-                        + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+        raise DataError(
+            f"the token files of {manifest_path} do not match it (prepare them again into a new "
+            f"directory, or restore them):\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
 
 
 def tokenizer_fingerprint(description: dict) -> str:
     """sha256 over what identifies a tokenizer (name, vocabulary size, bos/eod ids, sha256 of its vocabulary
     files), as a token manifest records it: equal fingerprints mean the same token ids for the same text."""
     keys = ("name", "vocab_size", "bos_id", "eod_id", "files")
-    return hashlib.sha256(json.dumps({k: description.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({k: description.get(k) for k in keys}, sort_keys=True).encode()
+    ).hexdigest()
 
 
 def read_token_manifest(path: Path) -> dict:
@@ -127,25 +142,33 @@ def read_token_manifest(path: Path) -> dict:
         raise DataError(f"{e}; re-run data.prepare") from None
     bad = [d for d in m["domains"] if not isinstance(d, str) or not isinstance(m["counts"].get(d, {}), dict)]
     if bad:
-        raise DataError(f"{path}: domains {bad[:3]} are not names with a mapping of counts; re-run data.prepare")
+        raise DataError(
+            f"{path}: domains {bad[:3]} are not names with a mapping of counts; re-run data.prepare"
+        )
     missing = [d for d in m["domains"] if d not in m["counts"]]
     if missing:
         raise DataError(f"{path} lists domains {missing} without counts; re-run data.prepare")
     return m
 
 
-def check_tokenizer(data_manifest: dict, model_fingerprint: Optional[str], model_vocab: Optional[int], where: str) -> None:
+def check_tokenizer(
+    data_manifest: dict, model_fingerprint: Optional[str], model_vocab: Optional[int], where: str
+) -> None:
     """DataError when tokens were made by another tokenizer than the model was trained with (scores on them would
     be meaningless): the fingerprints differ, or the data's vocabulary is larger than the model's."""
     tok = data_manifest["tokenizer"]
     if model_fingerprint and tokenizer_fingerprint(tok) != model_fingerprint:
-        raise DataError(f"{where}: the tokens were made by tokenizer {tok.get('name')!r} (vocabulary "
-                        f"{tok.get('vocab_size')}, fingerprint {tokenizer_fingerprint(tok)[:12]}), not the one the model "
-                        f"was trained with (fingerprint {model_fingerprint[:12]}); prepare the data with the model's "
-                        "tokenizer, or pass the model's own --data/--tokenizer")
+        raise DataError(
+            f"{where}: the tokens were made by tokenizer {tok.get('name')!r} (vocabulary "
+            f"{tok.get('vocab_size')}, fingerprint {tokenizer_fingerprint(tok)[:12]}), not the one the model "
+            f"was trained with (fingerprint {model_fingerprint[:12]}); prepare the data with the model's "
+            "tokenizer, or pass the model's own --data/--tokenizer"
+        )
     if model_vocab is not None and int(tok["vocab_size"]) > int(model_vocab):
-        raise DataError(f"{where}: the tokens' vocabulary ({tok['vocab_size']}) is larger than the model's "
-                        f"({model_vocab}); prepare the data with the model's tokenizer")
+        raise DataError(
+            f"{where}: the tokens' vocabulary ({tok['vocab_size']}) is larger than the model's "
+            f"({model_vocab}); prepare the data with the model's tokenizer"
+        )
 
 
 def _corpus_roles(manifest: dict, manifest_path: Path) -> dict[str, str]:
@@ -160,8 +183,10 @@ def _corpus_roles(manifest: dict, manifest_path: Path) -> dict[str, str]:
         return {}
     path = Path(cdir) / "manifest.json"
     if not path.is_file():
-        raise DataError(f"{manifest_path} takes its domains' train/novel roles from {path}, which is not there "
-                        f"(a relative path is read from the current directory); list the training domains in "
-                        f"data.domains, or re-run data.prepare (newer manifests keep the roles themselves)")
+        raise DataError(
+            f"{manifest_path} takes its domains' train/novel roles from {path}, which is not there "
+            f"(a relative path is read from the current directory); list the training domains in "
+            f"data.domains, or re-run data.prepare (newer manifests keep the roles themselves)"
+        )
     doms = read_json_object(path, {"domains?": dict}, what="corpus manifest").get("domains", {})
     return {d: v.get("split_role", "train") if isinstance(v, dict) else "train" for d, v in doms.items()}

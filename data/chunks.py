@@ -38,8 +38,12 @@ from data.blocks import SPLITS
 from data.ingest import Document, Problem, ProblemLog, _parse_line
 
 CHUNK_BYTES = 64 << 20  # default chunk size; also the largest domain file that is split exactly
-SP_SAMPLE_CHARS = 20_000_000  # sentencepiece's training sample, drawn over every chunk of the training domains
-BATCH_CHARS = 1 << 20  # text a worker reads, anonymises and encodes at once (memory per worker: a few of these)
+SP_SAMPLE_CHARS = (
+    20_000_000  # sentencepiece's training sample, drawn over every chunk of the training domains
+)
+BATCH_CHARS = (
+    1 << 20
+)  # text a worker reads, anonymises and encodes at once (memory per worker: a few of these)
 READ_BYTES = 8 << 20  # bytes read from the file at once
 RECORD_FORMAT = "demix-chunk/1"
 
@@ -80,7 +84,9 @@ def plan_chunks(files: dict[str, Path], chunk_bytes: int = CHUNK_BYTES) -> list[
                 if cut < size:
                     cuts.append(cut)
         cuts.append(size)
-        chunks.extend(Chunk(domain, i, str(path), a, b, False) for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
+        chunks.extend(
+            Chunk(domain, i, str(path), a, b, False) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))
+        )
     return chunks
 
 
@@ -97,8 +103,11 @@ def _next_line_start(f, pos: int, size: int) -> int:
             return f.tell() - len(block) + i + 1
 
 
-def split_documents(n: int, domain: str, seed: int, valid_fraction: float, test_fraction: float) -> np.ndarray:
+def split_documents(
+    n: int, domain: str, seed: int, valid_fraction: float, test_fraction: float
+) -> np.ndarray:
     """Split code per document of an exact chunk (0 train, 1 valid, 2 test); see the module docstring."""
+
     def count(fraction: float) -> int:
         k = int(round(n * fraction))
         return max(k, 1) if fraction > 0 and n >= 3 else k
@@ -112,7 +121,7 @@ def split_documents(n: int, domain: str, seed: int, valid_fraction: float, test_
     perm = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(domain.encode())])).permutation(n)
     split = np.zeros(n, dtype=np.int8)
     split[perm[:n_test]] = 2
-    split[perm[n_test:n_test + n_valid]] = 1
+    split[perm[n_test : n_test + n_valid]] = 1
     return split
 
 
@@ -121,8 +130,8 @@ class HashSplit:
 
     def __init__(self, domain: str, seed: int, valid_fraction: float, test_fraction: float):
         self._base = hashlib.blake2b(f"demix-split\0{seed}\0{domain}\0".encode(), digest_size=8)
-        self._test = int(test_fraction * 2 ** 64)
-        self._valid = int((test_fraction + valid_fraction) * 2 ** 64)
+        self._test = int(test_fraction * 2**64)
+        self._valid = int((test_fraction + valid_fraction) * 2**64)
 
     def code(self, key: str) -> int:
         h = self._base.copy()
@@ -131,14 +140,16 @@ class HashSplit:
         return 2 if u < self._test else 1 if u < self._valid else 0
 
 
-def hash_split(keys: Sequence[str], domain: str, seed: int, valid_fraction: float, test_fraction: float
-               ) -> np.ndarray:
+def hash_split(
+    keys: Sequence[str], domain: str, seed: int, valid_fraction: float, test_fraction: float
+) -> np.ndarray:
     """Split code per document key (0 train, 1 valid, 2 test), each decided by that key alone."""
     s = HashSplit(domain, seed, valid_fraction, test_fraction)
     return np.fromiter((s.code(k) for k in keys), dtype=np.int8, count=len(keys))
 
 
 # ---------------------------------------------------------------- reading a chunk -----------------------------
+
 
 def read_chunk(chunk: Chunk) -> Iterator[tuple[int, int, bytes]]:
     """(line number within the chunk, 1-based; byte offset in the file; the line without its end) of every line
@@ -163,8 +174,9 @@ def read_chunk(chunk: Chunk) -> Iterator[tuple[int, int, bytes]]:
             yield lineno + 1, pos - len(carry), carry
 
 
-def chunk_documents(chunk: Chunk, log: ProblemLog, lines: Optional[list[int]] = None
-                    ) -> Iterator[tuple[Document, str]]:
+def chunk_documents(
+    chunk: Chunk, log: ProblemLog, lines: Optional[list[int]] = None
+) -> Iterator[tuple[Document, str]]:
     """The chunk's valid documents with their split key (the record's id, else "@<byte offset>"); problems go to
     `log` with chunk-relative line numbers (`absolute_problems` makes them absolute). `lines[0]` is set to the
     number of lines read (how far the next chunk's line numbers are shifted)."""
@@ -176,7 +188,9 @@ def chunk_documents(chunk: Chunk, log: ProblemLog, lines: Optional[list[int]] = 
         raw = raw.rstrip(b"\r")
         if not raw or raw.isspace():
             continue
-        r = _parse_line(raw, path, lineno, "text", "domain", "id", allowed, chunk.domain, fallback_id=f"@{offset}")
+        r = _parse_line(
+            raw, path, lineno, "text", "domain", "id", allowed, chunk.domain, fallback_id=f"@{offset}"
+        )
         if isinstance(r, Problem):
             log.add(r)
         else:
@@ -184,6 +198,7 @@ def chunk_documents(chunk: Chunk, log: ProblemLog, lines: Optional[list[int]] = 
 
 
 # ---------------------------------------------------------------- preparing a chunk ---------------------------
+
 
 @dataclass(frozen=True)
 class ChunkJob:
@@ -229,7 +244,9 @@ class _PartWriter:
                 tmp.unlink(missing_ok=True)
 
 
-def _by_split(flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def _by_split(
+    flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """A batch's documents grouped by split code: (code, their tokens, their lengths), each in document order."""
     if (codes == codes[0]).all():
         return [(int(codes[0]), flat, lengths)]
@@ -251,7 +268,7 @@ def encode_concat(tok, texts: Sequence[str], dtype: str) -> tuple[np.ndarray, np
     out[starts] = tok.bos_id
     pos = 1
     for a, n in zip(parts, lengths.tolist()):
-        out[pos:pos + n - 1] = a
+        out[pos : pos + n - 1] = a
         pos += n
     return out, lengths
 
@@ -273,9 +290,11 @@ class _ChunkState:
     def route(self, flat: np.ndarray, lengths: np.ndarray, codes: np.ndarray) -> None:
         for code, part, part_lengths in _by_split(flat, lengths, codes):
             if code not in self.writers:
-                self.writers[code] = _PartWriter(Path(f"{self.stem}.{SPLITS[code]}"), np.dtype(self.job.dtype))
+                self.writers[code] = _PartWriter(
+                    Path(f"{self.stem}.{SPLITS[code]}"), np.dtype(self.job.dtype)
+                )
             self.writers[code].add(part, part_lengths)
-            self.counts[code] += np.bincount(part, minlength=self.job.vocab)[:self.job.vocab]
+            self.counts[code] += np.bincount(part, minlength=self.job.vocab)[: self.job.vocab]
 
     def close(self, publish: bool) -> None:
         for w in self.writers.values():
@@ -303,23 +322,36 @@ def prepare_chunk(chunk: Chunk, job: ChunkJob) -> dict:
             _batch(st, tok, splitter, texts, keys)
         if chunk.exact and st.held:
             lengths = np.concatenate([b[1] for b in st.held])
-            codes = split_documents(len(lengths), chunk.domain, job.seed, job.valid_fraction, job.test_fraction)
+            codes = split_documents(
+                len(lengths), chunk.domain, job.seed, job.valid_fraction, job.test_fraction
+            )
             flat = np.concatenate([b[0] for b in st.held])
             st.held.clear()
             st.route(flat, lengths, codes)
         ok = True
     finally:
         st.close(publish=ok)
-    np.savez_compressed(f"{st.stem}.counts.tmp.npz", counts=st.counts)  # mostly zeros: a few KB, not 3 x V x 8
+    np.savez_compressed(
+        f"{st.stem}.counts.tmp.npz", counts=st.counts
+    )  # mostly zeros: a few KB, not 3 x V x 8
     os.replace(f"{st.stem}.counts.tmp.npz", f"{st.stem}.counts.npz")
     record = {
-        "format": RECORD_FORMAT, "plan_key": job.plan_key, "chunk": asdict(chunk),
-        "lines": lines[0], "text_bytes": st.text_bytes, "anonymise": st.anon,
+        "format": RECORD_FORMAT,
+        "plan_key": job.plan_key,
+        "chunk": asdict(chunk),
+        "lines": lines[0],
+        "text_bytes": st.text_bytes,
+        "anonymise": st.anon,
         "anonymised_documents": st.anon_docs,
         "problems": {"counts": dict(log.counts), "first": [[p.line, p.reason, p.detail] for p in log.first]},
-        "splits": {SPLITS[c]: {"documents": w.documents, "tokens": w.tokens,
-                               "bin_bytes": w.tokens * np.dtype(job.dtype).itemsize}
-                   for c, w in sorted(st.writers.items())},
+        "splits": {
+            SPLITS[c]: {
+                "documents": w.documents,
+                "tokens": w.tokens,
+                "bin_bytes": w.tokens * np.dtype(job.dtype).itemsize,
+            }
+            for c, w in sorted(st.writers.items())
+        },
     }
     tmp = Path(f"{st.stem}.json.tmp")
     tmp.write_text(json.dumps(record))
@@ -364,8 +396,11 @@ def check_chunk(chunk: Chunk, keep: int) -> dict:
     log, lines = ProblemLog(keep), [0]
     for _ in chunk_documents(chunk, log, lines):
         pass
-    return {"chunk": asdict(chunk), "lines": lines[0],
-            "problems": {"counts": dict(log.counts), "first": [[p.line, p.reason, p.detail] for p in log.first]}}
+    return {
+        "chunk": asdict(chunk),
+        "lines": lines[0],
+        "problems": {"counts": dict(log.counts), "first": [[p.line, p.reason, p.detail] for p in log.first]},
+    }
 
 
 def read_record(parts: Union[str, Path], chunk: Chunk, plan_key: str) -> Optional[dict]:
@@ -376,8 +411,12 @@ def read_record(parts: Union[str, Path], chunk: Chunk, plan_key: str) -> Optiona
         record = json.loads(Path(f"{stem}.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or record.get("plan_key") != plan_key \
-            or record.get("chunk") != asdict(chunk):
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != RECORD_FORMAT
+        or record.get("plan_key") != plan_key
+        or record.get("chunk") != asdict(chunk)
+    ):
         return None
     for split, info in record.get("splits", {}).items():
         for ext, size in (("bin", info.get("bin_bytes")), ("len", 4 * info.get("documents", -1))):
@@ -405,8 +444,10 @@ def absolute_problems(records: Sequence[dict], keep: int) -> ProblemLog:
 
 # ---------------------------------------------------------------- the documents of a split --------------------
 
-def split_texts(files: dict[str, Path], split: dict, code: int, policy: dict[str, bool],
-                max_docs: Optional[int] = None) -> dict[str, list[str]]:
+
+def split_texts(
+    files: dict[str, Path], split: dict, code: int, policy: dict[str, bool], max_docs: Optional[int] = None
+) -> dict[str, list[str]]:
     """The texts of split `code` (0 train, 1 valid, 2 test) of every domain, exactly as `prepare_corpus` assigned
     and anonymised them: `split` is the manifest's "split" record (seed, fractions, chunk_bytes). The first
     `max_docs` of each domain."""
@@ -449,8 +490,13 @@ def _split_docs(chunks: Sequence[Chunk], split: dict, code: int, limit: Optional
                     return
 
 
-def sentencepiece_sample(chunks: Sequence[Chunk], domains: Sequence[str], split: dict, policy: dict[str, bool],
-                         chars: int = SP_SAMPLE_CHARS) -> list[str]:
+def sentencepiece_sample(
+    chunks: Sequence[Chunk],
+    domains: Sequence[str],
+    split: dict,
+    policy: dict[str, bool],
+    chars: int = SP_SAMPLE_CHARS,
+) -> list[str]:
     """Sentencepiece's training texts: training-split documents of `domains`, an equal share of `chars` per
     domain drawn as an equal share from each of its chunks (the first documents of each chunk, so the sample
     spans the whole file), anonymised like the tokens, interleaved across domains. Memory: the sample."""

@@ -28,7 +28,13 @@ EXIT_USAGE = 2
 # What a user's input can cause: bad values and formats (ValueError, incl. JSON and Unicode errors), missing or
 # unreadable files (OSError), missing keys of a hand-edited file (LookupError), unreadable tensors (RuntimeError
 # from torch.load, UnpicklingError from a weights-only load refusing an object).
-EXPECTED: tuple[type[BaseException], ...] = (ValueError, OSError, LookupError, RuntimeError, pickle.UnpicklingError)
+EXPECTED: tuple[type[BaseException], ...] = (
+    ValueError,
+    OSError,
+    LookupError,
+    RuntimeError,
+    pickle.UnpicklingError,
+)
 
 
 class OutputError(ValueError):
@@ -55,7 +61,9 @@ def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
         except EXPECTED as e:
             if debug:
                 raise
-            hint = " (--debug shows the traceback)" if isinstance(e, RuntimeError) else ""  # may be a bug, not input
+            hint = (
+                " (--debug shows the traceback)" if isinstance(e, RuntimeError) else ""
+            )  # may be a bug, not input
             print(f"error: {message(e)}{hint}", file=sys.stderr)
             return EXIT_USAGE
 
@@ -97,8 +105,14 @@ def read_manifest_format(path: Path) -> Optional[str]:
     return data.get("format") if isinstance(data, dict) else None
 
 
-def check_output_dir(out: Path, formats: Sequence[Any], will_write: Iterable[str], inputs: Iterable[Path] = (),
-                     manifest: str = "manifest.json", what: str = "--out") -> None:
+def check_output_dir(
+    out: Path,
+    formats: Sequence[Any],
+    will_write: Iterable[str],
+    inputs: Iterable[Path] = (),
+    manifest: str = "manifest.json",
+    what: str = "--out",
+) -> None:
     """Refuse (OutputError) an output directory whose existing files the tool did not write, before any work.
 
     `out` may not exist, or be an empty directory, or hold `manifest` with a format in `formats` (a previous run
@@ -115,16 +129,22 @@ def check_output_dir(out: Path, formats: Sequence[Any], will_write: Iterable[str
     for src in inputs:
         s = Path(src).resolve()
         if res == s or s in res.parents or (s.is_file() and res in s.parents and s.name in set(will_write)):
-            raise OutputError(f"{what} {out} would overwrite the input {src}: choose another output directory")
+            raise OutputError(
+                f"{what} {out} would overwrite the input {src}: choose another output directory"
+            )
     if not out.is_dir():
         return
     if (out / manifest).is_file():
         fmt = read_manifest_format(out / manifest)
         if fmt in formats:
             return
-        raise OutputError(f"{what} {out} holds a {manifest} this tool did not write (format {fmt!r}, expected "
-                          f"{' or '.join(formats)}); choose another output directory, or move that one away")
+        raise OutputError(
+            f"{what} {out} holds a {manifest} this tool did not write (format {fmt!r}, expected "
+            f"{' or '.join(formats)}); choose another output directory, or move that one away"
+        )
     clash = sorted(n for n in set(will_write) if (out / n).exists())
     if clash:
-        raise OutputError(f"{what} {out} already holds {', '.join(clash[:5])} that this tool did not write (no "
-                          f"{manifest}); choose another output directory, or move them away")
+        raise OutputError(
+            f"{what} {out} already holds {', '.join(clash[:5])} that this tool did not write (no "
+            f"{manifest}); choose another output directory, or move them away"
+        )

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
-from data.atomic import staged_dir, write_json_atomic
+
 from data.argtypes import positive_int, random_seed
+from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import read_json_object
 
@@ -85,7 +86,9 @@ def kmeans(z_NS: np.ndarray, k: int, seed: int = 0, balance: str = "balanced", i
         if labels is not None and np.array_equal(new, labels):
             break
         labels = new
-        centres = np.stack([z_NS[labels == j].mean(0) if (labels == j).any() else centres[j] for j in range(k)])
+        centres = np.stack(
+            [z_NS[labels == j].mean(0) if (labels == j).any() else centres[j] for j in range(k)]
+        )
     return centres
 
 
@@ -135,30 +138,56 @@ class Clusterer:
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        np.savez(path / "arrays.npz", idf_V=self.idf_V, components_SV=self.components_SV, centres_KS=self.centres_KS)
-        (path / "meta.json").write_text(json.dumps({"format": FORMAT, "options": self.options,
-                                                    "vocabulary": self.vocabulary}, ensure_ascii=False))
+        np.savez(
+            path / "arrays.npz",
+            idf_V=self.idf_V,
+            components_SV=self.components_SV,
+            centres_KS=self.centres_KS,
+        )
+        (path / "meta.json").write_text(
+            json.dumps(
+                {"format": FORMAT, "options": self.options, "vocabulary": self.vocabulary}, ensure_ascii=False
+            )
+        )
         return path
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Clusterer":
         path = Path(path)
-        meta = read_json_object(path / "meta.json", {"format": str, "vocabulary": dict, "options": dict},
-                                what="clusterer")
+        meta = read_json_object(
+            path / "meta.json", {"format": str, "vocabulary": dict, "options": dict}, what="clusterer"
+        )
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} clusterer (format {meta.get('format')!r})")
         with np.load(path / "arrays.npz", allow_pickle=False) as a:
-            return cls({k: int(v) for k, v in meta["vocabulary"].items()}, a["idf_V"], a["components_SV"],
-                       a["centres_KS"], meta["options"])
+            return cls(
+                {k: int(v) for k, v in meta["vocabulary"].items()},
+                a["idf_V"],
+                a["components_SV"],
+                a["centres_KS"],
+                meta["options"],
+            )
 
 
 def _tfidf_kwargs(options: dict) -> dict:
-    return {"sublinear_tf": True, "stop_words": "english", "lowercase": True, "dtype": np.float64,
-            "token_pattern": r"(?u)\b\w\w+\b"} | ({"max_df": options["max_df"]} if "max_df" in options else {})
+    return {
+        "sublinear_tf": True,
+        "stop_words": "english",
+        "lowercase": True,
+        "dtype": np.float64,
+        "token_pattern": r"(?u)\b\w\w+\b",
+    } | ({"max_df": options["max_df"]} if "max_df" in options else {})
 
 
-def fit_clusterer(texts: Sequence[str], k: int, seed: int = 0, balance: str = "balanced", svd_dim: int = 100,
-                  max_features: int = 50000, fit_docs: int = 20000) -> Clusterer:
+def fit_clusterer(
+    texts: Sequence[str],
+    k: int,
+    seed: int = 0,
+    balance: str = "balanced",
+    svd_dim: int = 100,
+    max_features: int = 50000,
+    fit_docs: int = 20000,
+) -> Clusterer:
     """Fit tf-idf, SVD and (balanced) k-means on at most `fit_docs` texts (a seeded sample)."""
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
@@ -170,8 +199,16 @@ def fit_clusterer(texts: Sequence[str], k: int, seed: int = 0, balance: str = "b
     rng = np.random.default_rng(seed)
     idx = rng.permutation(len(texts))[:fit_docs] if len(texts) > fit_docs else np.arange(len(texts))
     sample = [texts[i] for i in idx]
-    options = {"k": k, "seed": seed, "balance": balance, "svd_dim": svd_dim, "max_features": max_features,
-               "fit_docs": len(sample), "min_df": 2, "max_df": 0.5}
+    options = {
+        "k": k,
+        "seed": seed,
+        "balance": balance,
+        "svd_dim": svd_dim,
+        "max_features": max_features,
+        "fit_docs": len(sample),
+        "min_df": 2,
+        "max_df": 0.5,
+    }
     vec = TfidfVectorizer(max_features=max_features, min_df=min(2, len(sample)), **_tfidf_kwargs(options))
     x = vec.fit_transform(sample)
     dim = max(1, min(svd_dim, x.shape[1] - 1, len(sample) - 1))
@@ -193,12 +230,16 @@ def agreement(true_labels: Sequence, clusters: Sequence[int]) -> dict[str, float
     from sklearn.metrics.cluster import contingency_matrix
 
     cm = contingency_matrix(np.asarray(true_labels), np.asarray(clusters))
-    return {"purity": float(cm.max(0).sum() / cm.sum()),
-            "nmi": float(normalized_mutual_info_score(true_labels, clusters)),
-            "ari": float(adjusted_rand_score(true_labels, clusters))}
+    return {
+        "purity": float(cm.max(0).sum() / cm.sum()),
+        "nmi": float(normalized_mutual_info_score(true_labels, clusters)),
+        "ari": float(adjusted_rand_score(true_labels, clusters)),
+    }
 
 
-def composition(true_labels: Sequence[str], clusters: Sequence[int], names: Sequence[str]) -> dict[str, dict[str, int]]:
+def composition(
+    true_labels: Sequence[str], clusters: Sequence[int], names: Sequence[str]
+) -> dict[str, dict[str, int]]:
     """Cluster name -> {true domain: documents}."""
     out: dict[str, dict[str, int]] = {n: {} for n in names}
     for d, j in zip(true_labels, clusters):
@@ -221,8 +262,11 @@ def record_problem(record: object) -> Optional[str]:
     if isinstance(record["id"], bool) or not isinstance(record["id"], (str, int)):
         return f"has an 'id' of type {type(record['id']).__name__}, expected a string or an integer"
     if not isinstance(record.get("text"), str):
-        return "has no 'text' string" if "text" not in record else \
-            f"has a 'text' of type {type(record['text']).__name__}, expected a string"
+        return (
+            "has no 'text' string"
+            if "text" not in record
+            else f"has a 'text' of type {type(record['text']).__name__}, expected a string"
+        )
     return None
 
 
@@ -232,7 +276,9 @@ def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = Non
     corpus = Path(corpus)
     files = {p.stem: p for p in sorted(corpus.glob("*.jsonl"))}
     if domains is None and (corpus / "manifest.json").is_file():
-        roles = read_json_object(corpus / "manifest.json", {"domains?": dict}, what="corpus manifest").get("domains")
+        roles = read_json_object(corpus / "manifest.json", {"domains?": dict}, what="corpus manifest").get(
+            "domains"
+        )
         roles = {d: r for d, r in (roles or {}).items() if isinstance(r, dict)}
         domains = [d for d in files if roles.get(d, {}).get("split_role", "train") == "train"]
     missing = [d for d in (domains or []) if d not in files]
@@ -247,16 +293,23 @@ def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = Non
                 try:
                     record = json.loads(line)
                 except ValueError as e:
-                    raise ValueError(f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus") \
-                        from None
+                    raise ValueError(
+                        f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus"
+                    ) from None
                 if (why := record_problem(record)) is not None:
                     raise ValueError(f"{files[d]}:{i}: the record {why}; run data.ingest on the corpus")
                 out.append(record)
     return out
 
 
-def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clusterer: Clusterer, out: Union[str, Path],
-                           source: Optional[str] = None, report: Optional[dict] = None) -> dict:
+def write_clustered_corpus(
+    records: Sequence[dict],
+    labels: np.ndarray,
+    clusterer: Clusterer,
+    out: Union[str, Path],
+    source: Optional[str] = None,
+    report: Optional[dict] = None,
+) -> dict:
     """`<out>/<cluster>.jsonl` + manifest.json (split_role train), the clusterer under `<out>/clusterer` and, given,
     `report` as `<out>/cluster_report.json`. All of it is staged and published together (data/atomic.py
     `staged_dir`): a failure (a bad record, a full disk) leaves no cluster file without its manifest."""
@@ -269,17 +322,33 @@ def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clustere
         handles = {n: open(tmp / f"{n}.jsonl", "w", encoding="utf-8") for n in names}
         try:
             for r, j in zip(records, labels):
-                handles[names[int(j)]].write(json.dumps({"id": r["id"], "domain": names[int(j)], "text": r["text"]},
-                                                        ensure_ascii=False) + "\n")
+                handles[names[int(j)]].write(
+                    json.dumps(
+                        {"id": r["id"], "domain": names[int(j)], "text": r["text"]}, ensure_ascii=False
+                    )
+                    + "\n"
+                )
         finally:
             for h in handles.values():
                 h.close()
         counts = np.bincount(labels, minlength=clusterer.k)
-        manifest = {"format": 1, "corpus_dir": str(out), "source_corpus": source,
-                    "domains": {n: {"split_role": "train", "file": f"{n}.jsonl", "documents": int(counts[j]),
-                                    "what": f"k-means cluster {j} of {source or 'the corpus'} (labels hidden)"}
-                                for j, n in enumerate(names)},
-                    "train_domains": names, "novel_domains": [], "clustering": clusterer.options}
+        manifest = {
+            "format": 1,
+            "corpus_dir": str(out),
+            "source_corpus": source,
+            "domains": {
+                n: {
+                    "split_role": "train",
+                    "file": f"{n}.jsonl",
+                    "documents": int(counts[j]),
+                    "what": f"k-means cluster {j} of {source or 'the corpus'} (labels hidden)",
+                }
+                for j, n in enumerate(names)
+            },
+            "train_domains": names,
+            "novel_domains": [],
+            "clustering": clusterer.options,
+        }
         clusterer.save(tmp / "clusterer")
         if report is not None:
             (tmp / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -287,12 +356,19 @@ def write_clustered_corpus(records: Sequence[dict], labels: np.ndarray, clustere
     return manifest
 
 
-def cluster_corpus(corpus: Union[str, Path], k: int, out: Union[str, Path], domains: Optional[Sequence[str]] = None,
-                   **fit_kwargs) -> dict:
+def cluster_corpus(
+    corpus: Union[str, Path],
+    k: int,
+    out: Union[str, Path],
+    domains: Optional[Sequence[str]] = None,
+    **fit_kwargs,
+) -> dict:
     """The CLI's work: read, fit with labels hidden, label by nearest centre, write, report agreement."""
     out_dir = Path(out)
     existing = [p.name for p in out_dir.glob("*.jsonl")] if out_dir.is_dir() else []
-    check_output_dir(out_dir, (1,), ["manifest.json", "clusterer", "cluster_report.json", *existing], inputs=[Path(corpus)])
+    check_output_dir(
+        out_dir, (1,), ["manifest.json", "clusterer", "cluster_report.json", *existing], inputs=[Path(corpus)]
+    )
     records = read_corpus(corpus, domains)
     texts = [r["text"] for r in records]
     clusterer = fit_clusterer(texts, k, **fit_kwargs)
@@ -311,9 +387,15 @@ def cluster_corpus(corpus: Union[str, Path], k: int, out: Union[str, Path], doma
 # ----------------------------------------------------------------------------------------------------
 
 
-def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Union[str, Path], k: int,
-                     domains: Optional[Sequence[str]] = None, splits: Iterable[str] = ("train", "valid", "test"),
-                     **fit_kwargs) -> dict:
+def relabel_prepared(
+    tokens_root: Union[str, Path],
+    tokenizer: str,
+    out_root: Union[str, Path],
+    k: int,
+    domains: Optional[Sequence[str]] = None,
+    splits: Iterable[str] = ("train", "valid", "test"),
+    **fit_kwargs,
+) -> dict:
     """Cluster the documents of a prepared dataset's training domains (labels hidden) and write a prepared dataset
     whose domains are the clusters, re-using the token ids and the tokenizer untouched.
 
@@ -322,8 +404,8 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
     the decoded training documents and every split is labelled by nearest centre. Returns the agreement report."""
     import shutil
 
-    from data.catalog import load_catalog
     from data.blocks import open_indexed, split_prefix
+    from data.catalog import load_catalog
     from data.indexed import write_indexed as _write_indexed
     from data.tokenizer import load_prepared_tokenizer
 
@@ -339,7 +421,9 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
         for s in splits:
             if m["counts"][d][s]["documents"]:
                 ds = open_indexed(split_prefix(tokens_root, tokenizer, d, s))
-                docs[s] += [(d, np.array(ds.get(i), copy=True)) for i in range(len(ds))]  # copies: the mmap closes
+                docs[s] += [
+                    (d, np.array(ds.get(i), copy=True)) for i in range(len(ds))
+                ]  # copies: the mmap closes
     text = {s: [tok.decode(a[1:].tolist()) for _, a in docs[s]] for s in splits}  # [bos] + ids
     clusterer = fit_clusterer(text["train"], k, **fit_kwargs)
     names = clusterer.names()
@@ -353,23 +437,43 @@ def relabel_prepared(tokens_root: Union[str, Path], tokenizer: str, out_root: Un
         for s in splits:
             labels = clusterer.assign(text[s]) if docs[s] else np.zeros(0, dtype=int)
             truth = [d for d, _ in docs[s]]
-            report["splits"][s] = {"documents": len(truth), "sizes": np.bincount(labels, minlength=k).tolist(),
-                                   **(agreement(truth, labels) if len(truth) else {}),
-                                   "composition": composition(truth, labels, names)}
+            report["splits"][s] = {
+                "documents": len(truth),
+                "sizes": np.bincount(labels, minlength=k).tolist(),
+                **(agreement(truth, labels) if len(truth) else {}),
+                "composition": composition(truth, labels, names),
+            }
             for j, n in enumerate(names):
                 chosen = [a for (_, a), lab in zip(docs[s], labels) if lab == j]
                 info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
                 if chosen:
                     nd, nt = _write_indexed(work / n / s, chosen, dtype)
-                    info = {"documents": nd, "tokens": nt, "bin": f"{n}/{s}.bin", "idx": f"{n}/{s}.idx",
-                            "bin_bytes": (work / n / f"{s}.bin").stat().st_size,
-                            "idx_bytes": (work / n / f"{s}.idx").stat().st_size}
+                    info = {
+                        "documents": nd,
+                        "tokens": nt,
+                        "bin": f"{n}/{s}.bin",
+                        "idx": f"{n}/{s}.idx",
+                        "bin_bytes": (work / n / f"{s}.bin").stat().st_size,
+                        "idx_bytes": (work / n / f"{s}.idx").stat().st_size,
+                    }
                 counts[n][s] = info
-        manifest = {"format": m["format"], "inputs_sha256": None, "tokenizer": m["tokenizer"], "dtype": m["dtype"],
-                    "bos_in_bin": m.get("bos_in_bin", True), "domains": names, "roles": {n: "train" for n in names},
-                    "corpus": {"dir": None}, "split": m.get("split"), "counts": counts,
-                    "clustered_from": {"tokens": str(src), "domains": list(cat.train_domains),
-                                       "options": clusterer.options}}
+        manifest = {
+            "format": m["format"],
+            "inputs_sha256": None,
+            "tokenizer": m["tokenizer"],
+            "dtype": m["dtype"],
+            "bos_in_bin": m.get("bos_in_bin", True),
+            "domains": names,
+            "roles": {n: "train" for n in names},
+            "corpus": {"dir": None},
+            "split": m.get("split"),
+            "counts": counts,
+            "clustered_from": {
+                "tokens": str(src),
+                "domains": list(cat.train_domains),
+                "options": clusterer.options,
+            },
+        }
         write_json_atomic(work / "manifest.json", manifest)
         clusterer.save(work / "clusterer")
         (work / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -382,7 +486,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
     p.add_argument("--k", type=positive_int, required=True, help="number of clusters")
     p.add_argument("--out", required=True, help="output corpus directory")
-    p.add_argument("--domains", help="comma-separated domains to read (default: the manifest's training domains)")
+    p.add_argument(
+        "--domains", help="comma-separated domains to read (default: the manifest's training domains)"
+    )
     p.add_argument("--balance", default="balanced", choices=("balanced", "none"))
     p.add_argument("--svd-dim", type=positive_int, default=100)
     p.add_argument("--max-features", type=positive_int, default=50000)
@@ -390,8 +496,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=random_seed, default=0)
     a = p.parse_args(argv)
     try:
-        report = cluster_corpus(a.corpus, a.k, a.out, a.domains.split(",") if a.domains else None, seed=a.seed,
-                                balance=a.balance, svd_dim=a.svd_dim, max_features=a.max_features, fit_docs=a.fit_docs)
+        report = cluster_corpus(
+            a.corpus,
+            a.k,
+            a.out,
+            a.domains.split(",") if a.domains else None,
+            seed=a.seed,
+            balance=a.balance,
+            svd_dim=a.svd_dim,
+            max_features=a.max_features,
+            fit_docs=a.fit_docs,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

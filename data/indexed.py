@@ -24,8 +24,19 @@ import numpy as np
 COPY_BYTES = 8 << 20
 INDEX_BLOCK = 1 << 20  # document entries written at once
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
-DTYPE_CODES = {np.dtype(t): c for t, c in ((np.uint8, 1), (np.int8, 2), (np.int16, 3), (np.int32, 4), (np.int64, 5),
-                                           (np.float64, 6), (np.float32, 7), (np.uint16, 8))}  # megatron's DType
+DTYPE_CODES = {
+    np.dtype(t): c
+    for t, c in (
+        (np.uint8, 1),
+        (np.int8, 2),
+        (np.int16, 3),
+        (np.int32, 4),
+        (np.int64, 5),
+        (np.float64, 6),
+        (np.float32, 7),
+        (np.uint16, 8),
+    )
+}  # megatron's DType
 
 
 def _copy_hashed(src: Path, out, sha) -> int:
@@ -65,9 +76,16 @@ def merge_parts(stems: Sequence[Union[str, Path]], prefix: Union[str, Path], dty
         for first in range(0, docs + 1, INDEX_BLOCK):
             f.write(np.arange(first, min(first + INDEX_BLOCK, docs + 1), dtype=np.int64).tobytes())
     if offset != nbytes:
-        raise RuntimeError(f"{prefix}: parts hold {nbytes} bytes but their lengths say {offset}")  # a bug, or damage
-    return {"documents": docs, "tokens": nbytes // dtype.itemsize, "bin_bytes": nbytes,
-            "idx_bytes": os.path.getsize(f"{prefix}.idx"), "bin_sha256": sha.hexdigest()}
+        raise RuntimeError(
+            f"{prefix}: parts hold {nbytes} bytes but their lengths say {offset}"
+        )  # a bug, or damage
+    return {
+        "documents": docs,
+        "tokens": nbytes // dtype.itemsize,
+        "bin_bytes": nbytes,
+        "idx_bytes": os.path.getsize(f"{prefix}.idx"),
+        "bin_sha256": sha.hexdigest(),
+    }
 
 
 def write_indexed(prefix: Union[str, Path], arrays, dtype: type) -> tuple[int, int]:
@@ -88,7 +106,9 @@ def write_indexed(prefix: Union[str, Path], arrays, dtype: type) -> tuple[int, i
     return docs, tokens
 
 
-def merge_domains(parts: Path, work: Path, records: Sequence[dict], dtype, vocab: int, bar=None) -> tuple[dict, dict]:
+def merge_domains(
+    parts: Path, work: Path, records: Sequence[dict], dtype, vocab: int, bar=None
+) -> tuple[dict, dict]:
     """Each domain's split parts concatenated into `work/<domain>/<split>.bin/.idx` and its token counts summed
     into `work/<domain>/token_counts.npy`: (the manifest's counts per domain and split, its token_counts paths).
     `records`: every chunk's record (data/chunks.py `prepare_chunk`), in plan order."""
@@ -107,9 +127,15 @@ def merge_domains(parts: Path, work: Path, records: Sequence[dict], dtype, vocab
                 counts[d][split] = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
                 continue
             info = merge_parts(stems, work / d / split, dtype)
-            counts[d][split] = {"documents": info["documents"], "tokens": info["tokens"], "bin": f"{d}/{split}.bin",
-                                "idx": f"{d}/{split}.idx", "bin_bytes": info["bin_bytes"],
-                                "idx_bytes": info["idx_bytes"], "bin_sha256": info["bin_sha256"]}
+            counts[d][split] = {
+                "documents": info["documents"],
+                "tokens": info["tokens"],
+                "bin": f"{d}/{split}.bin",
+                "idx": f"{d}/{split}.idx",
+                "bin_bytes": info["bin_bytes"],
+                "idx_bytes": info["idx_bytes"],
+                "bin_sha256": info["bin_sha256"],
+            }
             if bar is not None:
                 bar.update(info["bin_bytes"])
         total = np.zeros((len(SPLITS), vocab), dtype=np.int64)

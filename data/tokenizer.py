@@ -79,8 +79,13 @@ class Tokenizer:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        return {"name": self.name, "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eod_id": self.eod_id,
-                "files": dict(self.files)}
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eod_id": self.eod_id,
+            "files": dict(self.files),
+        }
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,19 @@ def _gpt2_encoding_offline(data_dir: Path):
     for fname, want in GPT2_FILE_SHA256.items():
         got = sha256_file(data_dir / fname)
         if got != want:
-            raise ValueError(f"{data_dir / fname}: sha256 {got} differs from the GPT-2 file tiktoken expects ({want})")
+            raise ValueError(
+                f"{data_dir / fname}: sha256 {got} differs from the GPT-2 file tiktoken expects ({want})"
+            )
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(data_dir / "vocab.bpe"), encoder_json_file=str(data_dir / "encoder.json"),
+        vocab_bpe_file=str(data_dir / "vocab.bpe"),
+        encoder_json_file=str(data_dir / "encoder.json"),
     )
     return tiktoken.Encoding(
-        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257,
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+        explicit_n_vocab=50257,
     )
 
 
@@ -185,7 +196,9 @@ class GPT2Tokenizer(Tokenizer):
             self._pools = (os.getpid(), {})
         pools = self._pools[1]
         if workers not in pools:
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="gpt2-encode", initializer=self._own_encoding)
+            pool = ThreadPoolExecutor(
+                workers, thread_name_prefix="gpt2-encode", initializer=self._own_encoding
+            )
             ready = threading.Barrier(workers)  # one task per thread: each waits until all have started
             list(pool.map(lambda _: ready.wait(timeout=120), range(workers)))
             pools[workers] = pool
@@ -203,8 +216,13 @@ class GPT2Tokenizer(Tokenizer):
         import tiktoken
 
         e = self._enc
-        self._local.enc = tiktoken.Encoding(e.name, pat_str=e._pat_str, mergeable_ranks=e._mergeable_ranks,
-                                            special_tokens=e._special_tokens, explicit_n_vocab=e.n_vocab)
+        self._local.enc = tiktoken.Encoding(
+            e.name,
+            pat_str=e._pat_str,
+            mergeable_ranks=e._mergeable_ranks,
+            special_tokens=e._special_tokens,
+            explicit_n_vocab=e.n_vocab,
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
@@ -253,7 +271,7 @@ def _training_sentences(texts: Iterable[str], max_bytes: int, max_len: int) -> I
             if not line:
                 continue
             for i in range(0, len(line), max_len):
-                piece = line[i:i + max_len]
+                piece = line[i : i + max_len]
                 seen += len(piece)
                 yield piece
             if seen >= max_bytes:
@@ -261,7 +279,10 @@ def _training_sentences(texts: Iterable[str], max_bytes: int, max_len: int) -> I
 
 
 def train_sentencepiece(
-    texts: Iterable[str], out_file: Union[str, Path], vocab_size: int = 8192, max_bytes: int = 20_000_000,
+    texts: Iterable[str],
+    out_file: Union[str, Path],
+    vocab_size: int = 8192,
+    max_bytes: int = 20_000_000,
     threads: int = 2,
 ) -> SentencePieceTokenizer:
     """Train a byte-fallback BPE on (a sample of) `texts` and save it to `out_file` (written atomically).
@@ -274,12 +295,28 @@ def train_sentencepiece(
     out_file.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_sentences(texts, max_bytes, 4096), model_writer=buf,
-        vocab_size=vocab_size, model_type="bpe", character_coverage=1.0, byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-        user_defined_symbols=["\n", "\t"], allow_whitespace_only_pieces=True, split_digits=True,
-        hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=1 << 14,
-        shuffle_input_sentence=True, input_sentence_size=2_000_000, num_threads=max(1, threads), minloglevel=2,
+        sentence_iterator=_training_sentences(texts, max_bytes, 4096),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        user_defined_symbols=["\n", "\t"],
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        hard_vocab_limit=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        max_sentence_length=1 << 14,
+        shuffle_input_sentence=True,
+        input_sentence_size=2_000_000,
+        num_threads=max(1, threads),
+        minloglevel=2,
     )
     write_bytes_atomic(out_file, buf.getvalue())
     return SentencePieceTokenizer(out_file)
@@ -298,7 +335,9 @@ def load_tokenizer(name: str, model_file: Optional[Union[str, Path]] = None) -> 
         tok: Tokenizer = GPT2Tokenizer()
     elif name == "sentencepiece":
         if model_file is None or not Path(model_file).is_file():
-            raise FileNotFoundError(f"sentencepiece: model file {model_file!r} not found (run data.prepare first)")
+            raise FileNotFoundError(
+                f"sentencepiece: model file {model_file!r} not found (run data.prepare first)"
+            )
         tok = SentencePieceTokenizer(model_file)
     else:
         raise ValueError(f"tokenizer {name!r}: choose gpt2 or sentencepiece")

@@ -39,10 +39,23 @@ _READABLE_FORMATS = ("demix-consolidated/1", CONSOLIDATED_FORMAT)
 SHARED_FILE = "model.pt"
 # What readers of a consolidated meta.json index directly (data/readers.py shapes; "?" = optional); the rest of
 # `config` is checked by the RunConfig types.
-META_SHAPE = {"format": str, "domains": list, "step?": int, "shards?": {"experts?": dict},
-              "config": {"model": {"n_layers": int, "d_model": int, "n_heads": int, "seq_len": int, "vocab_size": int,
-                                   "ffn": {"kind": str, "num_experts": int}},
-                         "data": {"path": str, "tokenizer": str}}}
+META_SHAPE = {
+    "format": str,
+    "domains": list,
+    "step?": int,
+    "shards?": {"experts?": dict},
+    "config": {
+        "model": {
+            "n_layers": int,
+            "d_model": int,
+            "n_heads": int,
+            "seq_len": int,
+            "vocab_size": int,
+            "ffn": {"kind": str, "num_experts": int},
+        },
+        "data": {"path": str, "tokenizer": str},
+    },
+}
 
 
 class CheckpointError(ValueError):
@@ -64,11 +77,15 @@ class Consolidated:
         from model.gpt import GPT
 
         rows = self.state_dict["wte.weight"].shape[0] if "wte.weight" in self.state_dict else None
-        model = GPT(self.cfg.model, expert_ids=expert_ids, init_seed=0, vocab_rows=rows)  # the writer's padding
+        model = GPT(
+            self.cfg.model, expert_ids=expert_ids, init_seed=0, vocab_rows=rows
+        )  # the writer's padding
         wanted = model.state_dict().keys()
         missing = [k for k in wanted if k not in self.state_dict]
         if missing:
-            raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+            raise CheckpointError(
+                f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}"
+            )
         model.load_state_dict({k: self.state_dict[k] for k in wanted})
         return model
 
@@ -83,8 +100,10 @@ def load_weights_only(path: Path) -> Any:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:  # UnpicklingError (a refused object), RuntimeError (truncated zip), EOFError, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} cannot be read as weights ({type(e).__name__}: {first[:200]}); it is damaged, "
-                              "or holds more than tensors and is refused: nothing in it was executed") from None
+        raise CheckpointError(
+            f"{path} cannot be read as weights ({type(e).__name__}: {first[:200]}); it is damaged, "
+            "or holds more than tensors and is refused: nothing in it was executed"
+        ) from None
 
 
 def expert_shard_name(expert: int) -> str:
@@ -134,9 +153,11 @@ def verified_file(root: Path, meta: dict[str, Any], rel: str) -> Path:
     sums = meta.get("sha256")
     want = sums.get(rel) if isinstance(sums, dict) else None
     if isinstance(want, str) and path.is_file() and sha256_file(path) != want:
-        raise CheckpointError(f"{path} does not match the sha256 that {root / 'meta.json'} recorded when it was "
-                              "written: its bytes changed afterwards (a damaged copy or disk); restore it from a copy, "
-                              "or write the checkpoint again (a run's model/: python -m launcher.zero_to_fp32 RUN_DIR)")
+        raise CheckpointError(
+            f"{path} does not match the sha256 that {root / 'meta.json'} recorded when it was "
+            "written: its bytes changed afterwards (a damaged copy or disk); restore it from a copy, "
+            "or write the checkpoint again (a run's model/: python -m launcher.zero_to_fp32 RUN_DIR)"
+        )
     return path
 
 
@@ -161,16 +182,23 @@ def _check_domain_names(cfg: RunConfig, domains: list[str]) -> None:
         raise CheckpointError(f"{len(domains)} domain names for {cfg.model.ffn.num_experts} experts")
 
 
-def finish_consolidated(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int = 0,
-                        extra: Optional[dict[str, Any]] = None) -> Path:
+def finish_consolidated(
+    tmp: Path,
+    final: Path,
+    cfg: RunConfig,
+    domains: list[str],
+    step: int = 0,
+    extra: Optional[dict[str, Any]] = None,
+) -> Path:
     """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
     _write_meta(tmp, final, cfg, domains, step, extra)
     commit_dir(tmp, final)
     return final
 
 
-def _write_meta(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int,
-                extra: Optional[dict[str, Any]]) -> None:
+def _write_meta(
+    tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int, extra: Optional[dict[str, Any]]
+) -> None:
     """Check every shard of the checkpoint being built in `tmp` is there; write its meta.json with the shard index."""
     _check_domain_names(cfg, domains)
     experts = {str(i): expert_shard_name(i) for i in range(sharded_experts(cfg))}
@@ -178,7 +206,10 @@ def _write_meta(tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step
     if missing:
         raise CheckpointError(f"consolidated checkpoint {final} is missing shards {missing}")
     sums = {}
-    for rel in [SHARED_FILE, *experts.values()]:  # a shard copied from another checkpoint has no sum beside it
+    for rel in [
+        SHARED_FILE,
+        *experts.values(),
+    ]:  # a shard copied from another checkpoint has no sum beside it
         side = tmp / (rel + SUM_SUFFIX)
         sums[rel] = side.read_text().strip() if side.is_file() else sha256_file(tmp / rel)
         side.unlink(missing_ok=True)
@@ -216,8 +247,9 @@ def save_consolidated(
     return final
 
 
-def check_checkpoint_out(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False,
-                         flag: str = "--overwrite") -> None:
+def check_checkpoint_out(
+    out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, flag: str = "--overwrite"
+) -> None:
     """Refuse, before any work, an output path for a consolidated checkpoint that would replace something:
     an existing directory that is not a consolidated checkpoint is never replaced; an existing checkpoint,
     an input included, only with `overwrite` (the CLIs' `--overwrite`). A path that cannot become a directory (a
@@ -228,9 +260,15 @@ def check_checkpoint_out(out: str | Path, inputs: Iterable[str | Path] = (), ove
     if not out.exists():
         return
     is_input = any(out.resolve() == Path(i).resolve() for i in inputs)
-    if not out.is_dir() or not (out / "meta.json").is_file() or read_manifest_format(out / "meta.json") not in _READABLE_FORMATS:
-        raise CheckpointError(f"--out {out} exists and is not a consolidated checkpoint; it is left alone: choose "
-                              "another output path")
+    if (
+        not out.is_dir()
+        or not (out / "meta.json").is_file()
+        or read_manifest_format(out / "meta.json") not in _READABLE_FORMATS
+    ):
+        raise CheckpointError(
+            f"--out {out} exists and is not a consolidated checkpoint; it is left alone: choose "
+            "another output path"
+        )
     if not overwrite:
         what = "is the input checkpoint" if is_input else "holds a consolidated checkpoint"
         raise CheckpointError(f"--out {out} {what}; choose another output path, or pass {flag} to replace it")
@@ -251,7 +289,9 @@ def _read_meta(root: Path) -> dict[str, Any]:
     try:
         meta = read_json_object(root / "meta.json", what="consolidated checkpoint metadata")
         if meta.get("format") not in _READABLE_FORMATS:
-            raise CheckpointError(f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}")
+            raise CheckpointError(
+                f"{root}: format {meta.get('format')!r}, expected one of {_READABLE_FORMATS}"
+            )
         check_shape(meta, META_SHAPE, root / "meta.json", "consolidated checkpoint metadata")
     except InputFileError as e:
         raise CheckpointError(str(e)) from None
@@ -278,7 +318,9 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
         if not (root / rel).is_file():
             raise CheckpointError(f"{root}: expert shard {rel} listed in meta.json is missing")
         state.update(load_weights_only(verified_file(root, meta, rel)))
-    return Consolidated(cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta)
+    return Consolidated(
+        cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta
+    )
 
 
 def copy_expert_shards(src: str | Path, experts: Iterable[int], tmp: Path) -> None:

@@ -95,7 +95,9 @@ def _expand_model_preset(raw: dict, problems: list[str]) -> dict:
     name = model.pop("preset")
     preset_path = MODEL_PRESET_DIR / f"{name}.yaml"
     if not preset_path.is_file():
-        problems.append(f"model.preset={name!r}: no such preset; shipped presets: {', '.join(model_presets())}")
+        problems.append(
+            f"model.preset={name!r}: no such preset; shipped presets: {', '.join(model_presets())}"
+        )
         return {**raw, "model": model}
     return {**raw, "model": deep_merge(_read_yaml(preset_path), model)}
 
@@ -105,7 +107,9 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     out: dict = {}
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError([f"override {o!r}: expected KEY=VALUE, e.g. train.steps=10" for o in bad], "overrides")
+        raise ConfigError(
+            [f"override {o!r}: expected KEY=VALUE, e.g. train.steps=10" for o in bad], "overrides"
+        )
     problems = []
     for o in overrides:
         key, _, value = o.partition("=")
@@ -118,7 +122,9 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     return out
 
 
-def load_run_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), check: bool = True) -> RunConfig:
+def load_run_config(
+    path: Optional[str | Path] = None, overrides: Sequence[str] = (), check: bool = True
+) -> RunConfig:
     """Load, merge overrides, type-check and validate a run config; raise one ConfigError with every problem.
 
     With `check=False` only structural problems (unknown keys, wrong types, missing files) raise; the caller

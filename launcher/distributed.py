@@ -24,9 +24,20 @@ def free_port() -> int:
 # (DeepSpeed's --launcher openmpi|mvapich|mpich|impi|slurm, a bare mpirun or srun): (name, rank, world size,
 # local rank, local world size or None). Checked in this order; the first whose rank and size are both set wins.
 SCHEDULER_ENVS: tuple[tuple[str, str, str, str, Optional[str]], ...] = (
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    (
+        "MVAPICH",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     # SLURM_STEP_NUM_TASKS is set by srun only: a batch script's own shell has SLURM_PROCID=0 and the job's
     # SLURM_NTASKS, and a bare `python -m launcher.train` there is a world of one.
@@ -47,7 +58,7 @@ def first_slurm_host(nodelist: str) -> str:
             end = text.find("]", i)
             if end < 0:
                 raise LaunchEnvError(f"SLURM node list {nodelist!r}: '[' without ']'")
-            out.append(text[i + 1:end].split(",")[0].split("-")[0])
+            out.append(text[i + 1 : end].split(",")[0].split("-")[0])
             i = end + 1
         else:
             out.append(text[i])
@@ -65,15 +76,19 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
     Raises LaunchEnvError when a launcher is recognised but the rendezvous address cannot be known."""
     if "RANK" in environ:
         if "WORLD_SIZE" not in environ:
-            raise LaunchEnvError("RANK is set but WORLD_SIZE is not: start the ranks with torchrun, deepspeed or "
-                                 "python -m launcher.launch, which set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-                                 "MASTER_PORT")
+            raise LaunchEnvError(
+                "RANK is set but WORLD_SIZE is not: start the ranks with torchrun, deepspeed or "
+                "python -m launcher.launch, which set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+                "MASTER_PORT"
+            )
         if "LOCAL_RANK" in environ:
             return {}
         local = next((environ[v[3]] for v in SCHEDULER_ENVS if v[3] in environ), None)
         if local is None and environ["WORLD_SIZE"] != "1":
-            raise LaunchEnvError(f"RANK={environ['RANK']} of WORLD_SIZE={environ['WORLD_SIZE']} but LOCAL_RANK is "
-                                 "not set: this rank cannot know its GPU; set LOCAL_RANK (its index on the node)")
+            raise LaunchEnvError(
+                f"RANK={environ['RANK']} of WORLD_SIZE={environ['WORLD_SIZE']} but LOCAL_RANK is "
+                "not set: this rank cannot know its GPU; set LOCAL_RANK (its index on the node)"
+            )
         return {"LOCAL_RANK": local or "0"}
     for name, rank, size, local, local_size in SCHEDULER_ENVS:
         if rank in environ and size in environ:
@@ -87,7 +102,10 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
     addr = environ.get("MASTER_ADDR") or (first_slurm_host(nodelist) if slurm and nodelist.strip() else "")
     port = environ.get("MASTER_PORT") or (
-        str(29500 + int(environ["SLURM_JOB_ID"]) % 1000) if slurm and environ.get("SLURM_JOB_ID", "").isdigit() else "")
+        str(29500 + int(environ["SLURM_JOB_ID"]) % 1000)
+        if slurm and environ.get("SLURM_JOB_ID", "").isdigit()
+        else ""
+    )
     if addr and port:
         check_rendezvous(addr, port, f"from {name}'s environment")
     if not addr or not port:
@@ -95,7 +113,8 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
             f"started by {name} ({rank}={environ[rank]}, {size}={environ[size]}) without MASTER_ADDR/MASTER_PORT: "
             "launch with `python -m launcher.launch --hostfile H --launcher ...` (it passes them to every rank), or "
             "give every rank the same MASTER_ADDR (the first host) and MASTER_PORT (e.g. mpirun -x MASTER_ADDR=node0 "
-            "-x MASTER_PORT=29500)")
+            "-x MASTER_PORT=29500)"
+        )
     out.update(MASTER_ADDR=addr, MASTER_PORT=port)
     return out
 
@@ -124,11 +143,18 @@ def ensure_env(master_addr: Optional[str] = None, master_port: Optional[int] = N
     if found:
         os.environ.update(found)
     elif "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+        )
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        check_rendezvous(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], "in this process's environment")
+        check_rendezvous(
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], "in this process's environment"
+        )
     return int(os.environ["WORLD_SIZE"])
 
 
@@ -142,9 +168,11 @@ def local_device_index(local_rank: int, visible: int) -> int:
         return local_rank
     if visible == 1:
         return 0
-    raise LaunchEnvError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each rank "
-                         "either every GPU of its node or exactly one")
+    raise LaunchEnvError(
+        f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each rank "
+        "either every GPU of its node or exactly one"
+    )
 
 
 def start_distributed() -> tuple[int, int]:
@@ -187,4 +215,8 @@ def release_shm_name(rank: int) -> None:
 
 def training_device() -> torch.device:
     """The one device this rank trains on; every tensor that meets a collective is made here."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )

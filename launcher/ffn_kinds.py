@@ -31,8 +31,14 @@ from launcher.config import RunConfig
 from model.gpt import expert_of_key, split_by_expert
 from parallel.cse import CSEController
 from parallel.engine import build_engine, distribute_demix_experts
-from parallel.gshard import (apply_gshard, gshard_export_parts, gshard_layout_for, gshard_layout_problems,
-                             gshard_state_names, resolve_num_experts)
+from parallel.gshard import (
+    apply_gshard,
+    gshard_export_parts,
+    gshard_layout_for,
+    gshard_layout_problems,
+    gshard_state_names,
+    resolve_num_experts,
+)
 from parallel.topology import Topology, unequal_data_note
 
 Tensors = dict[str, torch.Tensor]
@@ -41,8 +47,9 @@ Tensors = dict[str, torch.Tensor]
 class StepHook(Protocol):
     """Called after every optimizer step (CSE clusters here); returns a record to log, or None."""
 
-    def after_step(self, step: int, batch_fn: Callable[[int], dict[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
-        ...
+    def after_step(
+        self, step: int, batch_fn: Callable[[int], dict[str, torch.Tensor]]
+    ) -> Optional[dict[str, Any]]: ...
 
 
 class FFNKind:
@@ -68,11 +75,15 @@ class FFNKind:
         """What this kind forbids in the data mixture and the parallel layout (all at once)."""
         out = []
         if cfg.data.mixture == "by_domain" and len(domain_names) > 1:
-            out.append(f"data.mixture=by_domain gives each rank one domain; for kind={self.name!r} use natural, "
-                       "balanced or domain_token")
+            out.append(
+                f"data.mixture=by_domain gives each rank one domain; for kind={self.name!r} use natural, "
+                "balanced or domain_token"
+            )
         if cfg.parallel.allocation is not None:
-            out.append(f"parallel.allocation={list(cfg.parallel.allocation)} is only used with model.ffn.kind=demix "
-                       f"(ranks per domain), not {self.name!r}")
+            out.append(
+                f"parallel.allocation={list(cfg.parallel.allocation)} is only used with model.ffn.kind=demix "
+                f"(ranks per domain), not {self.name!r}"
+            )
         if cfg.train.trainable == "experts" and not self.has_experts:
             out.append(f"train.trainable=experts needs an expert model, not {self.name!r}")
         return out
@@ -85,8 +96,9 @@ class FFNKind:
         """A layout that is allowed but worth announcing (None: nothing to say)."""
         return None
 
-    def rank_experts(self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-                     ) -> Optional[list[int]]:
+    def rank_experts(
+        self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
+    ) -> Optional[list[int]]:
         """The expert ids this rank's model holds (None: no expert layers)."""
         return None
 
@@ -110,14 +122,24 @@ class FFNKind:
 
     def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
-        return build_engine(model, cfg.train, cfg.parallel, groups, prepare=lambda m: self.prepare_parallel(m, cfg, groups),
-                            extra_deepspeed=cfg.extra_deepspeed)
+        return build_engine(
+            model,
+            cfg.train,
+            cfg.parallel,
+            groups,
+            prepare=lambda m: self.prepare_parallel(m, cfg, groups),
+            extra_deepspeed=cfg.extra_deepspeed,
+        )
 
-    def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
+    def export_parts(
+        self, model: nn.Module, topo: Topology, groups: Any, rank: int
+    ) -> tuple[Tensors, dict[int, Tensors], bool]:
         """(shared tensors, this rank's expert shards by id, whether this rank writes those shards) of the
         plain (TP=1) model. Collective: every rank calls it."""
         if topo.tensor_parallel > 1:
-            from parallel.tensor_parallel import gather_full_state_dict  # megatron-core: only where TP is used
+            from parallel.tensor_parallel import (
+                gather_full_state_dict,
+            )  # megatron-core: only where TP is used
 
             full = gather_full_state_dict(model, groups.tp_group)
         else:
@@ -125,7 +147,9 @@ class FFNKind:
         full = {k: v for k, v in full.items() if not k.endswith("_extra_state")}
         return full, {}, False
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def state_names(
+        self, model: nn.Module, topo: Topology, rank: int
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Each engine parameter's name in the plain single-process model (the training state is kept by those
         names, so any layout can load it), and the global ranks that hold its whole value while a state is
         written (ZeRO partitions all-reduced over the group that holds it, tensor-parallel shards all-gathered):
@@ -134,8 +158,9 @@ class FFNKind:
         everyone = tuple(range(topo.world_size))
         return {n: (n, everyone) for n, _ in model.named_parameters()}
 
-    def step_hook(self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any,
-                  domain_names: Sequence[str]) -> Optional[StepHook]:
+    def step_hook(
+        self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any, domain_names: Sequence[str]
+    ) -> Optional[StepHook]:
         """Something to run after every optimizer step (None: nothing)."""
         return None
 
@@ -161,13 +186,17 @@ class Demix(FFNKind):
     def layout_problems(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> list[str]:
         out = []
         if cfg.data.mixture != "by_domain":
-            out.append(f"model.ffn.kind=demix trains each expert on its own domain: set data.mixture=by_domain "
-                       f"(not {cfg.data.mixture!r})")
+            out.append(
+                f"model.ffn.kind=demix trains each expert on its own domain: set data.mixture=by_domain "
+                f"(not {cfg.data.mixture!r})"
+            )
         n = cfg.model.ffn.num_experts
         if n not in (0, len(domain_names)):
-            out.append(f"model.ffn.num_experts={n} but there are {len(domain_names)} domains "
-                       f"({', '.join(domain_names)}): DEMix has one expert per domain; set num_experts=0 (derive) "
-                       "or match the domain count")
+            out.append(
+                f"model.ffn.num_experts={n} but there are {len(domain_names)} domains "
+                f"({', '.join(domain_names)}): DEMix has one expert per domain; set num_experts=0 (derive) "
+                "or match the domain count"
+            )
         return out
 
     def topology_domains(self, domain_names: Sequence[str]) -> list[str]:
@@ -176,8 +205,9 @@ class Demix(FFNKind):
     def data_note(self, topo: Topology) -> Optional[str]:
         return unequal_data_note(topo)
 
-    def rank_experts(self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-                     ) -> Optional[list[int]]:
+    def rank_experts(
+        self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
+    ) -> Optional[list[int]]:
         return [expert_of_domain[d] for d in topo.rank_info(rank).domains]
 
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
@@ -191,20 +221,32 @@ class Demix(FFNKind):
         return list(info.domains), info.shard_index, info.num_shards
 
     def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
-        return distribute_demix_experts(model, cfg.model.ffn.num_experts, groups, cfg.parallel.expert_grad_scaling)
+        return distribute_demix_experts(
+            model, cfg.model.ffn.num_experts, groups, cfg.parallel.expert_grad_scaling
+        )
 
-    def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
+    def export_parts(
+        self, model: nn.Module, topo: Topology, groups: Any, rank: int
+    ) -> tuple[Tensors, dict[int, Tensors], bool]:
         full, _, _ = super().export_parts(model, topo, groups, rank)
         shared, experts = split_by_expert(full)
         info = topo.rank_info(rank)
-        return shared, experts, info.tp_rank == 0 and info.shard_index == 0  # the first rank of its domain group(s)
+        return (
+            shared,
+            experts,
+            info.tp_rank == 0 and info.shard_index == 0,
+        )  # the first rank of its domain group(s)
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def state_names(
+        self, model: nn.Module, topo: Topology, rank: int
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
         names = super().state_names(model, topo, rank)
         # experts: every rank of their domain, all TP ranks (a rank holding several domains is their only rank)
         domain_ranks = topo.ranks_of_domain(topo.rank_info(rank).domains[0])
-        return {n: (plain, domain_ranks if expert_of_key(n) is not None else holders)
-                for n, (plain, holders) in names.items()}
+        return {
+            n: (plain, domain_ranks if expert_of_key(n) is not None else holders)
+            for n, (plain, holders) in names.items()
+        }
 
     def checkpoint_domains(self, meta: dict[str, Any]) -> tuple[str, ...]:
         return tuple(meta["domains"])
@@ -221,10 +263,12 @@ class GShard(FFNKind):
 
     def layout_problems(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> list[str]:
         return super().layout_problems(cfg, domain_names, world_size) + gshard_layout_problems(
-            cfg.model, world_size, cfg.parallel.tensor_parallel)
+            cfg.model, world_size, cfg.parallel.tensor_parallel
+        )
 
-    def rank_experts(self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-                     ) -> Optional[list[int]]:
+    def rank_experts(
+        self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
+    ) -> Optional[list[int]]:
         return list(gshard_layout_for(cfg.model, topo, rank).local_experts)  # init is per parameter name
 
     def expert_replicas(self, cfg: RunConfig, topo: Topology, rank: int) -> int:
@@ -238,10 +282,14 @@ class GShard(FFNKind):
         apply_gshard(model, cfg.model, groups)  # swaps the plain top-k layers for DeepSpeed's MoE layer
         return None
 
-    def export_parts(self, model: nn.Module, topo: Topology, groups: Any, rank: int) -> tuple[Tensors, dict[int, Tensors], bool]:
+    def export_parts(
+        self, model: nn.Module, topo: Topology, groups: Any, rank: int
+    ) -> tuple[Tensors, dict[int, Tensors], bool]:
         return gshard_export_parts(model, groups)
 
-    def state_names(self, model: nn.Module, topo: Topology, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def state_names(
+        self, model: nn.Module, topo: Topology, rank: int
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
         names = super().state_names(model, topo, rank)
         for n, (plain, holders) in gshard_state_names(model).items():  # DeepSpeed's local names -> plain ones
             names[n] = (plain, names[n][1] if holders is None else holders)
@@ -257,11 +305,13 @@ class CSE(FFNKind):
     def resolve_num_experts(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> int:
         return cfg.model.ffn.num_experts or cfg.model.ffn.cse.max_clusters  # slots, activated at clustering
 
-    def step_hook(self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any,
-                  domain_names: Sequence[str]) -> Optional[StepHook]:
+    def step_hook(
+        self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any, domain_names: Sequence[str]
+    ) -> Optional[StepHook]:
         # warm-up, then cluster sequence embeddings and copy the FFN (CSE Alg. 1)
-        return CSEController(model, cfg.model.ffn.cse, cfg.train.steps, groups, optimizer=optimizer,
-                             domain_names=domain_names)
+        return CSEController(
+            model, cfg.model.ffn.cse, cfg.train.steps, groups, optimizer=optimizer, domain_names=domain_names
+        )
 
 
 KINDS: dict[str, FFNKind] = {}
@@ -283,4 +333,6 @@ def ffn_kind(cfg: RunConfig | str) -> FFNKind:
     try:
         return KINDS[name]
     except KeyError:
-        raise ValueError(f"feed-forward kind {name!r} has no strategy registered; known: {sorted(KINDS)}") from None
+        raise ValueError(
+            f"feed-forward kind {name!r} has no strategy registered; known: {sorted(KINDS)}"
+        ) from None

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from data.argtypes import positive_float, positive_int
+from data.cli import cli_main, exit_process
 from launcher.config import RunConfig, load_run_config, model_presets
 from launcher.ffn_kinds import ffn_kind
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
-from data.argtypes import positive_float, positive_int
-from data.cli import cli_main, exit_process
 
 
 def paper_configs() -> list[tuple[acc.PaperSetting, ModelConfig]]:
@@ -36,7 +36,9 @@ def paper_configs() -> list[tuple[acc.PaperSetting, ModelConfig]]:
             ]
             cfg = load_run_config(None, overrides).model
             if (cfg.seq_len, cfg.vocab_size) != (acc.PAPER_SEQ_LEN, acc.PAPER_VOCAB):
-                raise ConfigError([f"preset {setting.preset}: expected seq_len 1024 and vocab 50264 (the paper's)"])
+                raise ConfigError(
+                    [f"preset {setting.preset}: expected seq_len 1024 and vocab 50264 (the paper's)"]
+                )
             out.append((setting, cfg))
     return out
 
@@ -49,11 +51,20 @@ def _human(n: float) -> str:
 
 
 _PAPER_COLUMNS = (
-    ("size", "size"), ("arch", "arch"), ("GPUs", "gpus"), ("experts", "experts"),
-    ("params", "total_params"), ("paper", "paper_total_params"), ("err", "params_rel_err"),
-    ("active", "active_params"), ("TFLOPs/upd", "tflops_per_update"), ("paper", "paper_tflops_per_update"),
-    ("err", "tflops_rel_err"), ("no-recomp", "tflops_per_update_no_recompute"),
-    ("paper TFLOPs/GPU", "paper_tflops_per_gpu"), ("MFU V100", "paper_mfu"),
+    ("size", "size"),
+    ("arch", "arch"),
+    ("GPUs", "gpus"),
+    ("experts", "experts"),
+    ("params", "total_params"),
+    ("paper", "paper_total_params"),
+    ("err", "params_rel_err"),
+    ("active", "active_params"),
+    ("TFLOPs/upd", "tflops_per_update"),
+    ("paper", "paper_tflops_per_update"),
+    ("err", "tflops_rel_err"),
+    ("no-recomp", "tflops_per_update_no_recompute"),
+    ("paper TFLOPs/GPU", "paper_tflops_per_gpu"),
+    ("MFU V100", "paper_mfu"),
 )
 
 
@@ -104,7 +115,9 @@ def _run_paper(args: argparse.Namespace) -> int:
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = "# DEMix Tables 2 and 9, recomputed (`python -m launcher.flops --paper`)\n\n"
-        path.write_text(text + format_table(rows, markdown=True) + "\n\n" + _NOTES.replace("\n", "\n\n") + "\n")
+        path.write_text(
+            text + format_table(rows, markdown=True) + "\n\n" + _NOTES.replace("\n", "\n\n") + "\n"
+        )
     return 0
 
 
@@ -121,8 +134,12 @@ def _resolve_experts(cfg: RunConfig, gpus: int) -> Optional[int]:
     if not kind.has_experts or ffn.num_experts > 0:
         return None
     if kind.domain_experts and not cfg.data.domains:
-        raise ConfigError([f"model.ffn.num_experts=0 cannot be derived for kind {ffn.kind!r} without data.domains: "
-                           "set one of them"])
+        raise ConfigError(
+            [
+                f"model.ffn.num_experts=0 cannot be derived for kind {ffn.kind!r} without data.domains: "
+                "set one of them"
+            ]
+        )
     return kind.resolve_num_experts(cfg, cfg.data.domains or [], gpus)
 
 
@@ -136,7 +153,12 @@ def _run_config(args: argparse.Namespace) -> int:
     if args.seconds_per_update:
         tpg = acc.tflops_per_gpu(row["tflops_per_update"] * 1e12, args.seconds_per_update, args.gpus)
         precision = args.precision or cfg.train.precision
-        row.update(tflops_per_gpu=tpg, mfu=acc.mfu(tpg, args.device, precision), device=args.device, precision=precision)
+        row.update(
+            tflops_per_gpu=tpg,
+            mfu=acc.mfu(tpg, args.device, precision),
+            device=args.device,
+            precision=precision,
+        )
     if args.json:
         print(json.dumps(row, indent=1))
         return 0
@@ -155,13 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launcher.flops", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--paper", action="store_true", help="reproduce DEMix Tables 2 and 9")
-    mode.add_argument("--config", help="run YAML, or a model preset name (" + ", ".join(model_presets()) + ")")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--gpus", type=positive_int, default=1, help="GPUs in the run (B = data-parallel GPUs x micro x accum)")
-    p.add_argument("--micro-batch", type=positive_int, help="sequences per GPU per step (default: train.micro_batch)")
+    mode.add_argument(
+        "--config", help="run YAML, or a model preset name (" + ", ".join(model_presets()) + ")"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="GPUs in the run (B = data-parallel GPUs x micro x accum)",
+    )
+    p.add_argument(
+        "--micro-batch", type=positive_int, help="sequences per GPU per step (default: train.micro_batch)"
+    )
     p.add_argument("--grad-accum", type=positive_int, help="accumulation steps (default: train.grad_accum)")
-    p.add_argument("--seconds-per-update", type=positive_float, help="measured step time, to report TFLOPs/GPU and MFU")
-    p.add_argument("--device", default="cpu", help="device for MFU: a key (h100-sxm, v100) or a torch device name")
+    p.add_argument(
+        "--seconds-per-update", type=positive_float, help="measured step time, to report TFLOPs/GPU and MFU"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="device for MFU: a key (h100-sxm, v100) or a torch device name"
+    )
     p.add_argument("--precision", help="precision for MFU (default: train.precision)")
     p.add_argument("--json", action="store_true", help="print only JSON")
     p.add_argument("--markdown", help="with --paper: also write the table as Markdown to this path")

@@ -37,19 +37,25 @@ from typing import Optional, Sequence
 import torch
 import yaml
 
+from data.argtypes import check_host, host, host_filter, nonneg_int, positive_int
+from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic, write_text_atomic
+from data.cli import cli_main, exit_process
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
-from launcher.rundir import (LAUNCHER_ENV, check_run_dir, interrupted_line, mark_run_dir, out_dir_override,
-                             use_extensions_dir)
+from launcher.rundir import (
+    LAUNCHER_ENV,
+    check_run_dir,
+    interrupted_line,
+    mark_run_dir,
+    out_dir_override,
+    use_extensions_dir,
+)
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
 from parallel.engine import deepspeed_config
-from data.argtypes import check_host, host, host_filter, nonneg_int, positive_int
-from data.argtypes import port as tcp_port
-from data.cli import cli_main, exit_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,17 +80,21 @@ def hostfile_slots(path: Path) -> list[tuple[str, int]]:
         if len(parts) != 2 or not parts[1].startswith("slots="):
             problems.append(f"{path}:{i}: expected 'HOST slots=N', got {line!r}")
             continue
-        name, count = parts[0], parts[1][len("slots="):]
+        name, count = parts[0], parts[1][len("slots=") :]
         bad = []
         try:
             check_host(name, f"{path}:{i}: host")
         except ValueError as e:
             bad.append(str(e))
         if not (count.isascii() and count.isdigit() and int(count) >= 1):
-            bad.append(f"{path}:{i}: slots={count!r} must be a positive integer (the processes to start on {name})")
+            bad.append(
+                f"{path}:{i}: slots={count!r} must be a positive integer (the processes to start on {name})"
+            )
         if name in first:
-            bad.append(f"{path}:{i}: host {name!r} is listed again (first on line {first[name]}): list each host once, "
-                       "with all its slots")
+            bad.append(
+                f"{path}:{i}: host {name!r} is listed again (first on line {first[name]}): list each host once, "
+                "with all its slots"
+            )
         first.setdefault(name, i)
         problems += bad
         if not bad:
@@ -118,8 +128,10 @@ def node_resources(args: argparse.Namespace) -> dict[str, list[int]]:
     pool = dict(hostfile_slots(Path(args.hostfile)))
     problems = []
     if (args.include or args.exclude) and (args.num_nodes or args.nproc):
-        problems.append("--include/--exclude cannot be combined with --num-nodes/--nproc (DeepSpeed's rule): choose "
-                        "the slots with one or the other")
+        problems.append(
+            "--include/--exclude cannot be combined with --num-nodes/--nproc (DeepSpeed's rule): choose "
+            "the slots with one or the other"
+        )
     if args.include and args.exclude:
         problems.append("--include and --exclude are mutually exclusive")
     if problems:
@@ -143,19 +155,33 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
         if not args.hostfile:
             out.append("--no-ssh starts one node of a multi-node run: give the --hostfile listing every node")
         if args.node_rank is None:
-            out.append("--no-ssh needs --node-rank (this node's index in the hostfile, 0 = the master's node)")
+            out.append(
+                "--no-ssh needs --node-rank (this node's index in the hostfile, 0 = the master's node)"
+            )
         if not args.master_addr:
-            out.append("--no-ssh needs --master-addr (the address of node 0) and the same --master-port on every node")
+            out.append(
+                "--no-ssh needs --master-addr (the address of node 0) and the same --master-port on every node"
+            )
         if not args.master_port:
             out.append("--no-ssh needs --master-port: every node must rendezvous on the same port")
     elif args.node_rank is not None:
         out.append("--node-rank is only used with --no-ssh (with ssh, DeepSpeed starts every node itself)")
     if not args.hostfile:
-        given = [flag for flag, value in (("--include", args.include), ("--exclude", args.exclude),
-                                          ("--num-nodes", args.num_nodes), ("--launcher", args.launcher),
-                                          ("--ssh-port", args.ssh_port)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--include", args.include),
+                ("--exclude", args.exclude),
+                ("--num-nodes", args.num_nodes),
+                ("--launcher", args.launcher),
+                ("--ssh-port", args.ssh_port),
+            )
+            if value
+        ]
         if given:
-            out.append(f"{', '.join(given)} select among the hosts of a --hostfile: give one (a local run uses --nproc)")
+            out.append(
+                f"{', '.join(given)} select among the hosts of a --hostfile: give one (a local run uses --nproc)"
+            )
     return out  # the numbers' and hosts' own ranges are the argparse types' (data/argtypes.py)
 
 
@@ -165,9 +191,15 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--master_port", str(port)]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
-        for flag, value in (("--num_nodes", args.num_nodes), ("--num_gpus", args.nproc), ("--include", args.include),
-                            ("--exclude", args.exclude), ("--ssh_port", args.ssh_port),
-                            ("--launcher", args.launcher), ("--launcher_args", args.launcher_args)):
+        for flag, value in (
+            ("--num_nodes", args.num_nodes),
+            ("--num_gpus", args.nproc),
+            ("--include", args.include),
+            ("--exclude", args.exclude),
+            ("--ssh_port", args.ssh_port),
+            ("--launcher", args.launcher),
+            ("--launcher_args", args.launcher_args),
+        ):
             if value:
                 cmd += [flag, str(value)]
         if args.no_ssh:
@@ -188,7 +220,12 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
         user += ["--config", str(args.config)]
     for o in args.overrides:
         user += ["--set", o]
-    if args.hostfile and not args.no_ssh and args.launcher in (None, "pdsh") and len(node_resources(args)) > 1:
+    if (
+        args.hostfile
+        and not args.no_ssh
+        and args.launcher in (None, "pdsh")
+        and len(node_resources(args)) > 1
+    ):
         user = [pdsh_word(a) for a in user]  # DeepSpeed's pdsh runner hands them to a shell on every node
     return cmd + ["--module", "launcher.train", *user]
 
@@ -215,23 +252,42 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nproc", type=positive_int, default=None,
-                   help="processes per node (local: the world size, default 1; with a hostfile: default its slots)")
+    p.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=None,
+        help="processes per node (local: the world size, default 1; with a hostfile: default its slots)",
+    )
     p.add_argument("--hostfile", help="DeepSpeed hostfile for multi-node runs ('HOST slots=N' per line)")
     p.add_argument("--num-nodes", type=positive_int, default=0, help="use the first N hosts of the hostfile")
-    p.add_argument("--include", type=host_filter, help="DeepSpeed's -i: hosts/slots to use, e.g. 'node0@node1:0,2'")
-    p.add_argument("--exclude", type=host_filter, help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'")
+    p.add_argument(
+        "--include", type=host_filter, help="DeepSpeed's -i: hosts/slots to use, e.g. 'node0@node1:0,2'"
+    )
+    p.add_argument(
+        "--exclude", type=host_filter, help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'"
+    )
     p.add_argument("--launcher", choices=LAUNCHERS, help="DeepSpeed's multi-node backend (default pdsh)")
     p.add_argument("--launcher-args", help="extra arguments for that backend, one quoted string")
     p.add_argument("--ssh-port", type=tcp_port, help="ssh port of the other nodes")
-    p.add_argument("--no-ssh", action="store_true",
-                   help="start only this node's ranks (run the same command on every node with its --node-rank)")
+    p.add_argument(
+        "--no-ssh",
+        action="store_true",
+        help="start only this node's ranks (run the same command on every node with its --node-rank)",
+    )
     p.add_argument("--node-rank", type=nonneg_int, help="with --no-ssh: this node's index in the hostfile")
-    p.add_argument("--master-addr", type=host, help="address of node 0 (DeepSpeed asks node 0 over ssh otherwise)")
+    p.add_argument(
+        "--master-addr", type=host, help="address of node 0 (DeepSpeed asks node 0 over ssh otherwise)"
+    )
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
     p.add_argument("--resume", default="auto", help="auto, never, or a checkpoint directory")
-    p.add_argument("--master-port", "--port", dest="master_port", type=tcp_port, default=0,
-                   help="rendezvous port (default: a free one; with --no-ssh: required, the same on every node)")
+    p.add_argument(
+        "--master-port",
+        "--port",
+        dest="master_port",
+        type=tcp_port,
+        default=0,
+        help="rendezvous port (default: a free one; with --no-ssh: required, the same on every node)",
+    )
     p.add_argument("--dry-run", action="store_true", help="validate and write the run files, start nothing")
     return p.parse_args(argv)
 
@@ -253,7 +309,11 @@ def resolve_paths(args: argparse.Namespace, cfg: RunConfig) -> RunConfig:
     extra = out_dir_override(args.run_dir)
     for section, key in PATH_FIELDS:
         value = getattr(getattr(cfg, section), key)
-        if value and not Path(value).is_absolute() and not (extra and (section, key) == ("logging", "out_dir")):
+        if (
+            value
+            and not Path(value).is_absolute()
+            and not (extra and (section, key) == ("logging", "out_dir"))
+        ):
             extra.append(f"{section}.{key}={json.dumps(os.path.abspath(value))}")
     if not extra:
         return cfg
@@ -273,22 +333,35 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     resources = node_resources(args)
     world = sum(len(slots) for slots in resources.values())
     if args.no_ssh and not 0 <= args.node_rank < len(resources):
-        raise ConfigError([f"--node-rank {args.node_rank} is not a node of this launch: the hostfile (after "
-                           f"--include/--exclude/--num-nodes) has {len(resources)}: {', '.join(resources)}"], "launch")
+        raise ConfigError(
+            [
+                f"--node-rank {args.node_rank} is not a node of this launch: the hostfile (after "
+                f"--include/--exclude/--num-nodes) has {len(resources)}: {', '.join(resources)}"
+            ],
+            "launch",
+        )
     # This machine trains when the launch is local or it is one of the --no-ssh nodes; a hostfile's other nodes
     # check their own device when their ranks plan.
     plan = make_plan(cfg, world, check_local_device=not args.hostfile or args.no_ssh)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     run_dir = Path(os.path.abspath(args.run_dir or plan.cfg.logging.out_dir))
-    ckpt = latest_checkpoint(run_dir) if args.resume == "auto" else None if args.resume == "never" else Path(args.resume)
+    ckpt = (
+        latest_checkpoint(run_dir)
+        if args.resume == "auto"
+        else None
+        if args.resume == "never"
+        else Path(args.resume)
+    )
     if ckpt is not None:
         check_resumable(ckpt, plan)
         for note in layout_changes(ckpt, plan):
             print(f"note: {note}", file=sys.stderr)
     port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
-    env = launch_env(max(len(slots) for slots in resources.values()), ranks_run_here=not args.hostfile or args.no_ssh)
+    env = launch_env(
+        max(len(slots) for slots in resources.values()), ranks_run_here=not args.hostfile or args.no_ssh
+    )
     shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -298,7 +371,10 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
         write_text_atomic(run_dir / f"command.node{args.node_rank}.sh", script)
         return run_dir, cmd, env
     write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(plan.cfg), sort_keys=False))
-    write_json_atomic(run_dir / "deepspeed_config.json", deepspeed_config(plan.cfg.train, plan.cfg.parallel, plan.cfg.extra_deepspeed))
+    write_json_atomic(
+        run_dir / "deepspeed_config.json",
+        deepspeed_config(plan.cfg.train, plan.cfg.parallel, plan.cfg.extra_deepspeed),
+    )
     write_text_atomic(run_dir / "command.sh", script)
     return run_dir, cmd, env
 
@@ -359,7 +435,9 @@ def run_runner(cmd: list[str], env: dict[str, str]) -> int:
     only parses its arguments, starts the per-node launcher (or pdsh/mpirun/srun) as a subprocess and waits: run in
     this process it saves one interpreter start that imports torch and DeepSpeed (~2.5 s a launch on 2 cores)."""
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # pdsh's runner sets them
+    saved_signals = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+    }  # pdsh's runner sets them
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO_ROOT)

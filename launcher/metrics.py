@@ -41,7 +41,6 @@ from launcher.config import RunConfig
 from launcher.typed import to_dict
 
 
-
 def peak_memory_gb() -> float:
     """Peak accelerator memory on this rank, or the process's peak RSS on CPU, in GB."""
     if torch.cuda.is_available():
@@ -56,7 +55,9 @@ def device_name() -> str:
 class MetricsLogger:
     """Writes `metrics.jsonl` (one JSON object per line), drives a tqdm bar, mirrors to wandb."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, is_main: bool, total_steps: int, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, cfg: RunConfig, is_main: bool, total_steps: int, start_step: int = 0
+    ) -> None:
         self.is_main = is_main
         self.world_size: Optional[int] = None  # from the latest `start` record (`with_per_gpu_rate`)
         self.path = run_dir / "metrics.jsonl"
@@ -71,7 +72,9 @@ class MetricsLogger:
         if cfg.logging.progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr
+            )
         if cfg.logging.wandb_mode != "disabled":
             self.wandb = _start_wandb(run_dir, cfg)
 
@@ -85,7 +88,9 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             try:
-                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+                self.wandb.log(
+                    {k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step")
+                )
             except Exception as e:  # never let logging kill a run
                 print(f"[metrics] wandb.log failed, disabling wandb: {e}", file=sys.stderr)
                 self.wandb = None
@@ -119,7 +124,12 @@ def with_per_gpu_rate(record: dict[str, Any], world_size: Optional[int]) -> dict
     """`record` with `tokens_per_s_per_gpu` (= the global `tokens_per_s` / `world_size`) right after
     `tokens_per_s`; unchanged without a world size, without a numeric `tokens_per_s`, or when it has one already."""
     tps = record.get("tokens_per_s")
-    if not world_size or isinstance(tps, bool) or not isinstance(tps, (int, float)) or "tokens_per_s_per_gpu" in record:
+    if (
+        not world_size
+        or isinstance(tps, bool)
+        or not isinstance(tps, (int, float))
+        or "tokens_per_s_per_gpu" in record
+    ):
         return record
     out: dict[str, Any] = {}
     for k, v in record.items():
@@ -170,9 +180,17 @@ def _start_wandb(run_dir: Path, cfg: RunConfig) -> Optional[Any]:
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         run = wandb.init(
-            project=cfg.logging.wandb_project, entity=cfg.logging.wandb_entity, group=cfg.logging.wandb_group,
-            tags=list(cfg.logging.wandb_tags) or None, mode=cfg.logging.wandb_mode, dir=str(run_dir),
-            config=to_dict(cfg), name=run_dir.name, id=run_id, resume="allow", reinit=True,
+            project=cfg.logging.wandb_project,
+            entity=cfg.logging.wandb_entity,
+            group=cfg.logging.wandb_group,
+            tags=list(cfg.logging.wandb_tags) or None,
+            mode=cfg.logging.wandb_mode,
+            dir=str(run_dir),
+            config=to_dict(cfg),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            reinit=True,
         )
         if not id_file.is_file():
             write_text_atomic(id_file, run_id + "\n")

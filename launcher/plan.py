@@ -51,8 +51,9 @@ class Layout:
     notes: tuple[str, ...] = ()
 
 
-def plan_layout(cfg: RunConfig, world_size: int, domain_names: Sequence[str],
-                expert_domains: Sequence[str] = ()) -> Layout:
+def plan_layout(
+    cfg: RunConfig, world_size: int, domain_names: Sequence[str], expert_domains: Sequence[str] = ()
+) -> Layout:
     """Resolve the expert count and lay out `world_size` ranks over `domain_names` for cfg's FFN kind.
     `expert_domains`: the experts of a `train.init_from` checkpoint, when they differ from the domains."""
     kind = ffn_kind(cfg)
@@ -83,19 +84,27 @@ def init_checkpoint_problems(cfg: RunConfig, catalog: Catalog) -> tuple[list[str
     out = []
     sha = meta.get("tokenizer_sha256")
     if sha and sha != catalog.tokenizer_sha256:
-        out.append(f"train.init_from: the checkpoint was trained on tokens of another tokenizer (fingerprint "
-                   f"{sha[:12]}) than {catalog.root} (fingerprint {catalog.tokenizer_sha256[:12]}); prepare the data "
-                   "with the checkpoint's tokenizer")
+        out.append(
+            f"train.init_from: the checkpoint was trained on tokens of another tokenizer (fingerprint "
+            f"{sha[:12]}) than {catalog.root} (fingerprint {catalog.tokenizer_sha256[:12]}); prepare the data "
+            "with the checkpoint's tokenizer"
+        )
     for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult"):
         if m.get(key) != getattr(cfg.model, key):
-            out.append(f"train.init_from: model.{key} is {m.get(key)} in the checkpoint, {getattr(cfg.model, key)} here")
+            out.append(
+                f"train.init_from: model.{key} is {m.get(key)} in the checkpoint, {getattr(cfg.model, key)} here"
+            )
     if m["ffn"]["kind"] != cfg.model.ffn.kind:
-        out.append(f"train.init_from: a {m['ffn']['kind']!r} checkpoint cannot start a {cfg.model.ffn.kind!r} run")
+        out.append(
+            f"train.init_from: a {m['ffn']['kind']!r} checkpoint cannot start a {cfg.model.ffn.kind!r} run"
+        )
     domains = ffn_kind(cfg).checkpoint_domains(meta)
     missing = [d for d in catalog.train_domains if domains and d not in domains]
     if missing:
-        out.append(f"train.init_from has no expert for {missing} (experts: {', '.join(domains)}); add one first with "
-                   "`python -m launcher.modular.experts add`")
+        out.append(
+            f"train.init_from has no expert for {missing} (experts: {', '.join(domains)}); add one first with "
+            "`python -m launcher.modular.experts add`"
+        )
     return out, domains
 
 
@@ -111,13 +120,18 @@ def vocab_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
         return []
     multiple = cfg.model.make_vocab_size_divisible_by
     fix = -(-need // multiple) * multiple
-    ids = (f"{catalog.vocab_size} tokenizer tokens + {len(catalog.train_domains)} domain tokens" if domain_tokens
-           else "the tokenizer's vocabulary")
-    return [f"model.vocab_size={cfg.model.vocab_size} (padded {have}) is smaller than the {need} token ids the "
-            f"{catalog.tokenizer} data uses{' with domain tokens' if domain_tokens else ''}; fix: "
-            f"`--set model.vocab_size={fix}` (or `vocab_size: {fix}` under model: in the config: {ids} rounded up to "
-            f"a multiple of model.make_vocab_size_divisible_by={multiple}), or use data prepared with a tokenizer "
-            f"of at most {have - (len(catalog.train_domains) if domain_tokens else 0)} tokens"]
+    ids = (
+        f"{catalog.vocab_size} tokenizer tokens + {len(catalog.train_domains)} domain tokens"
+        if domain_tokens
+        else "the tokenizer's vocabulary"
+    )
+    return [
+        f"model.vocab_size={cfg.model.vocab_size} (padded {have}) is smaller than the {need} token ids the "
+        f"{catalog.tokenizer} data uses{' with domain tokens' if domain_tokens else ''}; fix: "
+        f"`--set model.vocab_size={fix}` (or `vocab_size: {fix}` under model: in the config: {ids} rounded up to "
+        f"a multiple of model.make_vocab_size_divisible_by={multiple}), or use data prepared with a tokenizer "
+        f"of at most {have - (len(catalog.train_domains) if domain_tokens else 0)} tokens"
+    ]
 
 
 def data_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
@@ -128,7 +142,9 @@ def data_problems(cfg: RunConfig, catalog: Catalog) -> list[str]:
     for d in catalog.train_domains:
         for split in ("train", "valid"):
             if catalog.tokens(d, split) < min_tokens:
-                out.append(f"domain {d!r} has {catalog.tokens(d, split)} {split} tokens, fewer than one block of {min_tokens}")
+                out.append(
+                    f"domain {d!r} has {catalog.tokens(d, split)} {split} tokens, fewer than one block of {min_tokens}"
+                )
     return out
 
 

@@ -28,8 +28,16 @@ from data.cli import check_output_dir
 RUN_MARKER = "demix_run.json"
 RUN_FORMAT = "demix-run/1"
 # What a launch and its ranks write into a run directory.
-RUN_FILES = ("config.yaml", "command.sh", "deepspeed_config.json", "metrics.jsonl", "checkpoints", "model", "wandb",
-             "wandb_run_id")
+RUN_FILES = (
+    "config.yaml",
+    "command.sh",
+    "deepspeed_config.json",
+    "metrics.jsonl",
+    "checkpoints",
+    "model",
+    "wandb",
+    "wandb_run_id",
+)
 
 
 def _older_run_dir(run_dir: Path) -> bool:
@@ -59,7 +67,9 @@ def check_run_dir(run_dir: Path, inputs: Iterable[Path] = (), what: str = "--run
 def mark_run_dir(run_dir: Path) -> None:
     """Write the marker (once) that makes `run_dir` a run directory for later launches and resumes."""
     if not (Path(run_dir) / RUN_MARKER).is_file():
-        write_json_atomic(Path(run_dir) / RUN_MARKER, {"format": RUN_FORMAT, "created_unix": int(time.time())})
+        write_json_atomic(
+            Path(run_dir) / RUN_MARKER, {"format": RUN_FORMAT, "created_unix": int(time.time())}
+        )
 
 
 # Set by launcher.launch for the ranks it starts: it reports a Ctrl-C itself (once they have ended), they stay silent.
@@ -86,10 +96,14 @@ def interrupted_line(run_dir: Optional[Path]) -> str:
     except CheckpointError as e:
         return f"interrupted; no intact checkpoint in {run_dir} ({e})"
     if ckpt is None:
-        return (f"interrupted; no checkpoint was written in {run_dir} yet (train.save_interval): the same command "
-                "starts it again from step 0")
-    return (f"interrupted; the last checkpoint is {ckpt} (step {int(ckpt.name.split('_')[-1])}): run the same "
-            "command again (`--resume auto`, the default, with the same --run-dir) to continue from it")
+        return (
+            f"interrupted; no checkpoint was written in {run_dir} yet (train.save_interval): the same command "
+            "starts it again from step 0"
+        )
+    return (
+        f"interrupted; the last checkpoint is {ckpt} (step {int(ckpt.name.split('_')[-1])}): run the same "
+        "command again (`--resume auto`, the default, with the same --run-dir) to continue from it"
+    )
 
 
 # The op DeepSpeed JIT-builds for CPU ranks (deepspeed/comm/torch.py `build_shm_op`, at the process group's start):
@@ -131,14 +145,20 @@ def extensions_root(environ: Optional[Mapping[str, str]] = None) -> Path:
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
-           f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    acc = (
+        f"rocm{torch.version.hip.replace('.', '')}"
+        if torch.version.hip is not None
+        else f"cu{torch.version.cuda.replace('.', '')}"
+        if torch.version.cuda is not None
+        else "cpu"
+    )
     ver = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(get_default_build_root()) / f"{ver}_{acc}"
 
 
-def op_build_notice(op: str = SHM_OP, environ: Optional[Mapping[str, str]] = None,
-                    seconds: int = SHM_OP_BUILD_SECONDS) -> Optional[str]:
+def op_build_notice(
+    op: str = SHM_OP, environ: Optional[Mapping[str, str]] = None, seconds: int = SHM_OP_BUILD_SECONDS
+) -> Optional[str]:
     """The line to print before DeepSpeed builds `op`, or None when the cache already holds the built library
     (`<root>/<op>/<op>.so`, what torch loads instead of building)."""
     root = extensions_root(environ)

@@ -30,18 +30,33 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
-from data.atomic import atomic_path, commit_dir, discard_on_failure, write_json_atomic, write_text_atomic
+from data.atomic import commit_dir, discard_on_failure, write_json_atomic, write_text_atomic
 from data.readers import InputFileError, check_shape, read_json_object
 from data.tokenizer import sha256_file
-from launcher.checkpoint import (CheckpointError, copy_expert_shards, finish_consolidated, load_consolidated,
-                                 load_weights_only, save_hashed, write_expert_shard, write_shared_shard)
+from launcher.checkpoint import (
+    CheckpointError,
+    copy_expert_shards,
+    finish_consolidated,
+    load_consolidated,
+    load_weights_only,
+    save_hashed,
+    write_expert_shard,
+    write_shared_shard,
+)
 from launcher.config import ConfigError, RunConfig
 from launcher.distributed import training_device
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
 from launcher.typed import to_dict
-from parallel.universal import (FP32, MOMENTS, ParamStates, UniversalStateError, assign_writers, full_tensor_parallel,
-                                tensor_parallel_shard)
+from parallel.universal import (
+    FP32,
+    MOMENTS,
+    ParamStates,
+    UniversalStateError,
+    assign_writers,
+    full_tensor_parallel,
+    tensor_parallel_shard,
+)
 
 
 def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torch.device) -> None:
@@ -69,9 +84,14 @@ def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torc
     dist.all_reduce(blind)
     missing = [r for r, b in enumerate(blind.tolist()) if b]
     if missing:
-        raise ConfigError([f"ranks {missing} do not see the run directory {run_dir} that rank 0 writes: put the run "
-                           "directory on a filesystem shared by every node (checkpoints and the export are written "
-                           "there by ranks of every node)"], "the run directory")
+        raise ConfigError(
+            [
+                f"ranks {missing} do not see the run directory {run_dir} that rank 0 writes: put the run "
+                "directory on a filesystem shared by every node (checkpoints and the export are written "
+                "there by ranks of every node)"
+            ],
+            "the run directory",
+        )
 
 
 TRAINING_FORMAT = "demix-training/2"
@@ -85,13 +105,24 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
     """What a training state records about the run that wrote it (see MUST_MATCH for what must match)."""
     c = plan.cfg
     model = to_dict(c.model)
-    model["ffn"]["gshard"].pop("experts_per_rank", None)  # placement, not the model: num_experts (resolved) is
-    return {"world_size": plan.topo.world_size, "tensor_parallel": plan.topo.tensor_parallel,
-            "allocation": list(plan.topo.allocation), "zero_stage": c.parallel.zero_stage,
-            "micro_batch": c.train.micro_batch, "grad_accum": c.train.grad_accum, "precision": c.train.precision,
-            "global_batch": c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size,
-            "domains": list(plan.catalog.train_domains), "expert_domains": list(plan.expert_domains),
-            "tokenizer": plan.catalog.tokenizer, "tokenizer_sha256": plan.catalog.tokenizer_sha256, "model": model}
+    model["ffn"]["gshard"].pop(
+        "experts_per_rank", None
+    )  # placement, not the model: num_experts (resolved) is
+    return {
+        "world_size": plan.topo.world_size,
+        "tensor_parallel": plan.topo.tensor_parallel,
+        "allocation": list(plan.topo.allocation),
+        "zero_stage": c.parallel.zero_stage,
+        "micro_batch": c.train.micro_batch,
+        "grad_accum": c.train.grad_accum,
+        "precision": c.train.precision,
+        "global_batch": c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size,
+        "domains": list(plan.catalog.train_domains),
+        "expert_domains": list(plan.expert_domains),
+        "tokenizer": plan.catalog.tokenizer,
+        "tokenizer_sha256": plan.catalog.tokenizer_sha256,
+        "model": model,
+    }
 
 
 STEP_DIR = re.compile(r"step_\d{8}")
@@ -101,7 +132,9 @@ SUMS_DIR = "sha256"
 
 def complete_states(ckdir: Path) -> list[Path]:
     """The complete training states in `ckdir` (well-formed `step_<8 digits>` names with meta.json), oldest first."""
-    return sorted(p for p in ckdir.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file())
+    return sorted(
+        p for p in ckdir.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file()
+    )
 
 
 def state_damage(ckpt: Path) -> Optional[str]:
@@ -172,16 +205,21 @@ def resume_candidates(run_dir: Path, checksums: bool = False) -> list[Path]:
             print(f"warning: training state {p} is damaged ({why}); skipped", file=sys.stderr)
     intact = [p for p in complete if not damage[p]]
     if complete and not intact:
-        raise CheckpointError(f"no intact training state in {ckdir} (all {len(complete)} damaged, see the warnings); "
-                              "restore them, or start a new run directory")
+        raise CheckpointError(
+            f"no intact training state in {ckdir} (all {len(complete)} damaged, see the warnings); "
+            "restore them, or start a new run directory"
+        )
     newest_first = intact[::-1]
     if ptr.is_file():
         name = ptr.read_text(errors="replace").strip()
         if STEP_DIR.fullmatch(name) and (ckdir / name) in intact:
             return [ckdir / name] + [p for p in newest_first if p != ckdir / name]
         if intact:
-            print(f"warning: {ptr} names {name[:80]!r}, not an intact training state here; resuming from the newest "
-                  f"intact one, {intact[-1].name}", file=sys.stderr)
+            print(
+                f"warning: {ptr} names {name[:80]!r}, not an intact training state here; resuming from the newest "
+                f"intact one, {intact[-1].name}",
+                file=sys.stderr,
+            )
     return newest_first
 
 
@@ -191,7 +229,9 @@ def latest_checkpoint(run_dir: Path, checksums: bool = False) -> Optional[Path]:
     return candidates[0] if candidates else None
 
 
-def verified_state(candidates: list[Path], rank: int, world_size: int, device: torch.device) -> Optional[Path]:
+def verified_state(
+    candidates: list[Path], rank: int, world_size: int, device: torch.device
+) -> Optional[Path]:
     """The first of `candidates` whose every file matches its recorded checksum, read by all ranks together (each
     its share, `checksum_damage`), or None. A damaged one is skipped with a warning naming the file. Collective:
     every rank calls it with the same candidates and gets the same answer (one all-reduce per candidate tried)."""
@@ -214,14 +254,17 @@ STATE_META_SHAPE = {"format": str, "step": int, "layout": dict, "params": list, 
 def read_state_meta(ckpt: Path) -> dict[str, Any]:
     """meta.json of a training state; CheckpointError when it is missing, unreadable or of another format."""
     if not (ckpt / "meta.json").is_file():
-        raise CheckpointError(f"{ckpt} is not a training state (no meta.json); give RUN/checkpoints/step_N or a run "
-                              "directory")
+        raise CheckpointError(
+            f"{ckpt} is not a training state (no meta.json); give RUN/checkpoints/step_N or a run directory"
+        )
     try:
         meta = read_json_object(ckpt / "meta.json", what="training state metadata")
         if meta.get("format") != TRAINING_FORMAT:
-            raise CheckpointError(f"{ckpt} is a training state of an older format (one file per rank); resume it with "
-                                  "the version that wrote it, or start a new run directory from its exported model "
-                                  "(`--set train.init_from=RUN/model`)")
+            raise CheckpointError(
+                f"{ckpt} is a training state of an older format (one file per rank); resume it with "
+                "the version that wrote it, or start a new run directory from its exported model "
+                "(`--set train.init_from=RUN/model`)"
+            )
         check_shape(meta, STATE_META_SHAPE, ckpt / "meta.json", "training state metadata")
     except InputFileError as e:
         raise CheckpointError(str(e)) from None
@@ -234,17 +277,26 @@ def check_resumable(ckpt: Path, plan: Plan) -> int:
     (world size, allocation, ZeRO stage, batch shape, precision) are allowed (see `layout_changes`)."""
     meta = read_state_meta(ckpt)
     if (why := state_damage(ckpt)) is not None:
-        raise CheckpointError(f"{ckpt} is damaged ({why}); resume from another state (`--resume auto` picks the newest "
-                              "intact one)")
+        raise CheckpointError(
+            f"{ckpt} is damaged ({why}); resume from another state (`--resume auto` picks the newest "
+            "intact one)"
+        )
     want = layout_identity(plan)
-    diff = [f"{k}: checkpoint {meta['layout'].get(k)!r}, this run {want[k]!r}" for k in MUST_MATCH
-            if meta["layout"].get(k) != want[k]]
+    diff = [
+        f"{k}: checkpoint {meta['layout'].get(k)!r}, this run {want[k]!r}"
+        for k in MUST_MATCH
+        if meta["layout"].get(k) != want[k]
+    ]
     if diff:
-        raise CheckpointError(f"{ckpt} was written for another model or data; resume with the same ones, or start a new "
-                              "run directory (`--resume never`) from its exported model:\n  " + "\n  ".join(diff))
+        raise CheckpointError(
+            f"{ckpt} was written for another model or data; resume with the same ones, or start a new "
+            "run directory (`--resume never`) from its exported model:\n  " + "\n  ".join(diff)
+        )
     missing = [n for n in meta.get("params", []) if not (ckpt / "zero" / n / f"{FP32}.pt").is_file()]
     if missing or not meta.get("params"):
-        raise CheckpointError(f"{ckpt} is incomplete: no parameter files for {missing[:5] or 'any parameter'}")
+        raise CheckpointError(
+            f"{ckpt} is incomplete: no parameter files for {missing[:5] or 'any parameter'}"
+        )
     return int(meta["step"])
 
 
@@ -255,17 +307,25 @@ def layout_changes(ckpt: Path, plan: Plan) -> list[str]:
     diff = [f"{k} {old.get(k)} -> {new[k]}" for k in keys if old.get(k) != new[k]]
     if not diff:
         return []
-    out = [f"resuming {ckpt.name} on another layout ({', '.join(diff)}): weights, Adam moments, the learning-rate "
-           "schedule and the step carry over exactly; each rank's data continues from that step in this layout's shards"]
+    out = [
+        f"resuming {ckpt.name} on another layout ({', '.join(diff)}): weights, Adam moments, the learning-rate "
+        "schedule and the step carry over exactly; each rank's data continues from that step in this layout's shards"
+    ]
     if old.get("global_batch") != new["global_batch"]:
-        out.append(f"the global batch changes from {old.get('global_batch')} to {new['global_batch']} sequences per "
-                   "step: keep micro_batch x grad_accum x data-parallel size to continue the same recipe")
+        out.append(
+            f"the global batch changes from {old.get('global_batch')} to {new['global_batch']} sequences per "
+            "step: keep micro_batch x grad_accum x data-parallel size to continue the same recipe"
+        )
     return out
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": _numpy_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
 
 
 # A file's bytes as the writers are balanced: the tensor, plus what each file costs beyond it (torch.save's zip
@@ -317,8 +377,9 @@ def _fingerprint(items: Iterable[Any]) -> int:
     return int.from_bytes(hashlib.sha256(repr(list(items)).encode()).digest()[:8], "little") >> 2
 
 
-def _state_files(model: torch.nn.Module, names: dict[str, tuple[str, tuple[int, ...]]], states: ParamStates,
-                 tp: int) -> dict[tuple[int, ...], dict[str, int]]:
+def _state_files(
+    model: torch.nn.Module, names: dict[str, tuple[str, tuple[int, ...]]], states: ParamStates, tp: int
+) -> dict[tuple[int, ...], dict[str, int]]:
     """The parameter files this rank's parameters give (`<plain name>/<key>`), with their bytes (fp32, whole: a
     TP shard times tp, plus FILE_OVERHEAD_BYTES per file, exp_avg's step.pt included), grouped by the ranks that
     hold them."""
@@ -328,12 +389,15 @@ def _state_files(model: torch.nn.Module, names: dict[str, tuple[str, tuple[int, 
         numel = p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
         for key in states.keys(p):
             extra = FILE_OVERHEAD_BYTES if key == MOMENTS[0] else 0  # step.pt goes with exp_avg
-            out.setdefault(tuple(sorted(holders)), {})[f"{plain}/{key}"] = 4 * numel + FILE_OVERHEAD_BYTES + extra
+            out.setdefault(tuple(sorted(holders)), {})[f"{plain}/{key}"] = (
+                4 * numel + FILE_OVERHEAD_BYTES + extra
+            )
     return out
 
 
-def plan_state_writers(files: dict[tuple[int, ...], dict[str, int]], world_size: int, rank: int,
-                       device: torch.device) -> dict[str, int]:
+def plan_state_writers(
+    files: dict[tuple[int, ...], dict[str, int]], world_size: int, rank: int, device: torch.device
+) -> dict[str, int]:
     """Which rank writes each of this rank's parameter files (`_state_files`): the files of a group of ranks that
     alone hold them (a DEMix domain's experts, a GShard expert-data-parallel group's experts) are balanced over
     that group; then the files every rank holds (the shared parameters) over all ranks, starting from each rank's
@@ -353,20 +417,27 @@ def plan_state_writers(files: dict[tuple[int, ...], dict[str, int]], world_size:
     mine = sum(size for _, sizes in own for name, size in sizes if writers[name] == rank)
     leader = min((h[0] for h, _ in own), default=-1)
     table = torch.zeros(world_size, 4, dtype=torch.int64, device=device)
-    table[rank] = torch.tensor([mine, _fingerprint(sorted(shared.items())), _fingerprint(own), leader], device=device)
+    table[rank] = torch.tensor(
+        [mine, _fingerprint(sorted(shared.items())), _fingerprint(own), leader], device=device
+    )
     dist.all_reduce(table)
     rows = table.tolist()
-    disagree = sorted({r for r in everyone if rows[r][1] != rows[0][1]}
-                      | {r for r in everyone if rows[r][3] >= 0 and rows[r][2] != rows[rows[r][3]][2]})
+    disagree = sorted(
+        {r for r in everyone if rows[r][1] != rows[0][1]}
+        | {r for r in everyone if rows[r][3] >= 0 and rows[r][2] != rows[rows[r][3]][2]}
+    )
     if disagree:
-        raise UniversalStateError(f"ranks {disagree} hold other parameters (names or shapes) than the ranks they "
-                                  "share them with; no training state is written")
+        raise UniversalStateError(
+            f"ranks {disagree} hold other parameters (names or shapes) than the ranks they "
+            "share them with; no training state is written"
+        )
     writers.update(assign_writers(shared, everyone, {r: rows[r][0] for r in everyone}))
     return writers
 
 
-def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device
-                        ) -> tuple[dict[Path, int], dict[Path, str]]:
+def _write_param_states(
+    out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device
+) -> tuple[dict[Path, int], dict[Path, str]]:
     """Every parameter's fp32 master and Adam moments, whole (TP-gathered, data-parallel-unpartitioned), as
     DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
     each `{"param": tensor, "cat_dim": tensor-parallel dimension}` (`step.pt` beside exp_avg). Each file is written
@@ -387,7 +458,9 @@ def _write_param_states(out: Path, bundle: Any, plan: Plan, rank: int, device: t
                 value = full_tensor_parallel(value, p, tp_group)
                 if writers[f"{plain}/{key}"] != rank:
                     continue
-                host = value.to("cpu", copy=True).contiguous()  # its own storage, not a view of the live master
+                host = value.to(
+                    "cpu", copy=True
+                ).contiguous()  # its own storage, not a view of the live master
                 writes.save({"param": host, "cat_dim": cat_dim}, out / plain / f"{key}.pt", host.nbytes)
                 if key == MOMENTS[0]:
                     writes.save(torch.tensor(adam_step), out / plain / "step.pt", 8)
@@ -404,13 +477,33 @@ def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> dic
     engine, c = bundle.engine, plan.cfg
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     optim, index = out / "zero" / "optimizer_state.pt", out / "mp_rank_00_model_states.pt"
-    digests = {optim: save_hashed({"param_groups": groups, "ds_version": deepspeed.__version__,
-                             "dynamic_loss_scale": c.train.precision == "fp16", "overflow": False,
-                             "clip_grad": c.train.clip_grad}, optim)}
-    digests[index] = save_hashed({"module": {}, "buffer_names": [], "param_shapes": [], "ds_version": deepspeed.__version__,
-           "dp_world_size": plan.topo.dp_size, "mp_world_size": plan.topo.tensor_parallel, "global_steps": step,
-           "global_samples": step * c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size, "skipped_steps": 0,
-           "lr_scheduler": bundle.scheduler.state_dict()}, index)
+    digests = {
+        optim: save_hashed(
+            {
+                "param_groups": groups,
+                "ds_version": deepspeed.__version__,
+                "dynamic_loss_scale": c.train.precision == "fp16",
+                "overflow": False,
+                "clip_grad": c.train.clip_grad,
+            },
+            optim,
+        )
+    }
+    digests[index] = save_hashed(
+        {
+            "module": {},
+            "buffer_names": [],
+            "param_shapes": [],
+            "ds_version": deepspeed.__version__,
+            "dp_world_size": plan.topo.dp_size,
+            "mp_world_size": plan.topo.tensor_parallel,
+            "global_steps": step,
+            "global_samples": step * c.train.micro_batch * c.train.grad_accum * plan.topo.dp_size,
+            "skipped_steps": 0,
+            "lr_scheduler": bundle.scheduler.state_dict(),
+        },
+        index,
+    )
     return digests
 
 
@@ -441,29 +534,51 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         if rank == 0:
             states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
             params = {n for n, _ in model.named_parameters()}
-            buffers = {k: v.detach().cpu() for k, v in model.state_dict().items()
-                       if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")}
+            buffers = {
+                k: v.detach().cpu()
+                for k, v in model.state_dict().items()
+                if k not in params and not k.endswith("_extra_state") and not k.startswith("ds_expert_groups")
+            }
             digests[tmp / "trainer.pt"] = save_hashed(
-                {"step": step, "adam_step": states.adam_step(), "loss_scaler": states.loss_scaler_state(),
-                 "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count}, "buffers": buffers},
-                tmp / "trainer.pt")
+                {
+                    "step": step,
+                    "adam_step": states.adam_step(),
+                    "loss_scaler": states.loss_scaler_state(),
+                    "scheduler": {"last_epoch": sched.last_epoch, "step_count": sched._step_count},
+                    "buffers": buffers,
+                },
+                tmp / "trainer.pt",
+            )
             digests.update(_write_deepspeed_index(tmp, bundle, plan, step))
         # Each rank's checksums (computed while writing) beside the files; rank 0 gathers them into meta.json.
-        write_json_atomic(tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()})
+        write_json_atomic(
+            tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()}
+        )
         dist.barrier()
         if rank == 0:
             sums = {}
             for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
                 sums.update(json.loads(part.read_text()))
             shutil.rmtree(tmp / SUMS_DIR)
-            params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+            params = sorted(
+                str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt")
+            )
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
             sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
-            write_json_atomic(tmp / "meta.json", {"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
-                                                  "params": params, "vocab_size": plan.catalog.vocab_size,
-                                                  "files": files, "sha256": sha256,
-                                                  "param_bytes_by_rank": by_rank.tolist(),
-                                                  "config": to_dict(plan.cfg)})
+            write_json_atomic(
+                tmp / "meta.json",
+                {
+                    "format": TRAINING_FORMAT,
+                    "step": step,
+                    "layout": layout_identity(plan),
+                    "params": params,
+                    "vocab_size": plan.catalog.vocab_size,
+                    "files": files,
+                    "sha256": sha256,
+                    "param_bytes_by_rank": by_rank.tolist(),
+                    "config": to_dict(plan.cfg),
+                },
+            )
             commit_dir(tmp, final)
             write_text_atomic(ckdir / "latest", final.name + "\n")
             prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
@@ -531,8 +646,14 @@ def load_training_state(ckpt: Path, bundle: Any, plan: Plan, rank: int) -> int:
     for name, p in model.named_parameters():
         folder = ckpt / "zero" / names[name][0]
         if not (folder / f"{FP32}.pt").is_file():
-            raise CheckpointError(f"{ckpt} has no state for parameter {names[name][0]!r} (this rank's {name!r})")
-        values = {k: load_weights_only(folder / f"{k}.pt")["param"] for k in (FP32, *MOMENTS) if (folder / f"{k}.pt").is_file()}
+            raise CheckpointError(
+                f"{ckpt} has no state for parameter {names[name][0]!r} (this rank's {name!r})"
+            )
+        values = {
+            k: load_weights_only(folder / f"{k}.pt")["param"]
+            for k in (FP32, *MOMENTS)
+            if (folder / f"{k}.pt").is_file()
+        }
         states.set(p, {k: tensor_parallel_shard(v, p, tp_rank, tp) for k, v in values.items()})
     states.finish_load()
     with torch.no_grad():
@@ -554,7 +675,9 @@ def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> None:
     state = load_consolidated(cfg.train.init_from, experts=mine).state_dict
     missing = [k for k in own if k not in state]
     if missing:
-        raise CheckpointError(f"{cfg.train.init_from} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
+        raise CheckpointError(
+            f"{cfg.train.init_from} lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}"
+        )
     wanted = {k: state[k] for k in own}
     rows = own["wte.weight"].shape[0]
     if wanted["wte.weight"].shape[0] != rows:  # another tensor-parallel size pads the vocabulary differently
@@ -562,7 +685,6 @@ def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> None:
         n = min(rows, have.shape[0])  # every real token id is below both; only padding rows differ
         wanted["wte.weight"] = torch.cat([have[:n], own["wte.weight"][n:]]) if n < rows else have[:rows]
     model.load_state_dict(wanted)
-
 
 
 def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int) -> Optional[Path]:
@@ -594,16 +716,32 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
                 write_expert_shard(tmp, e, tensors)
         if rank == 0:
             write_shared_shard(tmp, shared)
-            untrained = sorted(set(range(len(domains))) - set(plan.expert_of_domain)) if kind.domain_experts else []
+            untrained = (
+                sorted(set(range(len(domains))) - set(plan.expert_of_domain)) if kind.domain_experts else []
+            )
             if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
                 copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
         del shared, experts
         dist.barrier()
         if rank == 0:
-            finish_consolidated(tmp, out, plan.cfg, domains, step,
-                                extra={"tokenizer": plan.catalog.tokenizer, "vocab_size": plan.catalog.vocab_size,
-                                       "tokenizer_sha256": plan.catalog.tokenizer_sha256, "bos_id": plan.catalog.bos_id,
-                                       "eod_id": plan.catalog.eod_id, "train_tokens": step * plan.cfg.train.micro_batch
-                                       * plan.cfg.train.grad_accum * plan.topo.dp_size * plan.cfg.model.seq_len})
+            finish_consolidated(
+                tmp,
+                out,
+                plan.cfg,
+                domains,
+                step,
+                extra={
+                    "tokenizer": plan.catalog.tokenizer,
+                    "vocab_size": plan.catalog.vocab_size,
+                    "tokenizer_sha256": plan.catalog.tokenizer_sha256,
+                    "bos_id": plan.catalog.bos_id,
+                    "eod_id": plan.catalog.eod_id,
+                    "train_tokens": step
+                    * plan.cfg.train.micro_batch
+                    * plan.cfg.train.grad_accum
+                    * plan.topo.dp_size
+                    * plan.cfg.model.seq_len,
+                },
+            )
     dist.barrier()
     return out if rank == 0 else None

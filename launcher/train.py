@@ -27,21 +27,36 @@ import torch
 
 from data.argtypes import host
 from data.argtypes import port as tcp_port
-from data.blocks import BlockDataset
-from data.sampler import build_sampler
-from data.cli import exit_process
 from data.atomic import write_json_atomic
+from data.blocks import BlockDataset
+from data.cli import exit_process
+from data.sampler import build_sampler
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
-from launcher.rundir import (LAUNCHER_ENV, SHM_OP, interrupted_line, op_build_notice, out_dir_override,
-                             use_extensions_dir)
-from launcher.state import (check_resumable, check_shared_run_dir, export_consolidated, latest_checkpoint,
-                            layout_changes, load_init_weights, load_training_state, resume_candidates,
-                            save_training_state, verified_state)
+from launcher.rundir import (
+    LAUNCHER_ENV,
+    SHM_OP,
+    interrupted_line,
+    op_build_notice,
+    out_dir_override,
+    use_extensions_dir,
+)
+from launcher.state import (
+    check_resumable,
+    check_shared_run_dir,
+    export_consolidated,
+    latest_checkpoint,
+    layout_changes,
+    load_init_weights,
+    load_training_state,
+    resume_candidates,
+    save_training_state,
+    verified_state,
+)
 from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_gpu
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
@@ -49,7 +64,6 @@ from parallel.comm_stats import CommStats
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 from parallel.overflow import install_norm_overflow_check, set_step_norm
-
 
 # ----------------------------------------------------------------------------------------------------
 # Data
@@ -60,10 +74,23 @@ def build_rank_sampler(plan: Plan, rank: int, split: str = "train"):
     """This rank's sampler: its domains (DEMix) or every domain, sharded by data-parallel rank (baselines)."""
     cfg, cat = plan.cfg, plan.catalog
     domains, shard, shards = ffn_kind(cfg).rank_data(plan.topo, rank, len(cat.train_domains))
-    datasets = {d: BlockDataset.from_prepared(cfg.data.path, cfg.data.tokenizer, cat.train_domains[d], split, cfg.model.seq_len)
-                for d in domains}
-    return build_sampler(cfg.data, datasets, domains, shard, shards, cfg.train.micro_batch, cfg.data.seed,
-                         cfg.train.grad_accum, domain_token_base=cat.vocab_size)
+    datasets = {
+        d: BlockDataset.from_prepared(
+            cfg.data.path, cfg.data.tokenizer, cat.train_domains[d], split, cfg.model.seq_len
+        )
+        for d in domains
+    }
+    return build_sampler(
+        cfg.data,
+        datasets,
+        domains,
+        shard,
+        shards,
+        cfg.train.micro_batch,
+        cfg.data.seed,
+        cfg.train.grad_accum,
+        domain_token_base=cat.vocab_size,
+    )
 
 
 def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan) -> dict[str, torch.Tensor]:
@@ -73,9 +100,14 @@ def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan)
     (model/demix.py), so a training step has no device-to-host synchronisation."""
     dom = b["domain_ids_B"]
     experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
-    return {"tokens": to_device(b["tokens_BT"], device), "targets": to_device(b["targets_BT"], device),
-            "domain_ids": to_device(dom, device), "expert_ids": experts, "loss_mask": to_device(b["loss_mask_BT"], device),
-            "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"])}  # host numbers: no device sync
+    return {
+        "tokens": to_device(b["tokens_BT"], device),
+        "targets": to_device(b["targets_BT"], device),
+        "domain_ids": to_device(dom, device),
+        "expert_ids": experts,
+        "loss_mask": to_device(b["loss_mask_BT"], device),
+        "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"]),
+    }  # host numbers: no device sync
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -116,7 +148,9 @@ def step_expert_tokens(micro: list[dict[str, Any]]) -> tuple[dict[int, float], f
 # ----------------------------------------------------------------------------------------------------
 
 
-def domain_loss_sums(token_loss_BT: torch.Tensor, mask_BT: torch.Tensor, domain_ids_B: torch.Tensor, n: int) -> torch.Tensor:
+def domain_loss_sums(
+    token_loss_BT: torch.Tensor, mask_BT: torch.Tensor, domain_ids_B: torch.Tensor, n: int
+) -> torch.Tensor:
     """[2, n]: summed token loss and token count per domain id, on the loss's device (no host sync)."""
     out = torch.zeros(2, n, dtype=torch.float64, device=token_loss_BT.device)
     dom = domain_ids_B.to(out.device)
@@ -154,8 +188,13 @@ def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[s
     for i in range(cfg.train.eval_batches):
         b = to_model_batch(sampler.batch(i // cfg.train.grad_accum, i % cfg.train.grad_accum), device, plan)
         with forward_precision(model, cfg.train.precision, device.type):
-            out = model(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"],
-                        return_logits=False)
+            out = model(
+                b["tokens"],
+                b["expert_ids"],
+                targets_BT=b["targets"],
+                loss_mask_BT=b["loss_mask"],
+                return_logits=False,
+            )
         sums += domain_loss_sums(out.token_loss, b["loss_mask"], b["domain_ids"], n)
     model.train(was_training)
     sums = reduce_domain_sums(sums, bundle)
@@ -191,8 +230,9 @@ def throughput_record(plan: Plan, seconds: float, steps: int) -> dict[str, Any]:
     for conv in ("recompute", "no_recompute"):
         rec[f"tflops_per_gpu_{conv}"] = tflops_per_gpu(rep.get(conv), per_update, topo.world_size)
     tp = cfg.parallel.tensor_parallel
-    head = head_recomputed(cfg.train.micro_batch * cfg.model.seq_len, cfg.model.padded_vocab_size(tp) // tp,
-                           LOSS_CHUNK_LOGITS)
+    head = head_recomputed(
+        cfg.train.micro_batch * cfg.model.seq_len, cfg.model.padded_vocab_size(tp) // tp, LOSS_CHUNK_LOGITS
+    )
     hardware = rep.hardware(cfg.train.activation_checkpointing == "full", head)
     rec["tflops_per_gpu"] = tflops_per_gpu(hardware, per_update, topo.world_size)
     rec["mfu"] = mfu(rec["tflops_per_gpu_no_recompute"], device_name(), cfg.train.precision)
@@ -212,7 +252,9 @@ class StepResult:
     domain_sums: torch.Tensor  # [2, domains]: summed token loss and scored tokens per data domain (this rank)
     grad_norm: torch.Tensor  # the global gradient norm (unscaled)
     aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # routing statistics, means over micro-batches
+    stats: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # routing statistics, means over micro-batches
 
 
 def build_rank_model(plan: Plan, rank: int) -> GPT:
@@ -221,7 +263,12 @@ def build_rank_model(plan: Plan, rank: int) -> GPT:
     cfg = plan.cfg
     torch.manual_seed(cfg.train.seed)
     expert_ids = ffn_kind(cfg).rank_experts(cfg, plan.topo, rank, plan.expert_of_domain)
-    model = GPT(cfg.model, expert_ids=expert_ids, tensor_parallel=cfg.parallel.tensor_parallel, init_seed=cfg.train.seed)
+    model = GPT(
+        cfg.model,
+        expert_ids=expert_ids,
+        tensor_parallel=cfg.parallel.tensor_parallel,
+        init_seed=cfg.train.seed,
+    )
     if cfg.train.init_from:
         load_init_weights(model, cfg)
     if cfg.train.trainable == "experts":
@@ -236,7 +283,9 @@ def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
     if plan.cfg.train.activation_checkpointing == "full":
         apply_activation_recompute(model)
     bundle = ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
-    install_norm_overflow_check(bundle.engine.optimizer)  # fp16 at ZeRO 0: one host read per step, not one per tensor
+    install_norm_overflow_check(
+        bundle.engine.optimizer
+    )  # fp16 at ZeRO 0: one host read per step, not one per tensor
     if plan.cfg.train.compile:
         compile_model(bundle.engine.module)
     return bundle
@@ -257,8 +306,12 @@ def compile_model(model: torch.nn.Module) -> list[str]:
 
     names = []
     for i, block in enumerate(model.blocks):
-        parts = ([("", block)] if isinstance(block.ffn, DenseFFN) else
-                 [("attn", block.attn)] + [(f"ffn.{n}", m) for n, m in block.ffn.named_modules() if isinstance(m, MLP)])
+        parts = (
+            [("", block)]
+            if isinstance(block.ffn, DenseFFN)
+            else [("attn", block.attn)]
+            + [(f"ffn.{n}", m) for n, m in block.ffn.named_modules() if isinstance(m, MLP)]
+        )
         for name, module in parts:
             module.compile()
             names.append(f"blocks.{i}" + (f".{name}" if name else ""))
@@ -279,28 +332,41 @@ class Trainer:
     start: int  # the first step to run (> 0 after a resume)
     resumed_from: Optional[Path] = None
     hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
-    comm: Optional[CommStats] = None  # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
+    comm: Optional[CommStats] = (
+        None  # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
+    )
 
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
         """Check the resume point, start the process group, build the model and the engine, restore state."""
         cfg, kind = plan.cfg, ffn_kind(plan.cfg)
-        ckpt = latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
+        ckpt = (
+            latest_checkpoint(run_dir) if resume == "auto" else (Path(resume) if resume != "never" else None)
+        )
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
         planned = plan
-        if ckpt is not None:  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+        if (
+            ckpt is not None
+        ):  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
             plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
-        if ckpt is not None:  # checksums, read by all ranks together; a damaged newest state falls back to an older one
+        if (
+            ckpt is not None
+        ):  # checksums, read by all ranks together; a damaged newest state falls back to an older one
             candidates = resume_candidates(run_dir) if resume == "auto" else [ckpt]
             verified = verified_state(candidates, rank, world, training_device())
             if verified is None:
-                raise CheckpointError(f"{ckpt} is damaged (see the warning); " + (
-                    "no older intact state to fall back to: restore it, or start a new run directory"
-                    if resume == "auto" else "resume from another state (`--resume auto` picks the newest intact one)"))
+                raise CheckpointError(
+                    f"{ckpt} is damaged (see the warning); "
+                    + (
+                        "no older intact state to fall back to: restore it, or start a new run directory"
+                        if resume == "auto"
+                        else "resume from another state (`--resume auto` picks the newest intact one)"
+                    )
+                )
             if verified != ckpt:
                 ckpt, start = verified, check_resumable(verified, planned)
                 plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
@@ -312,17 +378,34 @@ class Trainer:
             write_json_atomic(run_dir / "deepspeed_config.json", bundle.deepspeed_config)
         if ckpt is not None:
             start = load_training_state(ckpt, bundle, plan, rank)
-        hook = kind.step_hook(bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains)
+        hook = kind.step_hook(
+            bundle.engine.module, cfg, groups, bundle.engine.optimizer, plan.catalog.train_domains
+        )
         log = MetricsLogger(run_dir, cfg, rank == 0, cfg.train.steps, start)
-        return cls(plan, run_dir, rank, training_device(), bundle, build_rank_sampler(plan, rank), log, start, ckpt,
-                   hook, CommStats.for_groups(groups).install())
+        return cls(
+            plan,
+            run_dir,
+            rank,
+            training_device(),
+            bundle,
+            build_rank_sampler(plan, rank),
+            log,
+            start,
+            ckpt,
+            hook,
+            CommStats.for_groups(groups).install(),
+        )
 
-    def batches(self, step: int, first: int = 0, count: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+    def batches(
+        self, step: int, first: int = 0, count: Optional[int] = None
+    ) -> list[dict[str, torch.Tensor]]:
         """Model inputs of micro-batches `first`.. of `step` (past the step's last they continue into the next)."""
         ga = self.plan.cfg.train.grad_accum
         count = ga if count is None else count
-        return [to_model_batch(self.sampler.batch(step + i // ga, i % ga), self.device, self.plan)
-                for i in range(first, first + count)]
+        return [
+            to_model_batch(self.sampler.batch(step + i // ga, i % ga), self.device, self.plan)
+            for i in range(first, first + count)
+        ]
 
     def run(self) -> dict[str, Any]:
         """The loop: batch -> step -> (hook) -> log -> eval -> save; then final eval, state and export."""
@@ -341,15 +424,20 @@ class Trainer:
                     self.log.log({"kind": cfg.model.ffn.kind, "step": done, **rec})
             if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
                 with self.comm.paused():
-                    rec = {"kind": "train", "step": done,
-                           **step_record(out, self.bundle, plan, sums, window_t, window_steps),
-                           **self.comm.take(per=window_steps)}  # collectives per update
+                    rec = {
+                        "kind": "train",
+                        "step": done,
+                        **step_record(out, self.bundle, plan, sums, window_t, window_steps),
+                        **self.comm.take(per=window_steps),
+                    }  # collectives per update
                 self.log.log(rec)
                 self.log.progress(done, rec)
                 window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
             if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
                 with self.comm.paused():
-                    self.log.log({"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)})
+                    self.log.log(
+                        {"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)}
+                    )
             if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
                 with self.comm.paused():
                     save_training_state(self.run_dir, done, self.bundle, plan, rank)
@@ -364,9 +452,17 @@ class Trainer:
     def _announce(self) -> None:
         if self.rank != 0:
             return
-        self.log.log({"kind": "start", "step": self.start, "world_size": self.plan.topo.world_size,
-                      "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-                      "device": device_name(), "topology": self.plan.topo.describe(), "notes": list(self.plan.notes)})
+        self.log.log(
+            {
+                "kind": "start",
+                "step": self.start,
+                "world_size": self.plan.topo.world_size,
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                "device": device_name(),
+                "topology": self.plan.topo.describe(),
+                "notes": list(self.plan.notes),
+            }
+        )
         for note in self.plan.notes:
             print(f"note: {note}", file=sys.stderr)
 
@@ -381,7 +477,9 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
     return Trainer.setup(plan, run_dir, resume).run()
 
 
-def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int) -> StepResult:
+def train_step(
+    bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int
+) -> StepResult:
     """One optimizer update over `grad_accum` micro-batches: forward, loss (+aux), backward, (clip), step.
 
     Everything it returns stays on the training device (no host sync inside the step); `step_record`
@@ -395,8 +493,13 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
     aux_total: Optional[torch.Tensor] = None
     stats: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(micro):
-        out = engine(mb["tokens"], mb.get("expert_ids", mb["domain_ids"]), targets_BT=mb["targets"],
-                     loss_mask_BT=mb["loss_mask"], return_logits=False)
+        out = engine(
+            mb["tokens"],
+            mb.get("expert_ids", mb["domain_ids"]),
+            targets_BT=mb["targets"],
+            loss_mask_BT=mb["loss_mask"],
+            return_logits=False,
+        )
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         engine.backward(loss * factor if factor != 1.0 else loss)
         sums += domain_loss_sums(out.token_loss.detach(), mb["loss_mask"], mb["domain_ids"], n_domains)
@@ -416,7 +519,9 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
         norm = global_grad_norm(engine.module, bundle.groups) / loss_scale(engine)
         if cfg.train.clip_grad > 0:
             clip_grads_(engine.module, cfg.train.clip_grad, norm)
-        set_step_norm(engine.optimizer, norm)  # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
+        set_step_norm(
+            engine.optimizer, norm
+        )  # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
     engine.step()
     if norm is None:
         gn = engine.get_global_grad_norm()
@@ -424,7 +529,9 @@ def train_step(bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]]
     return StepResult(sums, norm, aux_total, stats)
 
 
-def step_record(out: StepResult, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int) -> dict[str, Any]:
+def step_record(
+    out: StepResult, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int
+) -> dict[str, Any]:
     """The per-interval training record: loss (overall and per domain), lr, grad norm, throughput, memory."""
     import torch.distributed as dist
 
@@ -454,11 +561,30 @@ def step_record(out: StepResult, bundle: Any, plan: Plan, sums: torch.Tensor, t0
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML (configs/...)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value",
+    )
     p.add_argument("--run-dir", help="output directory (default: logging.out_dir)")
-    p.add_argument("--resume", default="auto", help="auto (latest checkpoint in the run dir), never, or a checkpoint path")
-    p.add_argument("--master-addr", type=host, help="rendezvous address where the launcher sets no MASTER_ADDR (MPI, srun)")
-    p.add_argument("--master-port", type=tcp_port, help="rendezvous port where the launcher sets no MASTER_PORT (MPI, srun)")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (latest checkpoint in the run dir), never, or a checkpoint path",
+    )
+    p.add_argument(
+        "--master-addr",
+        type=host,
+        help="rendezvous address where the launcher sets no MASTER_ADDR (MPI, srun)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=tcp_port,
+        help="rendezvous port where the launcher sets no MASTER_PORT (MPI, srun)",
+    )
     return p.parse_args(argv)
 
 
@@ -499,8 +625,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
     try:
         try:
-            world = ensure_env(args.master_addr, args.master_port)  # MPI/SLURM ranks: their world, before planning
-            cfg = load_run_config(args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False)
+            world = ensure_env(
+                args.master_addr, args.master_port
+            )  # MPI/SLURM ranks: their world, before planning
+            cfg = load_run_config(
+                args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False
+            )
             run_dir = Path(args.run_dir or cfg.logging.out_dir)
             plan = make_plan(cfg, world, check_local_device=True)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:

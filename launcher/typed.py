@@ -17,10 +17,17 @@ from pydantic import TypeAdapter, ValidationError
 T = TypeVar("T")
 _DROP = object()  # marks a broken entry of the input for the lenient build
 _EXPECTED = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
     "bool_type": "true or false",
-    "string_type": "a string", "list_type": "a list", "tuple_type": "a list", "dict_type": "a mapping",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "a mapping",
 }
 
 
@@ -50,14 +57,20 @@ def _message(cls: type, error: dict, prefix: str) -> str:
         owner = cls  # the dataclass holding the key: follow the types along the path
         for seg in loc[:-1]:  # a dataclass -> its field's type; list[X] / dict[K, X] -> X
             owner = _inner(owner)
-            owner = owner.__pydantic_fields__[seg].annotation if dataclasses.is_dataclass(owner) else get_args(owner)[-1]
+            owner = (
+                owner.__pydantic_fields__[seg].annotation
+                if dataclasses.is_dataclass(owner)
+                else get_args(owner)[-1]
+            )
         known = ", ".join(sorted(f.name for f in dataclasses.fields(_inner(owner)) if f.init))
         return f"{path}: unknown key (known keys of {_inner(owner).__name__}: {known})"
     if err_type == "missing":
         return f"{path}: required"
     if err_type == "dataclass_type":
         return f"{path}: expected a mapping for {error['ctx']['class_name']}, got {type(value).__name__}"
-    return f"{path}={value!r}: " + (f"expected {_EXPECTED[err_type]}" if err_type in _EXPECTED else error["msg"])
+    return f"{path}={value!r}: " + (
+        f"expected {_EXPECTED[err_type]}" if err_type in _EXPECTED else error["msg"]
+    )
 
 
 def _drop(data: Any, loc: tuple) -> bool:

@@ -24,13 +24,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from data.cli import check_output_dir, cli_main, exit_process
 from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
 from launcher.config import RunConfig
 from launcher.state import checksum_damage, latest_checkpoint, read_state_meta, state_damage
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 from parallel.universal import FP32
-from data.cli import check_output_dir, cli_main, exit_process
 
 
 def resolve_state(path: Path) -> Path:
@@ -41,8 +41,10 @@ def resolve_state(path: Path) -> Path:
         ckpt = latest_checkpoint(path, checksums=True)
         if ckpt is not None:
             return ckpt
-    raise CheckpointError(f"{path} is neither a training state (meta.json and zero/) nor a run directory with one in "
-                          "checkpoints/")
+    raise CheckpointError(
+        f"{path} is neither a training state (meta.json and zero/) nor a run directory with one in "
+        "checkpoints/"
+    )
 
 
 def fp32_state_dict(ckpt: Path) -> tuple[dict[str, torch.Tensor], RunConfig, dict]:
@@ -71,10 +73,16 @@ def convert(src: Path, out: Path) -> Path:
     untrained = sorted(set(range(len(domains))) - present) if cfg.model.ffn.kind == "demix" else []
     if untrained:  # DEMix-DAPT trains only the new expert: the others are its init checkpoint's
         if not cfg.train.init_from:
-            raise CheckpointError(f"{ckpt} has no weights for experts {untrained} and names no train.init_from")
+            raise CheckpointError(
+                f"{ckpt} has no weights for experts {untrained} and names no train.init_from"
+            )
         state.update(load_consolidated(cfg.train.init_from, experts=untrained).state_dict)
-    extra = {"tokenizer": layout.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
-             "tokenizer_sha256": layout.get("tokenizer_sha256"), "converted_from": str(ckpt)}
+    extra = {
+        "tokenizer": layout.get("tokenizer"),
+        "vocab_size": meta.get("vocab_size"),
+        "tokenizer_sha256": layout.get("tokenizer_sha256"),
+        "converted_from": str(ckpt),
+    }
     return save_consolidated(out, state, cfg, domains, int(meta["step"]), extra=extra)
 
 
@@ -84,7 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("state", type=Path, help="a training state (RUN/checkpoints/step_N) or a run directory")
     p.add_argument("--out", type=Path, required=True, help="where to write the consolidated fp32 checkpoint")
     args = p.parse_args(argv)
-    check_output_dir(args.out, (), ())  # the output rule: a file or a dangling symbolic link at --out is refused
+    check_output_dir(
+        args.out, (), ()
+    )  # the output rule: a file or a dangling symbolic link at --out is refused
     if args.out.exists():
         print(f"error: {args.out} exists; choose a new --out (nothing is overwritten)", file=sys.stderr)
         return 2

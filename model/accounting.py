@@ -132,7 +132,9 @@ def gate_params(cfg: ModelConfig, num_experts: int) -> int:
     return cfg.d_model * num_experts if cfg.ffn.kind == "gshard" else 0
 
 
-def param_counts(cfg: ModelConfig, num_experts: Optional[int] = None, vocab_size: Optional[int] = None) -> ParamCounts:
+def param_counts(
+    cfg: ModelConfig, num_experts: Optional[int] = None, vocab_size: Optional[int] = None
+) -> ParamCounts:
     """Count parameters of the GPT `cfg` describes, holding every expert.
 
         embedding = V·D + s·D                         (tied output head: no extra parameters)
@@ -275,9 +277,9 @@ def flops_per_update(
     n_moe = len(cfg.moe_layer_ids())
     n_exp = resolved_num_experts(cfg, num_experts)
     k = min(experts_per_token(cfg), n_exp)  # a one-expert GShard layer runs its expert once per token
-    layers_fwd = (cfg.n_layers - n_moe) * layer_forward_flops(cfg, global_batch, s) + n_moe * layer_forward_flops(
-        cfg, global_batch, s, ffn_copies=k
-    )
+    layers_fwd = (cfg.n_layers - n_moe) * layer_forward_flops(
+        cfg, global_batch, s
+    ) + n_moe * layer_forward_flops(cfg, global_batch, s, ffn_copies=k)
     logit_fwd = logit_forward_flops(cfg, global_batch, s, v)
     totals = {}
     for conv in FLOP_CONVENTIONS:
@@ -302,7 +304,14 @@ def head_recomputed(tokens_per_micro_batch: int, local_vocab: int, chunk_logits:
     return tokens_per_micro_batch > max(1, chunk_logits // local_vocab)
 
 
-def narayanan_flops(global_batch: int, seq_len: int, n_layers: int, d_model: int, vocab_size: int, convention: str = "recompute") -> int:
+def narayanan_flops(
+    global_batch: int,
+    seq_len: int,
+    n_layers: int,
+    d_model: int,
+    vocab_size: int,
+    convention: str = "recompute",
+) -> int:
     """The closed form of Narayanan et al. (2021), eq. (3), for a dense GPT with F = 4h:
 
         recompute:    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
@@ -324,7 +333,9 @@ def narayanan_flops(global_batch: int, seq_len: int, n_layers: int, d_model: int
 def tflops_per_gpu(flops_per_update: float, seconds_per_update: float, num_gpus: int) -> float:
     """Achieved TFLOP/s per GPU: F / (t · n_gpus) / 10¹²."""
     if seconds_per_update <= 0 or num_gpus < 1:
-        raise ValueError(f"need seconds_per_update > 0 and num_gpus >= 1, got {seconds_per_update}, {num_gpus}")
+        raise ValueError(
+            f"need seconds_per_update > 0 and num_gpus >= 1, got {seconds_per_update}, {num_gpus}"
+        )
     return flops_per_update / (seconds_per_update * num_gpus) / 1e12
 
 
@@ -333,10 +344,15 @@ def tflops_per_gpu(flops_per_update: float, seconds_per_update: float, num_gpus:
 # --------------------------------------------------------------------------------------------------
 
 PRECISION_ALIASES: dict[str, str] = {
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
     "tf32": "tf32",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
     "fp8": "fp8",
 }
 
@@ -368,16 +384,44 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("v100s", "V100S PCIe", _peaks(fp16=130.0, fp32=16.4), r"v100s", 32),
     DeviceSpec("v100-sxm2", "V100 SXM2", _peaks(fp16=125.0, fp32=15.7), r"v100", 32),
     DeviceSpec("a100", "A100", _peaks(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5), r"a100", 80),
-    DeviceSpec("h100-pcie", "H100 PCIe", _peaks(bf16=756.0, fp16=756.0, tf32=378.0, fp8=1513.0, fp32=51.0), r"h100[ -]pcie", 80),
-    DeviceSpec("h100-nvl", "H100 NVL", _peaks(bf16=835.0, fp16=835.0, tf32=418.0, fp8=1670.0, fp32=60.0), r"h100[ -]nvl", 94),
-    DeviceSpec("h100-sxm", "H100 SXM", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h100", 80),
-    DeviceSpec("h200", "H200", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h200", 141),
+    DeviceSpec(
+        "h100-pcie",
+        "H100 PCIe",
+        _peaks(bf16=756.0, fp16=756.0, tf32=378.0, fp8=1513.0, fp32=51.0),
+        r"h100[ -]pcie",
+        80,
+    ),
+    DeviceSpec(
+        "h100-nvl",
+        "H100 NVL",
+        _peaks(bf16=835.0, fp16=835.0, tf32=418.0, fp8=1670.0, fp32=60.0),
+        r"h100[ -]nvl",
+        94,
+    ),
+    DeviceSpec(
+        "h100-sxm", "H100 SXM", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h100", 80
+    ),
+    DeviceSpec(
+        "h200", "H200", _peaks(bf16=989.0, fp16=989.0, tf32=494.5, fp8=1979.0, fp32=67.0), r"h200", 141
+    ),
     DeviceSpec("l40s", "L40S", _peaks(bf16=362.0, fp16=362.0, tf32=183.0, fp8=733.0, fp32=91.6), r"l40s", 48),
     DeviceSpec("l4", "L4", _peaks(bf16=121.0, fp16=121.0, tf32=60.0, fp8=242.0, fp32=30.3), r"l4", 24),
     DeviceSpec("a10", "A10", _peaks(bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2), r"a10", 24),
-    DeviceSpec("rtx4090", "RTX 4090", _peaks(bf16=165.0, fp16=165.0, tf32=82.6, fp8=330.0, fp32=82.6), r"rtx ?4090", 24),
+    DeviceSpec(
+        "rtx4090",
+        "RTX 4090",
+        _peaks(bf16=165.0, fp16=165.0, tf32=82.6, fp8=330.0, fp32=82.6),
+        r"rtx ?4090",
+        24,
+    ),
     DeviceSpec("mi250x", "MI250X", _peaks(bf16=383.0, fp16=383.0, fp32=47.9), r"mi250x", 128),
-    DeviceSpec("mi300x", "MI300X", _peaks(bf16=1307.0, fp16=1307.0, tf32=653.7, fp8=2615.0, fp32=163.4), r"mi300x", 192),
+    DeviceSpec(
+        "mi300x",
+        "MI300X",
+        _peaks(bf16=1307.0, fp16=1307.0, tf32=653.7, fp8=2615.0, fp32=163.4),
+        r"mi300x",
+        192,
+    ),
     DeviceSpec("cpu", "CPU", (), r"cpu"),
 )
 _DEVICE_ALIASES: dict[str, str] = {"v100": "v100-sxm2", "h100": "h100-sxm", "4090": "rtx4090"}
@@ -388,7 +432,9 @@ def normalise_precision(precision: str) -> str:
     try:
         return PRECISION_ALIASES[precision.strip().lower()]
     except KeyError:
-        raise ValueError(f"precision {precision!r}: choose one of {', '.join(sorted(set(PRECISION_ALIASES.values())))}") from None
+        raise ValueError(
+            f"precision {precision!r}: choose one of {', '.join(sorted(set(PRECISION_ALIASES.values())))}"
+        ) from None
 
 
 def match_device_name(name: str) -> Optional[DeviceSpec]:
@@ -450,14 +496,38 @@ PAPER_MICRO_BATCH, PAPER_GRAD_ACCUM, PAPER_SEQ_LEN, PAPER_VOCAB = 2, 8, 1024, 50
 PAPER_DEMIX_EXPERTS = 8
 PAPER_DEVICE, PAPER_PRECISION = "v100-sxm2", "fp16"
 PAPER_TABLE: tuple[PaperSetting, ...] = (
-    PaperSetting("125M", "gpt3-small", 32, (("dense", 125e6), ("demix", 512e6), ("gshard", 1e9)),
-                 (("dense", 556), ("demix", 556), ("gshard", 675)), (("dense", 31), ("demix", 31), ("gshard", 15))),
-    PaperSetting("350M", "gpt3-medium", 64, (("dense", 350e6), ("demix", 1.8e9), ("gshard", 6.7e9)),
-                 (("dense", 3279), ("demix", 3279), ("gshard", 4120)), (("dense", 37), ("demix", 37), ("gshard", 16))),
-    PaperSetting("760M", "gpt3-large", 128, (("dense", 760e6), ("demix", 3.8e9), ("gshard", 29.5e9)),
-                 (("dense", 13637), ("demix", 13637), ("gshard", 17400)), (("dense", 45), ("demix", 48), ("gshard", 19))),
-    PaperSetting("1.3B", "gpt3-xl", 128, (("dense", 1.3e9), ("demix", 7.0e9), ("gshard", 52.5e9)),
-                 (("dense", 23250), ("demix", 23250), ("gshard", 30000)), (("dense", 51), ("demix", 55), ("gshard", 13))),
+    PaperSetting(
+        "125M",
+        "gpt3-small",
+        32,
+        (("dense", 125e6), ("demix", 512e6), ("gshard", 1e9)),
+        (("dense", 556), ("demix", 556), ("gshard", 675)),
+        (("dense", 31), ("demix", 31), ("gshard", 15)),
+    ),
+    PaperSetting(
+        "350M",
+        "gpt3-medium",
+        64,
+        (("dense", 350e6), ("demix", 1.8e9), ("gshard", 6.7e9)),
+        (("dense", 3279), ("demix", 3279), ("gshard", 4120)),
+        (("dense", 37), ("demix", 37), ("gshard", 16)),
+    ),
+    PaperSetting(
+        "760M",
+        "gpt3-large",
+        128,
+        (("dense", 760e6), ("demix", 3.8e9), ("gshard", 29.5e9)),
+        (("dense", 13637), ("demix", 13637), ("gshard", 17400)),
+        (("dense", 45), ("demix", 48), ("gshard", 19)),
+    ),
+    PaperSetting(
+        "1.3B",
+        "gpt3-xl",
+        128,
+        (("dense", 1.3e9), ("demix", 7.0e9), ("gshard", 52.5e9)),
+        (("dense", 23250), ("demix", 23250), ("gshard", 30000)),
+        (("dense", 51), ("demix", 55), ("gshard", 13)),
+    ),
 )
 
 

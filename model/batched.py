@@ -51,7 +51,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from model.demix import DemixFFN
 from model.gpt import TiedLMHead
@@ -61,7 +60,9 @@ DEFAULT_LOGIT_BUDGET = 1 << 19  # logits per LM-head block on CPU: 2 MiB of floa
 DEFAULT_LOGIT_BUDGET_CUDA = 1 << 26  # on accelerators a block is a kernel launch: 256 MiB of float32
 DEFAULT_HEAD_ROWS = 1024  # rows per block: keeps the head GEMM large (M = 1024, K = D, N = C)
 DEFAULT_FANOUT_TOKENS = 8192  # expert-tokens (E*B*T) fanned out at once: bounds the E-way activations
-MIN_FAST_TARGET_LOGIT = -50.0  # rows whose target logit is lower take the shifted log-sum-exp (module docstring)
+MIN_FAST_TARGET_LOGIT = (
+    -50.0
+)  # rows whose target logit is lower take the shifted log-sum-exp (module docstring)
 
 
 def demix_expert_ids(model: torch.nn.Module) -> list[int]:
@@ -77,15 +78,22 @@ def demix_expert_ids(model: torch.nn.Module) -> list[int]:
 def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[int]) -> torch.Tensor:
     """Group e of `x_END` through expert `expert_ids[e]` of one DEMix layer, E N D. `x_END` may be a stride-0
     expansion of one N x D input (the first expert layer): nothing is copied for it."""
-    out_END = torch.empty(x_END.shape[0], x_END.shape[1], ffn.experts[str(expert_ids[0])].fc2.out_features,
-                          dtype=x_END.dtype, device=x_END.device)
+    out_END = torch.empty(
+        x_END.shape[0],
+        x_END.shape[1],
+        ffn.experts[str(expert_ids[0])].fc2.out_features,
+        dtype=x_END.dtype,
+        device=x_END.device,
+    )
     for e, j in enumerate(expert_ids):
         out_END[e] = ffn.experts[str(j)](x_END[e])
     return out_END
 
 
 def expert_hidden_states(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, expert_ids: Optional[Sequence[int]] = None,
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    expert_ids: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Final (post ln_f) hidden states of `model` routed to each of `expert_ids` (default: all it holds),
     E B T D. For a model without DEMix layers E = 1 and `expert_ids` must be None."""
@@ -103,7 +111,9 @@ def expert_hidden_states(
     if T > model.cfg.seq_len:
         raise ValueError(f"sequence of {T} tokens exceeds the model's context of {model.cfg.seq_len}")
     pos_T = torch.arange(T, device=tokens_BT.device)
-    x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))  # B T D until the first expert layer, then E*B T D
+    x = model.drop(
+        model.wte(tokens_BT) + model.wpe(pos_T)
+    )  # B T D until the first expert layer, then E*B T D
     fanned = False
     for block in model.blocks:
         x = x + block.attn(block.ln1(x))
@@ -128,7 +138,10 @@ def _default_budget(device: torch.device) -> int:
 
 
 def target_log_probs(
-    model: torch.nn.Module, h_ND: torch.Tensor, targets_N: torch.Tensor, logit_budget: Optional[int] = None,
+    model: torch.nn.Module,
+    h_ND: torch.Tensor,
+    targets_N: torch.Tensor,
+    logit_budget: Optional[int] = None,
     rows: int = DEFAULT_HEAD_ROWS,
 ) -> torch.Tensor:
     """log p(target | h) for each row, N (float32), through the tied LM head, in blocks of at most
@@ -144,27 +157,31 @@ def target_log_probs(
     n_blocks = -(-V // C)
     # torch.mm(..., out=) is never autocast: under autocast (evaluation in the training precision) take the
     # allocating mm, which is, and upcast its bf16/fp16 block
-    f32 = h_ND.dtype == torch.float32 and W_VD.dtype == torch.float32 and autocast_dtype(h_ND.device.type) is None
+    f32 = (
+        h_ND.dtype == torch.float32
+        and W_VD.dtype == torch.float32
+        and autocast_dtype(h_ND.device.type) is None
+    )
     buf = torch.empty(R * C, dtype=torch.float32, device=h_ND.device) if f32 else None
     sum_KR = torch.empty(n_blocks, R, dtype=torch.float32, device=h_ND.device)  # per block: sum exp(l)
     out_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)
     for s in range(0, N, R):
-        h_RD = h_ND[s:s + R]
+        h_RD = h_ND[s : s + R]
         r = h_RD.shape[0]
         for k, v in enumerate(range(0, V, C)):
-            w_CD = W_VD[v:v + C]
+            w_CD = W_VD[v : v + C]
             if f32:
-                l_RC = torch.mm(h_RD, w_CD.t(), out=buf[:r * w_CD.shape[0]].view(r, w_CD.shape[0]))
+                l_RC = torch.mm(h_RD, w_CD.t(), out=buf[: r * w_CD.shape[0]].view(r, w_CD.shape[0]))
             else:
                 l_RC = torch.mm(h_RD, w_CD.t()).float()
             torch.sum(l_RC.exp_(), dim=1, out=sum_KR[k, :r])
         lse_R = sum_KR[:, :r].sum(dim=0).log_()
-        tgt_R = (h_RD.float() * W_VD[targets_N[s:s + R]].float()).sum(dim=1)
+        tgt_R = (h_RD.float() * W_VD[targets_N[s : s + R]].float()).sum(dim=1)
         unsafe_R = ~(torch.isfinite(lse_R) & (tgt_R >= MIN_FAST_TARGET_LOGIT))
         if unsafe_R.any():  # outside float32's exp range: the shifted log-sum-exp for those rows
             rows_I = unsafe_R.nonzero()[:, 0]
             lse_R[rows_I] = _log_partition_rows(head, h_RD[rows_I], budget)
-        out_N[s:s + r] = tgt_R - lse_R
+        out_N[s : s + r] = tgt_R - lse_R
     return out_N
 
 
@@ -172,21 +189,28 @@ def _log_partition_rows(head: torch.nn.Module, h_ND: torch.Tensor, budget: int) 
     """logsumexp over the vocabulary of each row's logits, shifted by the row max (torch.logsumexp), whole rows
     of logits at a time within `budget`."""
     rows = max(1, budget // head.embedding[0].weight.shape[0])
-    return torch.cat([torch.logsumexp(head(h_ND[s:s + rows]).float(), dim=1) for s in range(0, h_ND.shape[0], rows)])
+    return torch.cat(
+        [torch.logsumexp(head(h_ND[s : s + rows]).float(), dim=1) for s in range(0, h_ND.shape[0], rows)]
+    )
 
 
 def _target_log_probs_rows(head, h_ND, targets_N, budget: int, vocab: int) -> torch.Tensor:
     rows = max(1, budget // vocab)
     out_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
     for s in range(0, h_ND.shape[0], rows):
-        logits_RV = head(h_ND[s:s + rows]).float()
-        out_N[s:s + rows] = logits_RV.gather(1, targets_N[s:s + rows, None])[:, 0] - torch.logsumexp(logits_RV, 1)
+        logits_RV = head(h_ND[s : s + rows]).float()
+        out_N[s : s + rows] = logits_RV.gather(1, targets_N[s : s + rows, None])[:, 0] - torch.logsumexp(
+            logits_RV, 1
+        )
     return out_N
 
 
 def expert_log_likelihoods(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None, logit_budget: Optional[int] = None,
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    expert_ids: Optional[Sequence[int]] = None,
+    logit_budget: Optional[int] = None,
     fanout_tokens: int = DEFAULT_FANOUT_TOKENS,
 ) -> torch.Tensor:
     """ll[e, b, t] = log p(targets[b, t] | tokens[b, :t+1], D = expert_ids[e]), E B T, in one batched pass.
@@ -199,22 +223,28 @@ def expert_log_likelihoods(
     groups: list[Optional[Sequence[int]]] = [expert_ids]  # one group (checked by expert_hidden_states)
     if held and experts:
         per = max(1, fanout_tokens // (B * T))
-        groups = [experts[i:i + per] for i in range(0, len(experts), per)]
+        groups = [experts[i : i + per] for i in range(0, len(experts), per)]
     out = []
     with torch.inference_mode():
         for group in groups:
             h_EBTD = expert_hidden_states(model, tokens_BT, group)
             D = h_EBTD.shape[-1]
             # the head per expert: an expert's numbers never depend on which other experts run beside it
-            out += [target_log_probs(model, h_BTD.reshape(B * T, D), targets_BT.reshape(-1), logit_budget).view(1, B, T)
-                    for h_BTD in h_EBTD]
+            out += [
+                target_log_probs(model, h_BTD.reshape(B * T, D), targets_BT.reshape(-1), logit_budget).view(
+                    1, B, T
+                )
+                for h_BTD in h_EBTD
+            ]
         ll = out[0] if len(out) == 1 else torch.cat(out)
     return ll.clone()  # an ordinary tensor: callers may update it in place
 
 
 @torch.no_grad()
 def sequential_log_likelihoods(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor,
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
     expert_ids: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """The reference: E ordinary forward passes (GPT.forward: full B x T x V logits, cross-entropy), pass e
@@ -223,14 +253,18 @@ def sequential_log_likelihoods(
     experts = list(held if expert_ids is None else expert_ids) if held else [None]
     out = []
     for e in experts:
-        dom_B = torch.full((tokens_BT.shape[0],), 0 if e is None else e, dtype=torch.long, device=tokens_BT.device)
+        dom_B = torch.full(
+            (tokens_BT.shape[0],), 0 if e is None else e, dtype=torch.long, device=tokens_BT.device
+        )
         out.append(-model(tokens_BT, dom_B, targets_BT, return_logits=False).token_loss)
     return torch.stack(out)
 
 
 @torch.no_grad()
 def next_token_log_probs(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, expert_ids: Optional[Sequence[int]] = None,
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    expert_ids: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Each expert's next-token distribution after the last position, log-softmaxed, E B V (for generation)."""
     h_EBD = expert_hidden_states(model, tokens_BT, expert_ids)[:, :, -1]

@@ -79,8 +79,12 @@ class CSEConfig:
     projection_dim: StrictInt = 64
     dbscan_eps: Float = 0.5  # <= 0: chosen from the data by `dbscan_auto` (parallel/cse.py)
     dbscan_min_samples: StrictInt = 5
-    dbscan_auto: str = "median"  # eps from the data: median (2 x median k-distance), knee, or target (cluster counts)
-    min_clusters: StrictInt = 2  # dbscan_auto=target: at least this many clusters (then most, then least noise)
+    dbscan_auto: str = (
+        "median"  # eps from the data: median (2 x median k-distance), knee, or target (cluster counts)
+    )
+    min_clusters: StrictInt = (
+        2  # dbscan_auto=target: at least this many clusters (then most, then least noise)
+    )
     centre_momentum: Float = 0.99  # alpha in c_j <- alpha c_j + (1 - alpha) v'
     max_clusters: StrictInt = 16
 
@@ -97,7 +101,9 @@ class CSEConfig:
         if self.dbscan_auto not in ("median", "knee", "target"):
             out.append(f"{prefix}.dbscan_auto={self.dbscan_auto!r}: choose median, knee or target")
         if not 1 <= self.min_clusters <= self.max_clusters:
-            out.append(f"{prefix}.min_clusters={self.min_clusters}: must be in [1, max_clusters={self.max_clusters}]")
+            out.append(
+                f"{prefix}.min_clusters={self.min_clusters}: must be in [1, max_clusters={self.max_clusters}]"
+            )
         return out
 
 
@@ -117,9 +123,13 @@ class FFNConfig:
     def problems(self, prefix: str = "model.ffn") -> list[str]:
         out = []
         if self.kind not in FFN_KINDS:
-            out.append(f"{prefix}.kind={self.kind!r}: unknown feed-forward kind; choose one of {', '.join(FFN_KINDS)}")
+            out.append(
+                f"{prefix}.kind={self.kind!r}: unknown feed-forward kind; choose one of {', '.join(FFN_KINDS)}"
+            )
         if self.num_experts < 0:
-            out.append(f"{prefix}.num_experts={self.num_experts}: must be >= 0 (0 = derive from domains / ranks)")
+            out.append(
+                f"{prefix}.num_experts={self.num_experts}: must be >= 0 (0 = derive from domains / ranks)"
+            )
         if self.kind == "dense" and self.num_experts > 1:
             out.append(f"{prefix}.num_experts={self.num_experts}: a dense FFN has exactly one expert")
         out += self.gshard.problems(prefix + ".gshard")
@@ -158,7 +168,15 @@ class ModelConfig:
 
     def problems(self, prefix: str = "model") -> list[str]:
         out = []
-        for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by"):
+        for name in (
+            "n_layers",
+            "d_model",
+            "n_heads",
+            "seq_len",
+            "vocab_size",
+            "ffn_mult",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
         if self.n_heads >= 1 and self.d_model % self.n_heads:

@@ -78,7 +78,9 @@ def dispatch(v_BP: torch.Tensor, centres_KP: torch.Tensor, radii_K: torch.Tensor
     return (dist_BK / radii_K.float().clamp_min(1e-6)).argmin(dim=1)
 
 
-def ema_centres(centres_KP: torch.Tensor, sums_KP: torch.Tensor, counts_K: torch.Tensor, alpha: float) -> torch.Tensor:
+def ema_centres(
+    centres_KP: torch.Tensor, sums_KP: torch.Tensor, counts_K: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """c_j <- α^{n_j} c_j + (1 - α^{n_j}) m_j with m_j = sums_j / n_j; clusters with n_j = 0 keep their centre."""
     keep_K = torch.pow(torch.full_like(counts_K, alpha, dtype=torch.float64), counts_K.double())
     mean_KP = sums_KP.double() / counts_K.double().clamp_min(1.0)[:, None]
@@ -95,13 +97,20 @@ class CSEFFN(nn.Module):
         self.alpha = float(c.centre_momentum)
         self.layer_idx = layer_idx
         self.num_slots = int(num_slots or num_expert_slots(cfg))
-        self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in range(self.num_slots)})
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in range(self.num_slots)}
+        )
         E, P = self.num_slots, c.projection_dim
         self.register_buffer("num_active", torch.zeros((), dtype=torch.long))
-        self._active, self._active_stamp = 0, self._num_active_stamp()  # K on the host, and the buffer it mirrors
+        self._active, self._active_stamp = (
+            0,
+            self._num_active_stamp(),
+        )  # K on the host, and the buffer it mirrors
         self.register_buffer("centres_EP", torch.zeros(E, P))
         self.register_buffer("radii_E", torch.ones(E))
-        self.register_buffer("projection_DP", gaussian_projection(cfg.d_model, P, PROJECTION_SEED + layer_idx))
+        self.register_buffer(
+            "projection_DP", gaussian_projection(cfg.d_model, P, PROJECTION_SEED + layer_idx)
+        )
         # per-step accumulators for the centre update (not part of the checkpoint: consumed every step)
         self.register_buffer("pending_sum_EP", torch.zeros(E, P, dtype=torch.float64), persistent=False)
         self.register_buffer("pending_count_E", torch.zeros(E, dtype=torch.float64), persistent=False)
@@ -161,7 +170,9 @@ class CSEFFN(nn.Module):
         """Apply the accumulated batch EMA update (see the module docstring) and clear the accumulators."""
         k = self.active
         if k:
-            self.centres_EP[:k] = ema_centres(self.centres_EP[:k], self.pending_sum_EP[:k], self.pending_count_E[:k], self.alpha)
+            self.centres_EP[:k] = ema_centres(
+                self.centres_EP[:k], self.pending_sum_EP[:k], self.pending_count_E[:k], self.alpha
+            )
         self.pending_sum_EP.zero_()
         self.pending_count_E.zero_()
 
@@ -191,7 +202,9 @@ class CSEFFN(nn.Module):
 def routed_load(ids_B: torch.Tensor, num_slots: int) -> torch.Tensor:
     """Sequences per expert slot (E, int64) on the ids' device, by a scatter-add: `torch.bincount` would read the
     device on a GPU (CUDA's kernel sizes its output from `ids.max()`, a hidden synchronisation)."""
-    return torch.zeros(num_slots, dtype=torch.long, device=ids_B.device).index_add_(0, ids_B, torch.ones_like(ids_B))
+    return torch.zeros(num_slots, dtype=torch.long, device=ids_B.device).index_add_(
+        0, ids_B, torch.ones_like(ids_B)
+    )
 
 
 def routed_counts(counts_E: torch.Tensor) -> list[int]:

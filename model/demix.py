@@ -48,8 +48,9 @@ def touch_idle_experts(out: torch.Tensor, idle: Sequence[nn.Module]) -> torch.Te
     return _ZeroGradFor.apply(out, *params)
 
 
-def run_grouped(x_BTD: torch.Tensor, experts: Sequence[nn.Module], counts: Sequence[int],
-                order_B: Optional[torch.Tensor]) -> torch.Tensor:
+def run_grouped(
+    x_BTD: torch.Tensor, experts: Sequence[nn.Module], counts: Sequence[int], order_B: Optional[torch.Tensor]
+) -> torch.Tensor:
     """h = FFN_{e(b)}(x_b) for every sequence b, given the routing as a permutation (see the module docstring).
 
     `order_B` (on x's device) lists the sequences sorted by expert, `counts[i]` (host ints) how many go to
@@ -59,7 +60,7 @@ def run_grouped(x_BTD: torch.Tensor, experts: Sequence[nn.Module], counts: Seque
     ys, idle, start = [], [], 0
     for expert, n in zip(experts, counts):
         if n:
-            ys.append(expert(xs_BTD[start:start + n]))
+            ys.append(expert(xs_BTD[start : start + n]))
             start += n
         else:
             idle.append(expert)
@@ -89,7 +90,9 @@ class DemixFFN(nn.Module):
         if not expert_ids:
             raise ValueError("a DEMix layer needs at least one expert id")
         self.expert_ids = sorted(int(e) for e in expert_ids)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids})
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids}
+        )
 
     def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
         if domain_ids_B is None:
@@ -101,17 +104,23 @@ class DemixFFN(nn.Module):
                 missing = sorted(set(domain_ids_B.tolist()) - {only})
                 raise ValueError(f"domain ids {missing} have no expert here (this layer holds expert {only})")
             return FFNOutput(hidden=self.experts[str(only)](x_BTD))
-        ids = domain_ids_B.tolist()  # free on the host (the trainer); one read-back when the ids are on the device
+        ids = (
+            domain_ids_B.tolist()
+        )  # free on the host (the trainer); one read-back when the ids are on the device
         missing = sorted(set(ids) - set(self.expert_ids))
         if missing:
-            raise ValueError(f"domain ids {missing} have no expert here (this layer holds experts {self.expert_ids})")
+            raise ValueError(
+                f"domain ids {missing} have no expert here (this layer holds experts {self.expert_ids})"
+            )
         per_expert = Counter(ids)
         order = sorted(range(len(ids)), key=ids.__getitem__)  # stable: each expert's rows keep their order
         order_B = None
         if order != list(range(len(ids))):
             order_B = torch.tensor(order, dtype=torch.long).to(x_BTD.device, non_blocking=True)
         experts = [self.experts[str(e)] for e in self.expert_ids]
-        return FFNOutput(hidden=run_grouped(x_BTD, experts, [per_expert[e] for e in self.expert_ids], order_B))
+        return FFNOutput(
+            hidden=run_grouped(x_BTD, experts, [per_expert[e] for e in self.expert_ids], order_B)
+        )
 
 
 def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor) -> torch.Tensor:
@@ -129,7 +138,9 @@ def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: tor
             out_BTD = out_BTD.index_put((rows_N,), ffn.experts[str(e)](x_BTD[rows_N]))
     if not bool(seen.all()):
         missing = sorted(set(domain_ids_B[~seen].tolist()))
-        raise ValueError(f"domain ids {missing} have no expert here (this layer holds experts {ffn.expert_ids})")
+        raise ValueError(
+            f"domain ids {missing} have no expert here (this layer holds experts {ffn.expert_ids})"
+        )
     for e in ffn.expert_ids:
         out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in ffn.experts[str(e)].parameters())
     return out_BTD

@@ -67,7 +67,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = build_ffn(cfg, layer_idx, expert_ids)
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor]) -> tuple[torch.Tensor, FFNOutput]:
+    def forward(
+        self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, FFNOutput]:
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
         f = self.ffn(self.ln2(x_BTD), domain_ids_B)
         return x_BTD + f.hidden, f
@@ -89,7 +91,9 @@ class TokenCrossEntropy(nn.Module):
 
     def forward(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         B, T, V = logits_BTV.shape
-        return F.cross_entropy(logits_BTV.float().view(B * T, V), targets_BT.reshape(-1), reduction="none").view(B, T)
+        return F.cross_entropy(
+            logits_BTV.float().view(B * T, V), targets_BT.reshape(-1), reduction="none"
+        ).view(B, T)
 
 
 # A chunk of the loss holds at most this many logits: 2^26, i.e. 256 MiB as float32 (1334 rows of a 50,304-entry
@@ -122,12 +126,18 @@ def chunked_token_loss(
     if N <= rows:
         return head_loss(x_BTX, targets_BT)
     x_NX, t_N = x_BTX.reshape(N, -1), targets_BT.reshape(N)
-    chunks = zip(x_NX.split(rows), t_N.split(rows))  # split: its backward concatenates the chunks' gradients once
-    if not (torch.is_grad_enabled() and x_BTX.requires_grad):  # evaluation: nothing to save, nothing to recompute
+    chunks = zip(
+        x_NX.split(rows), t_N.split(rows)
+    )  # split: its backward concatenates the chunks' gradients once
+    if not (
+        torch.is_grad_enabled() and x_BTX.requires_grad
+    ):  # evaluation: nothing to save, nothing to recompute
         parts = [head_loss(x_cX[None], t_c[None]) for x_cX, t_c in chunks]
     else:
-        parts = [checkpoint(head_loss, x_cX[None], t_c[None], use_reentrant=False, preserve_rng_state=False)
-                 for x_cX, t_c in chunks]
+        parts = [
+            checkpoint(head_loss, x_cX[None], t_c[None], use_reentrant=False, preserve_rng_state=False)
+            for x_cX, t_c in chunks
+        ]
     return torch.cat(parts, dim=1).view(B, T)
 
 
@@ -178,7 +188,9 @@ class GPT(nn.Module):
                 std = self.cfg.init_std
                 if getattr(module, "is_residual_projection", False):
                     std = std / math.sqrt(2 * self.cfg.n_layers)
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+                gen = torch.Generator().manual_seed(
+                    (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+                )
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
@@ -261,7 +273,9 @@ def expert_of_key(key: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def split_by_expert(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+def split_by_expert(
+    state_dict: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
     """(shared tensors, {expert id: that expert's tensors})."""
     shared: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[str, torch.Tensor]] = {}

@@ -68,8 +68,14 @@ class Routing:
     l_aux: torch.Tensor  # float32 scalar, E * sum_e P_e f_e (unweighted)
 
 
-def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int,
-                    multiple_of: int = 1) -> int:
+def expert_capacity(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    multiple_of: int = 1,
+) -> int:
     """C = max(ceil(S / E * K * capacity_factor), min_capacity), in float32 arithmetic as DeepSpeed's `_capacity`,
     then rounded up to a multiple of `multiple_of` (1 leaves DeepSpeed's value unchanged)."""
     c = torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor * top_k)).to(torch.int64)
@@ -87,7 +93,10 @@ def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
     distribution, whose argument validation reads a device tensor back to the host.
     """
     finfo = torch.finfo(like.dtype)
-    low, high = like.new_full((), finfo.tiny), like.new_full((), 1 - finfo.eps)  # in the dtype, as torch rounds them
+    low, high = (
+        like.new_full((), finfo.tiny),
+        like.new_full((), 1 - finfo.eps),
+    )  # in the dtype, as torch rounds them
     u = low + torch.rand(like.shape, dtype=like.dtype, device=like.device) * (high - low)
     return -torch.log(-torch.log(u))
 
@@ -118,8 +127,16 @@ def route_tokens(
     if k == 1:
         kept1_S = (loc1_SE * mask1_SE).sum(1) < capacity
         w1_S = probs_SE.gather(1, e1_S[:, None])[:, 0] * kept1_S
-        return Routing(e1_S[None], (loc1_SE * mask1_SE).sum(1)[None], kept1_S[None], w1_S[None], probs_SE,
-                       mask1_SE.sum(0), capacity, l_aux)
+        return Routing(
+            e1_S[None],
+            (loc1_SE * mask1_SE).sum(1)[None],
+            kept1_S[None],
+            w1_S[None],
+            probs_SE,
+            mask1_SE.sum(0),
+            capacity,
+            l_aux,
+        )
     noisy_SE = logits_SE
     if policy == "sampling" and training:
         noisy_SE = logits_SE + gumbel_noise(logits_SE)
@@ -148,7 +165,9 @@ def route_tokens(
 
 
 @torch.no_grad()
-def routing_stats(probs_SE: torch.Tensor, counts_E: torch.Tensor, capacity: int, batch: int) -> dict[str, torch.Tensor]:
+def routing_stats(
+    probs_SE: torch.Tensor, counts_E: torch.Tensor, capacity: int, batch: int
+) -> dict[str, torch.Tensor]:
     """Per-layer routing statistics (detached), shared by this layer and the distributed one:
 
     expert_load_E     counts_e / sum counts: share of routed (token, route) assignments per expert
@@ -184,9 +203,13 @@ class GShardFFN(nn.Module):
         ids = range(self.num_experts) if expert_ids is None else expert_ids
         self.expert_ids = sorted(int(e) for e in ids)
         if not self.expert_ids or not all(0 <= e < self.num_experts for e in self.expert_ids):
-            raise ValueError(f"expert ids {self.expert_ids} must be a non-empty subset of 0..{self.num_experts - 1}")
+            raise ValueError(
+                f"expert ids {self.expert_ids} must be a non-empty subset of 0..{self.num_experts - 1}"
+            )
         self.gate = nn.Linear(cfg.d_model, self.num_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids})
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids}
+        )
         self.capacity_multiple = 1  # set to tp to compute exactly what a tensor-parallel run's layer computes
 
     def route(self, x_SD: torch.Tensor) -> Routing:
@@ -194,8 +217,15 @@ class GShardFFN(nn.Module):
         g = self.gcfg
         logits_SE = F.linear(x_SD.float(), self.gate.weight.float())
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        return route_tokens(logits_SE, g.top_k, factor, g.min_capacity, g.second_expert_policy, self.training,
-                            self.capacity_multiple)
+        return route_tokens(
+            logits_SE,
+            g.top_k,
+            factor,
+            g.min_capacity,
+            g.second_expert_policy,
+            self.training,
+            self.capacity_multiple,
+        )
 
     def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
         if len(self.expert_ids) != self.num_experts:

@@ -66,7 +66,9 @@ import torch
 from data.argtypes import in_range, nonneg_float
 from data.readers import read_json_object
 
-UPDATING_DECAY = 0.3  # λ in eq. 9 (the paper's grid {0.1, 0.3, 0.5, 1.0}; 0.3 "worked well for most settings")
+UPDATING_DECAY = (
+    0.3  # λ in eq. 9 (the paper's grid {0.1, 0.3, 0.5, 1.0}; 0.3 "worked well for most settings")
+)
 CACHED_PRIOR_BLOCKS = 100  # development blocks used to estimate the cached prior
 EWM_ALPHA = 0.3  # weight of the newest block in the reference implementation's exponentially weighted mean
 POSTERIORS: tuple[str, ...] = ("prefix", "previous_token")
@@ -112,8 +114,9 @@ def prefix_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] 
     return torch.cat([torch.zeros_like(cum_EBT[..., :1]), cum_EBT[..., :-1]], dim=2)
 
 
-def evidence_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
-                            posterior: str = "prefix") -> torch.Tensor:
+def evidence_log_likelihood(
+    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix"
+) -> torch.Tensor:
     """The log-likelihood the posterior at each position conditions on, E B T: the whole prefix (eqs. 7-8) or
     the previous token only (mask_{t-1} ll[j, b, t-1]; 0 at t = 0)."""
     _check_posterior(posterior)
@@ -123,8 +126,9 @@ def evidence_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor
     return torch.cat([torch.zeros_like(prev_EBT[..., :1]), prev_EBT[..., :-1]], dim=2)
 
 
-def end_of_block_evidence(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None,
-                          posterior: str = "prefix") -> torch.Tensor:
+def end_of_block_evidence(
+    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix"
+) -> torch.Tensor:
     """The evidence after the last token of each block, E B: all its scored tokens (prefix) or the last scored
     one (previous_token)."""
     _check_posterior(posterior)
@@ -133,17 +137,24 @@ def end_of_block_evidence(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] 
         return masked_EBT.sum(dim=2)
     m_BT = _mask(ll_EBT, mask_BT).bool()
     pos_B = torch.arange(m_BT.shape[1], device=m_BT.device).expand_as(m_BT).masked_fill(~m_BT, -1).amax(dim=1)
-    last_EB = masked_EBT.gather(2, pos_B.clamp(min=0)[None, :, None].expand(masked_EBT.shape[0], -1, 1))[..., 0]
+    last_EB = masked_EBT.gather(2, pos_B.clamp(min=0)[None, :, None].expand(masked_EBT.shape[0], -1, 1))[
+        ..., 0
+    ]
     return torch.where(pos_B[None] >= 0, last_EB, torch.zeros_like(last_EB))
 
 
 def log_posterior(
-    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix",
+    ll_EBT: torch.Tensor,
+    log_prior: torch.Tensor,
+    mask_BT: Optional[torch.Tensor] = None,
+    posterior: str = "prefix",
 ) -> torch.Tensor:
     """log p(D = j | evidence before t) at every position, E B T: eqs. 7-8 over the whole prefix, or the previous
     token only (`posterior`, module docstring); `log_prior` is E or E B (one per block)."""
     E, B, _ = ll_EBT.shape
-    joint_EBT = evidence_log_likelihood(ll_EBT, mask_BT, posterior) + _log_prior_EB(log_prior, E, B)[..., None]
+    joint_EBT = (
+        evidence_log_likelihood(ll_EBT, mask_BT, posterior) + _log_prior_EB(log_prior, E, B)[..., None]
+    )
     return torch.log_softmax(joint_EBT, dim=0)
 
 
@@ -153,7 +164,10 @@ def mixture_log_probs(ll_EBT: torch.Tensor, log_weights_EBT: torch.Tensor) -> to
 
 
 def posterior_mixture_log_probs(
-    ll_EBT: torch.Tensor, log_prior: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix",
+    ll_EBT: torch.Tensor,
+    log_prior: torch.Tensor,
+    mask_BT: Optional[torch.Tensor] = None,
+    posterior: str = "prefix",
 ) -> torch.Tensor:
     """Eq. 6 with g_j = the posterior (eqs. 7-8, or previous-token) under `log_prior` (E or E B), B T."""
     return mixture_log_probs(ll_EBT, log_posterior(ll_EBT, log_prior, mask_BT, posterior))
@@ -199,8 +213,11 @@ class UpdatingPrior:
 
 
 def updating_priors(
-    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, decay: float = UPDATING_DECAY,
-    state: Optional[UpdatingPrior] = None, posterior: str = "prefix",
+    ll_EBT: torch.Tensor,
+    mask_BT: Optional[torch.Tensor] = None,
+    decay: float = UPDATING_DECAY,
+    state: Optional[UpdatingPrior] = None,
+    posterior: str = "prefix",
 ) -> UpdatingPriors:
     """Run eq. 9 over the blocks b = 0..B-1 in order (each block's posterior uses the prior from the blocks
     before it; its evidence per `posterior`). `state` continues an earlier stream (it is updated in place)."""
@@ -244,17 +261,32 @@ class CachedPrior:
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"format": CACHED_PRIOR_FORMAT, "domains": self.domains, "probs": self.probs,
-                                    "blocks": self.blocks, "decay": self.decay, "estimator": self.estimator,
-                                    "posterior": self.posterior}, indent=2) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "format": CACHED_PRIOR_FORMAT,
+                    "domains": self.domains,
+                    "probs": self.probs,
+                    "blocks": self.blocks,
+                    "decay": self.decay,
+                    "estimator": self.estimator,
+                    "posterior": self.posterior,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         return path
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CachedPrior":
         """Read a prior `save` wrote; ValueError naming the file when it is not one, or its probabilities are not
         finite, non-negative with a positive sum (`mixture_weights`)."""
-        data = read_json_object(path, {"format": str, "domains": list, "probs": list, "blocks": int, "decay": float},
-                                what="cached prior")
+        data = read_json_object(
+            path,
+            {"format": str, "domains": list, "probs": list, "blocks": int, "decay": float},
+            what="cached prior",
+        )
         if data.get("format") != CACHED_PRIOR_FORMAT:
             raise ValueError(f"{path}: format {data.get('format')!r}, expected {CACHED_PRIOR_FORMAT!r}")
         if len(data["domains"]) != len(data["probs"]):
@@ -262,10 +294,18 @@ class CachedPrior:
         data["probs"] = mixture_weights(data["probs"], f"{path}: probs")
         estimator, posterior = data.get("estimator", "updating"), data.get("posterior", "prefix")
         if estimator not in CACHED_ESTIMATORS or posterior not in POSTERIORS:
-            raise ValueError(f"{path}: estimator {estimator!r} / posterior {posterior!r}: expected one of "
-                             f"{', '.join(CACHED_ESTIMATORS)} / {', '.join(POSTERIORS)}")
-        return cls(list(data["domains"]), [float(p) for p in data["probs"]], int(data["blocks"]), float(data["decay"]),
-                   estimator, posterior)
+            raise ValueError(
+                f"{path}: estimator {estimator!r} / posterior {posterior!r}: expected one of "
+                f"{', '.join(CACHED_ESTIMATORS)} / {', '.join(POSTERIORS)}"
+            )
+        return cls(
+            list(data["domains"]),
+            [float(p) for p in data["probs"]],
+            int(data["blocks"]),
+            float(data["decay"]),
+            estimator,
+            posterior,
+        )
 
 
 def mixture_weights(weights: Sequence[float], what: str) -> list[float]:
@@ -279,13 +319,19 @@ def mixture_weights(weights: Sequence[float], what: str) -> list[float]:
         values.append(float(in_range(w, nonneg_float, f"{what}[{i}]")))
     total = sum(values)
     if not values or not (math.isfinite(total) and total > 0):
-        raise ValueError(f"{what}={list(weights)}: need at least one weight > 0 (their sum is the normaliser)")
+        raise ValueError(
+            f"{what}={list(weights)}: need at least one weight > 0 (their sum is the normaliser)"
+        )
     return [v / total for v in values]
 
 
 def estimate_cached_prior(
-    dev_ll_EBT: torch.Tensor, domains: Sequence[str], mask_BT: Optional[torch.Tensor] = None,
-    max_blocks: int = CACHED_PRIOR_BLOCKS, decay: Optional[float] = None, estimator: str = "mean",
+    dev_ll_EBT: torch.Tensor,
+    domains: Sequence[str],
+    mask_BT: Optional[torch.Tensor] = None,
+    max_blocks: int = CACHED_PRIOR_BLOCKS,
+    decay: Optional[float] = None,
+    estimator: str = "mean",
     posterior: str = "prefix",
 ) -> CachedPrior:
     """The cached prior from the first `max_blocks` development blocks (module docstring): the mean of their
@@ -316,8 +362,14 @@ def estimate_cached_prior(
             for b in range(1, n):
                 final_E = (1 - decay) * final_E + decay * post_EB[:, b]
     final_E = final_E / final_E.sum()
-    return CachedPrior(list(domains), [float(p) for p in final_E], blocks=n, decay=decay, estimator=estimator,
-                       posterior=posterior)
+    return CachedPrior(
+        list(domains),
+        [float(p) for p in final_E],
+        blocks=n,
+        decay=decay,
+        estimator=estimator,
+        posterior=posterior,
+    )
 
 
 def topk_experts(log_prior_E: torch.Tensor, k: int) -> list[int]:
@@ -336,8 +388,12 @@ class TopKResult:
 
 
 def topk_mixture_log_probs(
-    ll_EBT: torch.Tensor, log_prior_E: torch.Tensor, k: int, mask_BT: Optional[torch.Tensor] = None,
-    select: str = "prior", posterior: str = "prefix",
+    ll_EBT: torch.Tensor,
+    log_prior_E: torch.Tensor,
+    k: int,
+    mask_BT: Optional[torch.Tensor] = None,
+    select: str = "prior",
+    posterior: str = "prefix",
 ) -> TopKResult:
     """Sparse eq. 6: keep the k experts with the highest posterior and renormalise their weights.
 
@@ -373,7 +429,9 @@ def expert_perplexities(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = 
     return [perplexity(ll_EBT[j], mask_BT) for j in range(ll_EBT.shape[0])]
 
 
-def naive_expert(ll_EBT: torch.Tensor, known: Optional[int] = None, mask_BT: Optional[torch.Tensor] = None) -> int:
+def naive_expert(
+    ll_EBT: torch.Tensor, known: Optional[int] = None, mask_BT: Optional[torch.Tensor] = None
+) -> int:
     """The naive baseline's expert: the known domain's expert if given, else the best single expert on this data."""
     if known is not None:
         return known

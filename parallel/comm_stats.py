@@ -31,10 +31,17 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES: dict[str, str] = {  # function name -> the parameter whose size is the payload (module docstring)
-    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
-    "reduce_scatter_tensor": "input", "_reduce_scatter_base": "input", "reduce_scatter": "input_list",
-    "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor", "all_gather": "tensor_list",
-    "all_to_all_single": "input", "all_to_all": "input_tensor_list",
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "reduce_scatter_tensor": "input",
+    "_reduce_scatter_base": "input",
+    "reduce_scatter": "input_list",
+    "all_gather_into_tensor": "output_tensor",
+    "_all_gather_base": "output_tensor",
+    "all_gather": "tensor_list",
+    "all_to_all_single": "input",
+    "all_to_all": "input_tensor_list",
 }
 
 
@@ -84,8 +91,11 @@ class CommStats:
     def _group_name(self, group: Optional[dist.ProcessGroup]) -> str:
         key = id(group)
         if key not in self._ranks:
-            self._ranks[key] = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-                tuple(range(dist.get_world_size()))
+            self._ranks[key] = (
+                tuple(dist.get_process_group_ranks(group))
+                if group is not None
+                else tuple(range(dist.get_world_size()))
+            )
         ranks = self._ranks[key]
         return self.names.get(ranks, "local" if len(ranks) == 1 else "ranks_" + "_".join(map(str, ranks)))
 
@@ -95,8 +105,10 @@ class CommStats:
             fn = getattr(dist, name, None)
             if fn is None or name in self._originals:
                 continue
-            while getattr(fn, "__wrapped_comm_stats__", False):  # another CommStats (an earlier trainer in this
-                fn = fn.__wrapped__                                 # process): replaced, never stacked
+            while getattr(
+                fn, "__wrapped_comm_stats__", False
+            ):  # another CommStats (an earlier trainer in this
+                fn = fn.__wrapped__  # process): replaced, never stacked
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))
         return self

@@ -57,7 +57,9 @@ class ParallelConfig:
         if self.grad_reduce not in GRAD_REDUCES:
             out.append(f"{prefix}.grad_reduce={self.grad_reduce!r}: choose one of {', '.join(GRAD_REDUCES)}")
         if self.bucket_elements is not None and self.bucket_elements < 1:
-            out.append(f"{prefix}.bucket_elements={self.bucket_elements}: must be >= 1 (or unset for the size rule)")
+            out.append(
+                f"{prefix}.bucket_elements={self.bucket_elements}: must be >= 1 (or unset for the size rule)"
+            )
         return out
 
 
@@ -112,15 +114,23 @@ class TrainConfig:
             out.append(f"{prefix}: betas ({self.beta1}, {self.beta2}) must be in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0 or self.eps <= 0:
             out.append(f"{prefix}: clip_grad and weight_decay must be >= 0, eps > 0")
-        for name, allowed in (("precision", PRECISIONS), ("schedule", SCHEDULES), ("activation_checkpointing", CHECKPOINTING),
-                              ("trainable", TRAINABLE)):
+        for name, allowed in (
+            ("precision", PRECISIONS),
+            ("schedule", SCHEDULES),
+            ("activation_checkpointing", CHECKPOINTING),
+            ("trainable", TRAINABLE),
+        ):
             if getattr(self, name) not in allowed:
                 out.append(f"{prefix}.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         if self.grad_reduce_dtype is not None:
             if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-                out.append(f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r}: choose one of "
-                           f"{', '.join(GRAD_REDUCE_DTYPES)} (or leave it unset)")
+                out.append(
+                    f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r}: choose one of "
+                    f"{', '.join(GRAD_REDUCE_DTYPES)} (or leave it unset)"
+                )
             elif self.precision != "bf16":
-                out.append(f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r} applies to train.precision=bf16 only "
-                           f"(with {self.precision!r} the gradients are reduced in {self.precision}): unset it")
+                out.append(
+                    f"{prefix}.grad_reduce_dtype={self.grad_reduce_dtype!r} applies to train.precision=bf16 only "
+                    f"(with {self.precision!r} the gradients are reduced in {self.precision}): unset it"
+                )
         return out

@@ -82,7 +82,9 @@ class ClusterResult:
     dbscan_labels_N: np.ndarray  # DBSCAN's label per sample after re-indexing by size (-1: noise or dropped)
     eps: float
     eps_method: str = "fixed"  # fixed (configured) or the automatic method that chose it
-    eps_scan: Optional[list[dict[str, float]]] = None  # dbscan_auto=target: every candidate's eps, clusters, noise
+    eps_scan: Optional[list[dict[str, float]]] = (
+        None  # dbscan_auto=target: every candidate's eps, clusters, noise
+    )
 
     @property
     def num_clusters(self) -> int:
@@ -144,8 +146,14 @@ def _target_key(r: dict[str, float], lo: int, hi: int) -> tuple[float, ...]:
     return (max(lo - r["clusters"], 0), -min(r["clusters"], hi), r["noise"], r["eps"])
 
 
-def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clusters: int, auto: str = "median",
-                       min_clusters: int = 2) -> ClusterResult:
+def cluster_embeddings(
+    v_NP: torch.Tensor,
+    eps: float,
+    min_samples: int,
+    max_clusters: int,
+    auto: str = "median",
+    min_clusters: int = 2,
+) -> ClusterResult:
     """DBSCAN on the projected embeddings; clusters sorted by size (largest first), at most `max_clusters` kept.
     `eps <= 0`: chosen from the data by `auto` (module docstring; `min_clusters`..`max_clusters` for "target").
 
@@ -181,8 +189,14 @@ def cluster_embeddings(v_NP: torch.Tensor, eps: float, min_samples: int, max_clu
     k = max(1, len(order))
     centres = np.stack([x[labels == j].mean(0) for j in range(k)])
     radii = np.array([np.linalg.norm(x[labels == j] - centres[j], axis=1).mean() for j in range(k)])
-    return ClusterResult(torch.tensor(centres, dtype=torch.float32), torch.tensor(radii, dtype=torch.float32).clamp_min(1e-6),
-                         labels, eps, method, scan)
+    return ClusterResult(
+        torch.tensor(centres, dtype=torch.float32),
+        torch.tensor(radii, dtype=torch.float32).clamp_min(1e-6),
+        labels,
+        eps,
+        method,
+        scan,
+    )
 
 
 def purity(clusters_N: np.ndarray, domains_N: np.ndarray) -> float:
@@ -198,15 +212,19 @@ def purity(clusters_N: np.ndarray, domains_N: np.ndarray) -> float:
     return total / len(clusters_N)
 
 
-def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[np.ndarray],
-                   domain_names: Sequence[str] = ()) -> dict[str, Any]:
+def cluster_record(
+    res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[np.ndarray], domain_names: Sequence[str] = ()
+) -> dict[str, Any]:
     """What a practitioner reads about one layer's clustering: sizes, radii, inter-centre distances, domain shares."""
     from model.cse import dispatch
 
     routed = dispatch(v_NP.float(), res.centres_KP, res.radii_K).numpy()
     k = res.num_clusters
     rec: dict[str, Any] = {
-        "num_clusters": k, "eps": res.eps, "eps_method": res.eps_method, "noise": int((res.dbscan_labels_N < 0).sum()),
+        "num_clusters": k,
+        "eps": res.eps,
+        "eps_method": res.eps_method,
+        "noise": int((res.dbscan_labels_N < 0).sum()),
         "dbscan_sizes": [int((res.dbscan_labels_N == j).sum()) for j in range(k)],
         "dispatch_sizes": [int((routed == j).sum()) for j in range(k)],
         "radii": res.radii_K.tolist(),
@@ -218,7 +236,9 @@ def cluster_record(res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[n
         for j in range(k):
             members = domains_N[routed == j]
             vals, cnt = np.unique(members, return_counts=True)
-            share[str(j)] = {name(int(d)): round(float(c) / max(1, len(members)), 4) for d, c in zip(vals, cnt)}
+            share[str(j)] = {
+                name(int(d)): round(float(c) / max(1, len(members)), 4) for d, c in zip(vals, cnt)
+            }
         rec["domain_share"] = share
         rec["purity"] = purity(routed, domains_N)
     if res.eps_scan:
@@ -257,7 +277,11 @@ def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> Option
 def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str]) -> torch.Tensor:
     """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective)."""
     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-    frag = (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None) if key is None else _flat_state(p, opt, key)
+    frag = (
+        (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None)
+        if key is None
+        else _flat_state(p, opt, key)
+    )
     if frag is not None:
         a = p._hp_mapping.lp_fragment_address
         buf.narrow(0, a.start, a.numel).copy_(frag.flatten())
@@ -266,7 +290,11 @@ def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str])
 
 
 def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str], value: torch.Tensor) -> None:
-    frag = (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None) if key is None else _flat_state(p, opt, key)
+    frag = (
+        (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None)
+        if key is None
+        else _flat_state(p, opt, key)
+    )
     if frag is not None:
         a = p._hp_mapping.lp_fragment_address
         frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
@@ -284,6 +312,7 @@ def partitioned_state(p: torch.Tensor, optimizer: Any, key: Optional[str] = None
 class _Master:
     """Where a model parameter's fp32 master lives: `numel` elements from `start` of `key`, the tensor the torch
     optimizer's state is keyed by (the parameter itself, its own fp32 copy, or a flat group holding several)."""
+
     key: torch.Tensor
     start: int
     numel: int
@@ -356,8 +385,11 @@ def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
             for key in (None, "exp_avg", "exp_avg_sq"):
                 _set_state(p_dst, opt, key, _full_state(p_src, opt, key))
         else:  # the parameter is its own master, unless a ZeRO-0 fp16 wrapper holds one
-            _copy_master(masters.get(id(p_src), _Master(p_src, 0, p_src.numel())),
-                         masters.get(id(p_dst), _Master(p_dst, 0, p_dst.numel())), opt)
+            _copy_master(
+                masters.get(id(p_src), _Master(p_src, 0, p_src.numel())),
+                masters.get(id(p_dst), _Master(p_dst, 0, p_dst.numel())),
+                opt,
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -368,8 +400,15 @@ def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
 class CSEController:
     """Drives the CSE layers of `model` (the plain module, e.g. `bundle.engine.module`) during training."""
 
-    def __init__(self, model: nn.Module, cse: CSEConfig, steps: int, groups: Any = None, optimizer: Any = None,
-                 domain_names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cse: CSEConfig,
+        steps: int,
+        groups: Any = None,
+        optimizer: Any = None,
+        domain_names: Sequence[str] = (),
+    ) -> None:
         self.model = model
         self.cse = cse
         self.layers: list[CSEFFN] = cse_layers(model)
@@ -425,8 +464,12 @@ class CSEController:
         """(v'_{n_local, L, P}, domain ids) of this rank's first n_local sequences of `batch_fn`."""
         captured: list[list[torch.Tensor]] = [[] for _ in self.layers]
         # Kept on the training device: the embeddings are all-gathered next (NCCL reduces nothing on the host).
-        hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: captured[i].append(mod.embed(args[0]).detach()))
-                 for i, layer in enumerate(self.layers)]
+        hooks = [
+            layer.register_forward_hook(
+                lambda mod, args, out, i=i: captured[i].append(mod.embed(args[0]).detach())
+            )
+            for i, layer in enumerate(self.layers)
+        ]
         was_training = self.model.training
         self.model.eval()
         domains, got, i = [], 0, 0
@@ -436,7 +479,9 @@ class CSEController:
                 ids = b.get("expert_ids", b.get("domain_ids"))
                 self.model(b["tokens"], ids, return_logits=False)
                 dev = b["tokens"].device
-                domains.append(b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1, device=dev)).to(dev))
+                domains.append(
+                    b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1, device=dev)).to(dev)
+                )
                 got, i = got + b["tokens"].shape[0], i + 1
         finally:
             for h in hooks:
@@ -460,20 +505,29 @@ class CSEController:
         device = v_nLP.device
         v_nLP, dom_n = v_nLP.cpu(), dom_n.cpu()  # clustering runs on the host (scikit-learn)
         L, E, P = len(self.layers), self.layers[0].num_slots, v_nLP.shape[-1]
-        state = torch.zeros(L, E * P + E + 1, device=device)  # per layer: centres (E*P), radii (E), K; broadcast
+        state = torch.zeros(
+            L, E * P + E + 1, device=device
+        )  # per layer: centres (E*P), radii (E), K; broadcast
         layer_recs: dict[str, Any] = {}
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed or dist.get_rank() == 0:
             labels = dom_n.numpy() if bool((dom_n >= 0).all()) else None
             for li, layer in enumerate(self.layers):
-                res = cluster_embeddings(v_nLP[:, li], self.cse.dbscan_eps, self.cse.dbscan_min_samples,
-                                         min(self.cse.max_clusters, layer.num_slots), self.cse.dbscan_auto,
-                                         min(self.cse.min_clusters, layer.num_slots))
+                res = cluster_embeddings(
+                    v_nLP[:, li],
+                    self.cse.dbscan_eps,
+                    self.cse.dbscan_min_samples,
+                    min(self.cse.max_clusters, layer.num_slots),
+                    self.cse.dbscan_auto,
+                    min(self.cse.min_clusters, layer.num_slots),
+                )
                 k = res.num_clusters
                 state[li, : k * P] = res.centres_KP.flatten()
-                state[li, E * P: E * P + k] = res.radii_K
+                state[li, E * P : E * P + k] = res.radii_K
                 state[li, -1] = k
-                layer_recs[str(layer.layer_idx)] = cluster_record(res, v_nLP[:, li], labels, self.domain_names)
+                layer_recs[str(layer.layer_idx)] = cluster_record(
+                    res, v_nLP[:, li], labels, self.domain_names
+                )
         if distributed:
             dist.broadcast(state, src=0)
         state = state.cpu()
@@ -481,10 +535,13 @@ class CSEController:
             k = int(state[li, -1])
             for j in range(1, k):
                 copy_expert(layer.experts["0"], layer.experts[str(j)], self.optimizer)
-            layer.set_clusters(state[li, : k * P].view(k, P), state[li, E * P: E * P + k])
+            layer.set_clusters(state[li, : k * P].view(k, P), state[li, E * P : E * P + k])
         self._clustered = True
-        return {"samples": int(v_nLP.shape[0]), "num_clusters": [int(state[li, -1]) for li in range(L)],
-                "layers": layer_recs}
+        return {
+            "samples": int(v_nLP.shape[0]),
+            "num_clusters": [int(state[li, -1]) for li in range(L)],
+            "layers": layer_recs,
+        }
 
     # -- checkpoints (the cluster state itself is in the model's buffers) ---------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.config import ParallelConfig, TrainConfig
 from model.gpt import GPT
+from parallel.config import ParallelConfig, TrainConfig
 from parallel.groups import DeepSpeedMPU, ProcessGroups, register_with_deepspeed
-
 
 # The gradient bucket rule (`bucket_elements`): Megatron-core's default DDP bucket, max(4e7, 1e6 x data-parallel
 # ranks) elements ("larger DP sizes need larger buckets to ensure collectives do not become latency-bound": each rank's
@@ -61,8 +60,15 @@ def bucket_elements(rank_params: int, dp_size: int, override: Optional[int] = No
     gradients; a model larger than n gets several buckets, the first reduced while the backward still computes the
     others. `override` (`parallel.bucket_elements`) replaces the rule. Rounded up to even: DeepSpeed wants the
     all-gather bucket a multiple of 2."""
-    n = override if override is not None else min(rank_params, max(BUCKET_FLOOR_ELEMENTS, BUCKET_PER_RANK_ELEMENTS * dp_size),
-                                                   DEEPSPEED_BUCKET_ELEMENTS)
+    n = (
+        override
+        if override is not None
+        else min(
+            rank_params,
+            max(BUCKET_FLOOR_ELEMENTS, BUCKET_PER_RANK_ELEMENTS * dp_size),
+            DEEPSPEED_BUCKET_ELEMENTS,
+        )
+    )
     n = max(1, int(n))
     return n + n % 2
 
@@ -72,13 +78,19 @@ class GradReducePlan:
     """How this run reduces gradients (`plan_grad_reduce`): bucket size and whether reduction overlaps the backward."""
 
     elements: int  # gradient elements per bucket
-    overlap: bool  # buckets issued during the backward of the accumulation boundary (ZeRO 0 hooks / overlap_comm)
+    overlap: (
+        bool  # buckets issued during the backward of the accumulation boundary (ZeRO 0 hooks / overlap_comm)
+    )
     max_rank_params: int  # the most trainable parameters a data-parallel rank holds (the bucket rule's P)
     uniform: bool  # every data-parallel rank holds trainable parameters of the same shapes, in the same order
 
 
-def deepspeed_config(t: TrainConfig, parallel: ParallelConfig, extra: Optional[dict[str, Any]] = None,
-                     grad_reduce: Optional[GradReducePlan] = None) -> dict[str, Any]:
+def deepspeed_config(
+    t: TrainConfig,
+    parallel: ParallelConfig,
+    extra: Optional[dict[str, Any]] = None,
+    grad_reduce: Optional[GradReducePlan] = None,
+) -> dict[str, Any]:
     """The DeepSpeed JSON config derived from the typed training recipe and layout (written into the run
     directory by the launcher), with `extra` (the run config's `extra_deepspeed`: comms logger, flops profiler,
     offload, ...) merged in. A key of `extra` that the framework sets itself is refused
@@ -143,11 +155,13 @@ OWNED_DEEPSPEED_KEYS: dict[str, str] = {
     "zero_optimization.allgather_bucket_size": "parallel.bucket_elements",
     "communication_data_type": "train.grad_reduce_dtype (bf16 | fp32, with train.precision=bf16)",
     "data_types.grad_accum_dtype": "train.grad_reduce_dtype (bf16 | fp32, with train.precision=bf16)",
-    "fp16": "train.precision", "bf16": "train.precision", "torch_autocast": "train.precision",
+    "fp16": "train.precision",
+    "bf16": "train.precision",
+    "torch_autocast": "train.precision",
     "optimizer": "train (lr, betas, eps, weight_decay: the trainer builds AdamW)",
     "scheduler": "train.schedule / warmup_fraction",
     "timers": "the trainer's own tokens_per_s / step_time_s (DeepSpeed's throughput timer synchronises the device "
-              "twice per micro-batch)",
+    "twice per micro-batch)",
 }
 
 
@@ -172,7 +186,11 @@ def _merge_dicts(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     options under zero_optimization, are added)."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge_dicts(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _merge_dicts(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
     return out
 
 
@@ -309,7 +327,9 @@ def _refine(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Parame
     while len(chunks) < count:
         splittable = [i for i, c in enumerate(chunks) if len(c) > 1]
         if not splittable:
-            raise ValueError(f"cannot split {sum(map(len, chunks))} expert tensors into {count} optimizer groups")
+            raise ValueError(
+                f"cannot split {sum(map(len, chunks))} expert tensors into {count} optimizer groups"
+            )
         i = max(splittable, key=lambda j: sum(p.numel() for p in chunks[j]))
         c, half, acc, cut = chunks[i], sum(p.numel() for p in chunks[i]) / 2, 0, 1
         for k, p in enumerate(c[:-1]):
@@ -319,7 +339,7 @@ def _refine(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Parame
                 break
         else:
             cut = len(c) - 1
-        chunks[i:i + 1] = [c[:cut], c[cut:]]
+        chunks[i : i + 1] = [c[:cut], c[cut:]]
     return chunks
 
 
@@ -329,8 +349,8 @@ def _merge(chunks: list[list[nn.Parameter]], count: int) -> list[list[nn.Paramet
     size = [sum(p.numel() for p in c) for c in chunks]
     while len(chunks) > count:
         i = min(range(len(chunks) - 1), key=lambda j: size[j] + size[j + 1])
-        chunks[i:i + 2] = [chunks[i] + chunks[i + 1]]
-        size[i:i + 2] = [size[i] + size[i + 1]]
+        chunks[i : i + 2] = [chunks[i] + chunks[i + 1]]
+        size[i : i + 2] = [size[i] + size[i + 1]]
     return chunks
 
 
@@ -343,11 +363,12 @@ def _agree_on_chunks(chunked: list[list[list[nn.Parameter]]]) -> list[int]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         from deepspeed.accelerator import get_accelerator
 
-        t = torch.tensor(counts + [-n for n in tensors], dtype=torch.int64,
-                         device=get_accelerator().current_device_name())
+        t = torch.tensor(
+            counts + [-n for n in tensors], dtype=torch.int64, device=get_accelerator().current_device_name()
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         values = t.tolist()
-        counts, tensors = values[:len(counts)], [-v for v in values[len(counts):]]
+        counts, tensors = values[: len(counts)], [-v for v in values[len(counts) :]]
     return [min(c, n) for c, n in zip(counts, tensors)]
 
 
@@ -384,8 +405,11 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
         limit = _split_max_numel()
         chunked = [_greedy_chunks(g["params"], limit) for g in expert_groups]
         counts = _agree_on_chunks(chunked)
-        groups = shared + [{**g, "params": part} for g, c, n in zip(expert_groups, chunked, counts)
-                           for part in _exactly(c, n)]
+        groups = shared + [
+            {**g, "params": part}
+            for g, c, n in zip(expert_groups, chunked, counts)
+            for part in _exactly(c, n)
+        ]
     # Drop empty groups (e.g. all shared parameters frozen for DEMix-DAPT): DeepSpeed drops them from the
     # optimizer, and the LR scheduler must see the same groups.
     return [g for g in groups if g["params"]]
@@ -405,7 +429,9 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
 
     device = next(model.parameters()).device
     shared: list[torch.Tensor] = []
-    expert: dict[int, list[torch.Tensor]] = {}  # by replica count: weight 1/R, a Python scalar (no host->device copy)
+    expert: dict[
+        int, list[torch.Tensor]
+    ] = {}  # by replica count: weight 1/R, a Python scalar (no host->device copy)
     for p in model.parameters():
         if p.grad is None or (not is_model_parallel_parameter(p) and groups.tp_rank != 0):
             continue
@@ -416,9 +442,13 @@ def global_grad_norm(model: nn.Module, groups: ProcessGroups) -> torch.Tensor:
     # One fused norm per tensor (torch._foreach_norm, as clip_grad_norm_ does), squared and summed in float64.
     total = torch.zeros((), dtype=torch.float64, device=device)
     if shared:
-        total += torch.stack(torch._foreach_norm(shared, 2, dtype=torch.float32)).double().pow(2).sum() / len(groups.dp_ranks)
+        total += torch.stack(torch._foreach_norm(shared, 2, dtype=torch.float32)).double().pow(2).sum() / len(
+            groups.dp_ranks
+        )
     for replicas, grads in sorted(expert.items()):
-        total += torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum() / replicas
+        total += (
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().pow(2).sum() / replicas
+        )
     dist.all_reduce(total)  # over the world: sums the tp shards, the dp replicas (/N_dp) and each domain once
     return total.sqrt().float()
 
@@ -479,7 +509,9 @@ def plan_grad_reduce(model: nn.Module, parallel: ParallelConfig, groups: Process
     if dist.is_available() and dist.is_initialized() and len(groups.dp_ranks) > 1:
         from deepspeed.accelerator import get_accelerator
 
-        t = torch.tensor([count, sig, -sig], dtype=torch.int64, device=get_accelerator().current_device_name())
+        t = torch.tensor(
+            [count, sig, -sig], dtype=torch.int64, device=get_accelerator().current_device_name()
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.dp_group)
         most, sig_max, sig_min = (int(v) for v in t.tolist())
         sig_min = -sig_min
@@ -507,9 +539,11 @@ def attach_backward_prologue(engine: Any) -> None:
 
     def hook(module: nn.Module, args: Any, out: Any) -> None:
         if is_dataclass(out) and torch.is_grad_enabled():
-            register_output_backward_hooks([getattr(out, f.name) for f in fields(out)],
-                                           preprocess_once_fn=engine._backward_prologue,
-                                           preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
+            register_output_backward_hooks(
+                [getattr(out, f.name) for f in fields(out)],
+                preprocess_once_fn=engine._backward_prologue,
+                preprocess_per_tensor_fn=engine._backward_prologue_per_tensor,
+            )
 
     engine.module.register_forward_hook(hook)
 
@@ -598,21 +632,27 @@ class OverlappedGradReduce:
             return
         b = self.bucket_of[id(p)]
         b.ready += 1
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
+            self.buckets[self._next].params
+        ):
             self._issue(self.buckets[self._next])
             self._next += 1
-        while self._handles and self._handles[0].handle.is_completed():  # frees finished buckets' flat copies early
+        while (
+            self._handles and self._handles[0].handle.is_completed()
+        ):  # frees finished buckets' flat copies early
             self._wait_oldest()
 
     def _begin(self, task: int) -> None:
         self.finish()  # anything a failed backward left (normally nothing)
         self._task = task
-        self._boundary = self.engine.is_gradient_accumulation_boundary() and not self.engine.inside_no_sync_ctxt
+        self._boundary = (
+            self.engine.is_gradient_accumulation_boundary() and not self.engine.inside_no_sync_ctxt
+        )
         if self._boundary:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        for b in self.buckets[self._next:]:
+        for b in self.buckets[self._next :]:
             for p in b.params:
                 if p.grad is None:  # DeepSpeed reduces zeros for them, so every rank reduces the same sizes
                     p.grad = torch.zeros_like(p)
@@ -621,9 +661,8 @@ class OverlappedGradReduce:
         self._task = None
 
     def _issue(self, b: _Bucket) -> None:
-        from torch._utils import _flatten_dense_tensors
-
         from deepspeed import comm as ds_dist
+        from torch._utils import _flatten_dense_tensors
 
         e = self.engine
         grads = [p.grad.data for p in b.params]
@@ -676,7 +715,11 @@ class _Pending:
 
         e = self.owner.engine
         self.handle.wait()
-        if e.gradient_average and e.postscale_gradients() and e.gradient_predivide_factor() != self.bucket.world:
+        if (
+            e.gradient_average
+            and e.postscale_gradients()
+            and e.gradient_predivide_factor() != self.bucket.world
+        ):
             self.comm.mul_(e.gradient_predivide_factor() / self.bucket.world)
         if self.comm is not self.flat:
             self.flat.copy_(self.comm)
@@ -697,7 +740,9 @@ class EngineBundle:
     deepspeed_config: dict[str, Any] = field(default_factory=dict)  # the config the engine was built with
 
 
-def distribute_demix_experts(model: GPT, num_experts: int, groups: ProcessGroups, scaling: str) -> ExpertGradScale:
+def distribute_demix_experts(
+    model: GPT, num_experts: int, groups: ProcessGroups, scaling: str
+) -> ExpertGradScale:
     """DEMix's parallel step: register the domain groups with DeepSpeed, tag this rank's experts for
     domain-group reduction with the per-expert gradient scale, and attach the marker that switches on
     DeepSpeed's expert paths. Returns the scale (its factors are set every step)."""
@@ -711,14 +756,22 @@ def adamw_options(t: TrainConfig, device_type: str) -> dict[str, Any]:
     """AdamW's settings: the recipe's, and on CUDA torch's fused implementation (one kernel for every parameter's
     update instead of several per tensor; the same update rule). Elsewhere the default (foreach) implementation,
     so CPU results stay as they were."""
-    return dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **({"fused": True} if device_type == "cuda" else {}))
+    return dict(
+        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **({"fused": True} if device_type == "cuda" else {})
+    )
 
 
 PrepareFn = Callable[[nn.Module], Optional[ExpertGradScale]]
 
 
-def build_engine(model: GPT, t: TrainConfig, parallel: ParallelConfig, groups: ProcessGroups,
-                 prepare: Optional[PrepareFn] = None, extra_deepspeed: Optional[dict[str, Any]] = None) -> EngineBundle:
+def build_engine(
+    model: GPT,
+    t: TrainConfig,
+    parallel: ParallelConfig,
+    groups: ProcessGroups,
+    prepare: Optional[PrepareFn] = None,
+    extra_deepspeed: Optional[dict[str, Any]] = None,
+) -> EngineBundle:
     """Tensor-parallelise `model`, let `prepare` make its experts distributed (the FFN kind's step, e.g.
     `distribute_demix_experts` or `parallel.gshard.apply_gshard`), and wrap it in a DeepSpeed engine."""
     import deepspeed
@@ -728,16 +781,28 @@ def build_engine(model: GPT, t: TrainConfig, parallel: ParallelConfig, groups: P
 
         apply_tensor_parallel(model, groups.tp_group)
     expert_scale = prepare(model) if prepare is not None else None
-    optimizer = torch.optim.AdamW(optimizer_param_groups(model, t.weight_decay), **adamw_options(t, "cuda" if torch.cuda.is_available() else "cpu"))
+    optimizer = torch.optim.AdamW(
+        optimizer_param_groups(model, t.weight_decay),
+        **adamw_options(t, "cuda" if torch.cuda.is_available() else "cpu"),
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     plan = plan_grad_reduce(model, parallel, groups)
     config = deepspeed_config(t, parallel, extra_deepspeed, plan)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
-                                           mpu=DeepSpeedMPU(groups))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=DeepSpeedMPU(groups)
+    )
     attach_backward_prologue(engine)
     reducer = None
     # BF16_Optimizer (never configured here) reduces its own fp32 buffers: DeepSpeed's path stays for it.
     if parallel.zero_stage == 0 and plan.overlap and not hasattr(engine.optimizer, "get_grads_for_reduction"):
         reducer = OverlappedGradReduce(engine, plan.elements).install()
-    return EngineBundle(engine=engine, groups=groups, model=model, scheduler=scheduler, expert_scale=expert_scale,
-                        grad_reduce=plan, reducer=reducer, deepspeed_config=config)
+    return EngineBundle(
+        engine=engine,
+        groups=groups,
+        model=model,
+        scheduler=scheduler,
+        expert_scale=expert_scale,
+        grad_reduce=plan,
+        reducer=reducer,
+        deepspeed_config=config,
+    )

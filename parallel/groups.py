@@ -24,7 +24,6 @@ import torch.distributed as dist
 from parallel.topology import Group, Topology
 
 
-
 def expert_group_name(dp_size: int) -> str:
     """DeepSpeed's expert group naming convention, `ep_size_<N>` (see the module docstring)."""
     return f"ep_size_{dp_size}"
@@ -40,7 +39,9 @@ class ProcessGroups:
     tp_ranks: Group
     dp_group: Optional[dist.ProcessGroup]
     dp_ranks: Group
-    expert_group: Optional[dist.ProcessGroup]  # the ranks that share this rank's experts (same domain(s), same tp rank)
+    expert_group: Optional[
+        dist.ProcessGroup
+    ]  # the ranks that share this rank's experts (same domain(s), same tp rank)
     expert_ranks: Group
 
     @property
@@ -60,7 +61,9 @@ class ProcessGroups:
     def create(cls, topo: Topology, rank: Optional[int] = None) -> "ProcessGroups":
         """Make every group (collective: all ranks must call this with the same topology)."""
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call deepspeed.init_distributed() first"
+            )
         rank = dist.get_rank() if rank is None else rank
         if dist.get_world_size() != topo.world_size:
             raise ValueError(

@@ -56,9 +56,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.mlp import MLP, FFNOutput
 from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
+from model.mlp import MLP, FFNOutput
 from parallel.topology import deepspeed_moe_groups
+
 
 def resolve_num_experts(model: ModelConfig, world_size: int) -> int:
     """E for GShard: `num_experts` if set, else GPUs x experts_per_rank (one expert per GPU, DEMix §A.5).
@@ -73,8 +74,10 @@ def gshard_layout_problems(model: ModelConfig, world_size: int, tensor_parallel:
     per_rank = model.ffn.gshard.experts_per_rank
     n = resolve_num_experts(model, world_size)
     if n % per_rank:
-        out.append(f"model.ffn.num_experts={n} is not a multiple of model.ffn.gshard.experts_per_rank={per_rank}: "
-                   "each rank holds the same number of experts")
+        out.append(
+            f"model.ffn.num_experts={n} is not a multiple of model.ffn.gshard.experts_per_rank={per_rank}: "
+            "each rank holds the same number of experts"
+        )
     elif world_size % (n // per_rank):
         ep = n // per_rank
         out.append(
@@ -102,8 +105,13 @@ class GShardLayout:
         return f"ep_size_{self.ep_size}"  # DeepSpeed's name for the groups of this ep_size
 
 
-def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_before_expert_parallelism: bool = False,
-                  tensor_parallel: int = 1) -> GShardLayout:
+def gshard_layout(
+    model: ModelConfig,
+    world_size: int,
+    rank: int,
+    use_data_before_expert_parallelism: bool = False,
+    tensor_parallel: int = 1,
+) -> GShardLayout:
     """The layout DeepSpeed will build for this rank (pure; raises ValueError listing every problem)."""
     problems = gshard_layout_problems(model, world_size, tensor_parallel)
     if problems:
@@ -111,12 +119,21 @@ def gshard_layout(model: ModelConfig, world_size: int, rank: int, use_data_befor
     per_rank = model.ffn.gshard.experts_per_rank
     n = resolve_num_experts(model, world_size)
     ep = n // per_rank
-    ds = deepspeed_moe_groups(world_size, ep, use_data_before_expert_parallelism=use_data_before_expert_parallelism)
+    ds = deepspeed_moe_groups(
+        world_size, ep, use_data_before_expert_parallelism=use_data_before_expert_parallelism
+    )
     ep_ranks = next(tuple(sorted(g)) for g in ds.expert_parallel if rank in g)
     edp_ranks = next(tuple(sorted(g)) for g in ds.expert_data_parallel if rank in g)
     pos = ep_ranks.index(rank)
-    return GShardLayout(n, ep, per_rank, ep_ranks, edp_ranks, tuple(range(pos * per_rank, (pos + 1) * per_rank)),
-                        tensor_parallel)
+    return GShardLayout(
+        n,
+        ep,
+        per_rank,
+        ep_ranks,
+        edp_ranks,
+        tuple(range(pos * per_rank, (pos + 1) * per_rank)),
+        tensor_parallel,
+    )
 
 
 def gshard_layout_for(model: ModelConfig, topo: Any, rank: int) -> GShardLayout:
@@ -131,21 +148,33 @@ class _RoutingGate(nn.Module):
     tensor parallelism (C must be a multiple of tp). The same `wg` weight, the routing of model/gshard.py,
     returned in DeepSpeed's sparse-route format."""
 
-    def __init__(self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1, tp_group: Any = None) -> None:
+    def __init__(
+        self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1, tp_group: Any = None
+    ) -> None:
         super().__init__()
         self.wg, self.k, self.policy = ds_gate.wg, ds_gate.k, policy
-        self.capacity_factor, self.eval_capacity_factor = ds_gate.capacity_factor, ds_gate.eval_capacity_factor
-        self.min_capacity, self.capacity_multiple, self.ep_group = ds_gate.min_capacity, capacity_multiple, None
+        self.capacity_factor, self.eval_capacity_factor = (
+            ds_gate.capacity_factor,
+            ds_gate.eval_capacity_factor,
+        )
+        self.min_capacity, self.capacity_multiple, self.ep_group = (
+            ds_gate.min_capacity,
+            capacity_multiple,
+            None,
+        )
         self.tp_group = tp_group  # checked once: every TP rank must route identically
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
 
-    def forward(self, x_SD: torch.Tensor, used_token: Any = None, sparse_routes: bool = True, use_tutel: bool = False):
+    def forward(
+        self, x_SD: torch.Tensor, used_token: Any = None, sparse_routes: bool = True, use_tutel: bool = False
+    ):
         logits_SE = F.linear(x_SD.float(), self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        r = route_tokens(logits_SE, self.k, factor, self.min_capacity, self.policy, self.training,
-                         self.capacity_multiple)
+        r = route_tokens(
+            logits_SE, self.k, factor, self.min_capacity, self.policy, self.training, self.capacity_multiple
+        )
         idx_KS = torch.where(r.kept_KS, r.experts_KS, -1).to(torch.int32)
         loc_KS = (r.slots_KS * r.kept_KS).to(torch.int32)
         if self.tp_group is not None:
@@ -175,30 +204,44 @@ class DistributedGShardFFN(nn.Module):
     FFNOutput with aux_loss = aux_loss_weight * l_aux and the same statistics as the plain layer (local to this
     rank's tokens; expert_load_E from DeepSpeed's exp_counts)."""
 
-    def __init__(self, plain: GShardFFN, cfg: ModelConfig, layout: GShardLayout, tp_group: Any = None) -> None:
+    def __init__(
+        self, plain: GShardFFN, cfg: ModelConfig, layout: GShardLayout, tp_group: Any = None
+    ) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
         g = cfg.ffn.gshard
         self.gcfg, self.layout = g, layout
         self.moe = MoE(
-            hidden_size=cfg.d_model, expert=MLP(cfg.d_model, cfg.d_ffn, cfg.dropout), num_experts=layout.num_experts,
-            ep_size=layout.ep_size, k=g.top_k, capacity_factor=g.capacity_factor,
-            eval_capacity_factor=g.eval_capacity_factor, min_capacity=g.min_capacity, drop_tokens=True,
+            hidden_size=cfg.d_model,
+            expert=MLP(cfg.d_model, cfg.d_ffn, cfg.dropout),
+            num_experts=layout.num_experts,
+            ep_size=layout.ep_size,
+            k=g.top_k,
+            capacity_factor=g.capacity_factor,
+            eval_capacity_factor=g.eval_capacity_factor,
+            min_capacity=g.min_capacity,
+            drop_tokens=True,
             use_rts=True,  # top-1 only: DeepSpeed's random token selection when an expert overflows
             top2_2nd_expert_sampling=g.second_expert_policy == "sampling",
         )
         inner = self.moe.deepspeed_moe
         if layout.tensor_parallel > 1 or (g.top_k == 2 and g.second_expert_policy == "random"):
-            inner.gate = _RoutingGate(inner.gate, g.second_expert_policy, layout.tensor_parallel,
-                                      tp_group if layout.tensor_parallel > 1 else None)
+            inner.gate = _RoutingGate(
+                inner.gate,
+                g.second_expert_policy,
+                layout.tensor_parallel,
+                tp_group if layout.tensor_parallel > 1 else None,
+            )
         with torch.no_grad():
             inner.gate.wg.weight.copy_(plain.gate.weight)
             for j, e in enumerate(layout.local_experts):
                 inner.experts.deepspeed_experts[j].load_state_dict(plain.experts[str(e)].state_dict())
         if layout.tensor_parallel > 1:
             for p in inner.experts.parameters():
-                p.model_parallel = True  # differs across TP ranks: every TP rank counts it in the gradient norm
+                p.model_parallel = (
+                    True  # differs across TP ranks: every TP rank counts it in the gradient norm
+                )
         self._groups_checked = False
 
     def _check_groups(self) -> None:
@@ -220,7 +263,9 @@ class DistributedGShardFFN(nn.Module):
         inner = self.moe.deepspeed_moe
         if hasattr(inner.gate, "top2_2nd_expert_sampling"):
             # DeepSpeed samples the second expert in eval too; sample in training only, as the plain layer does.
-            inner.gate.top2_2nd_expert_sampling = self.training and self.gcfg.second_expert_policy == "sampling"
+            inner.gate.top2_2nd_expert_sampling = (
+                self.training and self.gcfg.second_expert_policy == "sampling"
+            )
         try:
             y_BTD, l_aux, counts_E = self.moe(x_BTD)
         finally:
@@ -230,11 +275,14 @@ class DistributedGShardFFN(nn.Module):
             inner.l_aux = None
         B, T, D = x_BTD.shape
         with torch.no_grad():
-            probs_SE = F.softmax(F.linear(x_BTD.reshape(B * T, D).float(), inner.gate.wg.weight.float()), dim=1)
+            probs_SE = F.softmax(
+                F.linear(x_BTD.reshape(B * T, D).float(), inner.gate.wg.weight.float()), dim=1
+            )
         g = self.gcfg
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        cap = expert_capacity(B * T, self.layout.num_experts, g.top_k, factor, g.min_capacity,
-                              self.layout.tensor_parallel)
+        cap = expert_capacity(
+            B * T, self.layout.num_experts, g.top_k, factor, g.min_capacity, self.layout.tensor_parallel
+        )
         stats = routing_stats(probs_SE, counts_E, cap, B)
         stats["l_aux"] = l_aux.detach()
         return FFNOutput(hidden=y_BTD, aux_loss=g.aux_loss_weight * l_aux, stats=stats)
@@ -305,8 +353,11 @@ def gather_gshard_state_dict(model: nn.Module, groups: Any = None) -> dict[str, 
 
 def _non_expert_state(model: nn.Module, moe_prefixes: list[str], groups: Any) -> dict[str, torch.Tensor]:
     """Everything outside the MoE layers, TP shards gathered (a collective over the TP group when tp > 1)."""
-    rest = [(k, v) for k, v in model.state_dict(keep_vars=True).items()
-            if not any(k.startswith(p) for p in moe_prefixes) and not k.endswith("_extra_state")]
+    rest = [
+        (k, v)
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not any(k.startswith(p) for p in moe_prefixes) and not k.endswith("_extra_state")
+    ]
     if groups is not None and groups.topo.tensor_parallel > 1:
         from parallel.tensor_parallel import gather_tensors
 
@@ -314,7 +365,9 @@ def _non_expert_state(model: nn.Module, moe_prefixes: list[str], groups: Any) ->
     return {k: v.detach() for k, v in rest}
 
 
-def gshard_export_parts(model: nn.Module, groups: Any = None) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]], bool]:
+def gshard_export_parts(
+    model: nn.Module, groups: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]], bool]:
     """(shared tensors, {global expert id: its tensors in every MoE layer}, whether this rank writes them).
 
     No expert leaves its rank: each rank returns only the experts it holds (plain names, global ids), and the
@@ -354,7 +407,9 @@ def gshard_state_names(model: nn.Module) -> dict[str, tuple[str, Optional[tuple[
         for j, e in enumerate(lay.local_experts):
             for pname, _ in inner.experts.deepspeed_experts[j].named_parameters():
                 out[f"{name}.moe.deepspeed_moe.experts.deepspeed_experts.{j}.{pname}"] = (
-                    f"{name}.experts.{e}.{pname}", tuple(lay.edp_ranks))
+                    f"{name}.experts.{e}.{pname}",
+                    tuple(lay.edp_ranks),
+                )
     return out
 
 

@@ -80,8 +80,9 @@ def state_bytes_per_param(precision: str, zero_stage: int) -> tuple[int, int, in
     return (2, 2, 16) if sixteen_bit else (4, 4, 8)
 
 
-def model_state_bytes(p: RankParams, precision: str, zero_stage: int,
-                      grad_reduce_dtype: Optional[str] = None) -> dict[str, float]:
+def model_state_bytes(
+    p: RankParams, precision: str, zero_stage: int, grad_reduce_dtype: Optional[str] = None
+) -> dict[str, float]:
     """Params, grads and optimizer states on this rank, bytes (eq. Z on each part). bf16 at ZeRO 2 with
     `train.grad_reduce_dtype: fp32` keeps its gradient partition in fp32 (DeepSpeed's `grad_accum_dtype`, set by
     parallel/engine.py `deepspeed_config`): 4 bytes per partitioned gradient instead of 2."""
@@ -96,8 +97,14 @@ def model_state_bytes(p: RankParams, precision: str, zero_stage: int,
     return out
 
 
-def activation_bytes(m: ModelConfig, micro_batch: int, tensor_parallel: int, recompute: bool, precision: str,
-                     vocab_padded: Optional[int] = None) -> float:
+def activation_bytes(
+    m: ModelConfig,
+    micro_batch: int,
+    tensor_parallel: int,
+    recompute: bool,
+    precision: str,
+    vocab_padded: Optional[int] = None,
+) -> float:
     """Activation memory of one micro-batch on one rank, bytes (eqs. A1, A2 and the logits)."""
     s, b, h, a, t = m.seq_len, micro_batch, m.d_model, m.n_heads, tensor_parallel
     scale = 2.0 if precision == "fp32" else 1.0
@@ -147,7 +154,9 @@ class _PlannedRouting(TorchDispatchMode):
                 return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
             x = args[0]
-            return torch.zeros((max(1, round(x.numel() * self.share)), x.dim()), dtype=torch.long, device=x.device)
+            return torch.zeros(
+                (max(1, round(x.numel() * self.share)), x.dim()), dtype=torch.long, device=x.device
+            )
         return func(*args, **kwargs)
 
 
@@ -193,7 +202,11 @@ class PeakBytes(TorchDispatchMode):
 
 
 def _forward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
-    ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+    ctx = (
+        torch.autocast("cpu", dtype=autocast)
+        if autocast is not None
+        else torch.autocast("cpu", enabled=False)
+    )
     with ctx:
         out = model(**batch, return_logits=False)
     return out.loss if out.aux_loss is None else out.loss + out.aux_loss
@@ -209,8 +222,12 @@ def _preallocate_grads(model: torch.nn.Module) -> None:
         p.grad = torch.zeros_like(p)
 
 
-def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
-               preallocate_grads: bool = True) -> dict[str, int]:
+def count_peak(
+    model: torch.nn.Module,
+    batch: dict,
+    autocast: Optional[torch.dtype] = None,
+    preallocate_grads: bool = True,
+) -> dict[str, int]:
     """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads),
     and the activations at the peak of each phase, `forward` and `backward` (their maximum is `activations`)."""
     if preallocate_grads:
@@ -227,12 +244,20 @@ def count_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dty
         loss.backward()
         del loss
     total = max(forward, tracker.peak)
-    return {"total": total, "activations": total - states, "forward": forward - states,
-            "backward": tracker.peak - states}
+    return {
+        "total": total,
+        "activations": total - states,
+        "forward": forward - states,
+        "backward": tracker.peak - states,
+    }
 
 
-def measure_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype] = None,
-                 preallocate_grads: bool = True) -> dict[str, int]:
+def measure_peak(
+    model: torch.nn.Module,
+    batch: dict,
+    autocast: Optional[torch.dtype] = None,
+    preallocate_grads: bool = True,
+) -> dict[str, int]:
     """Peak bytes of one forward+backward of `model(**batch, return_logits=False)` by torch's MemTracker kind
     (PARAM, GRAD, ACT, TEMP, ...) plus `total` and `activations` (total - PARAM - GRAD - OPT), at the moment of
     the total peak. Works on fake tensors (nothing allocated) and on real ones (the measurement the tests trust)."""
@@ -254,8 +279,11 @@ def measure_peak(model: torch.nn.Module, batch: dict, autocast: Optional[torch.d
 def rank_batch(m: ModelConfig, micro_batch: int) -> dict:
     """A training micro-batch (tokens, targets, loss mask); fake when built under FakeTensorMode."""
     B, T = micro_batch, m.seq_len
-    return {"tokens_BT": torch.randint(0, m.vocab_size, (B, T)), "targets_BT": torch.randint(0, m.vocab_size, (B, T)),
-            "loss_mask_BT": torch.ones(B, T)}
+    return {
+        "tokens_BT": torch.randint(0, m.vocab_size, (B, T)),
+        "targets_BT": torch.randint(0, m.vocab_size, (B, T)),
+        "loss_mask_BT": torch.ones(B, T),
+    }
 
 
 def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]]) -> dict:
@@ -267,21 +295,44 @@ def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Seque
     return {"domain_ids_B": torch.tensor([ids[i * len(ids) // micro_batch] for i in range(micro_batch)])}
 
 
-def trace_peak(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]], recompute: bool,
-               dtype: torch.dtype = torch.bfloat16, autocast: Optional[torch.dtype] = None,
-               loss_chunk_logits: Optional[int] = None, memtracker: bool = False,
-               preallocate_grads: bool = True) -> dict[str, int]:
+def trace_peak(
+    m: ModelConfig,
+    micro_batch: int,
+    expert_ids: Optional[Sequence[int]],
+    recompute: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    autocast: Optional[torch.dtype] = None,
+    loss_chunk_logits: Optional[int] = None,
+    memtracker: bool = False,
+    preallocate_grads: bool = True,
+) -> dict[str, int]:
     """`count_peak` (or with `memtracker`, torch's MemTracker: `measure_peak`) of this rank's GPT under
     FakeTensorMode (nothing allocated), routing planned; `preallocate_grads=False` measures a first micro-batch
     (gradients created by backward)."""
-    return trace_peaks(m, micro_batch, expert_ids, (recompute,), dtype, autocast, loss_chunk_logits, memtracker,
-                       preallocate_grads)[recompute]
+    return trace_peaks(
+        m,
+        micro_batch,
+        expert_ids,
+        (recompute,),
+        dtype,
+        autocast,
+        loss_chunk_logits,
+        memtracker,
+        preallocate_grads,
+    )[recompute]
 
 
-def trace_peaks(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]],
-                recompute: Sequence[bool] = (False, True), dtype: torch.dtype = torch.bfloat16,
-                autocast: Optional[torch.dtype] = None, loss_chunk_logits: Optional[int] = None,
-                memtracker: bool = False, preallocate_grads: bool = True) -> dict[bool, dict[str, int]]:
+def trace_peaks(
+    m: ModelConfig,
+    micro_batch: int,
+    expert_ids: Optional[Sequence[int]],
+    recompute: Sequence[bool] = (False, True),
+    dtype: torch.dtype = torch.bfloat16,
+    autocast: Optional[torch.dtype] = None,
+    loss_chunk_logits: Optional[int] = None,
+    memtracker: bool = False,
+    preallocate_grads: bool = True,
+) -> dict[bool, dict[str, int]]:
     """`trace_peak` for each recompute mode in turn (False before True) on one build of the model: recompute is
     applied from outside (parallel/activation_recompute.py), so the same model serves both, and a gpt3-xl trace
     pays for one build and one set of gradients instead of two."""
@@ -303,7 +354,9 @@ def trace_peaks(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[
             for mode in sorted(set(recompute)):
                 if mode:
                     apply_activation_recompute(model)
-                out[mode] = measure(model, {**rank_batch(m, micro_batch), **domains}, autocast, preallocate_grads)
+                out[mode] = measure(
+                    model, {**rank_batch(m, micro_batch), **domains}, autocast, preallocate_grads
+                )
                 if not preallocate_grads:  # the next mode measures a first micro-batch too
                     for p in model.parameters():
                         p.grad = None
@@ -335,8 +388,14 @@ def with_training_layers(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Mod
     from parallel.gshard import DistributedGShardFFN, GShardLayout
 
     E = m.ffn.num_experts
-    layout = GShardLayout(num_experts=E, ep_size=1, experts_per_rank=E, ep_ranks=(0,), edp_ranks=(0,),
-                          local_experts=tuple(range(E)))
+    layout = GShardLayout(
+        num_experts=E,
+        ep_size=1,
+        experts_per_rank=E,
+        ep_ranks=(0,),
+        edp_ranks=(0,),
+        local_experts=tuple(range(E)),
+    )
     for block in model.blocks:
         if isinstance(block.ffn, GShardFFN):
             block.ffn = DistributedGShardFFN(block.ffn, m, layout)
@@ -381,8 +440,13 @@ def traced_depths(m: ModelConfig) -> Optional[tuple[int, int]]:
 
 
 @lru_cache(maxsize=64)
-def _cached_traces(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[int, ...]], dtype: torch.dtype,
-                   autocast: Optional[torch.dtype]) -> dict[bool, int]:
+def _cached_traces(
+    m: ModelConfig,
+    micro_batch: int,
+    expert_ids: Optional[tuple[int, ...]],
+    dtype: torch.dtype,
+    autocast: Optional[torch.dtype],
+) -> dict[bool, int]:
     """Activation bytes by recompute mode. A deep model is traced at two shallower depths `traced_depths` and
     extrapolated linearly over its depth, each phase of the step on its own: at the forward's peak and at the
     backward's, each group of identical blocks adds the same bytes (its saved activations, or with recompute its
@@ -390,6 +454,7 @@ def _cached_traces(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[
     loss's and one block's recomputation do not depend on the depth. The answer is the larger phase, so a deep
     model whose peak moves from the backward to the forward (recompute under autocast) is still exact
     (`tests/test_memory_estimate.py` compares with the whole trace); a gpt3-xl trace costs 6 layers, not 24."""
+
     def trace(model: ModelConfig) -> dict[bool, dict[str, int]]:
         return trace_peaks(model, micro_batch, expert_ids, (False, True), dtype, autocast)
 
@@ -398,17 +463,28 @@ def _cached_traces(m: ModelConfig, micro_batch: int, expert_ids: Optional[tuple[
         return {r: t["activations"] for r, t in trace(m).items()}
     (lo, hi), L = depths, m.n_layers
     small, large = trace(replace(m, n_layers=lo)), trace(replace(m, n_layers=hi))
-    return {r: round(max(small[r][ph] + (large[r][ph] - small[r][ph]) * (L - lo) / (hi - lo)
-                         for ph in ("forward", "backward"))) for r in small}
+    return {
+        r: round(
+            max(
+                small[r][ph] + (large[r][ph] - small[r][ph]) * (L - lo) / (hi - lo)
+                for ph in ("forward", "backward")
+            )
+        )
+        for r in small
+    }
 
 
-def trace_fallback_reason(m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int) -> Optional[str]:
+def trace_fallback_reason(
+    m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int
+) -> Optional[str]:
     """Why this rank's activations cannot be traced in one process (None: they can)."""
     if tensor_parallel > 1:
         return f"tensor_parallel={tensor_parallel}: the tensor-parallel layers need their process group"
     if m.ffn.kind == "gshard" and expert_ids is not None and len(expert_ids) < max(1, m.ffn.num_experts):
-        return (f"ffn=gshard with {len(expert_ids)} of {m.ffn.num_experts} experts on this rank: the layer is "
-                "DeepSpeed's MoE, whose all-to-all needs the expert-parallel process group")
+        return (
+            f"ffn=gshard with {len(expert_ids)} of {m.ffn.num_experts} experts on this rank: the layer is "
+            "DeepSpeed's MoE, whose all-to-all needs the expert-parallel process group"
+        )
     return None
 
 
@@ -425,9 +501,14 @@ class ActivationEstimate:
         return self.bytes[(zero_stage, recompute)]
 
 
-def estimate_activations(m: ModelConfig, micro_batch: int, tensor_parallel: int, precision: str,
-                         expert_ids: Optional[Sequence[int]] = None, stages: Sequence[int] = (0, 1, 2)
-                         ) -> ActivationEstimate:
+def estimate_activations(
+    m: ModelConfig,
+    micro_batch: int,
+    tensor_parallel: int,
+    precision: str,
+    expert_ids: Optional[Sequence[int]] = None,
+    stages: Sequence[int] = (0, 1, 2),
+) -> ActivationEstimate:
     """Traced activations for every ZeRO stage and recompute mode (one trace per distinct precision setup, cached),
     else the formula (eqs. A1/A2) with the reason."""
     start = time.perf_counter()
@@ -437,18 +518,29 @@ def estimate_activations(m: ModelConfig, micro_batch: int, tensor_parallel: int,
     if reason is None:
         try:
             for zero in stages:
-                for recompute, act in _cached_traces(m, micro_batch, ids, *trace_dtypes(precision, zero)).items():
+                for recompute, act in _cached_traces(
+                    m, micro_batch, ids, *trace_dtypes(precision, zero)
+                ).items():
                     out[(zero, recompute)] = float(act)
         except Exception as e:  # noqa: BLE001 - any trace failure falls back, and says why
             reason = f"tracing failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if reason is not None:
-        out = {(z, r): activation_bytes(m, micro_batch, tensor_parallel, r, precision) for z in stages
-               for r in (False, True)}
+        out = {
+            (z, r): activation_bytes(m, micro_batch, tensor_parallel, r, precision)
+            for z in stages
+            for r in (False, True)
+        }
     return ActivationEstimate("formula" if reason else "traced", reason, time.perf_counter() - start, out)
 
 
-def buffer_bytes(precision: str, zero_stage: int, params: Optional[RankParams] = None, grad_reduce: str = "overlap",
-                 bucket_override: Optional[int] = None, grad_reduce_dtype: Optional[str] = None) -> float:
+def buffer_bytes(
+    precision: str,
+    zero_stage: int,
+    params: Optional[RankParams] = None,
+    grad_reduce: str = "overlap",
+    bucket_override: Optional[int] = None,
+    grad_reduce_dtype: Optional[str] = None,
+) -> float:
     """The gradient-reduction buffers the engine allocates on this rank, bytes, for n = parallel/engine.py's
     `bucket_elements(P, N_dp)` (P = `params`' shared + expert parameters) and G bytes per gradient:
 
@@ -484,14 +576,24 @@ def deepspeed_zero2_estimate(p: RankParams) -> float:
     total = 0.0
     for psi, n in ((p.shared, p.dp_size), (p.expert, p.expert_replicas)):
         if psi:
-            total += estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False)[1]
+            total += estimate_zero2_model_states_mem_needs(
+                psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False
+            )[1]
     return total
 
 
-def memory_rows(p: RankParams, m: ModelConfig, micro_batch: int, tensor_parallel: int, precision: str,
-                gpu_bytes: Optional[float], activations: Optional[Callable[[int, bool], float]] = None,
-                grad_reduce: str = "overlap", bucket_override: Optional[int] = None,
-                grad_reduce_dtype: Optional[str] = None) -> list[dict]:
+def memory_rows(
+    p: RankParams,
+    m: ModelConfig,
+    micro_batch: int,
+    tensor_parallel: int,
+    precision: str,
+    gpu_bytes: Optional[float],
+    activations: Optional[Callable[[int, bool], float]] = None,
+    grad_reduce: str = "overlap",
+    bucket_override: Optional[int] = None,
+    grad_reduce_dtype: Optional[str] = None,
+) -> list[dict]:
     """One row per ZeRO stage (0, 1, 2): model states, buffers, activations with and without recompute, totals,
     and whether each total fits `gpu_bytes` (None: unknown GPU, no verdict). `activations(zero_stage, recompute)`
     gives the activation bytes (an `ActivationEstimate`); by default the formula. `grad_reduce`, `bucket_override`
@@ -503,12 +605,19 @@ def memory_rows(p: RankParams, m: ModelConfig, micro_batch: int, tensor_parallel
         buffers = buffer_bytes(precision, zero, p, grad_reduce, bucket_override, grad_reduce_dtype)
         row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffers}
         for mode, recompute in (("no_recompute", False), ("recompute", True)):
-            act = (activations(zero, recompute) if activations is not None
-                   else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision))
+            act = (
+                activations(zero, recompute)
+                if activations is not None
+                else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision)
+            )
             row[f"activations_{mode}"] = act
             row[f"total_{mode}"] = row["model_states"] + row["buffers"] + act
             row[f"fits_{mode}"] = None if gpu_bytes is None else row[f"total_{mode}"] <= gpu_bytes
         rows.append(row)
-    if state_bytes_per_param(precision, 2) == (2, 2, 16):  # DeepSpeed's estimator is for 16-bit mixed precision
+    if state_bytes_per_param(precision, 2) == (
+        2,
+        2,
+        16,
+    ):  # DeepSpeed's estimator is for 16-bit mixed precision
         rows[2]["deepspeed_estimate"] = deepspeed_zero2_estimate(p)
     return rows

@@ -40,12 +40,16 @@ def local_precision_problems(precision: str) -> list[str]:
         name, (major, minor) = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
         # not torch.cuda.is_bf16_supported(): it is True on sm70 (V100) through emulation, which would crawl
         if p == "bf16" and (major, minor) < (8, 0):
-            return [f"train.precision=bf16: {name} (compute capability {major}.{minor}) has no bf16; use "
-                    "train.precision=fp16 (loss-scaled, as the DEMix paper on V100) or fp32"]
+            return [
+                f"train.precision=bf16: {name} (compute capability {major}.{minor}) has no bf16; use "
+                "train.precision=fp16 (loss-scaled, as the DEMix paper on V100) or fp32"
+            ]
         return []
     if p == "fp16" and not cpu_supports_fp16():
-        return ["train.precision=fp16: this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16), so "
-                "DeepSpeed refuses it; use train.precision=bf16 or fp32 on this machine"]
+        return [
+            "train.precision=fp16: this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16), so "
+            "DeepSpeed refuses it; use train.precision=bf16 or fp32 on this machine"
+        ]
     return []
 
 
@@ -55,12 +59,18 @@ def device_precision_problems(precision: str, device: DeviceSpec) -> list[str]:
     if p == "fp32" or device.key == "cpu" or device.peak(p) is not None:
         return []
     have = [q for q, _ in device.peaks if q in ("fp16", "bf16")]
-    return [f"train.precision={p}: {device.label} has no {p}; use train.precision={' or '.join(have + ['fp32'])}"]
+    return [
+        f"train.precision={p}: {device.label} has no {p}; use train.precision={' or '.join(have + ['fp32'])}"
+    ]
 
 
 def precision_problems(precision: str, device: Optional[DeviceSpec] = None) -> list[str]:
     """For a named device when given, else for this machine."""
-    return device_precision_problems(precision, device) if device is not None else local_precision_problems(precision)
+    return (
+        device_precision_problems(precision, device)
+        if device is not None
+        else local_precision_problems(precision)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -70,7 +80,9 @@ def precision_problems(precision: str, device: Optional[DeviceSpec] = None) -> l
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def forward_precision(module: torch.nn.Module, precision: str, device_type: str) -> AbstractContextManager[None]:
+def forward_precision(
+    module: torch.nn.Module, precision: str, device_type: str
+) -> AbstractContextManager[None]:
     """The context a forward pass of `module` in `precision` runs under: the training step's regime, so that every
     evaluation scores the model as it was trained.
 

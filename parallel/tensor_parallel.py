@@ -93,12 +93,18 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 from torch.distributed import ProcessGroup
 
 from model.config import ModelConfig
-from model.mlp import MLP
 from model.gpt import GPT
 from model.gshard import GShardFFN
+from model.mlp import MLP
 
 # Attributes megatron-core uses to describe a parameter's tensor-parallel sharding.
-TP_ATTRIBUTES: tuple[str, ...] = ("tensor_model_parallel", "partition_dim", "partition_stride", "expert_tp", "is_qkv")
+TP_ATTRIBUTES: tuple[str, ...] = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "expert_tp",
+    "is_qkv",
+)
 IGNORE_INDEX = -100  # as F.cross_entropy: targets equal to it score 0 (TokenCrossEntropy inherits this)
 
 
@@ -200,7 +206,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """megatron-core's `_VocabParallelCrossEntropy` (no label smoothing) with an explicit group."""
 
     @staticmethod
-    def forward(ctx, logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup
+    ) -> torch.Tensor:
         # megatron's helpers work in place on float32 logits; copy so the caller's logits stay intact.
         logits_BTVl = logits_BTVl.detach().to(torch.float32, copy=True)
         logits_BTVl, max_BT = VocabParallelCrossEntropy.calculate_logits_max(logits_BTVl)
@@ -208,8 +216,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
             logits_BTVl.size(-1), group.rank(), group.size()
         )
-        mask_BT, target_N, picked_BT, sum_exp_BT, exp_BTVl = VocabParallelCrossEntropy.calculate_predicted_logits(
-            logits_BTVl, targets_BT, max_BT, start, end
+        mask_BT, target_N, picked_BT, sum_exp_BT, exp_BTVl = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(logits_BTVl, targets_BT, max_BT, start, end)
         )
         both_2BT = torch.stack([picked_BT, sum_exp_BT])  # one all-reduce for both sums
         dist.all_reduce(both_2BT, op=dist.ReduceOp.SUM, group=group)
@@ -222,8 +230,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BT: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         softmax_BTVl, mask_BT, target_N = ctx.saved_tensors
-        grad_2d, arange_N, update_N, grad_BTVl = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
-            softmax_BTVl, mask_BT
+        grad_2d, arange_N, update_N, grad_BTVl = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax_BTVl, mask_BT)
         )
         grad_BTVl = VocabParallelCrossEntropy.calculate_gradients(
             grad_2d, arange_N, target_N, update_N, grad_BTVl, grad_BT.contiguous()
@@ -231,7 +239,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_BTVl, None, None
 
 
-def vocab_parallel_cross_entropy(logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_BTVl: torch.Tensor, targets_BT: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
     """Per-token cross-entropy (float32, shape of `targets_BT`) from vocab-sharded logits."""
     return _VocabParallelCrossEntropy.apply(logits_BTVl, targets_BT, group)
 
@@ -285,11 +295,18 @@ def _copy_in(new: nn.Parameter, full: torch.Tensor, dim: Optional[int], group: P
 
 def _column_parallel(linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLinear:
     new = ColumnParallelLinear(
-        linear.in_features, linear.out_features, config=megatron_config(group.size(), linear.weight.dtype),
-        init_method=_no_init, bias=linear.bias is not None, gather_output=False, skip_bias_add=False,
+        linear.in_features,
+        linear.out_features,
+        config=megatron_config(group.size(), linear.weight.dtype),
+        init_method=_no_init,
+        bias=linear.bias is not None,
+        gather_output=False,
+        skip_bias_add=False,
         tp_group=group,
     )
-    set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=0, stride=1)  # bias: set by megatron
+    set_tensor_model_parallel_attributes(
+        new.weight, is_parallel=True, dim=0, stride=1
+    )  # bias: set by megatron
     _copy_in(new.weight, linear.weight, 0, group)
     if linear.bias is not None:
         _copy_in(new.bias, linear.bias, 0, group)
@@ -298,8 +315,13 @@ def _column_parallel(linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLi
 
 def _row_parallel(linear: nn.Linear, group: ProcessGroup) -> RowParallelLinear:
     new = RowParallelLinear(
-        linear.in_features, linear.out_features, config=megatron_config(group.size(), linear.weight.dtype),
-        init_method=_no_init, bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False,
+        linear.in_features,
+        linear.out_features,
+        config=megatron_config(group.size(), linear.weight.dtype),
+        init_method=_no_init,
+        bias=linear.bias is not None,
+        input_is_parallel=True,
+        skip_bias_add=False,
         tp_group=group,
     )
     set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=1, stride=1)
@@ -317,10 +339,15 @@ def _finish(old: nn.Module, new: nn.Module) -> nn.Module:
     return new.to(device=next(old.parameters()).device)
 
 
-def _vocab_parallel_embedding(emb: nn.Embedding, group: ProcessGroup) -> tensor_parallel.VocabParallelEmbedding:
+def _vocab_parallel_embedding(
+    emb: nn.Embedding, group: ProcessGroup
+) -> tensor_parallel.VocabParallelEmbedding:
     new = tensor_parallel.VocabParallelEmbedding(
-        emb.num_embeddings, emb.embedding_dim, init_method=_no_init,
-        config=megatron_config(group.size(), emb.weight.dtype), tp_group=group,
+        emb.num_embeddings,
+        emb.embedding_dim,
+        init_method=_no_init,
+        config=megatron_config(group.size(), emb.weight.dtype),
+        tp_group=group,
     )
     set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=0, stride=1)
     _copy_in(new.weight, emb.weight, 0, group)
@@ -335,12 +362,16 @@ def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup) -> GPT:
     tp = tp_group.size()
     check_tensor_parallel_layout(model.cfg, tp, model.vocab_size)
     if any(hasattr(p, "tensor_model_parallel") for p in model.parameters()):
-        raise ValueError("this model already carries tensor-parallel attributes: apply_tensor_parallel twice?")
+        raise ValueError(
+            "this model already carries tensor-parallel attributes: apply_tensor_parallel twice?"
+        )
     for block in model.blocks:
         block.attn.qkv = _column_parallel(block.attn.qkv, tp_group)
         block.attn.proj = _row_parallel(block.attn.proj, tp_group)
     # GShard experts stay whole: DeepSpeed's MoE layer splits their *tokens* over the TP group (parallel/gshard.py).
-    token_routed = {id(m) for ffn in model.modules() if isinstance(ffn, GShardFFN) for m in ffn.experts.values()}
+    token_routed = {
+        id(m) for ffn in model.modules() if isinstance(ffn, GShardFFN) for m in ffn.experts.values()
+    }
     for module in list(model.modules()):
         if isinstance(module, MLP) and id(module) not in token_routed:  # the dense FFN and every DEMix expert
             module.fc1 = _column_parallel(module.fc1, tp_group)
@@ -377,7 +408,9 @@ def _gather(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.
 
 
 def _gather_named(
-    items: list[tuple[str, torch.Tensor]], pick: Callable[[torch.Tensor], Optional[torch.Tensor]], group: ProcessGroup
+    items: list[tuple[str, torch.Tensor]],
+    pick: Callable[[torch.Tensor], Optional[torch.Tensor]],
+    group: ProcessGroup,
 ) -> dict[str, Optional[torch.Tensor]]:
     out: dict[str, Optional[torch.Tensor]] = {}
     for name, param in items:  # the same order on every rank: collectives line up

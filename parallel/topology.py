@@ -128,17 +128,30 @@ class Topology:
         domains = []
         for g, name in enumerate(self.domain_names):
             dp = self.domain_dp_ranks[g]
-            domains.append({
-                "domain": g, "name": name, "dp_ranks": _span(dp), "num_dp_ranks": len(dp),
-                "global_ranks": _span(range(dp[0] * tp, (dp[-1] + 1) * tp)),
-                "shares_rank_with": [h for h in self.dp_domains[dp[0]] if h != g],
-            })
+            domains.append(
+                {
+                    "domain": g,
+                    "name": name,
+                    "dp_ranks": _span(dp),
+                    "num_dp_ranks": len(dp),
+                    "global_ranks": _span(range(dp[0] * tp, (dp[-1] + 1) * tp)),
+                    "shares_rank_with": [h for h in self.dp_domains[dp[0]] if h != g],
+                }
+            )
         return {
-            "world_size": self.world_size, "tensor_parallel": tp, "data_parallel": self.dp_size,
-            "num_domains": self.num_domains, "layout": self.layout,
-            "allocation": list(self.allocation), "explicit_allocation": self.explicit_allocation,
+            "world_size": self.world_size,
+            "tensor_parallel": tp,
+            "data_parallel": self.dp_size,
+            "num_domains": self.num_domains,
+            "layout": self.layout,
+            "allocation": list(self.allocation),
+            "explicit_allocation": self.explicit_allocation,
             "tp_groups": {"count": len(self.tp_groups), "size": tp, "first": list(self.tp_groups[0])},
-            "dp_groups": {"count": len(self.dp_groups), "size": self.dp_size, "first": _span(self.dp_groups[0])},
+            "dp_groups": {
+                "count": len(self.dp_groups),
+                "size": self.dp_size,
+                "first": _span(self.dp_groups[0]),
+            },
             "domains": domains,
             "rank0_expert_groups": {str(g): _span(r) for g, r in self.expert_groups_of_rank(0).items()},
         }
@@ -172,7 +185,10 @@ def domain_data_shares(topo: Topology) -> list[float]:
     """
     if topo.layout == RANKS_PER_DOMAIN:
         return [len(topo.domain_dp_ranks[g]) / topo.dp_size for g in range(topo.num_domains)]
-    return [1.0 / (topo.dp_size * len(topo.dp_domains[topo.domain_dp_ranks[g][0]])) for g in range(topo.num_domains)]
+    return [
+        1.0 / (topo.dp_size * len(topo.dp_domains[topo.domain_dp_ranks[g][0]]))
+        for g in range(topo.num_domains)
+    ]
 
 
 def unequal_data_note(topo: Topology) -> Optional[str]:
@@ -181,9 +197,11 @@ def unequal_data_note(topo: Topology) -> Optional[str]:
     if topo.num_domains < 2 or max(shares) - min(shares) < 1e-9:
         return None
     listed = ", ".join(f"{name} {100 * s:.1f}%" for name, s in zip(topo.domain_names, shares))
-    return (f"domains get unequal data in this layout ({topo.layout} {list(topo.allocation)}): share of every "
-            f"step's sequences: {listed}. Equal shares need a data-parallel size that is a multiple of the "
-            f"{topo.num_domains} domains with an even allocation, or an equal number of domains on every rank.")
+    return (
+        f"domains get unequal data in this layout ({topo.layout} {list(topo.allocation)}): share of every "
+        f"step's sequences: {listed}. Equal shares need a data-parallel size that is a multiple of the "
+        f"{topo.num_domains} domains with an even allocation, or an equal number of domains on every rank."
+    )
 
 
 def _span(ranks: Sequence[int]) -> str:
@@ -215,16 +233,22 @@ def _allocation_problems(dp: int, num_domains: int, allocation: Sequence[int]) -
         why = f"one count per domain, summing to the {dp} data-parallel ranks (world / tp)"
     else:
         what, want_len, want_sum = "domains per data-parallel rank", dp, num_domains
-        why = (f"with fewer data-parallel ranks ({dp}) than domains ({num_domains}) the allocation lists the "
-               f"number of consecutive domains on each of the {dp} ranks, summing to {num_domains}")
+        why = (
+            f"with fewer data-parallel ranks ({dp}) than domains ({num_domains}) the allocation lists the "
+            f"number of consecutive domains on each of the {dp} ranks, summing to {num_domains}"
+        )
     out = []
     if len(allocation) != want_len:
-        out.append(f"allocation={list(allocation)} has {len(allocation)} entries but needs {want_len} ({what}): {why}")
+        out.append(
+            f"allocation={list(allocation)} has {len(allocation)} entries but needs {want_len} ({what}): {why}"
+        )
     bad = [n for n in allocation if n < 1]
     if bad:
         out.append(f"allocation={list(allocation)} has counts {bad} < 1: every entry must be >= 1 ({what})")
     if sum(allocation) != want_sum:
-        out.append(f"allocation={list(allocation)} sums to {sum(allocation)} but must sum to {want_sum}: {why}")
+        out.append(
+            f"allocation={list(allocation)} sums to {sum(allocation)} but must sum to {want_sum}: {why}"
+        )
     return out
 
 
@@ -244,8 +268,10 @@ def topology_problems(
     if num_domains < 1:
         out.append(f"num_domains={num_domains}: need at least one domain")
     if domain_names is not None and len(domain_names) != num_domains:
-        out.append(f"{len(domain_names)} domain names {list(domain_names)} for num_domains={num_domains}: "
-                   "give one name per domain")
+        out.append(
+            f"{len(domain_names)} domain names {list(domain_names)} for num_domains={num_domains}: "
+            "give one name per domain"
+        )
     if domain_names is not None and len(set(domain_names)) != len(domain_names):
         out.append(f"domain names {list(domain_names)} repeat a name: names must be unique")
     if out:
@@ -301,7 +327,9 @@ def build_topology(
         counts = list(allocation) if allocation is not None else even_split(num_domains, dp)
         dp_domains = _blocks(counts)
         domain_dp_ranks = [(p,) for p, doms in enumerate(dp_domains) for _ in doms]
-    names = tuple(domain_names) if domain_names is not None else tuple(f"domain{g}" for g in range(num_domains))
+    names = (
+        tuple(domain_names) if domain_names is not None else tuple(f"domain{g}" for g in range(num_domains))
+    )
     return Topology(
         world_size=world_size,
         tensor_parallel=tp,
@@ -315,11 +343,15 @@ def build_topology(
         dp_groups=tuple(tuple(range(t, world_size, tp)) for t in range(tp)),
         domain_dp_ranks=tuple(domain_dp_ranks),
         dp_domains=tuple(dp_domains),
-        expert_groups=tuple(tuple(tuple(p * tp + t for p in ranks) for t in range(tp)) for ranks in domain_dp_ranks),
+        expert_groups=tuple(
+            tuple(tuple(p * tp + t for p in ranks) for t in range(tp)) for ranks in domain_dp_ranks
+        ),
     )
 
 
-def model_sharding_problems(n_heads: int, d_ffn: int, tensor_parallel: int, prefix: str = "model") -> list[str]:
+def model_sharding_problems(
+    n_heads: int, d_ffn: int, tensor_parallel: int, prefix: str = "model"
+) -> list[str]:
     """Tensor parallelism splits whole attention heads and the FFN width: both must divide by tp."""
     out = []
     if tensor_parallel < 1:
@@ -331,8 +363,10 @@ def model_sharding_problems(n_heads: int, d_ffn: int, tensor_parallel: int, pref
             f"rank holds whole heads; use tensor_parallel in {divisors}"
         )
     if d_ffn % tensor_parallel:
-        out.append(f"ffn width {d_ffn} is not divisible by tensor_parallel={tensor_parallel}: "
-                   "the FFN is split by columns")
+        out.append(
+            f"ffn width {d_ffn} is not divisible by tensor_parallel={tensor_parallel}: "
+            "the FFN is split by columns"
+        )
     return out
 
 
@@ -400,12 +434,16 @@ def ds_create_expert_and_data_parallel(
             ep_groups = [tuple(range(i * ep_size, (i + 1) * ep_size)) for i in range(world_size // ep_size)]
         return DeepSpeedExpertGroups(tuple(ep_groups), tuple(edp_groups))
     if use_data_before_expert_parallelism:
-        raise NotImplementedError("DeepSpeed: use_data_before_expert_parallel_ is not supported with mp_size > 1")
+        raise NotImplementedError(
+            "DeepSpeed: use_data_before_expert_parallel_ is not supported with mp_size > 1"
+        )
     for start in range(0, world_size, stride):
         stage = list(range(start, start + stride))
         if mp_mode == "tp":
-            stage = [stage[g * mp_size + lane] for lane in range(mp_size) for g in range(len(stage) // mp_size)]
-        blocks = [tuple(stage[g * ep_size:(g + 1) * ep_size]) for g in range(len(stage) // ep_size)]
+            stage = [
+                stage[g * mp_size + lane] for lane in range(mp_size) for g in range(len(stage) // mp_size)
+            ]
+        blocks = [tuple(stage[g * ep_size : (g + 1) * ep_size]) for g in range(len(stage) // ep_size)]
         ep_groups += blocks
         edp_groups += [tuple(b[pos] for b in blocks) for pos in range(ep_size)]
     return DeepSpeedExpertGroups(tuple(ep_groups), tuple(edp_groups))
@@ -425,7 +463,9 @@ def ds_get_expert_parallel_ranks(
     dp / ep consecutive data-parallel ranks lands in one position), expert-parallel groups are consecutive
     slices of ep, and expert-data-parallel groups zip those slices (same position in each).
     """
-    _divides("world_size", world_size, "tensor_parallel x pipeline_parallel", tensor_parallel * pipeline_parallel)
+    _divides(
+        "world_size", world_size, "tensor_parallel x pipeline_parallel", tensor_parallel * pipeline_parallel
+    )
     dp = world_size // (tensor_parallel * pipeline_parallel)
     _divides("data-parallel size", dp, "ep_size", ep_size)
     stride = world_size // pipeline_parallel
@@ -435,13 +475,18 @@ def ds_get_expert_parallel_ranks(
             if use_data_before_expert_parallelism:
                 dp_stride = dp // ep_size
                 step = dp_stride * tensor_parallel
-                dp_groups.append([r for ds in range(dp_stride)
-                                  for r in range(start + i + ds * tensor_parallel, start + stride, step)])
+                dp_groups.append(
+                    [
+                        r
+                        for ds in range(dp_stride)
+                        for r in range(start + i + ds * tensor_parallel, start + stride, step)
+                    ]
+                )
             else:
                 dp_groups.append(list(range(start + i, start + stride, tensor_parallel)))
     ep_groups, edp_groups = [], []
     for ranks in dp_groups:
-        parts = [tuple(ranks[i:i + ep_size]) for i in range(0, dp, ep_size)]
+        parts = [tuple(ranks[i : i + ep_size]) for i in range(0, dp, ep_size)]
         ep_groups += parts
         edp_groups += [tuple(z) for z in zip(*parts)]
     return DeepSpeedExpertGroups(tuple(ep_groups), tuple(edp_groups))
@@ -459,7 +504,9 @@ def deepspeed_moe_groups(
     expert tensor parallelism on, `_create_expert_data_and_model_parallel`; else the legacy
     `_create_expert_and_data_parallel(ep_size)` over the whole world (tensor parallelism ignored)."""
     if model_parallel > 1 and expert_tensor_parallelism:
-        return ds_get_expert_parallel_ranks(world_size, model_parallel, ep_size, 1, use_data_before_expert_parallelism)
+        return ds_get_expert_parallel_ranks(
+            world_size, model_parallel, ep_size, 1, use_data_before_expert_parallelism
+        )
     return ds_create_expert_and_data_parallel(
         world_size, ep_size, use_data_before_expert_parallelism=use_data_before_expert_parallelism
     )
@@ -471,8 +518,13 @@ def deepspeed_equivalent(topo: Topology) -> Optional[dict]:
     if len(set(topo.allocation)) != 1:
         return None
     ep_size = min(topo.dp_size, topo.num_domains)
-    return {"ep_size": ep_size, "num_experts": topo.num_domains, "use_data_before_expert_parallelism": True,
-            "model_parallel": topo.tensor_parallel, "expert_tensor_parallelism": True}
+    return {
+        "ep_size": ep_size,
+        "num_experts": topo.num_domains,
+        "use_data_before_expert_parallelism": True,
+        "model_parallel": topo.tensor_parallel,
+        "expert_tensor_parallelism": True,
+    }
 
 
 def deepspeed_mismatches(
@@ -496,10 +548,14 @@ def deepspeed_mismatches(
     out = []
     for rank in range(topo.world_size):
         if held.get(rank) != topo.domains_of_rank(rank):
-            out.append(f"rank {rank}: DeepSpeed gives experts {held.get(rank)}, "
-                       f"topology domains {topo.domains_of_rank(rank)}")
+            out.append(
+                f"rank {rank}: DeepSpeed gives experts {held.get(rank)}, "
+                f"topology domains {topo.domains_of_rank(rank)}"
+            )
             continue
         for g, group in topo.expert_groups_of_rank(rank).items():
             if edp_of.get(rank) != group:
-                out.append(f"rank {rank}, domain {g}: DeepSpeed reduces over {edp_of.get(rank)}, topology over {group}")
+                out.append(
+                    f"rank {rank}, domain {g}: DeepSpeed reduces over {edp_of.get(rank)}, topology over {group}"
+                )
     return out

@@ -105,7 +105,11 @@ class ParamStates:
 
     def adam_step(self) -> int:
         """The optimizer's update count (AdamW's `step`, the same for every parameter); 0 before the first."""
-        inner = [self.opt.optimizer] if self.zero else list({id(o): o for _, o in self._masters.values()}.values())
+        inner = (
+            [self.opt.optimizer]
+            if self.zero
+            else list({id(o): o for _, o in self._masters.values()}.values())
+        )
         for opt in inner:
             for state in opt.state.values():
                 if "step" in state:
@@ -167,8 +171,11 @@ class ParamStates:
         scaler = self._scaler()
         if scaler is None:
             return {}
-        return {k: float(getattr(scaler, k)) for k in _SCALER_FIELDS
-                if isinstance(getattr(scaler, k, None), (int, float)) and not isinstance(getattr(scaler, k), bool)}
+        return {
+            k: float(getattr(scaler, k))
+            for k in _SCALER_FIELDS
+            if isinstance(getattr(scaler, k, None), (int, float)) and not isinstance(getattr(scaler, k), bool)
+        }
 
     def load_loss_scaler_state(self, state: dict[str, float]) -> None:
         scaler = self._scaler()
@@ -184,8 +191,11 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
 
 def _adam_state(like: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
     """torch AdamW's per-parameter state after `step` updates, moments zero (to be overwritten)."""
-    return {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": torch.zeros_like(like),
-            "exp_avg_sq": torch.zeros_like(like)}
+    return {
+        "step": torch.tensor(float(step), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(like),
+        "exp_avg_sq": torch.zeros_like(like),
+    }
 
 
 def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Optional[Any]) -> torch.Tensor:
@@ -197,8 +207,9 @@ def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Optio
     return _gather(t, p, tp_group) if tp_group is not None else t.detach()
 
 
-def assign_writers(sizes: Mapping[str, int], ranks: Sequence[int], load: Optional[Mapping[int, int]] = None
-                   ) -> dict[str, int]:
+def assign_writers(
+    sizes: Mapping[str, int], ranks: Sequence[int], load: Optional[Mapping[int, int]] = None
+) -> dict[str, int]:
     """Each file (name -> bytes) to one of `ranks`, balancing the bytes each rank writes: largest file first, each
     onto the rank with the fewest bytes so far (`load`: bytes a rank writes already; ties to the lower rank,
     equal sizes in name order). Greedy largest-first list scheduling (Graham's LPT). Pure and deterministic:
@@ -220,7 +231,9 @@ def assign_writers(sizes: Mapping[str, int], ranks: Sequence[int], load: Optiona
     return out
 
 
-def tensor_parallel_shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+def tensor_parallel_shard(
+    full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """This TP rank's slice of a plain-model tensor (megatron-core's contiguous chunks along partition_dim)."""
     if tp_size == 1 or not getattr(p, "tensor_model_parallel", False):
         return full

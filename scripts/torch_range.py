@@ -24,9 +24,11 @@ def main() -> int:
 
     version = Version(torch.__version__.split("+")[0])
     if version not in spec:
-        print(f"SYSTEM_TORCH=1: this Python's torch {torch.__version__} is outside the supported range torch{spec} "
-              f"(pyproject.toml); load another torch module or use the pinned one (make venv without SYSTEM_TORCH)",
-              file=sys.stderr)
+        print(
+            f"SYSTEM_TORCH=1: this Python's torch {torch.__version__} is outside the supported range torch{spec} "
+            f"(pyproject.toml); load another torch module or use the pinned one (make venv without SYSTEM_TORCH)",
+            file=sys.stderr,
+        )
         return 2
     print(f"system torch {torch.__version__} (cuda {torch.version.cuda}) is within torch{spec}")
     return 0

@@ -21,11 +21,20 @@ def write_corpus(root: Path, docs_per_domain: int = 60, seed: int = 0) -> Path:
     rng = random.Random(seed)
     corpus = root / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "test", "corpus_dir": str(corpus), "domains": {}, "train_domains": list(_WORDS), "novel_domains": []}
+    manifest = {
+        "format": "test",
+        "corpus_dir": str(corpus),
+        "domains": {},
+        "train_domains": list(_WORDS),
+        "novel_domains": [],
+    }
     for d, words in _WORDS.items():
         with open(corpus / f"{d}.jsonl", "w") as f:
             for i in range(docs_per_domain):
-                sents = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(6)]
+                sents = [
+                    " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
+                    for _ in range(6)
+                ]
                 f.write(json.dumps({"id": f"{d}-{i:04d}", "domain": d, "text": " ".join(sents)}) + "\n")
         manifest["domains"][d] = {"split_role": "train"}
     (corpus / "manifest.json").write_text(json.dumps(manifest))
@@ -39,7 +48,15 @@ def tiny_tokens(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("tiny_corpus")
     corpus = write_corpus(root)
-    prepare_corpus(corpus, root / "tokens", tokenizer="gpt2", workers=1, progress=False, valid_fraction=0.15, test_fraction=0.15)
+    prepare_corpus(
+        corpus,
+        root / "tokens",
+        tokenizer="gpt2",
+        workers=1,
+        progress=False,
+        valid_fraction=0.15,
+        test_fraction=0.15,
+    )
     return root / "tokens"
 
 
@@ -49,8 +66,12 @@ def random_lm_batch(seed: int, micro_batch: int, seq_len: int, vocab: int) -> di
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-            "domain_ids": torch.zeros(micro_batch, dtype=torch.long), "loss_mask": torch.ones(micro_batch, seq_len)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "domain_ids": torch.zeros(micro_batch, dtype=torch.long),
+        "loss_mask": torch.ones(micro_batch, seq_len),
+    }
 
 
 def save_random_checkpoint(out: Path, tokens_root: Path, kind: str, seed: int = 3) -> Path:
@@ -66,12 +87,28 @@ def save_random_checkpoint(out: Path, tokens_root: Path, kind: str, seed: int = 
 
     tok = json.loads((tokens_root / "gpt2" / "manifest.json").read_text())["tokenizer"]
     domains = list(_WORDS)
-    cfg = RunConfig(model=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=50257,
-                                      ffn=FFNConfig(kind=kind, num_experts=len(domains) if kind == "demix" else 0)))
+    cfg = RunConfig(
+        model=ModelConfig(
+            n_layers=2,
+            d_model=32,
+            n_heads=2,
+            seq_len=32,
+            vocab_size=50257,
+            ffn=FFNConfig(kind=kind, num_experts=len(domains) if kind == "demix" else 0),
+        )
+    )
     cfg = replace(cfg, data=replace(cfg.data, path=str(tokens_root), tokenizer="gpt2"))
-    extra = {"tokenizer": "gpt2", "vocab_size": tok["vocab_size"], "tokenizer_sha256": tokenizer_fingerprint(tok),
-             "bos_id": tok["bos_id"], "eod_id": tok["eod_id"], "train_tokens": 12345}
-    return save_consolidated(out, GPT(cfg.model, init_seed=seed).state_dict(), cfg, domains, step=7, extra=extra)
+    extra = {
+        "tokenizer": "gpt2",
+        "vocab_size": tok["vocab_size"],
+        "tokenizer_sha256": tokenizer_fingerprint(tok),
+        "bos_id": tok["bos_id"],
+        "eod_id": tok["eod_id"],
+        "train_tokens": 12345,
+    }
+    return save_consolidated(
+        out, GPT(cfg.model, init_seed=seed).state_dict(), cfg, domains, step=7, extra=extra
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +131,9 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (NCCL, CUDA RNG, fp16 on the device): run scripts/gpu_checks.sh there")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (NCCL, CUDA RNG, fp16 on the device): run scripts/gpu_checks.sh there"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -30,19 +30,48 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-_REPO_PREFIX = str(__import__('pathlib').Path(__file__).resolve().parents[1]) + '/'  # frames shown repo-relative
+_REPO_PREFIX = (
+    str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+)  # frames shown repo-relative
 
 _HOST = "_device_strict_host"
 
 # Factories that place their result on the default device (the host) unless given `device=`.
 _FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange, torch.linspace, torch.logspace,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.from_numpy, torch.scalar_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.tensor,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+    torch.from_numpy,
+    torch.scalar_tensor,
 }
 _COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-    "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter",
-    "_all_gather_base", "_reduce_scatter_base",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "gather",
+    "scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
 )
 
 
@@ -109,8 +138,15 @@ def _note_read(name: str) -> None:
     import traceback
 
     frames = [f for f in traceback.extract_stack()[:-1] if "device_strict" not in f.filename]
-    _sync_log.append((name, " <- ".join(f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:"
-                                        f"{f.lineno} {f.name}" for f in reversed(frames[-3:]))))
+    _sync_log.append(
+        (
+            name,
+            " <- ".join(
+                f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:{f.lineno} {f.name}"
+                for f in reversed(frames[-3:])
+            ),
+        )
+    )
 
 
 class _ProvenanceMode(TorchFunctionMode):
@@ -121,10 +157,18 @@ class _ProvenanceMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         # .to("cpu") in the project's code names the host (the trainer moves tensors with its torch.device); in
         # DeepSpeed's, "cpu" is also its CPU accelerator's device name, so only the project's calls count
-        to_host = (name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:2], kwargs.get("device")))
-                   and "site-packages" not in sys._getframe(1).f_code.co_filename)
-        if _sync_log is not None and (name in _HOST_READS or to_host) and args \
-                and isinstance(args[0], torch.Tensor) and not is_host(args[0]):
+        to_host = (
+            name == "to"
+            and any(isinstance(a, str) and a == "cpu" for a in (*args[1:2], kwargs.get("device")))
+            and "site-packages" not in sys._getframe(1).f_code.co_filename
+        )
+        if (
+            _sync_log is not None
+            and (name in _HOST_READS or to_host)
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and not is_host(args[0])
+        ):
             _note_read("to('cpu')" if to_host else name)
         out = func(*args, **kwargs)
         if to_host:
@@ -152,7 +196,7 @@ class _ProvenanceMode(TorchFunctionMode):
             inputs = _tensors(args, kwargs)
             if inputs:
                 host = all(is_host(t) for t in inputs)
-                for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                for o in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(o, torch.Tensor) and not any(o is t for t in inputs):
                         _mark(o, host)
         return out
@@ -165,10 +209,12 @@ def _guard(name: str, fn: Callable, device: torch.device) -> Callable:
             if is_host(t):
                 raise DevicePlacementError(
                     f"torch.distributed.{name} on a host tensor (shape {tuple(t.shape)}, {t.dtype}) made without "
-                    f"device=: NCCL has no CPU backend; create it on the training device ({device})")
+                    f"device=: NCCL has no CPU backend; create it on the training device ({device})"
+                )
             if t.device != device:
                 raise DevicePlacementError(
-                    f"torch.distributed.{name} on a tensor on {t.device}; the trainer trains on {device}")
+                    f"torch.distributed.{name} on a tensor on {t.device}; the trainer trains on {device}"
+                )
         return fn(*args, **kwargs)
 
     wrapper.__wrapped_by_device_strict__ = True
@@ -182,7 +228,9 @@ def enable(device: torch.device | str = "cpu") -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__wrapped_by_device_strict__", False):
             setattr(dist, name, _guard(name, fn, device))
-    if not getattr(torch.from_numpy, "__wrapped_by_device_strict__", False):  # not seen by torch-function modes
+    if not getattr(
+        torch.from_numpy, "__wrapped_by_device_strict__", False
+    ):  # not seen by torch-function modes
         torch.from_numpy = _host_factory(torch.from_numpy)
     _ProvenanceMode().__enter__()
 

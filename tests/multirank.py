@@ -29,22 +29,40 @@ import torch.multiprocessing as mp
 from launcher.distributed import free_port
 
 # What every rank imports anyway: preloaded once in the forkserver, so a rank starts in ~0.1 s instead of ~3 s.
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "launcher.train", "launcher.evaluation.evaluate", "model.gpt",
-           "parallel.engine", "tests.multirank",
-           # what a rank imports once it trains (2,200 modules, ~4 s of CPU per rank when each child imports them):
-           # DeepSpeed's engine, ZeRO and MoE (which import torch._dynamo and torch._inductor, hence sympy and
-           # networkx), megatron-core's token reader and tensor-parallel layers, wandb, and the tests' own modules
-           "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.moe.layer",
-           "torch._dynamo", "torch._inductor.compile_fx", "megatron.core.datasets.indexed_dataset",
-           "deepspeed.module_inject", "deepspeed.ops.op_builder", "parallel.tensor_parallel", "wandb", "pytest",
-           "tests.test_train"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "launcher.train",
+    "launcher.evaluation.evaluate",
+    "model.gpt",
+    "parallel.engine",
+    "tests.multirank",
+    # what a rank imports once it trains (2,200 modules, ~4 s of CPU per rank when each child imports them):
+    # DeepSpeed's engine, ZeRO and MoE (which import torch._dynamo and torch._inductor, hence sympy and
+    # networkx), megatron-core's token reader and tensor-parallel layers, wandb, and the tests' own modules
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.moe.layer",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "megatron.core.datasets.indexed_dataset",
+    "deepspeed.module_inject",
+    "deepspeed.ops.op_builder",
+    "parallel.tensor_parallel",
+    "wandb",
+    "pytest",
+    "tests.test_train",
+]
 # The environment the preloading server imports under: DeepSpeed picks its accelerator at import time.
 SERVER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def _context() -> Any:
     """forkserver where the platform has it (Linux), else spawn."""
-    return mp.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    return mp.get_context(
+        "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    )
 
 
 def start_rank_server() -> None:
@@ -83,16 +101,32 @@ class _CallerStdio:
         return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))  # sent with the process (SCM_RIGHTS)
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, init_pg: bool,
-           device_strict: bool, caller: tuple[dict[str, str], str, list[str]], stdio: None) -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: Sequence[Any],
+    queue: Any,
+    init_pg: bool,
+    device_strict: bool,
+    caller: tuple[dict[str, str], str, list[str]],
+    stdio: None,
+) -> None:
     env, cwd, path = caller
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     sys.path[:] = path
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
     )
     import torch
     import torch.distributed as dist
@@ -125,7 +159,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0, init_pg: bool = True,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 600.0,
+    init_pg: bool = True,
     device_strict: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned processes; return results by rank.
@@ -136,9 +174,13 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     caller = (dict(os.environ), os.getcwd(), list(sys.path))
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, init_pg, device_strict, caller,
-                                                    _CallerStdio()))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, port, fn, args, queue, init_pg, device_strict, caller, _CallerStdio()),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -149,8 +191,10 @@ def run_ranks(
                 rank, ok, payload = queue.get(timeout=timeout)
             except queue_lib.Empty:
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
-                raise AssertionError(f"ranks {missing} of {world_size} returned nothing within {timeout:.0f} s: "
-                                     "hung (e.g. a collective some ranks never called) or deadlocked") from None
+                raise AssertionError(
+                    f"ranks {missing} of {world_size} returned nothing within {timeout:.0f} s: "
+                    "hung (e.g. a collective some ranks never called) or deadlocked"
+                ) from None
             if ok:
                 results[rank] = pickle.loads(payload)
             else:

@@ -19,14 +19,16 @@ import torch
 from launcher import flops as flops_cli
 from launcher.config import load_run_config
 from model import accounting as acc
-from model.config import FFNConfig, GShardConfig, ModelConfig
+from model.config import GShardConfig, ModelConfig
 from model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def preset(name: str, kind: str = "dense", num_experts: int = 0) -> ModelConfig:
-    return load_run_config(None, [f"model.preset={name}", f"model.ffn.kind={kind}", f"model.ffn.num_experts={num_experts}"]).model
+    return load_run_config(
+        None, [f"model.preset={name}", f"model.ffn.kind={kind}", f"model.ffn.num_experts={num_experts}"]
+    ).model
 
 
 def built_params(cfg: ModelConfig, device: str = "cpu") -> int:
@@ -179,11 +181,18 @@ def test_json_command() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "launcher.flops", "--paper", "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     rows = json.loads(out.stdout)  # stdout must be nothing but the JSON list
     assert isinstance(rows, list) and len(rows) == 12
-    assert {(r["size"], r["arch"]) for r in rows} == {(s, a) for s in PAPER_GPUS for a in ("dense", "demix", "gshard")}
+    assert {(r["size"], r["arch"]) for r in rows} == {
+        (s, a) for s in PAPER_GPUS for a in ("dense", "demix", "gshard")
+    }
     for r in rows:
         assert isinstance(r["total_params"], int) and isinstance(r["tflops_per_update"], float)
         assert r["tflops_per_update_no_recompute"] < r["tflops_per_update"]
@@ -192,9 +201,25 @@ def test_json_command() -> None:
 
 
 def test_config_command(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--config", "gpt3-small", "--set", "model.ffn.kind=gshard", "--gpus", "32", "--micro-batch", "2",
-            "--grad-accum", "8", "--seconds-per-update", "45.0", "--device", "Tesla V100-SXM2-32GB",
-            "--precision", "fp16", "--json"]
+    argv = [
+        "--config",
+        "gpt3-small",
+        "--set",
+        "model.ffn.kind=gshard",
+        "--gpus",
+        "32",
+        "--micro-batch",
+        "2",
+        "--grad-accum",
+        "8",
+        "--seconds-per-update",
+        "45.0",
+        "--device",
+        "Tesla V100-SXM2-32GB",
+        "--precision",
+        "fp16",
+        "--json",
+    ]
     assert flops_cli.main(argv) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["experts"] == 32  # derived: one expert per GPU
@@ -263,7 +288,9 @@ def test_logged_mfu_counts_model_flops_and_hfu_the_executed_ones(monkeypatch, re
     import launcher.train as train
     from benchmarks.gpu_throughput import plan_random_tokens
 
-    cfg = load_run_config(None, ["model.preset=tiny", f"train.activation_checkpointing={recompute}"], check=False)
+    cfg = load_run_config(
+        None, ["model.preset=tiny", f"train.activation_checkpointing={recompute}"], check=False
+    )
     plan = plan_random_tokens(cfg, ["a"])
     monkeypatch.setattr(train, "device_name", lambda: "h100-sxm")
     rec = train.throughput_record(plan, seconds=2.0, steps=4)

@@ -1,7 +1,6 @@
 """Anonymisation (DEMix Table 8): every category replaced, look-alikes kept, per-domain policy, and the span
 evaluation on the labelled set tests/data/anonymise_labelled.jsonl (issue 16)."""
 
-import json
 import random
 import shutil
 import subprocess
@@ -10,8 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from data.anonymise import (CATEGORIES, Span, _anonymise_reference, anonymise, anonymise_many, card_brand_ok,
-                            evaluate_spans, find_spans, load_labelled, luhn_ok, main, resolve_policy, spans_from_output)
+from data.anonymise import (
+    CATEGORIES,
+    Span,
+    _anonymise_reference,
+    anonymise,
+    anonymise_many,
+    card_brand_ok,
+    evaluate_spans,
+    find_spans,
+    load_labelled,
+    luhn_ok,
+    main,
+    resolve_policy,
+    spans_from_output,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "tests" / "data" / "anonymise_labelled.jsonl"
@@ -21,7 +33,11 @@ POSITIVES = [
     ("contact: J_Smith@mail-server.example.org.", "contact: <EMAIL>.", "EMAIL"),
     ("tag dart_id=AB12cd34ef loaded", "tag dart_id=<DART> loaded", "DART"),
     ("<img src=http://ad.doubleclick.net/ad/N123.site/B456;sz=1x1>", "<img src=<DART>>", "DART"),
-    ("see facebook.com/profile.php?id=100004123456789 now", "see facebook.com/profile.php?id=<FB_USERID> now", "FB_USERID"),
+    (
+        "see facebook.com/profile.php?id=100004123456789 now",
+        "see facebook.com/profile.php?id=<FB_USERID> now",
+        "FB_USERID",
+    ),
     ("fb_user_id: 1234567890", "fb_user_id: <FB_USERID>", "FB_USERID"),
     ("call (555) 123-4567 now", "call <PHONE_NUMBER> now", "PHONE_NUMBER"),
     ("call 555.123.4567.", "call <PHONE_NUMBER>.", "PHONE_NUMBER"),
@@ -99,11 +115,21 @@ NEW_POSITIVES = [
     ('<iframe src="https://googleads.g.doubleclick.net/pagead/id?x=1">', '<iframe src="<DART>">', "DART"),
     # Facebook: profile ids of any length, other hosts and URL shapes, vanity names
     ("facebook.com/profile.php?id=4", "facebook.com/profile.php?id=<FB_USERID>", "FB_USERID"),
-    ("https://m.facebook.com/profile.php?id=1000123&ref=bm", "https://m.facebook.com/profile.php?id=<FB_USERID>&ref=bm",
-     "FB_USERID"),
-    ("fb.com/profile.php?sk=about&id=100064123456789", "fb.com/profile.php?sk=about&id=<FB_USERID>", "FB_USERID"),
-    ("www.facebook.com/people/Anna-Schmidt/100087654321098/", "www.facebook.com/people/Anna-Schmidt/<FB_USERID>/",
-     "FB_USERID"),
+    (
+        "https://m.facebook.com/profile.php?id=1000123&ref=bm",
+        "https://m.facebook.com/profile.php?id=<FB_USERID>&ref=bm",
+        "FB_USERID",
+    ),
+    (
+        "fb.com/profile.php?sk=about&id=100064123456789",
+        "fb.com/profile.php?sk=about&id=<FB_USERID>",
+        "FB_USERID",
+    ),
+    (
+        "www.facebook.com/people/Anna-Schmidt/100087654321098/",
+        "www.facebook.com/people/Anna-Schmidt/<FB_USERID>/",
+        "FB_USERID",
+    ),
     ("Add me on facebook.com/jenny.larsen.71 :)", "Add me on facebook.com/<FB_USERID> :)", "FB_USERID"),
     # cards: Diners 4-6-4, JCB, Mastercard 2-series, 13-digit Visa
     ("Diners 3056 930902 5904 declined", "Diners <CREDIT_CARD_NUMBER> declined", "CREDIT_CARD_NUMBER"),
@@ -132,7 +158,11 @@ NEW_POSITIVES = [
     ("call me at 555-0199 after six", "call me at <PHONE_NUMBER> after six", "PHONE_NUMBER"),
     ("Tel.: 030/1234567", "Tel.: <PHONE_NUMBER>", "PHONE_NUMBER"),
     ("ph. (02) 9374 4000", "ph. <PHONE_NUMBER>", "PHONE_NUMBER"),
-    ("api.whatsapp.com/send?phone=447700900123", "api.whatsapp.com/send?phone=<PHONE_NUMBER>", "PHONE_NUMBER"),
+    (
+        "api.whatsapp.com/send?phone=447700900123",
+        "api.whatsapp.com/send?phone=<PHONE_NUMBER>",
+        "PHONE_NUMBER",
+    ),
     ("Message me on wa.me/447700900123", "Message me on wa.me/<PHONE_NUMBER>", "PHONE_NUMBER"),
     # user handles: Reddit, dotted/dashed @names, fediverse, profile URLs, Discord tags
     ("thanks u/throwaway_4821!", "thanks <USER>!", "USER"),
@@ -143,8 +173,16 @@ NEW_POSITIVES = [
     ("IG @sarah.bakes.bread for pics", "IG <USER> for pics", "USER"),
     ("cc @octo-cat for review", "cc <USER> for review", "USER"),
     ("toot me at @alex@mastodon.social", "toot me at <USER>", "USER"),
-    ("twitter.com/devon_writes/status/1367890123456789504", "twitter.com/<USER>/status/1367890123456789504", "USER"),
-    ("x.com/CityBakery_NYC and instagram.com/citybakery.nyc.", "x.com/<USER> and instagram.com/<USER>.", "USER"),
+    (
+        "twitter.com/devon_writes/status/1367890123456789504",
+        "twitter.com/<USER>/status/1367890123456789504",
+        "USER",
+    ),
+    (
+        "x.com/CityBakery_NYC and instagram.com/citybakery.nyc.",
+        "x.com/<USER> and instagram.com/<USER>.",
+        "USER",
+    ),
     ("tiktok.com/@dance.with.mia", "tiktok.com/<USER>", "USER"),
     ("https://www.youtube.com/@MrTechReviews/videos", "https://www.youtube.com/<USER>/videos", "USER"),
     ("follow mastodon.social/@alex", "follow mastodon.social/<USER>", "USER"),
@@ -199,7 +237,7 @@ NEW_NEGATIVES = [
     "import { Component } from '@angular/core';\nnpm i -D @types/node @babel/core",
     "Decorated with @functools.lru_cache(maxsize=None) to memoise.",
     "Use `@dataclass(frozen=True)` and `@staticmethod`.",
-    "@Test void parsesDates() { }\n@SuppressWarnings(\"unchecked\") List<String> xs;",
+    '@Test void parsesDates() { }\n@SuppressWarnings("unchecked") List<String> xs;',
     "@font-face { font-family: 'Inter'; }\n@tailwind base;",
     "see https://github.com/huggingface/transformers/issues/1234 and github.com/features",
     "twitter.com/home, twitter.com/search?q=x, instagram.com/p/CLx9ZyZnQ4T/, t.me/joinchat/AAAAAEk",
@@ -224,7 +262,11 @@ def test_look_alike_is_kept(text):
 
 
 def test_card_schemes():
-    assert card_brand_ok("4111111111111111") and card_brand_ok("378282246310005") and card_brand_ok("30569309025904")
+    assert (
+        card_brand_ok("4111111111111111")
+        and card_brand_ok("378282246310005")
+        and card_brand_ok("30569309025904")
+    )
     assert not card_brand_ok("2000123456000005") and not card_brand_ok("41234567890000003")
 
 
@@ -242,52 +284,88 @@ PRESCREEN_BOUNDARIES = [
     ("tel: 1 2 3 4 5 6", "tel: 1 2 3 4 5 6", {}),
     ("build abc1234567def and v2x3y4z5w6q7r8", "build abc1234567def and v2x3y4z5w6q7r8", {}),
     ("ref x4111111111111111 y", "ref x<CREDIT_CARD_NUMBER> y", {"CREDIT_CARD_NUMBER": 1}),
-    ("Copyright (C) 1999-2004 call 1999-2004", "Copyright (C) 1999-2004 call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    (
+        "Copyright (C) 1999-2004 call 1999-2004",
+        "Copyright (C) 1999-2004 call <PHONE_NUMBER>",
+        {"PHONE_NUMBER": 1},
+    ),
     ("on 2021-03-04 call 2021-03-04", "on 2021-03-04 call 2021-03-04", {}),
     ("Tel." + "\n" * 70 + "07700 900461", "Tel." + "\n" * 70 + "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
     ("mobile" + " " * 300 + "07700 900461", "mobile" + " " * 300 + "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
-    ("tel" + " " * 50 + "number" + " " * 20 + ":" + " " * 20 + "is 07700 900461",  # 9 non-space in the last 64
-     "tel" + " " * 50 + "number" + " " * 20 + ":" + " " * 20 + "is <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    (
+        "tel"
+        + " " * 50
+        + "number"
+        + " " * 20
+        + ":"
+        + " " * 20
+        + "is 07700 900461",  # 9 non-space in the last 64
+        "tel" + " " * 50 + "number" + " " * 20 + ":" + " " * 20 + "is <PHONE_NUMBER>",
+        {"PHONE_NUMBER": 1},
+    ),
     ("tel:\xa0\xa0020 7946 0958", "tel:\xa0\xa0<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
     ("Téléphone : 030/1234567", "Téléphone : <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
     ("phone number is definitely 07700 900461", "phone number is definitely 07700 900461", {}),
     ("call 12 ext 5 07700 900461", "call 12 ext 5 07700 900461", {}),
     ("string 07700 900461", "string 07700 900461", {}),
-    ("Date: Mon, 04 Mar 2021 12:30:45 +0100 call 555-123-4567",
-     "Date: Mon, 04 Mar 2021 12:30:45 +0100 call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
+    (
+        "Date: Mon, 04 Mar 2021 12:30:45 +0100 call 555-123-4567",
+        "Date: Mon, 04 Mar 2021 12:30:45 +0100 call <PHONE_NUMBER>",
+        {"PHONE_NUMBER": 1},
+    ),
     ("+12 345-678-9012", "+12 345-678-9012", {}),  # `+12 ...` is rejected and covers the NANP number
     ("0044 20 7946 0958", "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
     ("+447700900123", "<PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
     ("(555) 123-4567 or +1 (555) 123-4567", "<PHONE_NUMBER> or <PHONE_NUMBER>", {"PHONE_NUMBER": 2}),
-    ("4111 1111 1111 1111 and 4111-1111-1111-1111", "<CREDIT_CARD_NUMBER> and <CREDIT_CARD_NUMBER>",
-     {"CREDIT_CARD_NUMBER": 2}),
+    (
+        "4111 1111 1111 1111 and 4111-1111-1111-1111",
+        "<CREDIT_CARD_NUMBER> and <CREDIT_CARD_NUMBER>",
+        {"CREDIT_CARD_NUMBER": 2},
+    ),
     ("3782 822463 10005", "<CREDIT_CARD_NUMBER>", {"CREDIT_CARD_NUMBER": 1}),
     ("ssn 123 45 6789", "ssn <SSN>", {"SSN": 1}),
     ("id 123-45-67890", "id 123-45-67890", {}),
     ("AB 12 34 56 C and AB 12 34 56 E", "<SSN> and AB 12 34 56 E", {"SSN": 1}),
     ("NINO AB123456C", "NINO <SSN>", {"SSN": 1}),
-    ("user@host.com:path and mail jane@example.com: hi", "user@host.com:path and mail <EMAIL>: hi", {"EMAIL": 1}),
+    (
+        "user@host.com:path and mail jane@example.com: hi",
+        "user@host.com:path and mail <EMAIL>: hi",
+        {"EMAIL": 1},
+    ),
     ("a" * 64 + "@example.com", "<EMAIL>", {"EMAIL": 1}),
     ("a" * 65 + "@example.com", "a" * 65 + "@example.com", {}),
     ("éjane@example.com", "éjane@example.com", {}),
     ("a@b@c.com", "a@<EMAIL>", {"EMAIL": 1}),
-    ("see //jane@example.com and jane@example.com, jane@example.com",  # one address, kept after `//` only
-     "see //jane@example.com and <EMAIL>, <EMAIL>", {"EMAIL": 2}),
+    (
+        "see //jane@example.com and jane@example.com, jane@example.com",  # one address, kept after `//` only
+        "see //jane@example.com and <EMAIL>, <EMAIL>",
+        {"EMAIL": 2},
+    ),
     ("git@github.com and git@example.org", "git@github.com and <EMAIL>", {"EMAIL": 1}),
-    ("https://github.com/org/repo and https://github.com/jane",
-     "https://github.com/org/repo and https://github.com/<USER>", {"USER": 1}),
+    (
+        "https://github.com/org/repo and https://github.com/jane",
+        "https://github.com/org/repo and https://github.com/<USER>",
+        {"USER": 1},
+    ),
     ("github.com/jane/", "github.com/<USER>/", {"USER": 1}),
     ("github.com/jane.-/x", "github.com/<USER>.-/x", {"USER": 1}),
     ("see xhttps://github.com/jane", "see xhttps://github.com/<USER>", {"USER": 1}),
-    ("https://mobile.twitter.com/jack https://t.me/durov", "https://mobile.twitter.com/<USER> https://t.me/<USER>",
-     {"USER": 2}),
+    (
+        "https://mobile.twitter.com/jack https://t.me/durov",
+        "https://mobile.twitter.com/<USER> https://t.me/<USER>",
+        {"USER": 2},
+    ),
     ("FB.COM/profile.php?id=123456", "FB.COM/profile.php?id=<FB_USERID>", {"FB_USERID": 1}),
     ("u/spez and /u/bob but src/u/xyz", "<USER> and <USER> but src/u/xyz", {"USER": 2}),
     ("wa.me/4915123456789 wa.me/1234567", "wa.me/<PHONE_NUMBER> wa.me/1234567", {"PHONE_NUMBER": 1}),
     ("print(format) at)", "print(format) at)", {}),
     ("jane (at) example (dot) org", "<EMAIL>", {"EMAIL": 1}),
     ("TOM AT HOME DOT COM", "TOM AT HOME DOT COM", {}),
-    ("dart_id=AB12cd34 and wildcard dc_uid: 99887766", "dart_id=<DART> and wildcard dc_uid: <DART>", {"DART": 2}),
+    (
+        "dart_id=AB12cd34 and wildcard dc_uid: 99887766",
+        "dart_id=<DART> and wildcard dc_uid: <DART>",
+        {"DART": 2},
+    ),
     ("fbid=1234567 fb_user_id: 12345", "fbid=<FB_USERID> fb_user_id: <FB_USERID>", {"FB_USERID": 2}),
     ("discord: jane#1234", "discord: <USER>", {"USER": 1}),
     ("call \u0665\u0665\u0665 1234", "call <PHONE_NUMBER>", {"PHONE_NUMBER": 1}),
@@ -315,14 +393,46 @@ def test_prescreened_pipeline_is_the_reference_on_mutated_texts():
     mixed: the pre-screened and the unscreened pipeline give the same text, counts and spans."""
     rnd = random.Random(16)
     sources = [r["text"] for r in load_labelled(LABELLED)] + [t for t, _, _ in PRESCREEN_BOUNDARIES]
-    pieces = (list("0123456789@/.-+()#: \n") + ["\xa0", "é", "\u0131", "\u0663", "%40", "tel: ", "call me at ", "SSN ",
-              "NINO ", "facebook.com/", "github.com/", "t.me/", ".com/", "u/", "wa.me/", "https://www.", "ext. 12",
-              "+44 ", "0044 ", "+1 ", "(555) ", "555-123-4567", "4111 1111 1111 1111", "123-45-6789", " AT ", " DOT ",
-              "[at]", " at gmail.com", "jane.doe@example.com", "@alice", "#1234", "discord ", "dart_id=", "1999-2004"])
+    pieces = list("0123456789@/.-+()#: \n") + [
+        "\xa0",
+        "é",
+        "\u0131",
+        "\u0663",
+        "%40",
+        "tel: ",
+        "call me at ",
+        "SSN ",
+        "NINO ",
+        "facebook.com/",
+        "github.com/",
+        "t.me/",
+        ".com/",
+        "u/",
+        "wa.me/",
+        "https://www.",
+        "ext. 12",
+        "+44 ",
+        "0044 ",
+        "+1 ",
+        "(555) ",
+        "555-123-4567",
+        "4111 1111 1111 1111",
+        "123-45-6789",
+        " AT ",
+        " DOT ",
+        "[at]",
+        " at gmail.com",
+        "jane.doe@example.com",
+        "@alice",
+        "#1234",
+        "discord ",
+        "dart_id=",
+        "1999-2004",
+    ]
     for _ in range(2000):
         src = rnd.choice(sources)
         cut = rnd.randint(0, len(src))
-        chars = list(src[cut:cut + rnd.randint(0, 120)])
+        chars = list(src[cut : cut + rnd.randint(0, 120)])
         for _ in range(rnd.randint(1, 8)):
             chars.insert(rnd.randint(0, len(chars)), rnd.choice(pieces))
         text = "".join(chars)
@@ -332,17 +442,22 @@ def test_prescreened_pipeline_is_the_reference_on_mutated_texts():
 
 # --- spans and evaluation -------------------------------------------------------------------------------------------
 
+
 def _apply(text, spans):
     out, last = [], 0
     for s in spans:
-        out += [text[last:s.start], f"<{s.category}>"]
+        out += [text[last : s.start], f"<{s.category}>"]
         last = s.end
     return "".join(out) + text[last:]
 
 
 def _all_texts():
-    return ([t for t, _, _ in POSITIVES + NEW_POSITIVES] + NEGATIVES + NEW_NEGATIVES
-            + [r["text"] for r in load_labelled(LABELLED)])
+    return (
+        [t for t, _, _ in POSITIVES + NEW_POSITIVES]
+        + NEGATIVES
+        + NEW_NEGATIVES
+        + [r["text"] for r in load_labelled(LABELLED)]
+    )
 
 
 def test_find_spans_is_the_anonymise_pipeline():
@@ -357,8 +472,12 @@ def test_find_spans_is_the_anonymise_pipeline():
 def test_find_spans_offsets_after_earlier_replacements():
     text = "a@b.com then u/spez and +44 20 7946 0958, facebook.com/profile.php?id=42"
     spans = find_spans(text)
-    assert [(text[s.start:s.end], s.category) for s in spans] == [
-        ("a@b.com", "EMAIL"), ("u/spez", "USER"), ("+44 20 7946 0958", "PHONE_NUMBER"), ("42", "FB_USERID")]
+    assert [(text[s.start : s.end], s.category) for s in spans] == [
+        ("a@b.com", "EMAIL"),
+        ("u/spez", "USER"),
+        ("+44 20 7946 0958", "PHONE_NUMBER"),
+        ("42", "FB_USERID"),
+    ]
 
 
 def test_a_wider_later_match_absorbs_earlier_tokens():
@@ -374,8 +493,11 @@ def test_a_wider_later_match_absorbs_earlier_tokens():
     p.run("PHONE_NUMBER", re.compile(r"then"))
     assert p.text == "<USER>, <PHONE_NUMBER> <EMAIL>"
     live = sorted(s for s in p.spans if s is not None)
-    assert [(text[s.start:s.end], s.category) for s in live] == [
-        ("x a@b.com y c@d.org z", "USER"), ("then", "PHONE_NUMBER"), ("e@f.net", "EMAIL")]
+    assert [(text[s.start : s.end], s.category) for s in live] == [
+        ("x a@b.com y c@d.org z", "USER"),
+        ("then", "PHONE_NUMBER"),
+        ("e@f.net", "EMAIL"),
+    ]
 
 
 def test_spans_from_output_recovers_the_same_spans():
@@ -387,17 +509,36 @@ def test_spans_from_output_recovers_the_same_spans():
 
 def test_evaluate_spans_definition():
     records = [
-        {"text": "mail a@b.com, call 555-123-4567", "spans": [{"start": 5, "end": 12, "category": "EMAIL"},
-                                                            {"start": 19, "end": 31, "category": "PHONE_NUMBER"}]},
+        {
+            "text": "mail a@b.com, call 555-123-4567",
+            "spans": [
+                {"start": 5, "end": 12, "category": "EMAIL"},
+                {"start": 19, "end": 31, "category": "PHONE_NUMBER"},
+            ],
+        },
         {"text": "x", "spans": []},
     ]
     # an overlapping prediction of the same category counts; a different category is a miss and a spurious span
     pred = {"mail a@b.com, call 555-123-4567": [(5, 8, "EMAIL"), (19, 31, "SSN")], "x": [(0, 1, "USER")]}
     errors = []
     r = evaluate_spans(records, lambda t: pred[t], errors)
-    assert r["EMAIL"] == {"gold": 1, "found": 1, "predicted": 1, "correct": 1, "precision": 1.0, "recall": 1.0}
+    assert r["EMAIL"] == {
+        "gold": 1,
+        "found": 1,
+        "predicted": 1,
+        "correct": 1,
+        "precision": 1.0,
+        "recall": 1.0,
+    }
     assert r["PHONE_NUMBER"]["recall"] == 0.0 and r["SSN"]["precision"] == 0.0 and r["USER"]["predicted"] == 1
-    assert r["overall"] == {"gold": 2, "found": 1, "predicted": 3, "correct": 1, "precision": 1 / 3, "recall": 0.5}
+    assert r["overall"] == {
+        "gold": 2,
+        "found": 1,
+        "predicted": 3,
+        "correct": 1,
+        "precision": 1 / 3,
+        "recall": 0.5,
+    }
     assert ("missed", "PHONE_NUMBER", "555-123-4567") in errors and ("spurious", "USER", "x") in errors
     assert set(r) == set(CATEGORIES) | {"overall"}
 
@@ -407,9 +548,11 @@ def test_labelled_set_is_well_formed_and_mixed():
     assert len(records) >= 150
     assert sum(1 for r in records if not r["spans"]) >= 60  # hard negatives
     assert {s["category"] for r in records for s in r["spans"]} == set(CATEGORIES)
-    for r in records:  # gold spans are exact: no surrounding blanks, no sentence punctuation (a URL may end in ?)
+    for (
+        r
+    ) in records:  # gold spans are exact: no surrounding blanks, no sentence punctuation (a URL may end in ?)
         for s in r["spans"]:
-            piece = r["text"][s["start"]:s["end"]]
+            piece = r["text"][s["start"] : s["end"]]
             end_ok = piece[-1] not in ".,;:!)" + ("" if s["category"] == "DART" else "?")
             assert piece == piece.strip() and end_ok, piece
 
@@ -426,6 +569,7 @@ def test_recall_and_precision_on_the_labelled_set():
 
 # --- CLI ------------------------------------------------------------------------------------------------------------
 
+
 def test_cli_prints_the_table(capsys):
     assert main(["--evaluate", str(LABELLED)]) == 0
     out = capsys.readouterr().out
@@ -441,14 +585,23 @@ def test_cli_baseline_is_another_copy_of_the_module(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1:] == ours
 
 
-@pytest.mark.parametrize("content,expected", [
-    (None, "No such file"),
-    ('{"text": "a", "spans": []}\nnot json\n', ":2: not JSON"),
-    ('{"text": "abc", "spans": [{"start": 2, "end": 9, "category": "EMAIL"}]}\n', ":1: bad or overlapping span"),
-    ('{"text": "abc", "spans": [{"start": 0, "end": 1, "category": "NAME"}]}\n', ":1: bad or overlapping span"),
-    ('["text"]\n', ':1: expected {"text": str'),
-    ("", "--baseline"),  # an empty file is a valid (empty) set; the broken --baseline module is the error
-])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        (None, "No such file"),
+        ('{"text": "a", "spans": []}\nnot json\n', ":2: not JSON"),
+        (
+            '{"text": "abc", "spans": [{"start": 2, "end": 9, "category": "EMAIL"}]}\n',
+            ":1: bad or overlapping span",
+        ),
+        (
+            '{"text": "abc", "spans": [{"start": 0, "end": 1, "category": "NAME"}]}\n',
+            ":1: bad or overlapping span",
+        ),
+        ('["text"]\n', ':1: expected {"text": str'),
+        ("", "--baseline"),  # an empty file is a valid (empty) set; the broken --baseline module is the error
+    ],
+)
 def test_cli_bad_file_is_one_error_line(tmp_path, content, expected):
     path = tmp_path / "labelled.jsonl"
     if content is not None:
@@ -457,8 +610,12 @@ def test_cli_bad_file_is_one_error_line(tmp_path, content, expected):
     if content == "":
         (tmp_path / "broken.py").write_text("def anonymise(:\n", encoding="utf-8")
         extra = ["--baseline", str(tmp_path / "broken.py")]
-    p = subprocess.run([sys.executable, "-m", "data.anonymise", "--evaluate", str(path), *extra], cwd=ROOT,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "data.anonymise", "--evaluate", str(path), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
     assert p.stderr.startswith("error: ") and expected in p.stderr, p.stderr

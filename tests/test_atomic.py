@@ -14,8 +14,18 @@ import pytest
 import torch
 
 from data import atomic
-from data.atomic import (DiskFullError, atomic_path, commit_dir, discard_on_failure, disk_full_error, filesystem_of,
-                         output_path_problem, staged_dir, write_json_atomic, write_text_atomic)
+from data.atomic import (
+    DiskFullError,
+    atomic_path,
+    commit_dir,
+    discard_on_failure,
+    disk_full_error,
+    filesystem_of,
+    output_path_problem,
+    staged_dir,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def _listing(root: Path) -> list[str]:
@@ -38,7 +48,7 @@ class _FullFile(io.RawIOBase):
     def write(self, b) -> int:
         b = bytes(b)
         if len(b) > self.room:
-            self.data += b[:self.room]
+            self.data += b[: self.room]
             self.room = 0
             raise _enospc()
         self.room -= len(b)
@@ -47,6 +57,7 @@ class _FullFile(io.RawIOBase):
 
 
 # ---------------------------------------------------------------- staged_dir: published whole ----------------------
+
 
 def test_staged_dir_publishes_a_new_directory_with_mkdir_permissions(tmp_path):
     final = tmp_path / "a" / "b" / "out"
@@ -75,10 +86,14 @@ def test_staged_dir_replaces_an_earlier_output_whole_and_fills_other_directories
     with staged_dir(shared, manifest="r.json") as tmp:
         (tmp / "r.json").write_text("{}")
         (tmp / "r.md").write_text("new report")
-    assert _listing(shared) == ["notes.txt", "r.json", "r.md"] and (shared / "notes.txt").read_text() == "mine"
+    assert (
+        _listing(shared) == ["notes.txt", "r.json", "r.md"] and (shared / "notes.txt").read_text() == "mine"
+    )
     assert (shared / "r.md").read_text() == "new report"
     (shared / "other.json").write_text("{}")
-    with staged_dir(shared, manifest="r.json", shared=True) as tmp:  # several reports side by side: never replaced
+    with staged_dir(
+        shared, manifest="r.json", shared=True
+    ) as tmp:  # several reports side by side: never replaced
         (tmp / "r.json").write_text('{"again": 1}')
     assert _listing(shared) == ["notes.txt", "other.json", "r.json", "r.md"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -96,6 +111,7 @@ def test_staged_dir_writes_through_a_link_to_a_directory(tmp_path):
 
 # ---------------------------------------------------------------- staged_dir: removed on any failure ---------------
 
+
 @pytest.mark.parametrize("error", [ValueError("bad record"), KeyboardInterrupt(), SystemExit(3)])
 def test_staged_dir_removes_what_it_staged_on_any_failure(tmp_path, error):
     old = tmp_path / "old"
@@ -107,7 +123,10 @@ def test_staged_dir_removes_what_it_staged_on_any_failure(tmp_path, error):
                 (tmp / "big.bin").write_bytes(b"\0" * 4096)
                 raise error
         assert e.value is error  # the same exception, not translated
-        assert _listing(tmp_path) == ["old", "old/manifest.json"]  # neither the staging nor the parents made for it
+        assert _listing(tmp_path) == [
+            "old",
+            "old/manifest.json",
+        ]  # neither the staging nor the parents made for it
 
 
 def test_a_failed_commit_leaves_the_old_output_and_no_staging(tmp_path, monkeypatch):
@@ -126,7 +145,9 @@ def test_a_failed_commit_leaves_the_old_output_and_no_staging(tmp_path, monkeypa
         with staged_dir(final, manifest="manifest.json") as tmp:
             (tmp / "manifest.json").write_text("new")
     monkeypatch.undo()
-    assert _listing(tmp_path) == ["out", "out/manifest.json"] and (final / "manifest.json").read_text() == "old"
+    assert (
+        _listing(tmp_path) == ["out", "out/manifest.json"] and (final / "manifest.json").read_text() == "old"
+    )
 
 
 def test_a_failed_merge_is_rolled_back(tmp_path, monkeypatch):
@@ -147,7 +168,10 @@ def test_a_failed_merge_is_rolled_back(tmp_path, monkeypatch):
             (tmp / "a.txt").write_text("new a")
             (tmp / "b.txt").write_text("new b")
     monkeypatch.undo()
-    assert _listing(tmp_path) == ["out", "out/a.txt", "out/mine.txt"] and (final / "a.txt").read_text() == "old a"
+    assert (
+        _listing(tmp_path) == ["out", "out/a.txt", "out/mine.txt"]
+        and (final / "a.txt").read_text() == "old a"
+    )
 
 
 def test_commit_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
@@ -208,25 +232,34 @@ def test_output_path_problem():
 
 def test_output_path_problem_names_a_dangling_link(tmp_path):
     (tmp_path / "l").symlink_to(tmp_path / "gone")
-    assert output_path_problem(tmp_path / "l").startswith(f"is a dangling symbolic link (to {tmp_path / 'gone'})")
+    assert output_path_problem(tmp_path / "l").startswith(
+        f"is a dangling symbolic link (to {tmp_path / 'gone'})"
+    )
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     assert "dangling symbolic link" in output_path_problem(tmp_path / "loop")
 
 
 # ---------------------------------------------------------------- a full disk, named ------------------------------
 
+
 def test_disk_full_error_names_the_path_its_filesystem_and_free_bytes(tmp_path):
     e = disk_full_error(_enospc(), tmp_path / "out")
     mount, free, total = filesystem_of(tmp_path / "out")
     assert isinstance(e, DiskFullError) and isinstance(e, OSError) and e.errno == errno.ENOSPC
     text = str(e)
-    assert text.startswith(f"no space left on device writing {tmp_path / 'out'} ([Errno 28] No space left on device)")
+    assert text.startswith(
+        f"no space left on device writing {tmp_path / 'out'} ([Errno 28] No space left on device)"
+    )
     assert f"the filesystem mounted at {mount} had" in text and "bytes (" in text and os.path.ismount(mount)
     assert e.free is not None and e.free >= 0 and total > 0
     if hasattr(errno, "EDQUOT"):
         q = disk_full_error(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
         assert q.errno == errno.EDQUOT and "no space left on device writing" in str(q) and "quota" in str(q)
-    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("x"), RuntimeError("CUDA out of memory")):
+    for other in (
+        OSError(errno.EACCES, "Permission denied"),
+        ValueError("x"),
+        RuntimeError("CUDA out of memory"),
+    ):
         assert disk_full_error(other, tmp_path) is None
 
 
@@ -251,7 +284,9 @@ def test_torch_save_to_a_path_on_a_full_device(monkeypatch):
     the filesystem has (almost) no room left; with room left it is some other I/O error and stays as it is."""
     with pytest.raises(RuntimeError) as e:
         torch.save({"w": torch.zeros(10_000)}, "/dev/full")
-    assert "unexpected pos" in str(e.value) and not any(isinstance(x, OSError) for x in atomic._chain(e.value))
+    assert "unexpected pos" in str(e.value) and not any(
+        isinstance(x, OSError) for x in atomic._chain(e.value)
+    )
     monkeypatch.setattr(atomic, "filesystem_of", lambda p: (Path("/"), 4096, 1 << 30))
     full = disk_full_error(e.value, Path("/x/out"))
     assert full is not None and "no space left on device writing /x/out (torch's writer: " in str(full)

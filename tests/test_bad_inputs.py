@@ -13,9 +13,8 @@ import hashlib
 import importlib
 import json
 import os
-import pickle
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -31,11 +30,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- the world the cases run against -------------
 
+
 def _run_overrides(tokens: Path, out: Path, **sets: str) -> list[str]:
-    base = {"model.preset": "tiny", "model.n_layers": "2", "model.d_model": "32", "model.n_heads": "2",
-            "model.seq_len": "32", "model.ffn.kind": "demix", "data.path": str(tokens), "data.tokenizer": "gpt2",
-            "data.domains": "[cooking, sailing]", "data.mixture": "by_domain", "train.steps": "2",
-            "logging.wandb_mode": "disabled", "logging.progress_bar": "false", "logging.out_dir": str(out)}
+    base = {
+        "model.preset": "tiny",
+        "model.n_layers": "2",
+        "model.d_model": "32",
+        "model.n_heads": "2",
+        "model.seq_len": "32",
+        "model.ffn.kind": "demix",
+        "data.path": str(tokens),
+        "data.tokenizer": "gpt2",
+        "data.domains": "[cooking, sailing]",
+        "data.mixture": "by_domain",
+        "train.steps": "2",
+        "logging.wandb_mode": "disabled",
+        "logging.progress_bar": "false",
+        "logging.out_dir": str(out),
+    }
     base.update(sets)
     return [a for k, v in base.items() for a in ("--set", f"{k}={v}")]
 
@@ -58,8 +70,18 @@ def _fake_state(run: Path, step: int, plan, params: tuple[str, ...] = ("wte.weig
         torch.save({"param": torch.zeros(2), "cat_dim": 0}, d / "zero" / name / "fp32.pt")
     torch.save({"step": step}, d / "trainer.pt")
     files = {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
-    (d / "meta.json").write_text(json.dumps({"format": TRAINING_FORMAT, "step": step, "layout": layout_identity(plan),
-                                             "params": list(params), "files": files, "config": {}}))
+    (d / "meta.json").write_text(
+        json.dumps(
+            {
+                "format": TRAINING_FORMAT,
+                "step": step,
+                "layout": layout_identity(plan),
+                "params": list(params),
+                "files": files,
+                "config": {},
+            }
+        )
+    )
     (run / "checkpoints" / "latest").write_text(d.name + "\n")
     return d
 
@@ -78,16 +100,29 @@ def world(tiny_tokens, tmp_path_factory) -> SimpleNamespace:
     extra = {"tokenizer": "gpt2", "vocab_size": cat.vocab_size, "tokenizer_sha256": cat.tokenizer_sha256}
     plan = make_plan(_config(tiny_tokens, root / "unused"), 2)
     cfg = plan.cfg
-    ckpt = save_consolidated(root / "demix", GPT(cfg.model, init_seed=0).state_dict(), cfg, ["cooking", "sailing"], 3,
-                             extra=extra)
-    dense_cfg = make_plan(_config(tiny_tokens, root / "unused", **{"model.ffn.kind": "dense", "data.mixture": "natural"}),
-                          2).cfg
-    dense = save_consolidated(root / "dense", GPT(dense_cfg.model, init_seed=0).state_dict(), dense_cfg, [], 3, extra=extra)
+    ckpt = save_consolidated(
+        root / "demix", GPT(cfg.model, init_seed=0).state_dict(), cfg, ["cooking", "sailing"], 3, extra=extra
+    )
+    dense_cfg = make_plan(
+        _config(tiny_tokens, root / "unused", **{"model.ffn.kind": "dense", "data.mixture": "natural"}), 2
+    ).cfg
+    dense = save_consolidated(
+        root / "dense", GPT(dense_cfg.model, init_seed=0).state_dict(), dense_cfg, [], 3, extra=extra
+    )
     sp = root / "sp_tokens"  # the same corpus under another tokenizer (a real, trained sentencepiece model)
-    prepare_corpus(corpus, sp, tokenizer="sentencepiece", sp_vocab_size=400, workers=1, progress=False,
-                   valid_fraction=0.15, test_fraction=0.15)
-    return SimpleNamespace(root=root, corpus=corpus, tokens=tiny_tokens, ckpt=ckpt, dense=dense, sp=sp, plan=plan,
-                           cfg=cfg)
+    prepare_corpus(
+        corpus,
+        sp,
+        tokenizer="sentencepiece",
+        sp_vocab_size=400,
+        workers=1,
+        progress=False,
+        valid_fraction=0.15,
+        test_fraction=0.15,
+    )
+    return SimpleNamespace(
+        root=root, corpus=corpus, tokens=tiny_tokens, ckpt=ckpt, dense=dense, sp=sp, plan=plan, cfg=cfg
+    )
 
 
 def _snapshot(*roots: Path) -> dict[str, str]:
@@ -121,12 +156,16 @@ class Case:
     setup: Optional[Callable[[SimpleNamespace, Path], None]] = None
     code: int = 2
     writes: bool = False  # a handled case that goes on and writes its outputs (a warning, exit 0)
-    absent: tuple[str, ...] = ("out",)  # paths (relative to the case directory) that must not exist afterwards
+    absent: tuple[str, ...] = (
+        "out",
+    )  # paths (relative to the case directory) that must not exist afterwards
 
 
 def _jsonl(path: Path, records: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records))
+    path.write_bytes(
+        b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
+    )
 
 
 def _doc(domain, text="some words of text", **kw):
@@ -148,9 +187,19 @@ def _truncate(path: Path, keep: int = 20) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
-INGEST, PREPARE, LAUNCH, EVAL = "data.ingest", "data.prepare", "launcher.launch", "launcher.evaluation.evaluate"
-EXPERTS, HF, Z2F, GEN, GATE = ("launcher.modular.experts", "launcher.modular.hf_export", "launcher.zero_to_fp32",
-                               "launcher.evaluation.generate", "launcher.evaluation.gating")
+INGEST, PREPARE, LAUNCH, EVAL = (
+    "data.ingest",
+    "data.prepare",
+    "launcher.launch",
+    "launcher.evaluation.evaluate",
+)
+EXPERTS, HF, Z2F, GEN, GATE = (
+    "launcher.modular.experts",
+    "launcher.modular.hf_export",
+    "launcher.zero_to_fp32",
+    "launcher.evaluation.generate",
+    "launcher.evaluation.gating",
+)
 CLUSTER, DRYRUN, FLOPS = "data.cluster_domains", "launcher.dryrun", "launcher.flops"
 
 
@@ -159,17 +208,26 @@ def _ingest(src: str, *more: str) -> Argv:
 
 
 def _launch(*more: str, **sets: str) -> Argv:
-    return lambda w, d: ["--nproc", "2", "--dry-run", "--run-dir", str(d / "run"),
-                         *_run_overrides(w.tokens, d / "run", **sets), *more]
+    return lambda w, d: [
+        "--nproc",
+        "2",
+        "--dry-run",
+        "--run-dir",
+        str(d / "run"),
+        *_run_overrides(w.tokens, d / "run", **sets),
+        *more,
+    ]
 
 
 def _state_for(**sets: str):
     """Setup: a training state in d/run written by a run with these settings (default: the launch's own)."""
+
     def setup(w, d):
         from launcher.plan import make_plan
 
         cfg = _config(w.tokens, d / "run", **sets)
         _fake_state(d / "run", 2, make_plan(cfg, 2))
+
     return setup
 
 
@@ -182,6 +240,7 @@ def _drop_sums(ckpt: Path) -> None:
 def _bad_ckpt(edit) -> Callable:
     def setup(w, d):
         edit(_copytree(w.ckpt, d / "ckpt"))
+
     return setup
 
 
@@ -194,193 +253,613 @@ def _other_tokenizer_tokens(w, d):
 CASES: list[Case] = [
     # ---- data.ingest
     Case("ingest-missing-source", INGEST, _ingest("nope.jsonl"), "no such file or directory"),
-    Case("ingest-all-lines-bad-fail", INGEST, _ingest("c.jsonl", "--on-error", "fail"), "c.jsonl:2: invalid_json",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news"), b"{not json"])),
-    Case("ingest-domain-escapes-out", INGEST, _ingest("c.jsonl", "--on-error", "fail"), "invalid_domain_name",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("../x")])),
-    Case("ingest-domain-with-separator", INGEST, _ingest("c.jsonl", "--on-error", "fail"), "c.jsonl:1: invalid_domain_name",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("a/b")])),
-    Case("ingest-domains-differ-in-case", INGEST, _ingest("c.jsonl", "--on-error", "fail"), "c.jsonl:2: domain_case_clash",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news"), _doc("News")])),
-    Case("ingest-non-utf8-line", INGEST, _ingest("c.jsonl", "--on-error", "fail"), "c.jsonl:1: non_utf8",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [b'{"domain": "a", "text": "caf\xe9"}'])),
-    Case("ingest-missing-text-field", INGEST, _ingest("c.jsonl", "--on-error", "fail", "--text-field", "body"),
-         "missing_text", setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news")])),
-    Case("ingest-empty-domain-folder", INGEST, _ingest("src", "--on-error", "fail"), "empty_domain",
-         setup=lambda w, d: [(d / "src" / "news").mkdir(parents=True), (d / "src" / "empty").mkdir(),
-                             (d / "src" / "news" / "a.txt").write_text("hello world")]),
-    Case("ingest-domain-folder-bad-name", INGEST, _ingest("src", "--on-error", "fail"), "invalid_domain_name",
-         setup=lambda w, d: [(d / "src" / "my news").mkdir(parents=True), (d / "src" / "my news" / "a.txt").write_text("x y")]),
-    Case("ingest-out-is-a-file", INGEST, _ingest("c.jsonl"), "is a file, not a directory", absent=(),
-         setup=lambda w, d: [_jsonl(d / "c.jsonl", [_doc("news")]), (d / "out").write_text("mine")]),
-    Case("ingest-out-foreign-manifest", INGEST, _ingest("c.jsonl"), "did not write", absent=(),
-         setup=lambda w, d: [_jsonl(d / "c.jsonl", [_doc("news")]), (d / "out").mkdir(),
-                             (d / "out" / "manifest.json").write_text('{"mine": 1}')]),
-    Case("ingest-out-foreign-jsonl", INGEST, _ingest("c.jsonl"), "already holds news.jsonl", absent=(),
-         setup=lambda w, d: [_jsonl(d / "c.jsonl", [_doc("news")]), _jsonl(d / "out" / "news.jsonl", [{"mine": 1}])]),
-    Case("ingest-out-is-the-source", INGEST, lambda w, d: [str(d / "src"), "--out", str(d / "src")],
-         "would overwrite the input", absent=(), setup=lambda w, d: _jsonl(d / "src" / "news.jsonl", [_doc("news")])),
-    Case("ingest-bad-on-error", INGEST, _ingest("c.jsonl", "--on-error", "ignore"), "invalid choice",
-         setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news")])),
+    Case(
+        "ingest-all-lines-bad-fail",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail"),
+        "c.jsonl:2: invalid_json",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news"), b"{not json"]),
+    ),
+    Case(
+        "ingest-domain-escapes-out",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail"),
+        "invalid_domain_name",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("../x")]),
+    ),
+    Case(
+        "ingest-domain-with-separator",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail"),
+        "c.jsonl:1: invalid_domain_name",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("a/b")]),
+    ),
+    Case(
+        "ingest-domains-differ-in-case",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail"),
+        "c.jsonl:2: domain_case_clash",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news"), _doc("News")]),
+    ),
+    Case(
+        "ingest-non-utf8-line",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail"),
+        "c.jsonl:1: non_utf8",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [b'{"domain": "a", "text": "caf\xe9"}']),
+    ),
+    Case(
+        "ingest-missing-text-field",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "fail", "--text-field", "body"),
+        "missing_text",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news")]),
+    ),
+    Case(
+        "ingest-empty-domain-folder",
+        INGEST,
+        _ingest("src", "--on-error", "fail"),
+        "empty_domain",
+        setup=lambda w, d: [
+            (d / "src" / "news").mkdir(parents=True),
+            (d / "src" / "empty").mkdir(),
+            (d / "src" / "news" / "a.txt").write_text("hello world"),
+        ],
+    ),
+    Case(
+        "ingest-domain-folder-bad-name",
+        INGEST,
+        _ingest("src", "--on-error", "fail"),
+        "invalid_domain_name",
+        setup=lambda w, d: [
+            (d / "src" / "my news").mkdir(parents=True),
+            (d / "src" / "my news" / "a.txt").write_text("x y"),
+        ],
+    ),
+    Case(
+        "ingest-out-is-a-file",
+        INGEST,
+        _ingest("c.jsonl"),
+        "is a file, not a directory",
+        absent=(),
+        setup=lambda w, d: [_jsonl(d / "c.jsonl", [_doc("news")]), (d / "out").write_text("mine")],
+    ),
+    Case(
+        "ingest-out-foreign-manifest",
+        INGEST,
+        _ingest("c.jsonl"),
+        "did not write",
+        absent=(),
+        setup=lambda w, d: [
+            _jsonl(d / "c.jsonl", [_doc("news")]),
+            (d / "out").mkdir(),
+            (d / "out" / "manifest.json").write_text('{"mine": 1}'),
+        ],
+    ),
+    Case(
+        "ingest-out-foreign-jsonl",
+        INGEST,
+        _ingest("c.jsonl"),
+        "already holds news.jsonl",
+        absent=(),
+        setup=lambda w, d: [
+            _jsonl(d / "c.jsonl", [_doc("news")]),
+            _jsonl(d / "out" / "news.jsonl", [{"mine": 1}]),
+        ],
+    ),
+    Case(
+        "ingest-out-is-the-source",
+        INGEST,
+        lambda w, d: [str(d / "src"), "--out", str(d / "src")],
+        "would overwrite the input",
+        absent=(),
+        setup=lambda w, d: _jsonl(d / "src" / "news.jsonl", [_doc("news")]),
+    ),
+    Case(
+        "ingest-bad-on-error",
+        INGEST,
+        _ingest("c.jsonl", "--on-error", "ignore"),
+        "invalid choice",
+        setup=lambda w, d: _jsonl(d / "c.jsonl", [_doc("news")]),
+    ),
     # ---- data.prepare
-    Case("prepare-missing-corpus", PREPARE, lambda w, d: ["--corpus", str(d / "nope"), "--out", str(d / "out")],
-         "no <domain>.jsonl files"),
-    Case("prepare-unknown-domain", PREPARE,
-         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--domains", "cooking,knitting"],
-         "no JSONL for domains ['knitting']"),
-    Case("prepare-fractions-sum-over-one", PREPARE,
-         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--valid-fraction", "0.6",
-                       "--test-fraction", "0.5"], "sum < 1"),
-    Case("prepare-anonymise-off-typo", PREPARE,
-         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--anonymise", "--anonymise-off", "cookng"],
-         "unknown domains"),
-    Case("prepare-bad-tokenizer", PREPARE,
-         lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--tokenizer", "bert"], "invalid choice"),
-    Case("prepare-out-foreign-manifest", PREPARE, lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out")],
-         "did not write", absent=(), setup=lambda w, d: [(d / "out" / "gpt2").mkdir(parents=True),
-                                                         (d / "out" / "gpt2" / "manifest.json").write_text("{}")]),
-    Case("prepare-out-foreign-domain-folder", PREPARE, lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out")],
-         "already holds cooking", absent=(), setup=lambda w, d: [(d / "out" / "gpt2" / "cooking").mkdir(parents=True),
-                                                                 (d / "out" / "gpt2" / "cooking" / "notes.txt").write_text("mine")]),
-    Case("prepare-bad-lines-fail", PREPARE,
-         lambda w, d: ["--corpus", str(d / "c"), "--out", str(d / "out"), "--on-error", "fail"], "c/news.jsonl:2",
-         setup=lambda w, d: _jsonl(d / "c" / "news.jsonl", [_doc("news"), {"domain": "news"}])),
-    Case("prepare-broken-corpus-manifest", PREPARE, lambda w, d: ["--corpus", str(d / "c"), "--out", str(d / "out")],
-         "is not valid JSON", setup=lambda w, d: [_jsonl(d / "c" / "news.jsonl", [_doc("news")]),
-                                                  (d / "c" / "manifest.json").write_text("{oops")]),
+    Case(
+        "prepare-missing-corpus",
+        PREPARE,
+        lambda w, d: ["--corpus", str(d / "nope"), "--out", str(d / "out")],
+        "no <domain>.jsonl files",
+    ),
+    Case(
+        "prepare-unknown-domain",
+        PREPARE,
+        lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--domains", "cooking,knitting"],
+        "no JSONL for domains ['knitting']",
+    ),
+    Case(
+        "prepare-fractions-sum-over-one",
+        PREPARE,
+        lambda w, d: [
+            "--corpus",
+            str(w.corpus),
+            "--out",
+            str(d / "out"),
+            "--valid-fraction",
+            "0.6",
+            "--test-fraction",
+            "0.5",
+        ],
+        "sum < 1",
+    ),
+    Case(
+        "prepare-anonymise-off-typo",
+        PREPARE,
+        lambda w, d: [
+            "--corpus",
+            str(w.corpus),
+            "--out",
+            str(d / "out"),
+            "--anonymise",
+            "--anonymise-off",
+            "cookng",
+        ],
+        "unknown domains",
+    ),
+    Case(
+        "prepare-bad-tokenizer",
+        PREPARE,
+        lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out"), "--tokenizer", "bert"],
+        "invalid choice",
+    ),
+    Case(
+        "prepare-out-foreign-manifest",
+        PREPARE,
+        lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out")],
+        "did not write",
+        absent=(),
+        setup=lambda w, d: [
+            (d / "out" / "gpt2").mkdir(parents=True),
+            (d / "out" / "gpt2" / "manifest.json").write_text("{}"),
+        ],
+    ),
+    Case(
+        "prepare-out-foreign-domain-folder",
+        PREPARE,
+        lambda w, d: ["--corpus", str(w.corpus), "--out", str(d / "out")],
+        "already holds cooking",
+        absent=(),
+        setup=lambda w, d: [
+            (d / "out" / "gpt2" / "cooking").mkdir(parents=True),
+            (d / "out" / "gpt2" / "cooking" / "notes.txt").write_text("mine"),
+        ],
+    ),
+    Case(
+        "prepare-bad-lines-fail",
+        PREPARE,
+        lambda w, d: ["--corpus", str(d / "c"), "--out", str(d / "out"), "--on-error", "fail"],
+        "c/news.jsonl:2",
+        setup=lambda w, d: _jsonl(d / "c" / "news.jsonl", [_doc("news"), {"domain": "news"}]),
+    ),
+    Case(
+        "prepare-broken-corpus-manifest",
+        PREPARE,
+        lambda w, d: ["--corpus", str(d / "c"), "--out", str(d / "out")],
+        "is not valid JSON",
+        setup=lambda w, d: [
+            _jsonl(d / "c" / "news.jsonl", [_doc("news")]),
+            (d / "c" / "manifest.json").write_text("{oops"),
+        ],
+    ),
     # ---- launcher.launch (validation before anything starts: --dry-run so a case that passed would start nothing)
-    Case("launch-missing-config", LAUNCH, lambda w, d: ["--config", str(d / "nope.yaml"), "--dry-run"], "nope.yaml",
-         absent=("run",)),
-    Case("launch-wrong-type", LAUNCH, _launch(**{"model.n_heads": "two"}), "model.n_heads='two': expected an integer",
-         absent=("run",)),
+    Case(
+        "launch-missing-config",
+        LAUNCH,
+        lambda w, d: ["--config", str(d / "nope.yaml"), "--dry-run"],
+        "nope.yaml",
+        absent=("run",),
+    ),
+    Case(
+        "launch-wrong-type",
+        LAUNCH,
+        _launch(**{"model.n_heads": "two"}),
+        "model.n_heads='two': expected an integer",
+        absent=("run",),
+    ),
     Case("launch-nan-lr", LAUNCH, _launch(**{"train.lr": "nan"}), "train.lr", absent=("run",)),
-    Case("launch-unknown-key", LAUNCH, _launch(**{"train.learning_rate": "0.1"}), "unknown key", absent=("run",)),
-    Case("launch-missing-data", LAUNCH, lambda w, d: _launch(**{"data.path": str(d / "none")})(w, d),
-         "prepare the data first", absent=("run",)),
-    Case("launch-unknown-domain", LAUNCH, _launch(**{"data.domains": "[cooking, knitting]"}), "['knitting'] are not in",
-         absent=("run",)),
-    Case("launch-impossible-layout", LAUNCH,
-         lambda w, d: ["--nproc", "3", *_launch(**{"parallel.tensor_parallel": "2"})(w, d)[2:]],
-         "not divisible by tensor_parallel=2", absent=("run",)),
-    Case("launch-zero-processes", LAUNCH, lambda w, d: ["--nproc", "0", *_launch()(w, d)[2:]], "argument --nproc: '0' is not an integer >= 1",
-         absent=("run",)),
-    Case("launch-no-ssh-without-hostfile", LAUNCH, _launch("--no-ssh", "--node-rank", "0"), "--hostfile",
-         absent=("run",)),
-    Case("launch-resume-other-n-heads", LAUNCH, _launch(**{"model.n_heads": "4"}), "written for another model",
-         absent=("run/config.yaml",),
-         setup=_state_for()),
-    Case("launch-resume-other-domains", LAUNCH, _launch(**{"data.domains": "[cooking, finance]"}), "domains",
-         absent=("run/config.yaml",), setup=_state_for()),
-    Case("launch-resume-all-states-damaged", LAUNCH, _launch(), "no intact training state", absent=("run/config.yaml",),
-         setup=lambda w, d: [_state_for()(w, d), _truncate(d / "run/checkpoints/step_00000002/zero/wte.weight/fp32.pt")]),
-    Case("launch-resume-truncated-newest-falls-back", LAUNCH, _launch(), "step_00000004 is damaged", code=0, writes=True,
-         absent=(), setup=lambda w, d: [_state_for()(w, d), _fake_state(d / "run", 4, w.plan),
-                                        _truncate(d / "run/checkpoints/step_00000004/trainer.pt")]),
-    Case("launch-resume-pointer-escapes", LAUNCH, _launch(), "not an intact training state here", code=0, writes=True,
-         absent=(), setup=lambda w, d: [_state_for()(w, d), (d / "run/checkpoints/latest").write_text("../../../etc\n")]),
-    Case("launch-resume-old-format", LAUNCH, lambda w, d: _launch("--resume", str(d / "old"))(w, d), "older format",
-         absent=("run",),
-         setup=lambda w, d: [(d / "old").mkdir(), (d / "old" / "meta.json").write_text('{"format": 1}')]),
-    Case("launch-resume-missing-path", LAUNCH, lambda w, d: _launch("--resume", str(d / "missing"))(w, d),
-         "is not a training state",
-         absent=("run",)),
-    Case("launch-init-from-missing", LAUNCH, lambda w, d: _launch(**{"train.init_from": str(d / "nope")})(w, d),
-         "not a consolidated checkpoint", absent=("run",)),
-    Case("launch-init-from-other-tokenizer", LAUNCH, lambda w, d: _launch(**{"train.init_from": str(d / "ckpt")})(w, d),
-         "another tokenizer", absent=("run",),
-         setup=_bad_ckpt(lambda c: _edit_json(c / "meta.json", lambda m: m.update(tokenizer_sha256="f" * 64)))),
-    Case("launch-tokens-manifest-broken", LAUNCH, lambda w, d: _launch(**{"data.path": str(d / "tokens")})(w, d),
-         "(token manifest) is not valid JSON", absent=("run",),
-         setup=lambda w, d: [(d / "tokens" / "gpt2").mkdir(parents=True),
-                             (d / "tokens" / "gpt2" / "manifest.json").write_text('{"domains": [')]),
-    Case("launch-roles-lost-with-relative-corpus", LAUNCH,
-         lambda w, d: _launch(**{"data.path": str(d / "tokens"), "data.domains": "null"})(w, d),
-         "train/novel roles", absent=("run",),
-         setup=lambda w, d: [_copytree(w.tokens, d / "tokens"), _edit_json(
-             d / "tokens/gpt2/manifest.json",
-             lambda m: [m.pop("roles"), m["corpus"].update(dir="relative/corpus", manifest_sha256="ab")])]),
+    Case(
+        "launch-unknown-key",
+        LAUNCH,
+        _launch(**{"train.learning_rate": "0.1"}),
+        "unknown key",
+        absent=("run",),
+    ),
+    Case(
+        "launch-missing-data",
+        LAUNCH,
+        lambda w, d: _launch(**{"data.path": str(d / "none")})(w, d),
+        "prepare the data first",
+        absent=("run",),
+    ),
+    Case(
+        "launch-unknown-domain",
+        LAUNCH,
+        _launch(**{"data.domains": "[cooking, knitting]"}),
+        "['knitting'] are not in",
+        absent=("run",),
+    ),
+    Case(
+        "launch-impossible-layout",
+        LAUNCH,
+        lambda w, d: ["--nproc", "3", *_launch(**{"parallel.tensor_parallel": "2"})(w, d)[2:]],
+        "not divisible by tensor_parallel=2",
+        absent=("run",),
+    ),
+    Case(
+        "launch-zero-processes",
+        LAUNCH,
+        lambda w, d: ["--nproc", "0", *_launch()(w, d)[2:]],
+        "argument --nproc: '0' is not an integer >= 1",
+        absent=("run",),
+    ),
+    Case(
+        "launch-no-ssh-without-hostfile",
+        LAUNCH,
+        _launch("--no-ssh", "--node-rank", "0"),
+        "--hostfile",
+        absent=("run",),
+    ),
+    Case(
+        "launch-resume-other-n-heads",
+        LAUNCH,
+        _launch(**{"model.n_heads": "4"}),
+        "written for another model",
+        absent=("run/config.yaml",),
+        setup=_state_for(),
+    ),
+    Case(
+        "launch-resume-other-domains",
+        LAUNCH,
+        _launch(**{"data.domains": "[cooking, finance]"}),
+        "domains",
+        absent=("run/config.yaml",),
+        setup=_state_for(),
+    ),
+    Case(
+        "launch-resume-all-states-damaged",
+        LAUNCH,
+        _launch(),
+        "no intact training state",
+        absent=("run/config.yaml",),
+        setup=lambda w, d: [
+            _state_for()(w, d),
+            _truncate(d / "run/checkpoints/step_00000002/zero/wte.weight/fp32.pt"),
+        ],
+    ),
+    Case(
+        "launch-resume-truncated-newest-falls-back",
+        LAUNCH,
+        _launch(),
+        "step_00000004 is damaged",
+        code=0,
+        writes=True,
+        absent=(),
+        setup=lambda w, d: [
+            _state_for()(w, d),
+            _fake_state(d / "run", 4, w.plan),
+            _truncate(d / "run/checkpoints/step_00000004/trainer.pt"),
+        ],
+    ),
+    Case(
+        "launch-resume-pointer-escapes",
+        LAUNCH,
+        _launch(),
+        "not an intact training state here",
+        code=0,
+        writes=True,
+        absent=(),
+        setup=lambda w, d: [_state_for()(w, d), (d / "run/checkpoints/latest").write_text("../../../etc\n")],
+    ),
+    Case(
+        "launch-resume-old-format",
+        LAUNCH,
+        lambda w, d: _launch("--resume", str(d / "old"))(w, d),
+        "older format",
+        absent=("run",),
+        setup=lambda w, d: [(d / "old").mkdir(), (d / "old" / "meta.json").write_text('{"format": 1}')],
+    ),
+    Case(
+        "launch-resume-missing-path",
+        LAUNCH,
+        lambda w, d: _launch("--resume", str(d / "missing"))(w, d),
+        "is not a training state",
+        absent=("run",),
+    ),
+    Case(
+        "launch-init-from-missing",
+        LAUNCH,
+        lambda w, d: _launch(**{"train.init_from": str(d / "nope")})(w, d),
+        "not a consolidated checkpoint",
+        absent=("run",),
+    ),
+    Case(
+        "launch-init-from-other-tokenizer",
+        LAUNCH,
+        lambda w, d: _launch(**{"train.init_from": str(d / "ckpt")})(w, d),
+        "another tokenizer",
+        absent=("run",),
+        setup=_bad_ckpt(lambda c: _edit_json(c / "meta.json", lambda m: m.update(tokenizer_sha256="f" * 64))),
+    ),
+    Case(
+        "launch-tokens-manifest-broken",
+        LAUNCH,
+        lambda w, d: _launch(**{"data.path": str(d / "tokens")})(w, d),
+        "(token manifest) is not valid JSON",
+        absent=("run",),
+        setup=lambda w, d: [
+            (d / "tokens" / "gpt2").mkdir(parents=True),
+            (d / "tokens" / "gpt2" / "manifest.json").write_text('{"domains": ['),
+        ],
+    ),
+    Case(
+        "launch-roles-lost-with-relative-corpus",
+        LAUNCH,
+        lambda w, d: _launch(**{"data.path": str(d / "tokens"), "data.domains": "null"})(w, d),
+        "train/novel roles",
+        absent=("run",),
+        setup=lambda w, d: [
+            _copytree(w.tokens, d / "tokens"),
+            _edit_json(
+                d / "tokens/gpt2/manifest.json",
+                lambda m: [m.pop("roles"), m["corpus"].update(dir="relative/corpus", manifest_sha256="ab")],
+            ),
+        ],
+    ),
     # ---- launcher.evaluation.evaluate
-    Case("eval-missing-checkpoint", EVAL, lambda w, d: [str(d / "nope"), "--data", str(w.tokens)],
-         "is not a consolidated checkpoint"),
-    Case("eval-checkpoint-is-a-file", EVAL, lambda w, d: [str(d / "f"), "--data", str(w.tokens)],
-         "is not a consolidated checkpoint", setup=lambda w, d: (d / "f").write_text("x")),
-    Case("eval-missing-data", EVAL, lambda w, d: [str(w.ckpt), "--data", str(d / "none"), "--out", str(d / "out")],
-         "prepare the data first"),
-    Case("eval-data-of-another-tokenizer", EVAL,
-         lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out", str(d / "out")], "made by tokenizer",
-         setup=_other_tokenizer_tokens),
-    Case("eval-meta-not-json", EVAL, lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
-         "meta.json (consolidated checkpoint metadata) is not valid JSON", setup=_bad_ckpt(lambda c: (c / "meta.json").write_text("{"))),
-    Case("eval-missing-expert-shard", EVAL,
-         lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")], "expert_0001.pt",
-         setup=_bad_ckpt(lambda c: (c / "experts" / "expert_0001.pt").unlink())),
-    Case("eval-truncated-model", EVAL, lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
-         "does not match the sha256", setup=_bad_ckpt(lambda c: _truncate(c / "model.pt", 100))),
-    Case("eval-truncated-model-without-checksums", EVAL,  # a checkpoint written before shards had checksums
-         lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")], "cannot be read as weights",
-         setup=_bad_ckpt(lambda c: [_truncate(c / "model.pt", 100), _drop_sums(c)])),
+    Case(
+        "eval-missing-checkpoint",
+        EVAL,
+        lambda w, d: [str(d / "nope"), "--data", str(w.tokens)],
+        "is not a consolidated checkpoint",
+    ),
+    Case(
+        "eval-checkpoint-is-a-file",
+        EVAL,
+        lambda w, d: [str(d / "f"), "--data", str(w.tokens)],
+        "is not a consolidated checkpoint",
+        setup=lambda w, d: (d / "f").write_text("x"),
+    ),
+    Case(
+        "eval-missing-data",
+        EVAL,
+        lambda w, d: [str(w.ckpt), "--data", str(d / "none"), "--out", str(d / "out")],
+        "prepare the data first",
+    ),
+    Case(
+        "eval-data-of-another-tokenizer",
+        EVAL,
+        lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out", str(d / "out")],
+        "made by tokenizer",
+        setup=_other_tokenizer_tokens,
+    ),
+    Case(
+        "eval-meta-not-json",
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "meta.json (consolidated checkpoint metadata) is not valid JSON",
+        setup=_bad_ckpt(lambda c: (c / "meta.json").write_text("{")),
+    ),
+    Case(
+        "eval-missing-expert-shard",
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "expert_0001.pt",
+        setup=_bad_ckpt(lambda c: (c / "experts" / "expert_0001.pt").unlink()),
+    ),
+    Case(
+        "eval-truncated-model",
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "does not match the sha256",
+        setup=_bad_ckpt(lambda c: _truncate(c / "model.pt", 100)),
+    ),
+    Case(
+        "eval-truncated-model-without-checksums",
+        EVAL,  # a checkpoint written before shards had checksums
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "cannot be read as weights",
+        setup=_bad_ckpt(lambda c: [_truncate(c / "model.pt", 100), _drop_sums(c)]),
+    ),
     Case("eval-unknown-mode", EVAL, lambda w, d: [str(w.ckpt), "--modes", "naive,best"], "unknown modes"),
     # ---- launcher.modular.experts
-    Case("experts-remove-over-input", EXPERTS, lambda w, d: ["remove", str(d / "ckpt"), "--experts", "cooking",
-                                                             "--out", str(d / "ckpt")], "is the input checkpoint",
-         setup=_bad_ckpt(lambda c: None)),
-    Case("experts-remove-over-foreign-dir", EXPERTS, lambda w, d: ["remove", str(w.ckpt), "--experts", "cooking",
-                                                                   "--out", str(d / "out")],
-         "not a consolidated checkpoint; it is left alone", absent=(),
-         setup=lambda w, d: [(d / "out").mkdir(), (d / "out" / "thesis.tex").write_text("mine")]),
-    Case("experts-remove-unknown", EXPERTS, lambda w, d: ["remove", str(w.ckpt), "--experts", "knitting", "--out",
-                                                          str(d / "out")], "no expert named ['knitting']"),
-    Case("experts-remove-all", EXPERTS, lambda w, d: ["remove", str(w.ckpt), "--experts", "cooking,sailing", "--out",
-                                                      str(d / "out")], "would leave no expert"),
-    Case("experts-remove-from-dense", EXPERTS, lambda w, d: ["remove", str(w.dense), "--experts", "cooking", "--out",
-                                                             str(d / "out")], "needs a DEMix checkpoint"),
-    Case("experts-add-domain-not-in-data", EXPERTS, lambda w, d: ["add", str(w.ckpt), "--domain", "knitting", "--out",
-                                                                  str(d / "out")], "'knitting' is not in"),
-    Case("experts-add-existing-domain", EXPERTS, lambda w, d: ["add", str(w.ckpt), "--domain", "cooking", "--out",
-                                                               str(d / "out")], "already has an expert"),
-    Case("experts-add-unknown-source", EXPERTS, lambda w, d: ["add", str(w.ckpt), "--domain", "finance", "--source",
-                                                              "knitting", "--out", str(d / "out")], "--source 'knitting'"),
-    Case("experts-add-other-tokenizer-data", EXPERTS,
-         lambda w, d: ["add", str(w.ckpt), "--domain", "finance", "--data", str(d / "tokens"), "--out", str(d / "out")],
-         "made by tokenizer", setup=_other_tokenizer_tokens),
-    Case("experts-report-missing-args", EXPERTS, lambda w, d: ["report", "adapt", "--out", str(d / "out")],
-         "report adapt needs"),
+    Case(
+        "experts-remove-over-input",
+        EXPERTS,
+        lambda w, d: ["remove", str(d / "ckpt"), "--experts", "cooking", "--out", str(d / "ckpt")],
+        "is the input checkpoint",
+        setup=_bad_ckpt(lambda c: None),
+    ),
+    Case(
+        "experts-remove-over-foreign-dir",
+        EXPERTS,
+        lambda w, d: ["remove", str(w.ckpt), "--experts", "cooking", "--out", str(d / "out")],
+        "not a consolidated checkpoint; it is left alone",
+        absent=(),
+        setup=lambda w, d: [(d / "out").mkdir(), (d / "out" / "thesis.tex").write_text("mine")],
+    ),
+    Case(
+        "experts-remove-unknown",
+        EXPERTS,
+        lambda w, d: ["remove", str(w.ckpt), "--experts", "knitting", "--out", str(d / "out")],
+        "no expert named ['knitting']",
+    ),
+    Case(
+        "experts-remove-all",
+        EXPERTS,
+        lambda w, d: ["remove", str(w.ckpt), "--experts", "cooking,sailing", "--out", str(d / "out")],
+        "would leave no expert",
+    ),
+    Case(
+        "experts-remove-from-dense",
+        EXPERTS,
+        lambda w, d: ["remove", str(w.dense), "--experts", "cooking", "--out", str(d / "out")],
+        "needs a DEMix checkpoint",
+    ),
+    Case(
+        "experts-add-domain-not-in-data",
+        EXPERTS,
+        lambda w, d: ["add", str(w.ckpt), "--domain", "knitting", "--out", str(d / "out")],
+        "'knitting' is not in",
+    ),
+    Case(
+        "experts-add-existing-domain",
+        EXPERTS,
+        lambda w, d: ["add", str(w.ckpt), "--domain", "cooking", "--out", str(d / "out")],
+        "already has an expert",
+    ),
+    Case(
+        "experts-add-unknown-source",
+        EXPERTS,
+        lambda w, d: [
+            "add",
+            str(w.ckpt),
+            "--domain",
+            "finance",
+            "--source",
+            "knitting",
+            "--out",
+            str(d / "out"),
+        ],
+        "--source 'knitting'",
+    ),
+    Case(
+        "experts-add-other-tokenizer-data",
+        EXPERTS,
+        lambda w, d: [
+            "add",
+            str(w.ckpt),
+            "--domain",
+            "finance",
+            "--data",
+            str(d / "tokens"),
+            "--out",
+            str(d / "out"),
+        ],
+        "made by tokenizer",
+        setup=_other_tokenizer_tokens,
+    ),
+    Case(
+        "experts-report-missing-args",
+        EXPERTS,
+        lambda w, d: ["report", "adapt", "--out", str(d / "out")],
+        "report adapt needs",
+    ),
     # ---- launcher.modular.hf_export
-    Case("hf-export-out-foreign", HF, lambda w, d: [str(w.ckpt), "--domain", "cooking", "--out", str(d / "out")],
-         "already holds config.json", absent=(),
-         setup=lambda w, d: [(d / "out").mkdir(), (d / "out" / "config.json").write_text("{}")]),
-    Case("hf-export-out-is-input", HF, lambda w, d: [str(d / "ckpt"), "--domain", "cooking", "--out", str(d / "ckpt")],
-         "would overwrite the input", absent=(), setup=_bad_ckpt(lambda c: None)),
-    Case("hf-export-demix-needs-domain", HF, lambda w, d: [str(w.ckpt), "--out", str(d / "out")], "needs --domain"),
-    Case("hf-export-unknown-domain", HF, lambda w, d: [str(w.ckpt), "--domain", "knitting", "--out", str(d / "out")],
-         "no expert for 'knitting'"),
-    Case("hf-export-bad-weights", HF, lambda w, d: [str(w.ckpt), "--merge-weights", "cooking=x", "--out",
-                                                    str(d / "out")], "is not NAME=WEIGHT"),
-    Case("hf-export-missing-prior", HF, lambda w, d: [str(w.ckpt), "--merge-prior", str(d / "p.json"), "--out",
-                                                      str(d / "out")], "p.json"),
+    Case(
+        "hf-export-out-foreign",
+        HF,
+        lambda w, d: [str(w.ckpt), "--domain", "cooking", "--out", str(d / "out")],
+        "already holds config.json",
+        absent=(),
+        setup=lambda w, d: [(d / "out").mkdir(), (d / "out" / "config.json").write_text("{}")],
+    ),
+    Case(
+        "hf-export-out-is-input",
+        HF,
+        lambda w, d: [str(d / "ckpt"), "--domain", "cooking", "--out", str(d / "ckpt")],
+        "would overwrite the input",
+        absent=(),
+        setup=_bad_ckpt(lambda c: None),
+    ),
+    Case(
+        "hf-export-demix-needs-domain",
+        HF,
+        lambda w, d: [str(w.ckpt), "--out", str(d / "out")],
+        "needs --domain",
+    ),
+    Case(
+        "hf-export-unknown-domain",
+        HF,
+        lambda w, d: [str(w.ckpt), "--domain", "knitting", "--out", str(d / "out")],
+        "no expert for 'knitting'",
+    ),
+    Case(
+        "hf-export-bad-weights",
+        HF,
+        lambda w, d: [str(w.ckpt), "--merge-weights", "cooking=x", "--out", str(d / "out")],
+        "is not NAME=WEIGHT",
+    ),
+    Case(
+        "hf-export-missing-prior",
+        HF,
+        lambda w, d: [str(w.ckpt), "--merge-prior", str(d / "p.json"), "--out", str(d / "out")],
+        "p.json",
+    ),
     # ---- launcher.zero_to_fp32
-    Case("z2f-out-exists", Z2F, lambda w, d: [str(d / "run"), "--out", str(d / "run")], "exists", absent=(),
-         setup=_state_for()),
+    Case(
+        "z2f-out-exists",
+        Z2F,
+        lambda w, d: [str(d / "run"), "--out", str(d / "run")],
+        "exists",
+        absent=(),
+        setup=_state_for(),
+    ),
     Case("z2f-not-a-state", Z2F, lambda w, d: [str(d), "--out", str(d / "out")], "neither a training state"),
-    Case("z2f-truncated-shard", Z2F, lambda w, d: [str(d / "run/checkpoints/step_00000002"), "--out", str(d / "out")],
-         "is damaged", setup=lambda w, d: [_state_for()(w, d),
-                                            _truncate(d / "run/checkpoints/step_00000002/zero/wte.weight/fp32.pt")]),
+    Case(
+        "z2f-truncated-shard",
+        Z2F,
+        lambda w, d: [str(d / "run/checkpoints/step_00000002"), "--out", str(d / "out")],
+        "is damaged",
+        setup=lambda w, d: [
+            _state_for()(w, d),
+            _truncate(d / "run/checkpoints/step_00000002/zero/wte.weight/fp32.pt"),
+        ],
+    ),
     # ---- generation, gating, clustering, dry run, FLOPs
-    Case("generate-unknown-expert", GEN, lambda w, d: [str(w.ckpt), "--expert", "knitting", "--data", str(w.tokens)],
-         "--expert 'knitting'"),
-    Case("gating-other-tokenizer-data", GATE, lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out",
-                                                            str(d / "out")], "made by tokenizer",
-         setup=_other_tokenizer_tokens),
-    Case("cluster-missing-corpus", CLUSTER, lambda w, d: ["--corpus", str(d / "nope"), "--k", "2", "--out",
-                                                          str(d / "out")], "no JSONL"),
-    Case("cluster-out-is-corpus", CLUSTER, lambda w, d: ["--corpus", str(d / "c"), "--k", "2", "--out", str(d / "c")],
-         "would overwrite the input", absent=(), setup=lambda w, d: _jsonl(d / "c" / "news.jsonl", [_doc("news")])),
-    Case("dryrun-impossible-world", DRYRUN, lambda w, d: ["--world-size", "3", "--out", str(d / "out" / "x.json"),
-                                                          *_run_overrides(w.tokens, d / "run",
-                                                                          **{"parallel.tensor_parallel": "2"})],
-         "not divisible by tensor_parallel=2"),
+    Case(
+        "generate-unknown-expert",
+        GEN,
+        lambda w, d: [str(w.ckpt), "--expert", "knitting", "--data", str(w.tokens)],
+        "--expert 'knitting'",
+    ),
+    Case(
+        "gating-other-tokenizer-data",
+        GATE,
+        lambda w, d: [str(w.ckpt), "--data", str(d / "tokens"), "--out", str(d / "out")],
+        "made by tokenizer",
+        setup=_other_tokenizer_tokens,
+    ),
+    Case(
+        "cluster-missing-corpus",
+        CLUSTER,
+        lambda w, d: ["--corpus", str(d / "nope"), "--k", "2", "--out", str(d / "out")],
+        "no JSONL",
+    ),
+    Case(
+        "cluster-out-is-corpus",
+        CLUSTER,
+        lambda w, d: ["--corpus", str(d / "c"), "--k", "2", "--out", str(d / "c")],
+        "would overwrite the input",
+        absent=(),
+        setup=lambda w, d: _jsonl(d / "c" / "news.jsonl", [_doc("news")]),
+    ),
+    Case(
+        "dryrun-impossible-world",
+        DRYRUN,
+        lambda w, d: [
+            "--world-size",
+            "3",
+            "--out",
+            str(d / "out" / "x.json"),
+            *_run_overrides(w.tokens, d / "run", **{"parallel.tensor_parallel": "2"}),
+        ],
+        "not divisible by tensor_parallel=2",
+    ),
     Case("flops-missing-config", FLOPS, lambda w, d: ["--config", str(d / "nosuch.yaml")], "no such file"),
-    Case("flops-zero-gpus", FLOPS, lambda w, d: ["--config", "tiny", "--gpus", "0"], "argument --gpus: '0' is not an integer >= 1"),
+    Case(
+        "flops-zero-gpus",
+        FLOPS,
+        lambda w, d: ["--config", "tiny", "--gpus", "0"],
+        "argument --gpus: '0' is not an integer >= 1",
+    ),
 ]
 
 
@@ -411,7 +890,19 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing(case: Case, world, t
 def test_the_catalogue_covers_sixty_cases_and_every_entry_point():
     assert len(CASES) >= 60
     assert len({c.name for c in CASES}) == len(CASES)
-    assert {c.module for c in CASES} >= {INGEST, PREPARE, LAUNCH, EVAL, EXPERTS, HF, Z2F, GEN, GATE, CLUSTER, DRYRUN}
+    assert {c.module for c in CASES} >= {
+        INGEST,
+        PREPARE,
+        LAUNCH,
+        EVAL,
+        EXPERTS,
+        HF,
+        Z2F,
+        GEN,
+        GATE,
+        CLUSTER,
+        DRYRUN,
+    }
 
 
 def test_debug_shows_the_traceback(world, tmp_path, capsys):
@@ -422,6 +913,7 @@ def test_debug_shows_the_traceback(world, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- loading never executes code --------------------
+
 
 class _Payload:
     """Pickles to a call of os.system: a loader that unpickles arbitrary objects runs it."""
@@ -438,19 +930,27 @@ def _plant(path: Path, marker: Path) -> None:
     torch.save({"param": _Payload(marker)}, path)
 
 
-LOADERS = ["consolidated-model", "consolidated-expert-shard", "state-fp32", "state-trainer", "state-rng",
-           "init-from-weights"]
+LOADERS = [
+    "consolidated-model",
+    "consolidated-expert-shard",
+    "state-fp32",
+    "state-trainer",
+    "state-rng",
+    "init-from-weights",
+]
 
 
 @pytest.mark.parametrize("which", LOADERS)
 def test_a_malicious_pickle_is_refused_by_every_loader(which, world, tmp_path):
     from launcher.checkpoint import CheckpointError, load_consolidated
-    from launcher.state import _restore_rng, load_training_state, load_init_weights
+    from launcher.state import _restore_rng, load_init_weights, load_training_state
     from launcher.zero_to_fp32 import convert
 
     marker = tmp_path / "pwned"
     ckpt = _copytree(world.ckpt, tmp_path / "ckpt")
-    _drop_sums(ckpt)  # whoever can plant a file can edit meta.json: the weights-only load must refuse it alone
+    _drop_sums(
+        ckpt
+    )  # whoever can plant a file can edit meta.json: the weights-only load must refuse it alone
     state = _fake_state(tmp_path / "run", 2, world.plan)
     if which == "consolidated-model":
         _plant(ckpt / "model.pt", marker)
@@ -460,8 +960,12 @@ def test_a_malicious_pickle_is_refused_by_every_loader(which, world, tmp_path):
         call = lambda: load_consolidated(ckpt)  # noqa: E731
     elif which == "state-fp32":
         _plant(state / "zero" / "wte.weight" / "fp32.pt", marker)
-        _edit_json(state / "meta.json", lambda m: m["files"].update(
-            {"zero/wte.weight/fp32.pt": (state / "zero/wte.weight/fp32.pt").stat().st_size}))
+        _edit_json(
+            state / "meta.json",
+            lambda m: m["files"].update(
+                {"zero/wte.weight/fp32.pt": (state / "zero/wte.weight/fp32.pt").stat().st_size}
+            ),
+        )
         call = lambda: convert(state, tmp_path / "out")  # noqa: E731
     elif which == "state-trainer":
         _plant(state / "trainer.pt", marker)
@@ -499,9 +1003,15 @@ def test_every_torch_load_in_the_project_is_the_weights_only_one():
                 code = line.split("#")[0]
                 if "torch.load(" in code or "pickle.load" in code or "allow_pickle=True" in code:
                     hits.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
-    assert hits == ["launcher/checkpoint.py:{}: return torch.load(path, map_location=\"cpu\", weights_only=True)".format(
-        next(i for i, l in enumerate((REPO / "launcher/checkpoint.py").read_text().splitlines(), 1)
-             if "torch.load(" in l.split("#")[0]))], hits
+    assert hits == [
+        'launcher/checkpoint.py:{}: return torch.load(path, map_location="cpu", weights_only=True)'.format(
+            next(
+                i
+                for i, l in enumerate((REPO / "launcher/checkpoint.py").read_text().splitlines(), 1)
+                if "torch.load(" in l.split("#")[0]
+            )
+        )
+    ], hits
 
 
 def test_a_clusterer_with_pickled_arrays_is_refused(tmp_path):
@@ -536,8 +1046,16 @@ def test_relative_paths_are_resolved_before_the_ranks_start(world, tmp_path, mon
     (tmp_path / "cfg.yaml").write_text("train:\n  steps: 2\n")
     os.symlink(world.tokens, tmp_path / "toks")
     monkeypatch.chdir(tmp_path)
-    args = ["--config", "cfg.yaml", "--run-dir", "myrun", "--nproc", "2", "--dry-run",
-            *_run_overrides(Path("toks"), Path("myrun"))]
+    args = [
+        "--config",
+        "cfg.yaml",
+        "--run-dir",
+        "myrun",
+        "--nproc",
+        "2",
+        "--dry-run",
+        *_run_overrides(Path("toks"), Path("myrun")),
+    ]
     assert main(args) == 0, capsys.readouterr().err
     script = (tmp_path / "myrun" / "command.sh").read_text()
     assert f"--config {tmp_path / 'cfg.yaml'}" in script and f"--run-dir {tmp_path / 'myrun'}" in script

@@ -19,10 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cfg(kind="demix", experts=3, d=32, seq=32):
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", f"model.d_model={d}", "model.n_heads=2", f"model.seq_len={seq}",
-        f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts if kind == 'demix' else 0}",
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            f"model.d_model={d}",
+            "model.n_heads=2",
+            f"model.seq_len={seq}",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={experts if kind == 'demix' else 0}",
+        ],
+    )
 
 
 def _head_case(n=300):
@@ -35,13 +43,16 @@ def _head_case(n=300):
     return model, h_ND, targets_N, ref_N
 
 
-@pytest.mark.parametrize("budget,rows", [
-    (None, 1024),  # the default block: 300 rows x 1747 entries
-    (50_000, 1024),  # 300 x 166 (a partial last vocabulary block)
-    (3_000, 50),  # 50 x 60: several row blocks, hundreds of vocabulary blocks
-    (60_000, 7),  # 7 x 8571: a partial last row block and a partial last vocabulary block
-    (1 << 30, 1 << 20),  # one block: all rows, the whole vocabulary
-])
+@pytest.mark.parametrize(
+    "budget,rows",
+    [
+        (None, 1024),  # the default block: 300 rows x 1747 entries
+        (50_000, 1024),  # 300 x 166 (a partial last vocabulary block)
+        (3_000, 50),  # 50 x 60: several row blocks, hundreds of vocabulary blocks
+        (60_000, 7),  # 7 x 8571: a partial last row block and a partial last vocabulary block
+        (1 << 30, 1 << 20),  # one block: all rows, the whole vocabulary
+    ],
+)
 def test_target_logit_head_equals_full_log_softmax(budget, rows):
     model, h_ND, targets_N, ref_N = _head_case()
     with torch.no_grad():
@@ -58,12 +69,19 @@ def test_rows_outside_float32_exp_range_take_the_shifted_log_sum_exp():
     h_ND = h_ND.clone()
     h_ND[:16] *= 40  # logits of std ~180: exp overflows to inf on the fast path
     W = model.lm_head.embedding[0].weight
-    h_ND[16:24] = -3 * h_ND[16:24].norm(dim=1, keepdim=True) * W[targets_N[16:24]] / W[targets_N[16:24]].norm(dim=1, keepdim=True)
+    h_ND[16:24] = (
+        -3
+        * h_ND[16:24].norm(dim=1, keepdim=True)
+        * W[targets_N[16:24]]
+        / W[targets_N[16:24]].norm(dim=1, keepdim=True)
+    )
     with torch.no_grad():
         logits = model.lm_head(h_ND).double()
         ref_N = torch.log_softmax(logits, dim=-1).gather(1, targets_N[:, None])[:, 0]
         out_N = target_log_probs(model, h_ND, targets_N, 3_000, 50)
-    assert logits[:16].amax() > 89 and logits[16:24].gather(1, targets_N[16:24, None]).max() < -50  # both cases hit
+    assert (
+        logits[:16].amax() > 89 and logits[16:24].gather(1, targets_N[16:24, None]).max() < -50
+    )  # both cases hit
     assert torch.isfinite(out_N).all()
     assert ((out_N.double() - ref_N).abs() / ref_N.abs().clamp(min=1)).max() <= 1e-5
 
@@ -108,8 +126,25 @@ def test_dense_layers_before_the_first_expert_layer_run_once():
 def test_peak_memory_is_bounded_not_e_b_t_v():
     """One batched pass over E x B x T = 4 x 8 x 128 tokens, whose float32 logits would take 786 MiB, stays within
     a few MiB above the resident size (the head's 2 MiB block and the activations), measured in a fresh process."""
-    cmd = [sys.executable, "-m", "benchmarks.mixing_throughput", "--layers", "1", "--d-model", "32", "--heads", "2",
-           "--seq-len", "128", "--batch", "8", "--probe-memory", "batched", "--probe-experts", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.mixing_throughput",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--seq-len",
+        "128",
+        "--batch",
+        "8",
+        "--probe-memory",
+        "batched",
+        "--probe-experts",
+        "4",
+    ]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
     peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_extra_mib"]

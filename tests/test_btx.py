@@ -41,7 +41,9 @@ def test_every_other_keeps_experts_averages_the_rest_and_copies_shared_tensors(d
     a, b = load_consolidated(demix), load_consolidated(tmp_path / "btx")
     assert rec["moe_layers"] == [1] and rec["averaged_layers"] == [0] and rec["num_experts"] == 3
     assert b.cfg.model.ffn.kind == "gshard" and b.cfg.model.ffn.num_experts == 3
-    assert b.cfg.model.ffn.gshard.moe_every == 2 and b.cfg.data.mixture == "natural" and b.domains == a.domains
+    assert (
+        b.cfg.model.ffn.gshard.moe_every == 2 and b.cfg.data.mixture == "natural" and b.domains == a.domains
+    )
     shared_a, shared_b = _ffn_free(a.state_dict), _ffn_free(b.state_dict)
     assert shared_a.keys() == shared_b.keys() and all(torch.equal(shared_a[k], shared_b[k]) for k in shared_a)
     for j in range(3):
@@ -52,13 +54,19 @@ def test_every_other_keeps_experts_averages_the_rest_and_copies_shared_tensors(d
         mean = torch.stack([a.state_dict[f"blocks.0.ffn.experts.{j}.{name}"] for j in range(3)]).mean(0)
         assert torch.equal(b.state_dict[f"blocks.0.ffn.mlp.{name}"], mean)
     assert not any(k.startswith("blocks.0.ffn.experts.") for k in b.state_dict)
-    assert rec["average_coherence"]["0"] == pytest.approx(3 ** -0.5, abs=0.05)  # independently initialised experts
+    assert rec["average_coherence"]["0"] == pytest.approx(
+        3**-0.5, abs=0.05
+    )  # independently initialised experts
     assert torch.equal(b.state_dict["blocks.1.ffn.gate.weight"], torch.zeros(3, 32))
     model = b.build_model()  # exactly the tensors a GShard GPT of this config has
     assert isinstance(model.blocks[1].ffn, GShardFFN) and set(model.state_dict()) == set(b.state_dict)
     for key in ("tokenizer_sha256", "bos_id", "eod_id", "train_tokens"):
         assert b.meta[key] == a.meta[key]
-    assert b.step == a.step and b.meta["btx"]["expert_domains"] == {"0": "cooking", "1": "sailing", "2": "finance"}
+    assert b.step == a.step and b.meta["btx"]["expert_domains"] == {
+        "0": "cooking",
+        "1": "sailing",
+        "2": "finance",
+    }
 
 
 def _force_route(layer: GShardFFN, expert: int) -> None:
@@ -68,9 +76,16 @@ def _force_route(layer: GShardFFN, expert: int) -> None:
     def route(x_SD: torch.Tensor) -> Routing:
         S = x_SD.shape[0]
         probs_SE = torch.nn.functional.one_hot(torch.full((S,), expert), E).float()
-        return Routing(experts_KS=torch.full((1, S), expert), slots_KS=torch.arange(S)[None],
-                       kept_KS=torch.ones(1, S, dtype=torch.bool), weights_KS=torch.ones(1, S), probs_SE=probs_SE,
-                       counts_E=probs_SE.sum(0).long(), capacity=S, l_aux=torch.tensor(1.0))
+        return Routing(
+            experts_KS=torch.full((1, S), expert),
+            slots_KS=torch.arange(S)[None],
+            kept_KS=torch.ones(1, S, dtype=torch.bool),
+            weights_KS=torch.ones(1, S),
+            probs_SE=probs_SE,
+            counts_E=probs_SE.sum(0).long(),
+            capacity=S,
+            l_aux=torch.tensor(1.0),
+        )
 
     layer.route = route
 
@@ -145,7 +160,9 @@ def test_fit_router_scale_sets_the_entropy_and_separable_domains_route_home():
         W, stats = fit_router(x_GND.mean(1), x_GND, frac)
         p_SE = torch.softmax(x_GND.reshape(-1, 16) @ W.T, dim=1)
         H = float(-(p_SE * p_SE.log()).sum(1).mean())
-        assert H / math.log(4) == pytest.approx(frac, abs=1e-4) and stats["entropy_fraction"] == pytest.approx(frac)
+        assert H / math.log(4) == pytest.approx(frac, abs=1e-4) and stats[
+            "entropy_fraction"
+        ] == pytest.approx(frac)
     assert stats["own_top1"] > 0.9
 
 
@@ -162,8 +179,14 @@ def test_layout_and_input_errors(demix, random_checkpoint, tiny_tokens, tmp_path
         upcycle(demix, tmp_path / "x", router_init="zero", world_size=4)
     assert layout_problems(8, 4, 2) == [] and layout_problems(8, 2, 4) == [] and layout_problems(8, 2, 2)
     c = load_consolidated(demix)  # an expert whose domain the data lacks: --router-init data cannot fit it
-    save_consolidated(tmp_path / "renamed", c.state_dict, c.cfg, ["cooking", "sailing", "knitting"], c.step,
-                      extra={k: v for k, v in c.meta.items() if k in ("tokenizer", "tokenizer_sha256", "vocab_size")})
+    save_consolidated(
+        tmp_path / "renamed",
+        c.state_dict,
+        c.cfg,
+        ["cooking", "sailing", "knitting"],
+        c.step,
+        extra={k: v for k, v in c.meta.items() if k in ("tokenizer", "tokenizer_sha256", "vocab_size")},
+    )
     with pytest.raises(CheckpointError, match="knitting"):
         upcycle(tmp_path / "renamed", tmp_path / "x", data=str(tiny_tokens))
     assert not (tmp_path / "x").exists()
@@ -172,7 +195,10 @@ def test_layout_and_input_errors(demix, random_checkpoint, tiny_tokens, tmp_path
 def test_cli(demix, tmp_path, capsys):
     assert main([str(demix), "--out", str(tmp_path / "btx"), "--router-init", "zero", "--layers", "all"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["moe_layers"] == [0, 1] and load_consolidated(tmp_path / "btx").cfg.model.ffn.gshard.moe_every == 1
+    assert (
+        rec["moe_layers"] == [0, 1]
+        and load_consolidated(tmp_path / "btx").cfg.model.ffn.gshard.moe_every == 1
+    )
     assert main([str(demix), "--out", str(tmp_path / "btx"), "--router-init", "zero"]) == 2  # exists
     assert "--overwrite" in capsys.readouterr().err
     assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 2
@@ -226,25 +252,47 @@ def _four_domain_demix(root: Path) -> tuple[Path, Path]:
     rng = random.Random(0)
     corpus = root / "corpus"
     corpus.mkdir(parents=True)
-    manifest = {"format": "test", "corpus_dir": str(corpus), "domains": {}, "train_domains": list(_FOUR),
-                "novel_domains": []}
+    manifest = {
+        "format": "test",
+        "corpus_dir": str(corpus),
+        "domains": {},
+        "train_domains": list(_FOUR),
+        "novel_domains": [],
+    }
     for d, words in _FOUR.items():
         with open(corpus / f"{d}.jsonl", "w") as f:
             for i in range(40):
-                text = " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
-                                for _ in range(6))
+                text = " ".join(
+                    " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
+                    for _ in range(6)
+                )
                 f.write(json.dumps({"id": f"{d}-{i:04d}", "domain": d, "text": text}) + "\n")
         manifest["domains"][d] = {"split_role": "train"}
     (corpus / "manifest.json").write_text(json.dumps(manifest))
     tokens = root / "tokens"
-    prepare_corpus(corpus, tokens, tokenizer="gpt2", workers=1, progress=False, valid_fraction=0.15, test_fraction=0.15)
+    prepare_corpus(
+        corpus, tokens, tokenizer="gpt2", workers=1, progress=False, valid_fraction=0.15, test_fraction=0.15
+    )
     tok = json.loads((tokens / "gpt2" / "manifest.json").read_text())["tokenizer"]
     domains = sorted(_FOUR)  # the catalog's order
-    cfg = RunConfig(model=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=50257,
-                                      ffn=FFNConfig(kind="demix", num_experts=4)))
+    cfg = RunConfig(
+        model=ModelConfig(
+            n_layers=2,
+            d_model=32,
+            n_heads=2,
+            seq_len=32,
+            vocab_size=50257,
+            ffn=FFNConfig(kind="demix", num_experts=4),
+        )
+    )
     cfg = replace(cfg, data=replace(cfg.data, path=str(tokens), tokenizer="gpt2", mixture="by_domain"))
-    extra = {"tokenizer": "gpt2", "vocab_size": tok["vocab_size"], "tokenizer_sha256": tokenizer_fingerprint(tok),
-             "bos_id": tok["bos_id"], "eod_id": tok["eod_id"]}
+    extra = {
+        "tokenizer": "gpt2",
+        "vocab_size": tok["vocab_size"],
+        "tokenizer_sha256": tokenizer_fingerprint(tok),
+        "bos_id": tok["bos_id"],
+        "eod_id": tok["eod_id"],
+    }
     state = GPT(cfg.model, init_seed=11).state_dict()
     ckpt = save_consolidated(root / "demix", state, cfg, domains, step=9, extra=extra)
     return tokens, ckpt
@@ -260,7 +308,9 @@ def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[
     from launcher.train import build_rank_sampler, to_model_batch
 
     plan = make_plan(load_run_config(run / "config.yaml", check=False), world)
-    c = load_consolidated(btx)  # with the run's GShard settings (policy, capacity factor), not the checkpoint's
+    c = load_consolidated(
+        btx
+    )  # with the run's GShard settings (policy, capacity factor), not the checkpoint's
     model = replace(c, cfg=replace(c.cfg, model=plan.cfg.model)).build_model().train()
     total, count, aux0 = 0.0, 0.0, None
     with torch.no_grad():
@@ -287,13 +337,26 @@ def test_mix_finetune_on_four_ranks_with_expert_parallelism(tmp_path):
     assert rec["ep_size"] == 2 and all(s["own_top1"] > 0.4 for s in rec["router"].values())  # chance: 1/4
     run = tmp_path / "run"
     sets = finetune_overrides(tmp_path / "btx") + [
-        "model.ffn.gshard.experts_per_rank=2", "model.ffn.gshard.second_expert_policy=all",
-        "model.ffn.gshard.capacity_factor=2.0", "train.steps=3", "train.micro_batch=2", "train.warmup_fraction=0.0",
-        "train.eval_batches=1", "logging.log_interval=1", "logging.progress_bar=false"]
+        "model.ffn.gshard.experts_per_rank=2",
+        "model.ffn.gshard.second_expert_policy=all",
+        "model.ffn.gshard.capacity_factor=2.0",
+        "train.steps=3",
+        "train.micro_batch=2",
+        "train.warmup_fraction=0.0",
+        "train.eval_batches=1",
+        "logging.log_interval=1",
+        "logging.progress_bar=false",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = ["--config", str(REPO / "configs/btx/finetune.yaml"), "--nproc", "4", "--run-dir", str(run)]
-    proc = subprocess.run([sys.executable, "-m", "launcher.launch", *argv, *[a for s in sets for a in ("--set", s)]],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.launch", *argv, *[a for s in sets for a in ("--set", s)]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     train = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
     assert [r["step"] for r in train] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in train)

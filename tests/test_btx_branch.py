@@ -55,8 +55,10 @@ def test_branched_checkpoint_copies_the_dense_ffn_into_every_expert(dense, branc
     for l in range(2):
         for j in range(3):
             for name in FFN_NAMES:
-                assert torch.equal(b.state_dict[f"blocks.{l}.ffn.experts.{j}.{name}"],
-                                   a.state_dict[f"blocks.{l}.ffn.mlp.{name}"])
+                assert torch.equal(
+                    b.state_dict[f"blocks.{l}.ffn.experts.{j}.{name}"],
+                    a.state_dict[f"blocks.{l}.ffn.mlp.{name}"],
+                )
     assert not any(".ffn.mlp." in k for k in b.state_dict)
     assert set(b.build_model().state_dict()) == set(b.state_dict)  # exactly a DEMix GPT's tensors
     assert sorted(p.name for p in (branched / "experts").iterdir()) == [f"expert_000{j}.pt" for j in range(3)]
@@ -99,8 +101,14 @@ def test_domains_pick_and_order_the_experts_and_the_run_plans_and_loads(dense, t
 
     rec = branch(dense, tmp_path / "two", ["sailing", "cooking"])
     c = load_consolidated(tmp_path / "two")
-    assert rec["domains"] == c.domains == ["sailing", "cooking"] and c.cfg.data.domains == ["sailing", "cooking"]
-    assert 'data.domains=["sailing", "cooking"]' in rec["demix_sets"] and "model.ffn.num_experts=2" in rec["demix_sets"]
+    assert rec["domains"] == c.domains == ["sailing", "cooking"] and c.cfg.data.domains == [
+        "sailing",
+        "cooking",
+    ]
+    assert (
+        'data.domains=["sailing", "cooking"]' in rec["demix_sets"]
+        and "model.ffn.num_experts=2" in rec["demix_sets"]
+    )
     cfg = load_run_config(REPO / "configs/demo/demix.yaml", demix_overrides(tmp_path / "two"), check=False)
     plan = make_plan(cfg, 2)
     assert plan.catalog.train_domains == ("sailing", "cooking") and plan.expert_of_domain == [0, 1]
@@ -112,22 +120,29 @@ def test_domains_pick_and_order_the_experts_and_the_run_plans_and_loads(dense, t
         load_init_weights(model, plan.cfg)
         for l in range(2):
             for name in FFN_NAMES:
-                assert torch.equal(model.state_dict()[f"blocks.{l}.ffn.experts.{rank}.{name}"],
-                                   dense_ffn[f"blocks.{l}.ffn.mlp.{name}"])
+                assert torch.equal(
+                    model.state_dict()[f"blocks.{l}.ffn.experts.{rank}.{name}"],
+                    dense_ffn[f"blocks.{l}.ffn.mlp.{name}"],
+                )
     assert demix_overrides(tmp_path / "two")[-1] == f"train.init_from={(tmp_path / 'two').resolve()}"
     # a dense run's own domains in its catalog's order (what the trainer writes): the config keeps data.domains=null
     a = load_consolidated(dense)
-    save_consolidated(tmp_path / "sorted", a.state_dict, a.cfg, sorted(a.domains), a.step, extra={"train_tokens": 1})
+    save_consolidated(
+        tmp_path / "sorted", a.state_dict, a.cfg, sorted(a.domains), a.step, extra={"train_tokens": 1}
+    )
     branch(tmp_path / "sorted", tmp_path / "all")
     assert load_consolidated(tmp_path / "all").cfg.data.domains is None
     assert "data.domains=null" in demix_overrides(tmp_path / "all")
-    assert make_plan(load_run_config(REPO / "configs/demo/demix.yaml", demix_overrides(tmp_path / "all"),
-                                     check=False), 3).expert_of_domain == [0, 1, 2]
+    assert make_plan(
+        load_run_config(REPO / "configs/demo/demix.yaml", demix_overrides(tmp_path / "all"), check=False), 3
+    ).expert_of_domain == [0, 1, 2]
 
 
 def test_refusals(dense, branched, random_checkpoint, tmp_path):
     demix = random_checkpoint(tmp_path / "demix", "demix")
-    with pytest.raises(CheckpointError, match="'demix' checkpoint: its experts are branches already; upcycle"):
+    with pytest.raises(
+        CheckpointError, match="'demix' checkpoint: its experts are branches already; upcycle"
+    ):
         branch(demix, tmp_path / "x")
     upcycle(demix, tmp_path / "gshard", layers="all", router_init="zero")
     with pytest.raises(CheckpointError, match="'gshard' checkpoint .*branch the dense checkpoint"):
@@ -137,8 +152,11 @@ def test_refusals(dense, branched, random_checkpoint, tmp_path):
     save_consolidated(tmp_path / "domain-token", c.state_dict, token_cfg, c.domains, c.step)
     with pytest.raises(CheckpointError, match="Domain-Token"):
         branch(tmp_path / "domain-token", tmp_path / "x")
-    with pytest.raises(CheckpointError, match=r"--domains \['knitting'\]: not a domain of the dense run's data.*"
-                                              "cooking, finance, sailing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"--domains \['knitting'\]: not a domain of the dense run's data.*"
+        "cooking, finance, sailing",
+    ):
         branch(dense, tmp_path / "x", ["cooking", "knitting"])
     with pytest.raises(CheckpointError, match="more than once"):
         branch(dense, tmp_path / "x", ["cooking", "cooking"])
@@ -160,7 +178,10 @@ def test_refusals(dense, branched, random_checkpoint, tmp_path):
 def test_cli(dense, tmp_path, capsys):
     assert main(["branch", str(dense), "--out", str(tmp_path / "b"), "--domains", "finance,cooking"]) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["domains"] == ["finance", "cooking"] and load_consolidated(tmp_path / "b").domains == rec["domains"]
+    assert (
+        rec["domains"] == ["finance", "cooking"]
+        and load_consolidated(tmp_path / "b").domains == rec["domains"]
+    )
     assert main(["branch", str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 2
     assert "upcycle it directly" in capsys.readouterr().err
     assert main(["branch", str(dense), "--out", str(tmp_path / "c"), "--domains", "knitting"]) == 2
@@ -170,10 +191,14 @@ def test_cli(dense, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("layers,router_init", [("all", "data"), ("all", "zero"), ("every_other", "data")])
-def test_upcycled_branches_compute_the_dense_logits(dense, branched, tiny_tokens, tmp_path, layers, router_init):
+def test_upcycled_branches_compute_the_dense_logits(
+    dense, branched, tiny_tokens, tmp_path, layers, router_init
+):
     """Equal experts: whatever the router picks, the renormalised top-2 combine is the dense FFN (nothing dropped:
     eval capacity factor E); averaged layers average equal tensors. The point of branching before upcycling."""
-    rec = upcycle(branched, tmp_path / "btx", layers=layers, router_init=router_init, data=str(tiny_tokens), blocks=2)
+    rec = upcycle(
+        branched, tmp_path / "btx", layers=layers, router_init=router_init, data=str(tiny_tokens), blocks=2
+    )
     assert all(r == pytest.approx(1.0) for r in rec["average_coherence"].values())
     c = load_consolidated(tmp_path / "btx")
     ffn = replace(c.cfg.model.ffn, gshard=replace(c.cfg.model.ffn.gshard, eval_capacity_factor=3.0))
@@ -199,12 +224,23 @@ def test_demix_run_from_the_branched_checkpoint_on_two_ranks(dense, tmp_path):
     branch(dense, tmp_path / "branched", ["sailing", "cooking"])
     run = tmp_path / "run"
     sets = demix_overrides(tmp_path / "branched") + [
-        "train.steps=2", "train.micro_batch=2", "train.warmup_fraction=0.0", "train.eval_batches=1",
-        "logging.log_interval=1", "logging.progress_bar=false", "logging.wandb_mode=disabled"]
+        "train.steps=2",
+        "train.micro_batch=2",
+        "train.warmup_fraction=0.0",
+        "train.eval_batches=1",
+        "logging.log_interval=1",
+        "logging.progress_bar=false",
+        "logging.wandb_mode=disabled",
+    ]
     argv = ["--config", str(REPO / "configs/demo/demix.yaml"), "--nproc", "2", "--run-dir", str(run)]
-    proc = subprocess.run([sys.executable, "-m", "launcher.launch", *argv, *[a for s in sets for a in ("--set", s)]],
-                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.launch", *argv, *[a for s in sets for a in ("--set", s)]],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     train = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["loss"]) for r in train)
@@ -214,5 +250,7 @@ def test_demix_run_from_the_branched_checkpoint_on_two_ranks(dense, tmp_path):
     assert out.cfg.model.ffn.kind == "demix" and out.domains == ["sailing", "cooking"] and out.step == 2
     key = "blocks.1.ffn.experts.{}.fc1.weight"
     start = load_consolidated(tmp_path / "branched").state_dict[key.format(0)]
-    assert not any(torch.equal(out.state_dict[key.format(j)], start) for j in range(2))  # both experts trained
+    assert not any(
+        torch.equal(out.state_dict[key.format(j)], start) for j in range(2)
+    )  # both experts trained
     assert not torch.equal(out.state_dict[key.format(0)], out.state_dict[key.format(1)])

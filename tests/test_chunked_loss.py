@@ -13,8 +13,16 @@ B, T = 3, 16  # N = 48 rows; vocabulary padded to 384
 
 
 def _model(kind: str = "dense", experts: int = 0) -> GPT:
-    sets = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.vocab_size=300",
-            "model.seq_len=32", f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts}"]
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.vocab_size=300",
+        "model.seq_len=32",
+        f"model.ffn.kind={kind}",
+        f"model.ffn.num_experts={experts}",
+    ]
     torch.manual_seed(0)
     return GPT(load_run_config(None, sets).model, init_seed=0)
 
@@ -92,7 +100,9 @@ def test_chunked_token_loss_function_on_hidden_states():
         for a, b in zip(torch.autograd.grad((got * w_BT).sum(), (h, W)), ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # evaluation: chunked, no checkpoint
-        torch.testing.assert_close(chunked_token_loss(lambda h_, t_: loss_fn(F.linear(h_, W), t_), h, y, 4), ref)
+        torch.testing.assert_close(
+            chunked_token_loss(lambda h_, t_: loss_fn(F.linear(h_, W), t_), h, y, 4), ref
+        )
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -117,7 +127,9 @@ def test_no_full_vocabulary_tensor_exists(autocast):
     with _LargestTensor() as seen:
         _run(model, rows, return_logits=False, autocast=autocast)
     V = model.vocab_size
-    assert seen.largest <= max(rows * V, V * 64)  # a chunk's logits, or the embedding (V x D) and its gradient
+    assert seen.largest <= max(
+        rows * V, V * 64
+    )  # a chunk's logits, or the embedding (V x D) and its gradient
     with _LargestTensor() as seen:
         _run(model, B * T, return_logits=False, autocast=autocast)
     assert seen.largest >= B * T * V  # the check would see a full-vocabulary tensor

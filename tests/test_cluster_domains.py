@@ -7,8 +7,15 @@ import json
 
 import numpy as np
 
-from data.cluster_domains import (Clusterer, agreement, balanced_assign, cluster_corpus, fit_clusterer, main,
-                                  read_corpus, relabel_prepared)
+from data.cluster_domains import (
+    Clusterer,
+    agreement,
+    balanced_assign,
+    fit_clusterer,
+    main,
+    read_corpus,
+    relabel_prepared,
+)
 from tests.conftest import write_corpus
 
 
@@ -35,8 +42,10 @@ def test_cluster_corpus_recovers_planted_domains_and_reloads(tmp_path):
     cluster_of = {}
     for r in rows:
         cluster_of.setdefault(r["id"].split("-")[0], set()).add(r["domain"])
-    new = ["The oven and the flour, butter and sugar: bake, then knead the dough.",
-           "The bond yield and the stock price moved the equity market."]
+    new = [
+        "The oven and the flour, butter and sugar: bake, then knead the dough.",
+        "The bond yield and the stock price moved the equity market.",
+    ]
     names = c.names()
     got = [names[j] for j in c.assign(new)]
     assert got[0] in cluster_of["cooking"] and got[1] in cluster_of["finance"]
@@ -64,4 +73,6 @@ def test_relabel_prepared_keeps_tokens_and_splits(tiny_tokens, tmp_path):
     dst = load_catalog(tmp_path / "tok", "gpt2")
     assert dst.train_domains == ("cluster00", "cluster01", "cluster02")
     for split in ("train", "valid", "test"):
-        assert sum(dst.counts[n][split]["tokens"] for n in dst.train_domains) == sum(v[split]["tokens"] for v in src.values())
+        assert sum(dst.counts[n][split]["tokens"] for n in dst.train_domains) == sum(
+            v[split]["tokens"] for v in src.values()
+        )

@@ -25,12 +25,21 @@ from tests.multirank import run_ranks
 
 RTOL = 1e-5
 _CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-pytestmark = pytest.mark.skipif(not _CXX, reason="torch.compile (inductor) on CPU builds C++ kernels: no C++ compiler "
-                                                  "(g++, c++, clang++ or $CXX) on this machine")
+pytestmark = pytest.mark.skipif(
+    not _CXX,
+    reason="torch.compile (inductor) on CPU builds C++ kernels: no C++ compiler "
+    "(g++, c++, clang++ or $CXX) on this machine",
+)
 
-_CSE_SETS = ["model.ffn.num_experts=4", "model.ffn.cse.num_samples=16", "model.ffn.cse.dbscan_eps=0.0",
-             "model.ffn.cse.dbscan_auto=target", "model.ffn.cse.min_clusters=2", "model.ffn.cse.dbscan_min_samples=2",
-             "model.ffn.cse.warmup_fraction=0.25"]
+_CSE_SETS = [
+    "model.ffn.num_experts=4",
+    "model.ffn.cse.num_samples=16",
+    "model.ffn.cse.dbscan_eps=0.0",
+    "model.ffn.cse.dbscan_auto=target",
+    "model.ffn.cse.min_clusters=2",
+    "model.ffn.cse.dbscan_min_samples=2",
+    "model.ffn.cse.warmup_fraction=0.25",
+]
 
 
 def _train(rank: int, world: int, tokens: str, kind: str, compiled: bool, run_dir: str) -> dict:
@@ -41,11 +50,26 @@ def _train(rank: int, world: int, tokens: str, kind: str, compiled: bool, run_di
     from launcher.train import Trainer, train_step
     from model.cse import cse_layers
 
-    sets = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
-            "model.dropout=0.0", f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2",
-            "data.domains=[cooking,sailing]", "data.mixture=natural", "train.steps=4", "train.micro_batch=2",
-            "train.grad_accum=2", f"train.compile={str(compiled).lower()}", "logging.wandb_mode=disabled",
-            "logging.progress_bar=false", *(_CSE_SETS if kind == "cse" else [])]
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.seq_len=32",
+        "model.dropout=0.0",
+        f"model.ffn.kind={kind}",
+        f"data.path={tokens}",
+        "data.tokenizer=gpt2",
+        "data.domains=[cooking,sailing]",
+        "data.mixture=natural",
+        "train.steps=4",
+        "train.micro_batch=2",
+        "train.grad_accum=2",
+        f"train.compile={str(compiled).lower()}",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        *(_CSE_SETS if kind == "cse" else []),
+    ]
     plan = make_plan(load_run_config(None, sets), world)
     trainer = Trainer.setup(plan, Path(run_dir), resume="never")
     model = trainer.bundle.engine.module
@@ -61,25 +85,37 @@ def _train(rank: int, world: int, tokens: str, kind: str, compiled: bool, run_di
         losses.append(float(out.domain_sums[0].sum() / out.domain_sums[1].sum()))
         if trainer.hook is not None:
             trainer.hook.after_step(s + 1, lambda i, d=s + 1: trainer.batches(d, i, 1)[0])
-    return {"losses": losses, "keys": list(model.state_dict()), "clusters": [m.active for m in cse_layers(model)],
-            "compiled": sorted(n for n, m in model.named_modules() if m._compiled_call_impl is not None)}
+    return {
+        "losses": losses,
+        "keys": list(model.state_dict()),
+        "clusters": [m.active for m in cse_layers(model)],
+        "compiled": sorted(n for n, m in model.named_modules() if m._compiled_call_impl is not None),
+    }
 
 
 @pytest.mark.parametrize("kind", ["dense", "cse"])
 def test_compiled_training_matches_eager(tiny_tokens, kind: str) -> None:
-    eager, compiled = (run_ranks(_train, 1, args=(str(tiny_tokens), kind, c, tempfile.mkdtemp()))[0]
-                       for c in (False, True))
+    eager, compiled = (
+        run_ranks(_train, 1, args=(str(tiny_tokens), kind, c, tempfile.mkdtemp()))[0] for c in (False, True)
+    )
     assert eager["compiled"] == []
-    want = (["blocks.0", "blocks.1"] if kind == "dense" else
-            [f"blocks.{i}.{part}" for i in (0, 1) for part in ["attn"] + [f"ffn.experts.{e}" for e in range(4)]])
+    want = (
+        ["blocks.0", "blocks.1"]
+        if kind == "dense"
+        else [
+            f"blocks.{i}.{part}" for i in (0, 1) for part in ["attn"] + [f"ffn.experts.{e}" for e in range(4)]
+        ]
+    )
     assert compiled["compiled"] == want
     assert compiled["keys"] == eager["keys"] and not any("_orig_mod" in k for k in compiled["keys"])
     assert compiled["clusters"] == eager["clusters"]
     if kind == "cse":
         assert any(k >= 2 for k in compiled["clusters"]), compiled["clusters"]  # the hooks fired, routing ran
     worst = max(abs(c / e - 1) for c, e in zip(compiled["losses"], eager["losses"]))
-    print(f"{kind}: losses eager {eager['losses']}, compiled {compiled['losses']}, "
-          f"largest relative difference {worst:.2e}")
+    print(
+        f"{kind}: losses eager {eager['losses']}, compiled {compiled['losses']}, "
+        f"largest relative difference {worst:.2e}"
+    )
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=RTOL)
     assert len(set(eager["losses"])) == 4  # it trained
 

@@ -25,9 +25,15 @@ def test_every_preset_loads_as_every_kind(preset, kind):
 
 
 def test_paper_shapes():
-    shapes = {p: load_run_config(None, [f"model.preset={p}"]).model for p in ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl")}
+    shapes = {
+        p: load_run_config(None, [f"model.preset={p}"]).model
+        for p in ("gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl")
+    }
     assert [(m.n_layers, m.d_model, m.seq_len) for m in shapes.values()] == [
-        (12, 768, 1024), (24, 1024, 1024), (24, 1536, 1024), (24, 2048, 1024)
+        (12, 768, 1024),
+        (24, 1024, 1024),
+        (24, 1536, 1024),
+        (24, 2048, 1024),
     ]
 
 
@@ -52,7 +58,15 @@ def test_bad_config_lists_every_problem(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_run_config(bad)
     text = str(e.value)
-    for needle in ("n_heads=5", "bogus", "kind='moe'", "lr='fast'", "precision='fp8'", "zero_stage=3", "nonsense"):
+    for needle in (
+        "n_heads=5",
+        "bogus",
+        "kind='moe'",
+        "lr='fast'",
+        "precision='fp8'",
+        "zero_stage=3",
+        "nonsense",
+    ):
         assert needle in text, (needle, text)
     assert len(e.value.problems) == 7
 
@@ -65,7 +79,9 @@ def test_unknown_preset_and_missing_file(tmp_path):
 
 
 def test_overrides_parse_yaml_scalars():
-    cfg = load_run_config(None, ["model.preset=tiny", "train.lr=3e-4", "train.steps=7", "parallel.allocation=[1, 3]"])
+    cfg = load_run_config(
+        None, ["model.preset=tiny", "train.lr=3e-4", "train.steps=7", "parallel.allocation=[1, 3]"]
+    )
     assert cfg.train.lr == 3e-4 and cfg.train.steps == 7 and cfg.parallel.allocation == [1, 3]
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_run_config(None, ["train.steps"])
@@ -79,4 +95,6 @@ def test_non_finite_numbers_are_refused_before_any_rank_starts(value):
     with pytest.raises(ConfigError) as err:
         load_run_config(None, ["model.preset=tiny", f"train.lr={value}", "model.dropout=.inf"])
     msg = str(err.value)
-    assert "train.lr=" in msg and "model.dropout=inf: expected a finite number" in msg and "2 problem(s)" in msg
+    assert (
+        "train.lr=" in msg and "model.dropout=inf: expected a finite number" in msg and "2 problem(s)" in msg
+    )

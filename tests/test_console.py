@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,8 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.rundir import (EXTENSIONS_ENV, LAUNCHER_ENV, SHM_OP, default_extensions_dir, extensions_root,
-                             interrupted_line, op_build_notice, use_extensions_dir)
+from launcher.rundir import (
+    EXTENSIONS_ENV,
+    LAUNCHER_ENV,
+    SHM_OP,
+    default_extensions_dir,
+    extensions_root,
+    interrupted_line,
+    op_build_notice,
+    use_extensions_dir,
+)
 from tests.test_train import _launch, _overrides
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +43,9 @@ def _fake_state(run: Path, step: int) -> Path:
     d = run / "checkpoints" / f"step_{step:08d}"
     d.mkdir(parents=True)
     (d / "trainer.pt").write_bytes(b"x")
-    (d / "meta.json").write_text(json.dumps({"format": TRAINING_FORMAT, "step": step, "files": {"trainer.pt": 1}}))
+    (d / "meta.json").write_text(
+        json.dumps({"format": TRAINING_FORMAT, "step": step, "files": {"trainer.pt": 1}})
+    )
     (run / "checkpoints" / "latest").write_text(d.name + "\n")
     return d
 
@@ -73,7 +82,11 @@ def test_the_extensions_cache_defaults_to_the_virtualenv_and_an_explicit_value_i
 
 
 def test_the_makefile_exports_the_same_default_and_keeps_a_set_value():
-    line = next(ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("export TORCH_EXTENSIONS_DIR"))
+    line = next(
+        ln
+        for ln in (REPO / "Makefile").read_text().splitlines()
+        if ln.startswith("export TORCH_EXTENSIONS_DIR")
+    )
     assert line == "export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions", line
     if Path(sys.prefix).resolve() == (REPO / ".venv").resolve():
         assert default_extensions_dir().resolve() == (REPO / ".venv" / "torch_extensions").resolve()
@@ -121,11 +134,15 @@ def test_the_interrupt_line_names_the_last_checkpoint_and_how_to_resume(tmp_path
     assert "no checkpoint was written in" in interrupted_line(run)
     state = _fake_state(run, 4)
     line = interrupted_line(run)
-    assert line.startswith(f"interrupted; the last checkpoint is {state} (step 4)") and "--resume auto" in line, line
+    assert (
+        line.startswith(f"interrupted; the last checkpoint is {state} (step 4)") and "--resume auto" in line
+    ), line
     assert "\n" not in line and "nothing was written" in interrupted_line(None)
 
 
-def test_only_rank_0_of_ranks_started_without_the_launcher_reports_an_interrupt(monkeypatch, tmp_path, capsys):
+def test_only_rank_0_of_ranks_started_without_the_launcher_reports_an_interrupt(
+    monkeypatch, tmp_path, capsys
+):
     from launcher.train import report_interrupt
 
     _fake_state(tmp_path, 2)
@@ -146,8 +163,15 @@ def test_only_rank_0_of_ranks_started_without_the_launcher_reports_an_interrupt(
 def _interrupt_when(cmd: list[str], ready: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """Start `cmd` in its own session, and once `ready` exists send SIGINT to its whole process group (what Ctrl-C in
     a terminal does); returns its exit status and output."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -182,7 +206,9 @@ t.train = wait
 exit_process(t.main(sys.argv[1:]))
 """
     args = ["--run-dir", str(run), *_overrides(tiny_tokens)]
-    proc = _interrupt_when([sys.executable, "-c", script, *args], ready, _env(**{EXTENSIONS_ENV: str(tmp_path / "ext")}))
+    proc = _interrupt_when(
+        [sys.executable, "-c", script, *args], ready, _env(**{EXTENSIONS_ENV: str(tmp_path / "ext")})
+    )
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip().splitlines() == [interrupted_line(run)], proc.stderr
@@ -209,7 +235,9 @@ exit_process(run_and_report(cmd, launch_env(1), Path({str(run)!r})))
     proc = _interrupt_when([sys.executable, "-c", script], ready, _env())
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert [ln for ln in proc.stderr.splitlines() if "interrupted" in ln] == [interrupted_line(run)], proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if "interrupted" in ln] == [interrupted_line(run)], (
+        proc.stderr
+    )
     assert proc.stderr.strip().splitlines()[-1] == interrupted_line(run)  # the last word, after the runner's
     pid = int(rank_pid.read_text())
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -236,8 +264,9 @@ print("--- control ---", file=sys.stderr, flush=True)
 warnings.filters[:] = [f for f in warnings.filters if not (f[1] is not None and f[1].pattern == {_MEGATRON!r})]
 importlib.reload(clip_grads)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     project, control = proc.stderr.split("--- control ---")
     assert _MEGATRON not in project and "UserWarning: another warning" in project, project
@@ -257,7 +286,9 @@ def test_the_saved_config_records_the_run_dir_given(tiny_tokens, tmp_path, monke
     assert main(["--run-dir", "rel/run", "--dry-run", *sets]) == 0
     run = tmp_path / "rel" / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["logging"]["out_dir"] == str(run)
-    assert f"logging.out_dir={json.dumps(str(run))}" in (run / "command.sh").read_text()  # the ranks' config too
+    assert (
+        f"logging.out_dir={json.dumps(str(run))}" in (run / "command.sh").read_text()
+    )  # the ranks' config too
     assert not (tmp_path / "runs").exists()
     # without --run-dir the config's own folder is the run directory, and is recorded (absolute)
     assert main(["--dry-run", *sets]) == 0
@@ -269,12 +300,25 @@ def test_a_trainer_started_with_a_run_dir_plans_with_it(tiny_tokens, tmp_path, m
     import launcher.train as t
 
     seen = {}
-    monkeypatch.setattr(t, "train", lambda plan, run_dir, resume: seen.update(cfg=plan.cfg, run_dir=run_dir) or {})
+    monkeypatch.setattr(
+        t, "train", lambda plan, run_dir, resume: seen.update(cfg=plan.cfg, run_dir=run_dir) or {}
+    )
     monkeypatch.setattr(t, "prepare_op_cache", lambda: None)
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT="29555").items():
+    for k, v in dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    ).items():
         monkeypatch.setenv(k, v)
-    assert t.main(["--run-dir", str(tmp_path / "r"), *_overrides(tiny_tokens), "--set", "logging.out_dir=runs/x"]) == 0
+    assert (
+        t.main(
+            ["--run-dir", str(tmp_path / "r"), *_overrides(tiny_tokens), "--set", "logging.out_dir=runs/x"]
+        )
+        == 0
+    )
     assert seen["run_dir"] == tmp_path / "r" and seen["cfg"].logging.out_dir == str(tmp_path / "r")
 
 

@@ -23,13 +23,20 @@ from model.config import ModelConfig
 
 # A hand-sized cluster, independent of the shipped presets: B_nvl = 150 GB/s, B_node = 100 Gb/s.
 CLUSTER = cm.ClusterSpec(
-    name="test", device="v100", gpus_per_node=8, nvlink_gbytes_per_s=150.0, nvlink_latency_us=5.0,
-    internode_gbits_per_s_per_node=100.0, internode_latency_us=10.0,
+    name="test",
+    device="v100",
+    gpus_per_node=8,
+    nvlink_gbytes_per_s=150.0,
+    nvlink_latency_us=5.0,
+    internode_gbits_per_s_per_node=100.0,
+    internode_latency_us=10.0,
 )
 
 
 def preset(name: str, kind: str, num_experts: int = 0) -> ModelConfig:
-    return load_run_config(None, [f"model.preset={name}", f"model.ffn.kind={kind}", f"model.ffn.num_experts={num_experts}"]).model
+    return load_run_config(
+        None, [f"model.preset={name}", f"model.ffn.kind={kind}", f"model.ffn.num_experts={num_experts}"]
+    ).model
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -77,8 +84,10 @@ def test_gshard_alltoall_hand_example() -> None:
 
 
 def test_plans_per_architecture() -> None:
-    dense, demix, gshard = (preset("gpt3-small", k, n) for k, n in (("dense", 0), ("demix", 8), ("gshard", 32)))
-    (d_bytes, d_group), = cm.allreduce_plan(dense, 32, 2)
+    dense, demix, gshard = (
+        preset("gpt3-small", k, n) for k, n in (("dense", 0), ("demix", 8), ("gshard", 32))
+    )
+    ((d_bytes, d_group),) = cm.allreduce_plan(dense, 32, 2)
     assert d_group == 32
     (shared, s_group), (expert, e_group) = cm.allreduce_plan(demix, 32, 2)
     assert (s_group, e_group) == (32, 4)
@@ -110,22 +119,32 @@ def test_overlap_hides_allreduce_only() -> None:
 def test_comm_bytes_per_update_is_the_plan_under_the_trainers_group_names() -> None:
     opts = cm.CostOptions(micro_batch=2, grad_accum=8, grad_dtype="fp16", recompute="none")
     dense, demix = preset("gpt3-small", "dense"), preset("gpt3-small", "demix", 8)
-    (d_bytes, _), = cm.allreduce_plan(dense, 32, 2)
+    ((d_bytes, _),) = cm.allreduce_plan(dense, 32, 2)
     assert cm.comm_bytes_per_update(dense, 32, opts) == {"data_parallel/all_reduce": d_bytes + cm.NORM_BYTES}
     (shared, _), (expert, _) = cm.allreduce_plan(demix, 32, 2)
-    assert cm.comm_bytes_per_update(demix, 32, opts) == {"data_parallel/all_reduce": shared + cm.NORM_BYTES,
-                                                         "expert/all_reduce": expert}
+    assert cm.comm_bytes_per_update(demix, 32, opts) == {
+        "data_parallel/all_reduce": shared + cm.NORM_BYTES,
+        "expert/all_reduce": expert,
+    }
     # GShard with 8 experts on 32 GPUs: DeepSpeed's groups as rank 0 sees them (experts 0..7, replicas 0,8,16,24)
     gshard = preset("gpt3-small", "gshard", 8)
     volume, count = cm.alltoall_volume(gshard, opts)
     got = cm.comm_bytes_per_update(gshard, 32, opts)
-    assert got == {"data_parallel/all_reduce": cm.acc.param_counts(gshard).shared * 2 + cm.NORM_BYTES,
-                   "ranks_0_8_16_24/all_reduce": cm.acc.param_counts(gshard).expert // 8 * 2,
-                   "ranks_0_1_2_3_4_5_6_7/all_to_all_single": volume * count}
+    assert got == {
+        "data_parallel/all_reduce": cm.acc.param_counts(gshard).shared * 2 + cm.NORM_BYTES,
+        "ranks_0_8_16_24/all_reduce": cm.acc.param_counts(gshard).expert // 8 * 2,
+        "ranks_0_1_2_3_4_5_6_7/all_to_all_single": volume * count,
+    }
     one_per_gpu = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 32), 32, opts)
-    assert set(one_per_gpu) == {"data_parallel/all_reduce", "local/all_reduce", "data_parallel/all_to_all_single"}
+    assert set(one_per_gpu) == {
+        "data_parallel/all_reduce",
+        "local/all_reduce",
+        "data_parallel/all_to_all_single",
+    }
     alone = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 1), 1, opts)  # one rank: no all-to-all
-    assert alone == {"data_parallel/all_reduce": cm.acc.param_counts(preset("gpt3-small", "gshard", 1)).total * 2 + 8}
+    assert alone == {
+        "data_parallel/all_reduce": cm.acc.param_counts(preset("gpt3-small", "gshard", 1)).total * 2 + 8
+    }
 
 
 def test_demix_with_more_domains_than_ranks() -> None:
@@ -135,10 +154,13 @@ def test_demix_with_more_domains_than_ranks() -> None:
     params = cm.acc.param_counts(demix)
     per_domain = params.expert // params.num_experts
     assert cm.allreduce_plan(demix, 2, 4) == [(params.shared * 4, 2), (per_domain * 4 * 4, 1)]
-    assert cm.comm_bytes_per_update(demix, 2, opts) == {"data_parallel/all_reduce": params.shared * 4 + cm.NORM_BYTES,
-                                                        "expert/all_reduce": per_domain * 4 * 4}
+    assert cm.comm_bytes_per_update(demix, 2, opts) == {
+        "data_parallel/all_reduce": params.shared * 4 + cm.NORM_BYTES,
+        "expert/all_reduce": per_domain * 4 * 4,
+    }
     assert cm.comm_bytes_per_update(demix, 1, opts) == {
-        "data_parallel/all_reduce": (params.shared + 8 * per_domain) * 4 + cm.NORM_BYTES}
+        "data_parallel/all_reduce": (params.shared + 8 * per_domain) * 4 + cm.NORM_BYTES
+    }
     pred = cm.predict(demix, 2, CLUSTER, cm.Efficiency(0.4, 0.0), opts)
     assert pred.allreduce_s == pytest.approx(cm.allreduce_seconds(params.shared * 4, 2, CLUSTER, 25 * 2**20))
     with pytest.raises(ValueError, match="3 GPUs cannot be split evenly among 8 domains"):
@@ -152,10 +174,21 @@ def test_predict_prices_measured_bytes_when_given() -> None:
     same = cm.predict(cfg, 32, CLUSTER, eff, opts, measured_bytes=cm.comm_bytes_per_update(cfg, 32, opts))
     assert (formulas.bytes_from, same.bytes_from) == ("formulas", "measured")
     assert same.allreduce_s == pytest.approx(formulas.allreduce_s, rel=1e-9)
-    assert same.alltoall_s == pytest.approx(formulas.alltoall_s) and same.step_s == pytest.approx(formulas.step_s, rel=1e-9)
-    doubled = cm.predict(cfg, 32, CLUSTER, eff, opts,
-                         measured_bytes={k: 2 * v for k, v in cm.comm_bytes_per_update(cfg, 32, opts).items()})
-    assert doubled.allreduce_s > 1.5 * formulas.allreduce_s and doubled.alltoall_bytes == 2 * formulas.alltoall_bytes
+    assert same.alltoall_s == pytest.approx(formulas.alltoall_s) and same.step_s == pytest.approx(
+        formulas.step_s, rel=1e-9
+    )
+    doubled = cm.predict(
+        cfg,
+        32,
+        CLUSTER,
+        eff,
+        opts,
+        measured_bytes={k: 2 * v for k, v in cm.comm_bytes_per_update(cfg, 32, opts).items()},
+    )
+    assert (
+        doubled.allreduce_s > 1.5 * formulas.allreduce_s
+        and doubled.alltoall_bytes == 2 * formulas.alltoall_bytes
+    )
     with pytest.raises(ValueError, match="tensor_parallel/all_reduce"):
         cm.predict(cfg, 32, CLUSTER, eff, opts, measured_bytes={"tensor_parallel/all_reduce": 1.0})
 
@@ -168,16 +201,25 @@ def test_fit_uses_dense_rows_only() -> None:
     assert len(points) == 12
     for form in cm.EFFICIENCY_FORMS:
         base = cm.fit_efficiency(points, CLUSTER, form=form)
-        scrambled = [p if p.arch == "dense" else replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 3 + 1) for p in points]
+        scrambled = [
+            p if p.arch == "dense" else replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 3 + 1)
+            for p in points
+        ]
         assert cm.fit_efficiency(scrambled, CLUSTER, form=form) == base
-        dense_changed = [replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 1.1) if p.arch == "dense" else p for p in points]
+        dense_changed = [
+            replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 1.1) if p.arch == "dense" else p
+            for p in points
+        ]
         assert cm.fit_efficiency(dense_changed, CLUSTER, form=form) != base
 
 
 def test_fit_recovers_a_known_efficiency() -> None:
     truth = cm.Efficiency(0.8, 1500.0)
     points = [p for p in cm.paper_points() if p.arch == "dense"]
-    synthetic = [replace(p, measured_tflops_per_gpu=cm.predict(p.cfg, p.gpus, CLUSTER, truth).tflops_per_gpu) for p in points]
+    synthetic = [
+        replace(p, measured_tflops_per_gpu=cm.predict(p.cfg, p.gpus, CLUSTER, truth).tflops_per_gpu)
+        for p in points
+    ]
     fit = cm.fit_efficiency(synthetic, CLUSTER)
     assert fit.e_max == pytest.approx(0.8, rel=1e-9)
     assert fit.h_half == pytest.approx(1500.0, rel=1e-6)
@@ -209,11 +251,21 @@ def test_cluster_yaml_reports_every_problem(tmp_path: Path) -> None:
 def test_cluster_yaml_semantic_checks() -> None:
     raw = yaml.safe_load((cm.CLUSTER_DIR / "v100-dgx1.yaml").read_text())
     with pytest.raises(ConfigError) as err:
-        cm.cluster_from_dict({**raw, "gpus_per_node": 0, "internode_gbits_per_s_per_node": -1, "device": "tpu9", "efficiency_max": 0.5})
+        cm.cluster_from_dict(
+            {
+                **raw,
+                "gpus_per_node": 0,
+                "internode_gbits_per_s_per_node": -1,
+                "device": "tpu9",
+                "efficiency_max": 0.5,
+            }
+        )
     assert len(err.value.problems) == 4
     with pytest.raises(ConfigError, match="required"):
         cm.cluster_from_dict({"name": "x"})
-    custom = cm.cluster_from_dict({**raw, "device": "mystery", "peak_tflops": 100.0, "efficiency_max": 0.5, "efficiency_h_half": 0.0})
+    custom = cm.cluster_from_dict(
+        {**raw, "device": "mystery", "peak_tflops": 100.0, "efficiency_max": 0.5, "efficiency_h_half": 0.0}
+    )
     assert custom.peak == 100.0
     assert cm.cluster_efficiency(custom, cm.CostOptions()).at(1024) == 0.5
 
@@ -228,9 +280,13 @@ def test_paper_cli_writes_12_rows_with_errors(tmp_path: Path) -> None:
     assert data["fitted"]["fitted_on_archs"] == ["dense"] and data["fitted"]["e_max"] > 0
     rows = data["rows"]
     assert len(rows) == 12
-    assert {(r["size"], r["arch"]) for r in rows} == {(s, a) for s in ("125M", "350M", "760M", "1.3B") for a in cm.ARCHS}
+    assert {(r["size"], r["arch"]) for r in rows} == {
+        (s, a) for s in ("125M", "350M", "760M", "1.3B") for a in cm.ARCHS
+    }
     for r in rows:
-        assert r["rel_err"] == pytest.approx((r["tflops_per_gpu"] - r["paper_tflops_per_gpu"]) / r["paper_tflops_per_gpu"])
+        assert r["rel_err"] == pytest.approx(
+            (r["tflops_per_gpu"] - r["paper_tflops_per_gpu"]) / r["paper_tflops_per_gpu"]
+        )
         assert 0 <= r["comm_share"] < 1
     assert max(abs(r["rel_err"]) for r in rows if r["arch"] == "dense") < 0.02  # 2 constants, 4 Dense points
     md = (tmp_path / "costmodel_paper.md").read_text()
@@ -245,7 +301,12 @@ def test_paper_cli_writes_12_rows_with_errors(tmp_path: Path) -> None:
 
 
 def test_single_configuration_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert cm.main(["--preset", "gpt3-small", "--arch", "demix", "--gpus", "16", "--cluster", "a100-dgx", "--json"]) == 0
+    assert (
+        cm.main(
+            ["--preset", "gpt3-small", "--arch", "demix", "--gpus", "16", "--cluster", "a100-dgx", "--json"]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["arch"] == "demix" and out["gpus"] == 16 and out["tflops_per_gpu"] > 0
     bad = tmp_path / "bad.yaml"
@@ -267,7 +328,11 @@ class _ByteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if not func.is_view and func._schema.name != "aten::detach":
-            tensors = [t for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            tensors = [
+                t
+                for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor)
+            ]
             self.total += sum(t.numel() * t.element_size() for t in tensors if t.numel() == self.n)
         return out
 
@@ -295,13 +360,19 @@ def test_gshard_capacity_is_fairseqs() -> None:
 def test_dispatch_combine_flops_match_a_direct_count(forward_passes: int) -> None:
     S, E, M = 48, 4, 16
     C, gates, (m1, m2, l1, l2), x = _fairseq_routing(S, E, M)
-    combine = torch.bmm((gates * m1).unsqueeze(-1), l1.unsqueeze(1)) + torch.bmm((gates * m2).unsqueeze(-1), l2.unsqueeze(1))
+    combine = torch.bmm((gates * m1).unsqueeze(-1), l1.unsqueeze(1)) + torch.bmm(
+        (gates * m2).unsqueeze(-1), l2.unsqueeze(1)
+    )
     dispatch_mask = combine.bool().float().permute(1, 2, 0)  # S,E,C -> E,C,S
-    combine = combine.detach().requires_grad_()  # its gradient is counted; passing it on to the gates is gating work
+    combine = (
+        combine.detach().requires_grad_()
+    )  # its gradient is counted; passing it on to the gates is gating work
 
     def layer() -> torch.Tensor:
         dispatched = torch.mm(dispatch_mask.reshape(E * C, S), x)  # einsum sec,sm->ecm
-        expert_out = torch.nn.functional.gelu(dispatched)  # the expert (no matmul here: only the routing counts)
+        expert_out = torch.nn.functional.gelu(
+            dispatched
+        )  # the expert (no matmul here: only the routing counts)
         return combine.view(S, E * C).mm(expert_out)  # einsum sec,ecm->sm
 
     with FlopCounterMode(display=False) as counter:
@@ -310,7 +381,9 @@ def test_dispatch_combine_flops_match_a_direct_count(forward_passes: int) -> Non
                 layer()
         layer().sum().backward()
     assert counter.get_total_flops() == cm.dispatch_combine_flops(S, E, C, M, forward_passes)
-    assert cm.dispatch_combine_flops(S, E, C, M, forward_passes) == 2 * S * E * C * M * (2 * forward_passes + 3)
+    assert cm.dispatch_combine_flops(S, E, C, M, forward_passes) == 2 * S * E * C * M * (
+        2 * forward_passes + 3
+    )
 
 
 def test_routing_bytes_match_a_direct_count() -> None:
@@ -341,7 +414,11 @@ def _gshard_points() -> list:
 def test_gshard_terms_non_negative_and_zero_elsewhere() -> None:
     eff = cm.Efficiency(0.8, 1500.0)
     cluster = cm.load_cluster("v100-dgx1")
-    for opts in (cm.CostOptions(), cm.CostOptions(recompute="none"), cm.CostOptions(gate_calls=1, micro_batch=1, grad_accum=16)):
+    for opts in (
+        cm.CostOptions(),
+        cm.CostOptions(recompute="none"),
+        cm.CostOptions(gate_calls=1, micro_batch=1, grad_accum=16),
+    ):
         for pt in cm.paper_points():
             pred = cm.predict(pt.cfg, pt.gpus, cluster, eff, opts)
             terms = [getattr(pred, k) for k in cm.GSHARD_TERM_KEYS]
@@ -351,7 +428,9 @@ def test_gshard_terms_non_negative_and_zero_elsewhere() -> None:
             else:
                 assert pred.dispatch_combine_s > 0 and pred.gating_s > 0 and pred.fp32_master_s > 0
                 assert pred.capacity_padding_s == 0.0 and pred.expert_roofline_s == 0.0  # E | S, 2S-row GEMMs
-            assert pred.step_s == pytest.approx(pred.compute_s + pred.allreduce_s + pred.alltoall_s + pred.gshard_s)
+            assert pred.step_s == pytest.approx(
+                pred.compute_s + pred.allreduce_s + pred.alltoall_s + pred.gshard_s
+            )
     off = cm.predict(_gshard_points()[0].cfg, 32, cluster, eff, cm.CostOptions(gshard_overheads="none"))
     assert off.gshard_s == 0.0
 
@@ -366,18 +445,24 @@ def test_gshard_terms_by_hand_for_125m() -> None:
     per_update = 6 * 8  # MoE layers x micro-batches
     assert terms.dispatch_combine_s == pytest.approx(per_update * 2 * N * d * 7 / (125e12 * 0.8))
     routing = per_update * (N * ((31 * 2 + 3) * 2 + 14) + S * E * (516 * 2 * 2 + 110)) / 900e9
-    gate_gemm = per_update * (2 * 2 + 2) * max(2 * S * d * E / (125e12 * 0.8), 2 * (S * d + d * E + S * E) / 900e9)
+    gate_gemm = (
+        per_update * (2 * 2 + 2) * max(2 * S * d * E / (125e12 * 0.8), 2 * (S * d + d * E + S * E) / 900e9)
+    )
     assert terms.gating_s == pytest.approx(routing + gate_gemm)
     assert terms.fp32_master_s == pytest.approx(28 * cm.params_per_gpu(cfg, 32) / 900e9)
 
 
 def test_capacity_padding_and_roofline_when_they_apply() -> None:
     eff, cluster = cm.Efficiency(0.8, 1500.0), cm.load_cluster("v100-dgx1")
-    odd = preset("gpt3-small", "gshard", 3)  # E does not divide S = 2048: C = 1366, E·C = 4098 rows for 4096 routes
+    odd = preset(
+        "gpt3-small", "gshard", 3
+    )  # E does not divide S = 2048: C = 1366, E·C = 4098 rows for 4096 routes
     t = cm.gshard_terms(odd, 3, cluster, eff, cm.CostOptions(), recompute=True)
     want = 6 * 8 * 4 * 4 * 768 * 3072 * 2 / (125e12 * eff.at(768))
     assert t.capacity_padding_s == pytest.approx(want)
-    many = preset("gpt3-small", "gshard", 64)  # 32 experts per GPU on 2 GPUs, 64-row expert GEMMs: memory-bound
+    many = preset(
+        "gpt3-small", "gshard", 64
+    )  # 32 experts per GPU on 2 GPUs, 64-row expert GEMMs: memory-bound
     t = cm.gshard_terms(many, 2, cluster, eff, cm.CostOptions(micro_batch=1, grad_accum=16), recompute=False)
     assert t.expert_roofline_s > 0
 
@@ -416,7 +501,10 @@ def test_no_gshard_row_used_anywhere() -> None:
     """Scrambling the paper's GShard and DEMix TFLOPs/GPU changes no prediction: only Dense rows are fitted."""
     cluster = cm.load_cluster("v100-dgx1")
     points = cm.paper_points()
-    scrambled = [p if p.arch == "dense" else replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 7 + 3) for p in points]
+    scrambled = [
+        p if p.arch == "dense" else replace(p, measured_tflops_per_gpu=p.measured_tflops_per_gpu * 7 + 3)
+        for p in points
+    ]
     for opts in (cm.CostOptions(), cm.CostOptions(recompute="none")):
         a, b = cm.fit_efficiency(points, cluster, opts), cm.fit_efficiency(scrambled, cluster, opts)
         assert a == b
@@ -427,8 +515,12 @@ def test_no_gshard_row_used_anywhere() -> None:
 def test_unknown_device_leaves_memory_bound_terms_out() -> None:
     custom = replace(CLUSTER, device="mystery", peak_tflops=100.0)
     assert custom.hbm_bytes_per_s is None and custom.gpu_memory_bytes is None
-    t = cm.gshard_terms(preset("gpt3-small", "gshard", 32), 32, custom, cm.Efficiency(0.8, 0.0), cm.CostOptions(), True)
-    assert t.fp32_master_s == 0.0 and t.dispatch_combine_s > 0 and t.gating_s > 0  # gating keeps the gate GEMM
+    t = cm.gshard_terms(
+        preset("gpt3-small", "gshard", 32), 32, custom, cm.Efficiency(0.8, 0.0), cm.CostOptions(), True
+    )
+    assert (
+        t.fp32_master_s == 0.0 and t.dispatch_combine_s > 0 and t.gating_s > 0
+    )  # gating keeps the gate GEMM
     given = replace(custom, memory_gbytes_per_s=1000.0, gpu_memory_gib=16.0)
     assert given.hbm_bytes_per_s == 1e12 and given.gpu_memory_bytes == 16 * 2**30
     assert given.problems() == [] and replace(given, memory_gbytes_per_s=0.0).problems()

@@ -12,9 +12,19 @@ from model.cse import CSEFFN, cse_layers, dispatch, ema_centres
 def _cfg(slots: int = 4, layers: int = 2, **cse):
     from launcher.config import load_run_config
 
-    sets = ["model.preset=tiny", f"model.n_layers={layers}", "model.vocab_size=128", "model.seq_len=16",
-            "model.d_model=32", "model.n_heads=2", "model.ffn.kind=cse", f"model.ffn.num_experts={slots}",
-            "train.steps=10", "train.micro_batch=4", "data.mixture=natural"]
+    sets = [
+        "model.preset=tiny",
+        f"model.n_layers={layers}",
+        "model.vocab_size=128",
+        "model.seq_len=16",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.ffn.kind=cse",
+        f"model.ffn.num_experts={slots}",
+        "train.steps=10",
+        "train.micro_batch=4",
+        "data.mixture=natural",
+    ]
     sets += [f"model.ffn.cse.{k}={v}" for k, v in cse.items()]
     return load_run_config(None, sets)
 
@@ -106,7 +116,9 @@ def test_checkpoint_round_trip_keeps_cluster_state():
     assert [layer.layer_idx for layer in layers] == [0, 1]  # last_layers=2 of 2
     g = torch.Generator().manual_seed(3)
     for layer in layers:
-        layer.set_clusters(torch.randn(3, cfg.ffn.cse.projection_dim, generator=g), torch.rand(3, generator=g) + 0.5)
+        layer.set_clusters(
+            torch.randn(3, cfg.ffn.cse.projection_dim, generator=g), torch.rand(3, generator=g) + 0.5
+        )
     tokens = torch.randint(0, 128, (6, 16), generator=g)
     ref = model(tokens)
     again = GPT(cfg, init_seed=2)
@@ -137,9 +149,14 @@ def test_controller_single_process_clusters_and_copies_expert_zero():
     g = torch.Generator().manual_seed(5)
 
     def batch_fn(i: int) -> dict:
-        return {"tokens": torch.randint(0, 128, (4, 16), generator=g), "domain_ids": torch.tensor([0, 1, 0, 1])}
+        return {
+            "tokens": torch.randint(0, 128, (4, 16), generator=g),
+            "domain_ids": torch.tensor([0, 1, 0, 1]),
+        }
 
-    ctl = CSEController(model, cfg.model.ffn.cse, cfg.train.steps, None, optimizer=opt, domain_names=["x", "y"])
+    ctl = CSEController(
+        model, cfg.model.ffn.cse, cfg.train.steps, None, optimizer=opt, domain_names=["x", "y"]
+    )
     assert ctl.boundary == 2
     assert ctl.after_step(1, batch_fn) is None and not ctl.is_clustered
     rec = ctl.after_step(2, batch_fn)
@@ -177,17 +194,26 @@ def test_eps_from_the_data_knee_and_target_cluster_counts():
     g = torch.Generator().manual_seed(3)
     centres = 12.0 * torch.eye(8)[:6]
     sizes = [80, 60, 40, 30, 20, 20]
-    v = torch.cat([centres[j] + (0.3 + 0.1 * j) * torch.randn(n, 8, generator=g) for j, n in enumerate(sizes)])
+    v = torch.cat(
+        [centres[j] + (0.3 + 0.1 * j) * torch.randn(n, 8, generator=g) for j, n in enumerate(sizes)]
+    )
     truth = np.repeat(np.arange(6), sizes)
     res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)
     assert res.eps_method == "target" and 4 <= res.num_clusters <= 8 and res.eps_scan
-    assert res.eps == min((r for r in res.eps_scan if r["clusters"] >= 4),
-                          key=lambda r: (-min(r["clusters"], 8), r["noise"], r["eps"]))["eps"]
+    assert (
+        res.eps
+        == min(
+            (r for r in res.eps_scan if r["clusters"] >= 4),
+            key=lambda r: (-min(r["clusters"], 8), r["noise"], r["eps"]),
+        )["eps"]
+    )
     rec = cluster_record(res, v, truth)
     assert rec["num_clusters"] == 6 and rec["purity"] == 1.0 and rec["eps_method"] == "target"
     assert len(rec["eps_scan"]) == len(res.eps_scan)
     knee = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="knee")
-    assert knee.eps == knee_eps(v.double().numpy(), 5) and 2 <= knee.num_clusters <= 6  # the dense blobs at least
+    assert (
+        knee.eps == knee_eps(v.double().numpy(), 5) and 2 <= knee.num_clusters <= 6
+    )  # the dense blobs at least
     assert purity(np.zeros(len(truth), dtype=int), truth) == pytest.approx(80 / 250)
     with pytest.raises(ValueError, match="dbscan_auto='kmeans'"):
         cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="kmeans")
@@ -200,18 +226,26 @@ def test_target_eps_does_not_merge_neighbouring_domains():
 
     g = torch.Generator().manual_seed(5)
     pair = 20.0 * torch.eye(8)[:4]
-    centres = torch.cat([pair, pair + 1.5 * torch.eye(8)[4]])  # domain j and j+4 are 1.5 apart, pairs 20 apart
+    centres = torch.cat(
+        [pair, pair + 1.5 * torch.eye(8)[4]]
+    )  # domain j and j+4 are 1.5 apart, pairs 20 apart
     v = torch.cat([c + 0.25 * torch.randn(40, 8, generator=g) for c in centres])
     truth = np.repeat(np.arange(8), 40)
     res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)
     old = min((r for r in res.eps_scan if 4 <= r["clusters"] <= 8), key=lambda r: (r["noise"], r["eps"]))
-    assert old["clusters"] < 8 and cluster_record(cluster_embeddings(v, old["eps"], 5, 8), v, truth)["purity"] < 0.65
+    assert (
+        old["clusters"] < 8
+        and cluster_record(cluster_embeddings(v, old["eps"], 5, 8), v, truth)["purity"] < 0.65
+    )
     assert res.num_clusters == 8 and cluster_record(res, v, truth)["purity"] > 0.95
 
 
 def test_cse_eps_options_are_validated():
     from launcher.config import load_run_config
     from launcher.typed import ConfigError
+
     with pytest.raises(ConfigError) as e:
-        load_run_config(None, ["model.ffn.kind=cse", "model.ffn.cse.dbscan_auto=kmeans", "model.ffn.cse.min_clusters=40"])
+        load_run_config(
+            None, ["model.ffn.kind=cse", "model.ffn.cse.dbscan_auto=kmeans", "model.ffn.cse.min_clusters=40"]
+        )
     assert "dbscan_auto='kmeans'" in str(e.value) and "min_clusters=40" in str(e.value)

@@ -27,13 +27,30 @@ KEYS = ("master", "exp_avg", "exp_avg_sq")
 def _cfg(precision: str, zero: int) -> Any:
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=1", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
-        "model.d_model=16", "model.n_heads=2", "model.ffn.kind=cse", "model.ffn.num_experts=2",
-        "model.ffn.cse.last_layers=1", "data.mixture=natural", f"parallel.zero_stage={zero}",
-        f"train.precision={precision}", f"train.micro_batch={MB}", "train.grad_accum=1", "train.steps=10",
-        "train.lr=1e-2", "train.warmup_fraction=0.0", "train.schedule=constant", "train.weight_decay=0.1",
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=1",
+            f"model.vocab_size={VOCAB}",
+            f"model.seq_len={SEQ}",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.ffn.kind=cse",
+            "model.ffn.num_experts=2",
+            "model.ffn.cse.last_layers=1",
+            "data.mixture=natural",
+            f"parallel.zero_stage={zero}",
+            f"train.precision={precision}",
+            f"train.micro_batch={MB}",
+            "train.grad_accum=1",
+            "train.steps=10",
+            "train.lr=1e-2",
+            "train.warmup_fraction=0.0",
+            "train.schedule=constant",
+            "train.weight_decay=0.1",
+        ],
+    )
 
 
 def _batch(i: int) -> dict[str, torch.Tensor]:
@@ -50,11 +67,18 @@ def _fp32_state(p: nn.Parameter, optimizer: Any) -> dict[str, torch.Tensor]:
     inner, master = optimizer, p
     if hasattr(optimizer, "fp32_groups"):  # FP16_UnfusedOptimizer: one fp32 master per parameter
         inner = optimizer.optimizer
-        master = next(hp for lp_g, hp_g in zip(optimizer.fp16_groups, optimizer.fp32_groups)
-                      for lp, hp in zip(lp_g, hp_g) if lp is p)
+        master = next(
+            hp
+            for lp_g, hp_g in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+            for lp, hp in zip(lp_g, hp_g)
+            if lp is p
+        )
     st = inner.state[master]
-    return {"master": master.detach().float().clone(), "exp_avg": st["exp_avg"].clone(),
-            "exp_avg_sq": st["exp_avg_sq"].clone()}
+    return {
+        "master": master.detach().float().clone(),
+        "exp_avg": st["exp_avg"].clone(),
+        "exp_avg_sq": st["exp_avg_sq"].clone(),
+    }
 
 
 @torch.no_grad()
@@ -124,12 +148,15 @@ def _fused_fp16_case() -> dict[str, Any]:
     from parallel.cse import copy_expert
 
     torch.manual_seed(0)
-    experts = nn.ModuleDict({str(e): nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8)) for e in range(3)})
+    experts = nn.ModuleDict(
+        {str(e): nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8)) for e in range(3)}
+    )
     experts = experts.half()
     decay = [p for p in experts.parameters() if p.dim() >= 2]
     no_decay = [p for p in experts.parameters() if p.dim() < 2]
-    inner = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=1e-2)
+    inner = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+    )
     opt = FP16_Optimizer(inner, static_loss_scale=1.0)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)).half()
     e0, e2 = experts["0"], experts["2"]  # expert 1 in between: the copy must find the right slices
@@ -148,10 +175,16 @@ def _fused_fp16_case() -> dict[str, Any]:
         for g in inner.param_groups:
             g["lr"] = lr
         step(e0)
-        out[name] = {"weight": max((p0.float() - p2.float()).abs().max().item()
-                                   for p0, p2 in zip(e0.parameters(), e2.parameters()))}
-    out["flat"] = {k: [(t if k == "master" else inner.state[t][k]).detach().clone() for t in opt.fp32_groups_flat]
-                   for k in KEYS}  # whole flat groups: experts 0, 1, 2 one after the other in each
+        out[name] = {
+            "weight": max(
+                (p0.float() - p2.float()).abs().max().item()
+                for p0, p2 in zip(e0.parameters(), e2.parameters())
+            )
+        }
+    out["flat"] = {
+        k: [(t if k == "master" else inner.state[t][k]).detach().clone() for t in opt.fp32_groups_flat]
+        for k in KEYS
+    }  # whole flat groups: experts 0, 1, 2 one after the other in each
     out["numel"] = [[p.numel() for p in g] for g in opt.fp16_groups]
     return out
 
@@ -203,5 +236,5 @@ def test_copy_expert_under_deepspeeds_flat_fp16_optimizer(results):
         for flat, sizes in zip(flats, r["numel"]):
             parts = torch.split(flat, sizes)
             n = len(sizes) // 3
-            for a, c in zip(parts[:n], parts[2 * n:]):
+            for a, c in zip(parts[:n], parts[2 * n :]):
                 assert torch.equal(a, c) and a.any(), k

@@ -27,8 +27,11 @@ def forward_before(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
     """CSEFFN.forward before K lived on the host: three device reads per layer and micro-batch."""
     v_BP = ffn.embed(x_BTD)
     k = int(ffn.num_active)
-    ids_B = (torch.zeros(x_BTD.shape[0], dtype=torch.long, device=x_BTD.device) if k == 0
-             else dispatch(v_BP, ffn.centres_EP[:k], ffn.radii_E[:k]))
+    ids_B = (
+        torch.zeros(x_BTD.shape[0], dtype=torch.long, device=x_BTD.device)
+        if k == 0
+        else dispatch(v_BP, ffn.centres_EP[:k], ffn.radii_E[:k])
+    )
     if ffn.training and int(ffn.num_active) and torch.is_grad_enabled():
         with torch.no_grad():
             ffn.pending_sum_EP.index_add_(0, ids_B, v_BP.double())
@@ -37,17 +40,30 @@ def forward_before(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
     counts = counts_E.tolist()
     order_B = None if sum(n > 0 for n in counts) == 1 else torch.argsort(ids_B, stable=True)
     out_BTD = run_grouped(x_BTD, [ffn.experts[str(e)] for e in range(ffn.num_slots)], counts, order_B)
-    stats = {"cluster_load_E": counts_E.to(x_BTD.dtype).detach(), "num_clusters": ffn.num_active.detach().float()}
+    stats = {
+        "cluster_load_E": counts_E.to(x_BTD.dtype).detach(),
+        "num_clusters": ffn.num_active.detach().float(),
+    }
     return FFNOutput(hidden=out_BTD, stats=stats)
 
 
 def _model_cfg():
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", "model.vocab_size=128", "model.seq_len=16", "model.d_model=32",
-        "model.n_heads=2", "model.ffn.kind=cse", f"model.ffn.num_experts={SLOTS}", "data.mixture=natural",
-    ]).model
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.vocab_size=128",
+            "model.seq_len=16",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.ffn.kind=cse",
+            f"model.ffn.num_experts={SLOTS}",
+            "data.mixture=natural",
+        ],
+    ).model
 
 
 # Sequences of x whose embeddings become the cluster centres (sequence centre_rows[j] routes to cluster j).
@@ -76,9 +92,14 @@ def _run(ffn: CSEFFN, fwd, x_BTD: torch.Tensor, autocast: bool) -> dict:
         out = fwd(ffn, x)
     w = torch.randn(out.hidden.shape, generator=torch.Generator().manual_seed(7)).to(out.hidden.dtype)
     (out.hidden * w).float().sum().backward()
-    return {"out": out.hidden.detach(), "x.grad": x.grad, **{f"grad {n}": p.grad for n, p in ffn.named_parameters()},
-            **{f"stat {k}": v for k, v in out.stats.items()},
-            "pending_sum": ffn.pending_sum_EP.clone(), "pending_count": ffn.pending_count_E.clone()}
+    return {
+        "out": out.hidden.detach(),
+        "x.grad": x.grad,
+        **{f"grad {n}": p.grad for n, p in ffn.named_parameters()},
+        **{f"stat {k}": v for k, v in out.stats.items()},
+        "pending_sum": ffn.pending_sum_EP.clone(),
+        "pending_count": ffn.pending_count_E.clone(),
+    }
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -128,7 +149,9 @@ def _reads(rank: int, world: int) -> dict:
     out = {}
     for name, rows in CLUSTERS.items():
         x = torch.randn(8, 5, 32, generator=torch.Generator().manual_seed(3))
-        ffn = _layer(x, rows).to(device)  # moved like the engine moves the model: a device tensor from here on
+        ffn = _layer(x, rows).to(
+            device
+        )  # moved like the engine moves the model: a device tensor from here on
         x = x.to(device)
         for which, fwd in (("new", lambda f, x: f(x)), ("old", forward_before)):
             with record_host_reads() as reads:
@@ -159,9 +182,14 @@ def test_a_clustered_layer_reads_its_counts_once_and_nothing_else() -> None:
             assert not new, (name, new)
         else:
             assert sum(new.values()) == 1, (name, new)
-            assert next(iter(new)).startswith("tolist at model/cse.py:") and "routed_counts" in next(iter(new))
+            assert next(iter(new)).startswith("tolist at model/cse.py:") and "routed_counts" in next(
+                iter(new)
+            )
         old = got[name, "old"]
-        assert sorted(w.split(" ")[0] for w in old.elements()) == ["__int__", "__int__", "tolist"], (name, old)
+        assert sorted(w.split(" ")[0] for w in old.elements()) == ["__int__", "__int__", "tolist"], (
+            name,
+            old,
+        )
     first, second = got["restored", 0], got["restored", 1]
     assert sorted(w.split(" at ")[0] for w in first.elements()) == ["__int__", "tolist"], first
     assert any("model/cse.py" in w and " active" in w for w in first), first

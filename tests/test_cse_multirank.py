@@ -13,14 +13,33 @@ STEPS, MB, SEQ, VOCAB, SLOTS = 5, 4, 16, 128, 4
 def _cfg(zero: int):
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
-        "model.d_model=32", "model.n_heads=2", "model.ffn.kind=cse", f"model.ffn.num_experts={SLOTS}",
-        "model.ffn.cse.num_samples=32", "model.ffn.cse.dbscan_eps=0.0", "model.ffn.cse.dbscan_min_samples=3",
-        "model.ffn.cse.warmup_fraction=0.4", "model.ffn.cse.centre_momentum=0.9", "data.mixture=natural",
-        f"parallel.zero_stage={zero}", f"train.micro_batch={MB}", "train.grad_accum=2", f"train.steps={STEPS}",
-        "train.lr=1e-2", "train.warmup_fraction=0.2", "train.clip_grad=1.0", "train.weight_decay=0.1",
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            f"model.vocab_size={VOCAB}",
+            f"model.seq_len={SEQ}",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.ffn.kind=cse",
+            f"model.ffn.num_experts={SLOTS}",
+            "model.ffn.cse.num_samples=32",
+            "model.ffn.cse.dbscan_eps=0.0",
+            "model.ffn.cse.dbscan_min_samples=3",
+            "model.ffn.cse.warmup_fraction=0.4",
+            "model.ffn.cse.centre_momentum=0.9",
+            "data.mixture=natural",
+            f"parallel.zero_stage={zero}",
+            f"train.micro_batch={MB}",
+            "train.grad_accum=2",
+            f"train.steps={STEPS}",
+            "train.lr=1e-2",
+            "train.warmup_fraction=0.2",
+            "train.clip_grad=1.0",
+            "train.weight_decay=0.1",
+        ],
+    )
 
 
 def _batch(rank: int, i: int) -> dict[str, torch.Tensor]:
@@ -28,15 +47,20 @@ def _batch(rank: int, i: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + i)
     dom = torch.tensor([0, 1] * (MB // 2))
     tokens = torch.randint(0, 4, (MB, SEQ + 1), generator=g) + (VOCAB // 2) * dom[:, None]
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": dom, "loss_mask": torch.ones(MB, SEQ)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "domain_ids": dom,
+        "loss_mask": torch.ones(MB, SEQ),
+    }
 
 
 def _worker(rank: int, world: int, zeros: tuple):
+    from launcher.ffn_kinds import ffn_kind
     from launcher.train import train_step
     from model.cse import cse_layers
     from model.gpt import GPT
     from parallel.cse import CSEController, partitioned_state
-    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
 
@@ -48,8 +72,14 @@ def _worker(rank: int, world: int, zeros: tuple):
         torch.manual_seed(0)
         model = GPT(cfg.model, init_seed=7)
         bundle = ffn_kind(cfg).build_engine(model, cfg, groups)
-        ctl = CSEController(bundle.engine.module, cfg.model.ffn.cse, cfg.train.steps, groups,
-                            optimizer=bundle.engine.optimizer, domain_names=["lo", "hi"])
+        ctl = CSEController(
+            bundle.engine.module,
+            cfg.model.ffn.cse,
+            cfg.train.steps,
+            groups,
+            optimizer=bundle.engine.optimizer,
+            domain_names=["lo", "hi"],
+        )
         records, copies_equal = [], []
         for step in range(STEPS):
             train_step(bundle, cfg, [_batch(rank, 2 * step + m) for m in range(2)], 2)
@@ -58,7 +88,9 @@ def _worker(rank: int, world: int, zeros: tuple):
                 records.append((step + 1, rec))
                 for layer in cse_layers(model):  # right after the copy: fp32 master weights and moments match
                     for j in range(1, int(layer.num_active)):
-                        for p0, pj in zip(layer.experts["0"].parameters(), layer.experts[str(j)].parameters()):
+                        for p0, pj in zip(
+                            layer.experts["0"].parameters(), layer.experts[str(j)].parameters()
+                        ):
                             ok = torch.equal(p0, pj)
                             if zero > 0:
                                 for key in (None, "exp_avg", "exp_avg_sq"):

@@ -9,7 +9,6 @@ that received no row), in fp32 and under bf16 autocast.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -39,10 +38,20 @@ def reference_cse_forward(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
 def _model_cfg(kind: str, experts: int, d_model: int = 32):
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", "model.vocab_size=128", "model.seq_len=16", f"model.d_model={d_model}",
-        "model.n_heads=2", f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts}", "data.mixture=natural",
-    ]).model
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.vocab_size=128",
+            "model.seq_len=16",
+            f"model.d_model={d_model}",
+            "model.n_heads=2",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={experts}",
+            "data.mixture=natural",
+        ],
+    ).model
 
 
 def _forward_backward(ffn: torch.nn.Module, fwd, x_BTD: torch.Tensor, autocast: bool):
@@ -99,9 +108,13 @@ def test_demix_holding_some_domains_routes_global_ids_and_reports_missing_ones()
     ffn = DemixFFN(_model_cfg("demix", 8), [5, 1, 3])  # a rank's own domains: sparse global ids
     domain_ids_B = torch.tensor([5, 3, 5, 1])
     x = torch.randn(4, 3, 32)
-    _assert_parity(_forward_backward(ffn, lambda x: ffn(x, domain_ids_B).hidden, x, False),
-                   _forward_backward(ffn, lambda x: reference_demix_hidden(ffn, x, domain_ids_B), x, False))
-    with pytest.raises(ValueError, match=r"domain ids \[0, 7\] have no expert here \(this layer holds experts \[1, 3, 5\]\)"):
+    _assert_parity(
+        _forward_backward(ffn, lambda x: ffn(x, domain_ids_B).hidden, x, False),
+        _forward_backward(ffn, lambda x: reference_demix_hidden(ffn, x, domain_ids_B), x, False),
+    )
+    with pytest.raises(
+        ValueError, match=r"domain ids \[0, 7\] have no expert here \(this layer holds experts \[1, 3, 5\]\)"
+    ):
         ffn(x, torch.tensor([7, 3, 0, 7]))
 
 
@@ -167,7 +180,9 @@ def test_cse_grouped_matches_the_per_expert_scatter(clusters: int, autocast: boo
     ffn.pending_sum_EP.zero_(), ffn.pending_count_E.zero_()
     want = _forward_backward(ffn, ref, x, autocast)
     _assert_parity(got, want)
-    torch.testing.assert_close(stats["fast"]["cluster_load_E"], stats["ref"]["cluster_load_E"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        stats["fast"]["cluster_load_E"], stats["ref"]["cluster_load_E"], rtol=0, atol=0
+    )
     torch.testing.assert_close(sum_fast, ffn.pending_sum_EP, rtol=0, atol=0)
     torch.testing.assert_close(count_fast, ffn.pending_count_E, rtol=0, atol=0)
     idle = set(range(4)) - set(ids.tolist())

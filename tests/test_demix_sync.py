@@ -21,17 +21,40 @@ from tests.multirank import run_ranks
 STEPS, GAS, MB, SEQ, VOCAB = 3, 2, 2, 16, 256
 
 
-def _cfg(kind: str, domains: int, zero: int, tp: int = 1, scaling: str = "domain_mean", clip: float = 0.05,
-         extra: tuple = ()):
+def _cfg(
+    kind: str,
+    domains: int,
+    zero: int,
+    tp: int = 1,
+    scaling: str = "domain_mean",
+    clip: float = 0.05,
+    extra: tuple = (),
+):
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}", "model.n_heads=4",
-        f"model.ffn.kind={kind}", f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
-        f"parallel.zero_stage={zero}", f"parallel.tensor_parallel={tp}", f"parallel.expert_grad_scaling={scaling}",
-        f"train.micro_batch={MB}", f"train.grad_accum={GAS}", f"train.steps={STEPS}", "train.lr=1e-2",
-        "train.warmup_fraction=0.34", f"train.clip_grad={clip}", "train.weight_decay=0.1", *extra,
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            f"model.vocab_size={VOCAB}",
+            f"model.seq_len={SEQ}",
+            "model.n_heads=4",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={domains if kind == 'demix' else 0}",
+            f"parallel.zero_stage={zero}",
+            f"parallel.tensor_parallel={tp}",
+            f"parallel.expert_grad_scaling={scaling}",
+            f"train.micro_batch={MB}",
+            f"train.grad_accum={GAS}",
+            f"train.steps={STEPS}",
+            "train.lr=1e-2",
+            "train.warmup_fraction=0.34",
+            f"train.clip_grad={clip}",
+            "train.weight_decay=0.1",
+            *extra,
+        ],
+    )
 
 
 def _batch(dp_rank: int, step: int, micro: int, domains: tuple) -> dict[str, torch.Tensor]:
@@ -39,7 +62,12 @@ def _batch(dp_rank: int, step: int, micro: int, domains: tuple) -> dict[str, tor
     g = torch.Generator().manual_seed(10_000 * dp_rank + 100 * step + micro)
     tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
     doms = torch.tensor([domains[i % len(domains)] for i in range(MB)])
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": doms, "loss_mask": torch.ones(MB, SEQ)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "domain_ids": doms,
+        "loss_mask": torch.ones(MB, SEQ),
+    }
 
 
 def _lower_split_threshold(numel: int) -> None:
@@ -50,14 +78,23 @@ def _lower_split_threshold(numel: int) -> None:
     moe_utils.split_params_into_different_moe_groups_for_optimizer.__defaults__ = (numel,)
 
 
-def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: int, scaling: str,
-            split_numel: int = 0, extra: tuple = ()):
+def _worker(
+    rank: int,
+    world: int,
+    kind: str,
+    domains: int,
+    zeros: tuple,
+    tp: int,
+    scaling: str,
+    split_numel: int = 0,
+    extra: tuple = (),
+):
     """Train the same run once per ZeRO stage in this process (one spawn amortises the imports)."""
     if split_numel:
         _lower_split_threshold(split_numel)
+    from launcher.ffn_kinds import ffn_kind
     from launcher.train import train_step
     from model.gpt import GPT
-    from launcher.ffn_kinds import ffn_kind
     from parallel.groups import ProcessGroups
     from parallel.tensor_parallel import gather_full_state_dict
     from parallel.topology import build_topology
@@ -76,11 +113,21 @@ def _worker(rank: int, world: int, kind: str, domains: int, zeros: tuple, tp: in
             doms = info.domains if kind == "demix" else (0,)
             out = train_step(bundle, cfg, [_batch(info.dp_rank, step, m, doms) for m in range(GAS)], domains)
             norms.append(float(out.grad_norm))
-        sd = gather_full_state_dict(model, groups.tp_group) if tp > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
+        sd = (
+            gather_full_state_dict(model, groups.tp_group)
+            if tp > 1
+            else {k: v.detach().clone() for k, v in model.state_dict().items()}
+        )
         sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
-        results[zero] = {"sd": sd, "domains": info.domains, "dp_rank": info.dp_rank, "norms": norms,
-                         "groups": len(bundle.engine.optimizer.param_groups), "grad_reduce": bundle.grad_reduce,
-                         "overlap_comm": getattr(bundle.engine.optimizer, "overlap_comm", None)}
+        results[zero] = {
+            "sd": sd,
+            "domains": info.domains,
+            "dp_rank": info.dp_rank,
+            "norms": norms,
+            "groups": len(bundle.engine.optimizer.param_groups),
+            "grad_reduce": bundle.grad_reduce,
+            "overlap_comm": getattr(bundle.engine.optimizer, "overlap_comm", None),
+        }
     return results
 
 
@@ -96,8 +143,12 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
     decay = [p for p in params.values() if p.dim() >= 2]
     no_decay = [p for p in params.values() if p.dim() < 2]
     t = cfg.train
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     dp_domains = [d if isinstance(d, tuple) else (d,) for d in dp_domains]
     ranks_of = {d: [r for r in range(world_dp) if d in dp_domains[r]] for ds in dp_domains for d in ds}
@@ -113,9 +164,18 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
                 for m in range(GAS):
                     b = _batch(r, step, m, dp_domains[r])
                     (model(b["tokens"], b["domain_ids"], targets_BT=b["targets"]).loss / GAS).backward()
-                per_rank.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
+                per_rank.append(
+                    {
+                        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                        for n, p in params.items()
+                    }
+                )
             for n, p in params.items():
-                ranks = ranks_of[int(n.split(".experts.")[1].split(".")[0])] if ".experts." in n else range(world_dp)
+                ranks = (
+                    ranks_of[int(n.split(".experts.")[1].split(".")[0])]
+                    if ".experts." in n
+                    else range(world_dp)
+                )
                 p.grad = sum(per_rank[r][n] for r in ranks) / world_dp
         norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params.values())).float()
         norms.append(float(norm))
@@ -130,6 +190,7 @@ def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling
 def _definition_grads(model, params: dict, batches: list) -> None:
     """Set p.grad by the definition: shared = mean over every token of the step (all ranks, all micro-batches);
     expert e = mean over the step's tokens of domain e. One backward for the shared mean, one per domain."""
+
     def token_losses():
         return [(model(b["tokens"], b["domain_ids"], targets_BT=b["targets"]).token_loss, b) for b in batches]
 
@@ -153,11 +214,17 @@ def _check(results, ref_sd, ref_norms, atol=2e-5):
     shared = [k for k in ref_sd if ".experts." not in k]
     for r, res in enumerate(results):
         for k in shared:
-            torch.testing.assert_close(res["sd"][k], results[0]["sd"][k], rtol=0, atol=0, msg=f"shared {k} differs on rank {r}")
-            torch.testing.assert_close(res["sd"][k], ref_sd[k], rtol=1e-4, atol=atol, msg=f"shared {k} vs reference")
+            torch.testing.assert_close(
+                res["sd"][k], results[0]["sd"][k], rtol=0, atol=0, msg=f"shared {k} differs on rank {r}"
+            )
+            torch.testing.assert_close(
+                res["sd"][k], ref_sd[k], rtol=1e-4, atol=atol, msg=f"shared {k} vs reference"
+            )
         for k, v in res["sd"].items():
             if ".experts." in k:
-                torch.testing.assert_close(v, ref_sd[k], rtol=1e-4, atol=atol, msg=f"rank {r} {k} vs reference")
+                torch.testing.assert_close(
+                    v, ref_sd[k], rtol=1e-4, atol=atol, msg=f"rank {r} {k} vs reference"
+                )
         assert res["norms"] == pytest.approx(ref_norms, rel=1e-4)
 
 
@@ -169,7 +236,10 @@ def _check_groups(results, expert_groups):
         for r in ranks[1:]:
             assert all(torch.equal(results[ranks[0]]["sd"][k], results[r]["sd"][k]) for k in keys)
     k0 = next(k for k in results[expert_groups[0][0]]["sd"] if ".experts.0." in k)
-    assert not torch.allclose(results[expert_groups[0][0]]["sd"][k0], results[expert_groups[1][0]]["sd"][k0.replace(".experts.0.", ".experts.1.")])
+    assert not torch.allclose(
+        results[expert_groups[0][0]]["sd"][k0],
+        results[expert_groups[1][0]]["sd"][k0.replace(".experts.0.", ".experts.1.")],
+    )
 
 
 # A few of the tiny model's matrices per gradient bucket: several buckets, reduced while the backward runs.
@@ -179,8 +249,11 @@ SMALL_BUCKET = 20_000
 @pytest.mark.slow
 def test_demix_4_ranks_2_domains_zero_0_1_2_match_reference():
     """With small gradient buckets: ZeRO 0 reduces them from the backward's hooks, ZeRO 1/2 with overlap_comm."""
-    per_rank = run_ranks(_worker, 4, args=("demix", 2, (0, 1, 2), 1, "domain_mean", 0,
-                                           (f"parallel.bucket_elements={SMALL_BUCKET}",)))
+    per_rank = run_ranks(
+        _worker,
+        4,
+        args=("demix", 2, (0, 1, 2), 1, "domain_mean", 0, (f"parallel.bucket_elements={SMALL_BUCKET}",)),
+    )
     ref_sd, ref_norms = _reference("demix", 2, 4, [0, 0, 1, 1], "domain_mean")
     for zero in (0, 1, 2):
         results = [r[zero] for r in per_rank]
@@ -246,9 +319,21 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
     rank 0's experts make twice as many optimizer groups as rank 1's (4 vs 2 decay groups; ZeRO 1/2 deadlocked
     on that): rank 1 must split its experts into as many groups as rank 0."""
     matrix = 4 * 128 * 128  # one fc weight of the tiny model (d_model 128, ffn 4x)
-    per_rank = run_ranks(_worker, 2, args=("demix", 3, (0, 1, 2), 1, "domain_mean", 2 * matrix,
-                                           (f"parallel.bucket_elements={SMALL_BUCKET}",)), timeout=300,
-                         device_strict=True)
+    per_rank = run_ranks(
+        _worker,
+        2,
+        args=(
+            "demix",
+            3,
+            (0, 1, 2),
+            1,
+            "domain_mean",
+            2 * matrix,
+            (f"parallel.bucket_elements={SMALL_BUCKET}",),
+        ),
+        timeout=300,
+        device_strict=True,
+    )
     ref_sd, ref_norms = _reference("demix", 3, 2, [(0, 1), (2,)], "domain_mean")
     for zero in (0, 1, 2):
         results = [r[zero] for r in per_rank]
@@ -256,8 +341,12 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
         plan = results[0]["grad_reduce"]
         # unequal experts per rank: ZeRO 0 overlaps with small buckets; ZeRO 1/2 reduce the whole rank in one bucket
         assert not plan.uniform and plan.overlap is (zero == 0)
-        assert plan.elements == (SMALL_BUCKET if zero == 0 else plan.max_rank_params + plan.max_rank_params % 2)
-        assert results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1  # shared x2, expert decay x4, no-decay
+        assert plan.elements == (
+            SMALL_BUCKET if zero == 0 else plan.max_rank_params + plan.max_rank_params % 2
+        )
+        assert (
+            results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1
+        )  # shared x2, expert decay x4, no-decay
         _check(results, ref_sd, ref_norms)
 
 

@@ -8,9 +8,13 @@ from benchmarks import demo
 
 
 def _result(modes, ppl, unigram):
-    return {"modes": list(modes), "domains": {
-        d: {"role": role, "ppl": {m: ppl[d] for m in modes}, "unigram": {"ppl": unigram[d]}}
-        for d, role in (("news", "train"), ("code", "train"), ("legal", "novel"))}}
+    return {
+        "modes": list(modes),
+        "domains": {
+            d: {"role": role, "ppl": {m: ppl[d] for m in modes}, "unigram": {"ppl": unigram[d]}}
+            for d, role in (("news", "train"), ("code", "train"), ("legal", "novel"))
+        },
+    }
 
 
 def test_demo_report_has_the_unigram_floor_and_points_to_reproduce(tmp_path: Path):
@@ -18,10 +22,22 @@ def test_demo_report_has_the_unigram_floor_and_points_to_reproduce(tmp_path: Pat
         (tmp_path / arch).mkdir()
         (tmp_path / arch / "command.sh").write_text(f"#!/bin/sh\npython -m launcher.train {arch}\n")
     uni = {"news": 700.0, "code": 500.0, "legal": 900.0}
-    results = {"dense": _result(["ppl"], {"news": 400.0, "code": 300.0, "legal": 800.0}, uni),
-               "demix": _result(demo.DEMIX_MODES, {"news": 350.0, "code": 250.0, "legal": 780.0}, uni)}
-    speed = {a: {"params_total": 1, "params_active": 1, "tokens_per_s": 1.0, "tflops_per_gpu_no_recompute": 0.1,
-                 "tflops_per_gpu_recompute": 0.1, "step_time_s": 1.0, "final_train_loss": 5.0} for a in results}
+    results = {
+        "dense": _result(["ppl"], {"news": 400.0, "code": 300.0, "legal": 800.0}, uni),
+        "demix": _result(demo.DEMIX_MODES, {"news": 350.0, "code": 250.0, "legal": 780.0}, uni),
+    }
+    speed = {
+        a: {
+            "params_total": 1,
+            "params_active": 1,
+            "tokens_per_s": 1.0,
+            "tflops_per_gpu_no_recompute": 0.1,
+            "tflops_per_gpu_recompute": 0.1,
+            "step_time_s": 1.0,
+            "final_train_loss": 5.0,
+        }
+        for a in results
+    }
     args = argparse.Namespace(steps=10, nproc=2, out=str(tmp_path))
     report = demo.build_report(results, speed, args, 12.0)
     assert report["columns"][-1] == "unigram"

@@ -38,8 +38,12 @@ def _placement_checks(rank: int, world: int) -> list[str]:
 
     device = torch.device("cpu")
     seen = []
-    for make in (lambda: torch.zeros(3), lambda: torch.tensor([1.0]), lambda: torch.zeros(3, device=device).cpu(),
-                 lambda: torch.zeros(3) + torch.ones(3)):
+    for make in (
+        lambda: torch.zeros(3),
+        lambda: torch.tensor([1.0]),
+        lambda: torch.zeros(3, device=device).cpu(),
+        lambda: torch.zeros(3) + torch.ones(3),
+    ):
         try:
             dist.all_reduce(make())
         except DevicePlacementError:
@@ -100,8 +104,10 @@ def _fp16_demix_zero0(tiny_tokens: Path, tmp_path: Path, lift_guard: bool) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("parallel.precision", fromlist=["x"]).cpu_supports_fp16(),
-                    reason="this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16): DeepSpeed refuses fp16")
+@pytest.mark.skipif(
+    not __import__("parallel.precision", fromlist=["x"]).cpu_supports_fp16(),
+    reason="this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16): DeepSpeed refuses fp16",
+)
 def test_fp16_demix_zero0_native(tiny_tokens, tmp_path):
     _fp16_demix_zero0(tiny_tokens, tmp_path, lift_guard=False)
 

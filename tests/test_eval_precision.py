@@ -25,7 +25,9 @@ def demix_ckpt(random_checkpoint, tmp_path_factory):
     return random_checkpoint(tmp_path_factory.mktemp("eval_precision") / "demix", "demix")
 
 
-EVAL_KW = dict(max_blocks=2, cached_blocks=2, modes=["naive", "uniform", "cached"], progress=False, unigram=False)
+EVAL_KW = dict(
+    max_blocks=2, cached_blocks=2, modes=["naive", "uniform", "cached"], progress=False, unigram=False
+)
 
 
 def _ppl(res: dict) -> dict[str, dict[str, float]]:
@@ -33,6 +35,7 @@ def _ppl(res: dict) -> dict[str, dict[str, float]]:
 
 
 # ---------------------------------------------------------------- the shared rule ----------------------------------
+
 
 def test_forward_precision_is_autocast_over_fp32_weights_only():
     """bf16/fp16 over fp32 parameters: autocast (DeepSpeed's ZeRO 0 bf16 `torch_autocast`, and the standalone
@@ -52,6 +55,7 @@ def test_forward_precision_is_autocast_over_fp32_weights_only():
 
 
 # ---------------------------------------------------------------- the standalone evaluator ---------------------------
+
 
 def test_standalone_bf16_evaluation_is_autocast_and_within_bf16_tolerance_of_fp32(demix_ckpt, tiny_tokens):
     from launcher.evaluation.evaluate import evaluate_checkpoint
@@ -105,8 +109,28 @@ def test_cli_bf16_writes_its_precision_and_device(demix_ckpt, tiny_tokens, tmp_p
     from launcher.evaluation.evaluate import main
 
     out = tmp_path / "out"
-    assert main([str(demix_ckpt), "--data", str(tiny_tokens), "--max-blocks", "2", "--cached-blocks", "2",
-                 "--modes", "naive", "--device", "cpu", "--precision", "bf16", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(demix_ckpt),
+                "--data",
+                str(tiny_tokens),
+                "--max-blocks",
+                "2",
+                "--cached-blocks",
+                "2",
+                "--modes",
+                "naive",
+                "--device",
+                "cpu",
+                "--precision",
+                "bf16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rec = json.loads((out / "eval.json").read_text())
     assert (rec["device"], rec["precision"]) == ("cpu", "bf16")
     assert "bf16" in (out / "eval.md").read_text()
@@ -122,8 +146,9 @@ def _call(argv: list[str], capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-def test_device_cuda_without_cuda_is_refused_before_anything_is_loaded(demix_ckpt, tiny_tokens, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_device_cuda_without_cuda_is_refused_before_anything_is_loaded(
+    demix_ckpt, tiny_tokens, tmp_path, capsys, monkeypatch
+):
     import launcher.checkpoint as ckpt_mod
     import launcher.evaluation.evaluate as ev
 
@@ -133,7 +158,9 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_loaded(demix_ckp
     monkeypatch.setattr(ev, "read_meta", lambda *a, **k: loaded.append(a) or {})
     monkeypatch.setattr(ev, "load_consolidated", lambda *a, **k: loaded.append(a))
     out = tmp_path / "out"
-    rc, err = _call([str(demix_ckpt), "--data", str(tiny_tokens), "--device", "cuda", "--out", str(out)], capsys)
+    rc, err = _call(
+        [str(demix_ckpt), "--data", str(tiny_tokens), "--device", "cuda", "--out", str(out)], capsys
+    )
     assert rc == 2 and "CUDA is not available" in err and "--device cpu" in err, err
     assert "Traceback" not in err and not loaded and not out.exists()
     assert ev.resolve_eval_device("auto") == torch.device("cpu")
@@ -142,6 +169,7 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_loaded(demix_ckp
 
 
 # ---------------------------------------------------------------- the trainer's evaluation ----------------------------
+
 
 def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
     """For each ZeRO stage: the trainer's `evaluate` on a real DeepSpeed engine (bf16), whether each forward ran
@@ -155,11 +183,26 @@ def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
 
     out = {}
     for zero in zeros:
-        sets = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
-                "model.ffn.kind=dense", f"data.path={tokens}", "data.tokenizer=gpt2", "data.domains=[cooking, sailing]",
-                "data.mixture=natural", "train.steps=2", "train.micro_batch=2", "train.grad_accum=1",
-                "train.eval_batches=3", "train.precision=bf16", f"parallel.zero_stage={zero}",
-                "logging.wandb_mode=disabled", "logging.progress_bar=false"]
+        sets = [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.d_model=64",
+            "model.n_heads=2",
+            "model.seq_len=32",
+            "model.ffn.kind=dense",
+            f"data.path={tokens}",
+            "data.tokenizer=gpt2",
+            "data.domains=[cooking, sailing]",
+            "data.mixture=natural",
+            "train.steps=2",
+            "train.micro_batch=2",
+            "train.grad_accum=1",
+            "train.eval_batches=3",
+            "train.precision=bf16",
+            f"parallel.zero_stage={zero}",
+            "logging.wandb_mode=disabled",
+            "logging.progress_bar=false",
+        ]
         plan = make_plan(load_run_config(None, sets, check=False), world)
         cfg, device = plan.cfg, torch.device("cpu")
         torch.manual_seed(0)
@@ -168,7 +211,8 @@ def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
         module = bundle.engine.module
         seen = []
         hook = module.register_forward_pre_hook(
-            lambda m, a: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+            lambda m, a: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        )
         metrics = evaluate(bundle, plan, rank, device)
         hook.remove()
         sampler, n = build_rank_sampler(plan, rank, "valid"), len(plan.catalog.train_domains)
@@ -177,13 +221,24 @@ def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
         with torch.no_grad():
             for i in range(cfg.train.eval_batches):
                 b = to_model_batch(sampler.batch(i, 0), device, plan)
-                o = bundle.engine(b["tokens"], b["expert_ids"], targets_BT=b["targets"], loss_mask_BT=b["loss_mask"],
-                                  return_logits=False)
+                o = bundle.engine(
+                    b["tokens"],
+                    b["expert_ids"],
+                    targets_BT=b["targets"],
+                    loss_mask_BT=b["loss_mask"],
+                    return_logits=False,
+                )
                 sums += domain_loss_sums(o.token_loss, b["loss_mask"], b["domain_ids"], n)
         module.train()
-        engine_loss = {f"val_loss/{d}": float(sums[0, i] / sums[1, i]) for i, d in enumerate(plan.catalog.train_domains)}
-        out[zero] = {"seen": seen, "metrics": metrics, "engine_loss": engine_loss,
-                     "param_dtype": str(next(module.parameters()).dtype)}
+        engine_loss = {
+            f"val_loss/{d}": float(sums[0, i] / sums[1, i]) for i, d in enumerate(plan.catalog.train_domains)
+        }
+        out[zero] = {
+            "seen": seen,
+            "metrics": metrics,
+            "engine_loss": engine_loss,
+            "param_dtype": str(next(module.parameters()).dtype),
+        }
     return out
 
 

@@ -41,7 +41,9 @@ def test_paired_ratio_removes_shared_block_variation():
     a = list(50 * (2.0 + rng.standard_normal(64)).clip(0.5))
     b = [x + 0.05 * 50 for x in a]
     ratio, lo, hi = stats.paired_ratio(a, b, tokens)
-    assert ratio == pytest.approx(math.exp(-0.05)) and lo == pytest.approx(ratio) and hi == pytest.approx(ratio)
+    assert (
+        ratio == pytest.approx(math.exp(-0.05)) and lo == pytest.approx(ratio) and hi == pytest.approx(ratio)
+    )
     _, a_lo, a_hi = stats.bootstrap_ppl(a, tokens)
     _, b_lo, _ = stats.bootstrap_ppl(b, tokens)
     assert b_lo < a_hi  # unpaired: not separable
@@ -166,12 +168,20 @@ def _token_dir(root, splits, dtype=np.uint16, V=500, token_counts=None):
     counts = {}
     for s, docs in splits.items():
         _write_bin(tok / "news" / s, docs, dtype)
-        counts[s] = {"documents": len(docs), "tokens": int(sum(len(d) for d in docs)),
-                     "bin": f"news/{s}.bin", "idx": f"news/{s}.idx"}
+        counts[s] = {
+            "documents": len(docs),
+            "tokens": int(sum(len(d) for d in docs)),
+            "bin": f"news/{s}.bin",
+            "idx": f"news/{s}.idx",
+        }
     if token_counts is not None:
         np.save(tok / "news" / "token_counts.npy", token_counts)
-    manifest = {"domains": ["news"], "counts": {"news": counts}, "dtype": np.dtype(dtype).name,
-                "tokenizer": {"name": "test", "vocab_size": V, "bos_id": 0}}
+    manifest = {
+        "domains": ["news"],
+        "counts": {"news": counts},
+        "dtype": np.dtype(dtype).name,
+        "tokenizer": {"name": "test", "vocab_size": V, "bos_id": 0},
+    }
     if token_counts is not None:
         manifest["token_counts"] = {"news": "news/token_counts.npy"}
     (tok / "manifest.json").write_text(json.dumps(manifest))
@@ -181,8 +191,13 @@ def _token_dir(root, splits, dtype=np.uint16, V=500, token_counts=None):
 def _random_splits(rng, V=500, sizes=(40, 8, 8)):
     from data.blocks import SPLITS
 
-    return {s: [np.concatenate([[0], np.minimum(rng.zipf(1.4, size=int(rng.integers(5, 300))), V - 50)]) for _ in range(n)]
-            for s, n in zip(SPLITS, sizes)}
+    return {
+        s: [
+            np.concatenate([[0], np.minimum(rng.zipf(1.4, size=int(rng.integers(5, 300))), V - 50)])
+            for _ in range(n)
+        ]
+        for s, n in zip(SPLITS, sizes)
+    }
 
 
 def test_token_counts_file_is_used_instead_of_the_bin_and_checked(tmp_path):
@@ -219,7 +234,10 @@ def test_token_counts_file_is_used_instead_of_the_bin_and_checked(tmp_path):
 
     test = torch.from_numpy(all_tokens["test"][1:65].astype(np.int64)).reshape(2, 32)
     r = domain_unigram(tok.parent, "tok", "news", 32, V, test, torch.ones(2, 32), "valid")
-    assert r["train_tokens"] == len(all_tokens["train"]) and r["k"] == _fit_from_arrays(all_tokens["train"], V, all_tokens["valid"])[1]
+    assert (
+        r["train_tokens"] == len(all_tokens["train"])
+        and r["k"] == _fit_from_arrays(all_tokens["train"], V, all_tokens["valid"])[1]
+    )
 
     # damaged counts files: a clear ValueError naming the file
     path = tok / "news" / "token_counts.npy"
@@ -238,7 +256,9 @@ def test_token_counts_file_is_used_instead_of_the_bin_and_checked(tmp_path):
     for i, (damage, what) in enumerate(damaged):
         damage()
         with pytest.raises(ValueError, match=f"token_counts.npy.*{what}|{what}.*token_counts.npy") as e:
-            _fitted(str(tok.parent), "tok", "news", 100 + i, V, "valid")  # another seq_len: not the cached fit
+            _fitted(
+                str(tok.parent), "tok", "news", 100 + i, V, "valid"
+            )  # another seq_len: not the cached fit
         assert str(path) in str(e.value)
 
 

@@ -20,11 +20,20 @@ SEQ = 32
 
 
 def _cfg(kind="demix", experts=2, mixture="by_domain", domains=("news", "code")):
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", f"model.seq_len={SEQ}",
-        f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts if kind == 'demix' else 0}",
-        f"data.mixture={mixture}", f"data.domains=[{', '.join(domains)}]",
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.d_model=32",
+            "model.n_heads=2",
+            f"model.seq_len={SEQ}",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={experts if kind == 'demix' else 0}",
+            f"data.mixture={mixture}",
+            f"data.domains=[{', '.join(domains)}]",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +48,19 @@ def data_root(tmp_path_factory):
         lines = []
         for i in range(20):
             idx = torch.randint(0, len(words), (40,), generator=g).tolist()
-            lines.append(json.dumps({"id": f"{name}-{i}", "domain": name, "text": " ".join(words[j] for j in idx)}))
+            lines.append(
+                json.dumps({"id": f"{name}-{i}", "domain": name, "text": " ".join(words[j] for j in idx)})
+            )
         (corpus / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    prepare_corpus(corpus, root / "tokens", workers=1, valid_fraction=0.2, test_fraction=0.2, anonymise=False,
-                   progress=False)
+    prepare_corpus(
+        corpus,
+        root / "tokens",
+        workers=1,
+        valid_fraction=0.2,
+        test_fraction=0.2,
+        anonymise=False,
+        progress=False,
+    )
     return root / "tokens"
 
 
@@ -50,7 +68,9 @@ def data_root(tmp_path_factory):
 def demix_ckpt(tmp_path_factory):
     cfg = _cfg()
     model = GPT(cfg.model, init_seed=3)
-    return save_consolidated(tmp_path_factory.mktemp("ckpt") / "demix", model.state_dict(), cfg, ["news", "code"], 7)
+    return save_consolidated(
+        tmp_path_factory.mktemp("ckpt") / "demix", model.state_dict(), cfg, ["news", "code"], 7
+    )
 
 
 def test_batched_all_experts_equals_sequential_passes():
@@ -86,7 +106,9 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     from launcher.evaluation.evaluate import DEMIX_MODES, evaluate_checkpoint
 
     out = tmp_path / "eval"
-    res = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False)
+    res = evaluate_checkpoint(
+        demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False
+    )
     assert res["experts"] == ["news", "code"] and res["step"] == 7 and res["modes"] == list(DEMIX_MODES)
     doms = res["domains"]
     assert {d: r["role"] for d, r in doms.items()} == {"code": "train", "legal": "novel", "news": "train"}
@@ -110,9 +132,12 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
             lo, hi = res["tables"]["per_domain_ci"][d][m]
             assert lo <= r["ppl"][m] <= hi
         u = r["unigram"]  # the domain's own add-k unigram on the same test targets
-        assert u["train_tokens"] > 0 and math.exp(sum(u["block_nll"]) / r["tokens"]) == pytest.approx(u["ppl"])
+        assert u["train_tokens"] > 0 and math.exp(sum(u["block_nll"]) / r["tokens"]) == pytest.approx(
+            u["ppl"]
+        )
     assert res["tables"]["unigram_in_domain_average"] == pytest.approx(
-        (doms["news"]["unigram"]["ppl"] + doms["code"]["unigram"]["ppl"]) / 2)
+        (doms["news"]["unigram"]["ppl"] + doms["code"]["unigram"]["ppl"]) / 2
+    )
     for m in DEMIX_MODES:
         lo, hi = res["tables"]["in_domain_average_ci"][m]
         assert lo <= res["tables"]["in_domain_average"][m] <= hi
@@ -121,7 +146,9 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     assert (out / "posteriors.png").read_bytes()[:4] == b"\x89PNG"
     # Figure 4 for every cached-prior estimator x posterior mode, from the same dev log-likelihoods
     variants = doms["legal"]["cached_prior_variants"]
-    assert set(variants) == {f"{e}/{p}" for e in ("mean", "ewm", "updating") for p in ("prefix", "previous_token")}
+    assert set(variants) == {
+        f"{e}/{p}" for e in ("mean", "ewm", "updating") for p in ("prefix", "previous_token")
+    }
     assert variants["mean/prefix"] == pytest.approx(doms["legal"]["cached_prior"]["probs"])
     for e in ("mean", "ewm", "updating"):
         for p in ("prefix", "previous_token"):
@@ -141,12 +168,20 @@ def test_posterior_mode_and_cached_estimator_are_applied_and_recorded(data_root,
 
     kw = dict(max_blocks=3, cached_blocks=3, modes=["uniform", "cached"], domains=["legal"], progress=False)
     default = evaluate_checkpoint(demix_ckpt, data_root, **kw)
-    ref = evaluate_checkpoint(demix_ckpt, data_root, posterior="previous_token", cached_estimator="ewm",
-                              out_dir=tmp_path / "ref", **kw)
+    ref = evaluate_checkpoint(
+        demix_ckpt,
+        data_root,
+        posterior="previous_token",
+        cached_estimator="ewm",
+        out_dir=tmp_path / "ref",
+        **kw,
+    )
     assert (default["posterior"], default["cached_estimator"]) == ("prefix", "mean")
     assert (ref["posterior"], ref["cached_estimator"]) == ("previous_token", "ewm")
     legal = ref["domains"]["legal"]
-    assert legal["cached_prior"]["estimator"] == "ewm" and legal["cached_prior"]["posterior"] == "previous_token"
+    assert (
+        legal["cached_prior"]["estimator"] == "ewm" and legal["cached_prior"]["posterior"] == "previous_token"
+    )
     saved = mx.CachedPrior.load(tmp_path / "ref" / "cached_priors" / "legal.json")
     assert (saved.estimator, saved.posterior, saved.decay) == ("ewm", "previous_token", mx.EWM_ALPHA)
     assert legal["ppl"]["uniform"] != pytest.approx(default["domains"]["legal"]["ppl"]["uniform"], rel=1e-9)
@@ -162,8 +197,12 @@ def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
 
     for mixture in ("natural", "domain_token"):
         cfg = _cfg("dense", mixture=mixture)
-        path = save_consolidated(tmp_path / mixture, GPT(cfg.model, init_seed=2).state_dict(), cfg, ["news", "code"])
-        res = evaluate_checkpoint(path, data_root, max_blocks=2, out_dir=tmp_path / f"out-{mixture}", progress=False)
+        path = save_consolidated(
+            tmp_path / mixture, GPT(cfg.model, init_seed=2).state_dict(), cfg, ["news", "code"]
+        )
+        res = evaluate_checkpoint(
+            path, data_root, max_blocks=2, out_dir=tmp_path / f"out-{mixture}", progress=False
+        )
         assert res["modes"] == ["ppl"] and res["experts"] == []
         assert set(res["domains"]) == {"news", "code", "legal"}
         assert res["tables"]["novel_average"]["ppl"] > 1.0
@@ -196,8 +235,22 @@ def test_generation_is_deterministic_given_a_seed(demix_ckpt):
 def test_generate_command(demix_ckpt, capsys):
     from launcher.evaluation.generate import main
 
-    assert main([str(demix_ckpt), "--prompt", "The council", "--mixture", "--max-new-tokens", "4", "--seed", "1",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                str(demix_ckpt),
+                "--prompt",
+                "The council",
+                "--mixture",
+                "--max-new-tokens",
+                "4",
+                "--seed",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rec = json.loads(capsys.readouterr().out)
     assert len(rec["new_ids"]) == 4 and rec["experts"] == ["news", "code"] and isinstance(rec["text"], str)
     assert main([str(demix_ckpt), "--prompt", "def", "--expert", "code", "--max-new-tokens", "3"]) == 0
@@ -217,7 +270,9 @@ def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, d
     from tests.multirank import run_ranks
 
     single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
-    ranks = run_ranks(_eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300, device_strict=True)
+    ranks = run_ranks(
+        _eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300, device_strict=True
+    )
     for res in ranks:
         for d, ppl in res.items():
             assert ppl == pytest.approx(single["domains"][d]["ppl"], rel=1e-5)

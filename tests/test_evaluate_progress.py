@@ -24,8 +24,10 @@ def _plan_counts(data, ckpt_path, max_blocks, cached_blocks):
 
     seq = read_meta(ckpt_path)["config"]["model"]["seq_len"]
     doms = json.loads((data / "gpt2" / "manifest.json").read_text())["domains"]
-    return (sum(count_blocks(data, "gpt2", d, "test", seq, max_blocks) for d in doms),
-            sum(count_blocks(data, "gpt2", d, "valid", seq, cached_blocks) for d in doms))
+    return (
+        sum(count_blocks(data, "gpt2", d, "test", seq, max_blocks) for d in doms),
+        sum(count_blocks(data, "gpt2", d, "valid", seq, cached_blocks) for d in doms),
+    )
 
 
 def test_plan_line_first_then_block_counts_with_an_eta(ckpt, tiny_tokens, capsys):
@@ -37,13 +39,24 @@ def test_plan_line_first_then_block_counts_with_an_eta(ckpt, tiny_tokens, capsys
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[eval]")]
     first = lines[0]
     assert first.startswith("[eval] plan: 3 domains x 3 test blocks"), first
-    for part in ("3 experts", "6 modes (naive,average,uniform,updating,cached,topk) mixed from one all-experts pass",
-                 f"= {test} block passes ({3 * test} block-expert evaluations)",
-                 "prior: scoring 2 valid blocks per domain (3 domains), not cached", f"total {test + prior} block",
-                 "estimated ", "(an estimate:", "--max-blocks N", "--modes", "--cached-blocks N"):
+    for part in (
+        "3 experts",
+        "6 modes (naive,average,uniform,updating,cached,topk) mixed from one all-experts pass",
+        f"= {test} block passes ({3 * test} block-expert evaluations)",
+        "prior: scoring 2 valid blocks per domain (3 domains), not cached",
+        f"total {test + prior} block",
+        "estimated ",
+        "(an estimate:",
+        "--max-blocks N",
+        "--modes",
+        "--cached-blocks N",
+    ):
         assert part in first, part
-    counts = [tuple(map(int, m.groups())) for m in (re.search(r"\] (\d+)/(\d+) block passes", x) for x in lines[1:])
-              if m]
+    counts = [
+        tuple(map(int, m.groups()))
+        for m in (re.search(r"\] (\d+)/(\d+) block passes", x) for x in lines[1:])
+        if m
+    ]
     assert counts and all(total == test + prior for _, total in counts)
     assert [d for d, _ in counts] == sorted(d for d, _ in counts) and counts[-1][0] == test + prior
     assert all("ETA " in x and "elapsed" in x for x in lines[1:] if re.search(r"block passes \(", x))
@@ -67,7 +80,9 @@ def test_progress_eta_and_durations():
     p.start("a (train, test)")
     p.stage_done(6, "done: naive 3.00")
     assert said[-1].startswith("[eval] 10/10 block passes (100%) - a (train, test) done: naive 3.00 - ")
-    assert said[-1].endswith("ETA 0s") and said[0].startswith("[eval] 2/10 block passes (20%) - prior a (valid)")
+    assert said[-1].endswith("ETA 0s") and said[0].startswith(
+        "[eval] 2/10 block passes (20%) - prior a (valid)"
+    )
 
 
 def test_every_mode_is_mixed_from_one_all_experts_pass_per_block(ckpt, tiny_tokens, monkeypatch):
@@ -79,8 +94,11 @@ def test_every_mode_is_mixed_from_one_all_experts_pass_per_block(ckpt, tiny_toke
 
     calls = []
     real = ev.expert_log_likelihoods
-    monkeypatch.setattr(ev, "expert_log_likelihoods", lambda m, x, y, ids=None, **k: calls.append(
-        (x.shape[0], ids)) or real(m, x, y, ids, **k))
+    monkeypatch.setattr(
+        ev,
+        "expert_log_likelihoods",
+        lambda m, x, y, ids=None, **k: calls.append((x.shape[0], ids)) or real(m, x, y, ids, **k),
+    )
     names = load_consolidated(ckpt).domains
     given = {d: mx.CachedPrior(names, [1 / len(names)] * len(names)) for d in names}  # no development pass
     kw = dict(max_blocks=3, batch_size=2, progress=False, cached_priors=given)
@@ -99,17 +117,24 @@ def _counting(monkeypatch):
 
     blocks = []
     real = ev.expert_log_likelihoods
-    monkeypatch.setattr(ev, "expert_log_likelihoods", lambda m, x, y, ids=None, **k: blocks.append(x.shape[0])
-                        or real(m, x, y, ids, **k))
+    monkeypatch.setattr(
+        ev,
+        "expert_log_likelihoods",
+        lambda m, x, y, ids=None, **k: blocks.append(x.shape[0]) or real(m, x, y, ids, **k),
+    )
     return blocks
 
 
 def _numbers(res):
-    return {d: (r["ppl"], r["block_nll"], r.get("cached_prior"), r.get("cached_prior_variants"))
-            for d, r in res["domains"].items()}
+    return {
+        d: (r["ppl"], r["block_nll"], r.get("cached_prior"), r.get("cached_prior_variants"))
+        for d, r in res["domains"].items()
+    }
 
 
-def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(ckpt, tiny_tokens, tmp_path, monkeypatch, capsys):
+def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(
+    ckpt, tiny_tokens, tmp_path, monkeypatch, capsys
+):
     from launcher.evaluation.evaluate import evaluate_checkpoint
     from launcher.evaluation.prior_cache import PRIOR_CACHE_DIR
 
@@ -119,8 +144,11 @@ def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(ckpt, tiny_token
     err = capsys.readouterr().err
     assert "prior: scoring 2 valid blocks per domain (3 domains), once per checkpoint: cached in " in err
     files = list((ckpt / PRIOR_CACHE_DIR).glob("*.json"))
-    assert len(files) == 1 and first["prior_cache"] == {"file": str(files[0]), "from_cache": [],
-                                                        "scored": ["cooking", "finance", "sailing"]}
+    assert len(files) == 1 and first["prior_cache"] == {
+        "file": str(files[0]),
+        "from_cache": [],
+        "scored": ["cooking", "finance", "sailing"],
+    }
     assert sum(blocks) == test + prior + min(4, 3)  # + the plan's one timed batch
     blocks[:] = []
     second = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, out_dir=tmp_path / "b", **KW)
@@ -129,16 +157,22 @@ def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(ckpt, tiny_token
     assert f"prior: cached from {files[0]} (its 2 valid blocks per domain are not scored again)" in plan
     assert sum(blocks) == test + 3 and second["prior_cache"]["scored"] == []  # no development block scored
     assert _numbers(first) == _numbers(second)  # bit for bit
-    assert (tmp_path / "b" / "cached_priors" / "sailing.json").read_text() == \
-        (tmp_path / "a" / "cached_priors" / "sailing.json").read_text()
-    other = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, progress=False, max_blocks=3, cached_blocks=1)
-    assert other["prior_cache"]["from_cache"] == [] and len(list((ckpt / PRIOR_CACHE_DIR).glob("*.json"))) == 2
+    assert (tmp_path / "b" / "cached_priors" / "sailing.json").read_text() == (
+        tmp_path / "a" / "cached_priors" / "sailing.json"
+    ).read_text()
+    other = evaluate_checkpoint(
+        ckpt, tiny_tokens, prior_cache=True, progress=False, max_blocks=3, cached_blocks=1
+    )
+    assert (
+        other["prior_cache"]["from_cache"] == [] and len(list((ckpt / PRIOR_CACHE_DIR).glob("*.json"))) == 2
+    )
     only = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, progress=False, domains=["sailing"], **KW)
     assert only["prior_cache"]["from_cache"] == ["sailing"]  # a subset of the domains is served too
 
 
-def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(random_checkpoint, tiny_tokens, tmp_path,
-                                                                     capsys):
+def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(
+    random_checkpoint, tiny_tokens, tmp_path, capsys
+):
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
     cache = tmp_path / "cache"  # outside the checkpoint: replacing the checkpoint leaves it there
@@ -153,7 +187,9 @@ def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(random_check
     assert b["domains"]["sailing"]["cached_prior"] != a["domains"]["sailing"]["cached_prior"]
     data = tmp_path / "data"
     shutil.copytree(tiny_tokens, data)
-    assert evaluate_checkpoint(path, data, **kw)["prior_cache"]["scored"] == []  # a copy of the same data: served
+    assert (
+        evaluate_checkpoint(path, data, **kw)["prior_cache"]["scored"] == []
+    )  # a copy of the same data: served
     dev = data / "gpt2" / "sailing" / "valid.bin"
     dtype = json.loads((data / "gpt2" / "manifest.json").read_text())["dtype"]
     tokens = np.fromfile(dev, dtype=dtype)
@@ -169,7 +205,9 @@ def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(random_check
     assert _numbers(again) == _numbers(changed)
 
 
-def test_evaluate_command_defaults_to_the_checkpoints_own_data(random_checkpoint, tiny_tokens, tmp_path, capsys):
+def test_evaluate_command_defaults_to_the_checkpoints_own_data(
+    random_checkpoint, tiny_tokens, tmp_path, capsys
+):
     from launcher.evaluation.evaluate import main
 
     data = tmp_path / "data"
@@ -187,10 +225,28 @@ def test_evaluate_command_defaults_to_the_checkpoints_own_data(random_checkpoint
     (moved / "meta.json").write_text(json.dumps(meta))
     assert main([str(moved), "--max-blocks", "2", "--out", str(tmp_path / "o4")]) == 2
     err = capsys.readouterr().err
-    assert f"data.path={tmp_path / 'gone'}" in err and "pass --data DIR" in err and "artifacts/demo" not in err
+    assert (
+        f"data.path={tmp_path / 'gone'}" in err and "pass --data DIR" in err and "artifacts/demo" not in err
+    )
     assert not (tmp_path / "o4").exists()
-    assert main([str(moved), "--data", str(data), "--max-blocks", "2", "--cached-blocks", "2", "--quiet",
-                 "--no-prior-cache", "--out", str(tmp_path / "o5")]) == 0
+    assert (
+        main(
+            [
+                str(moved),
+                "--data",
+                str(data),
+                "--max-blocks",
+                "2",
+                "--cached-blocks",
+                "2",
+                "--quiet",
+                "--no-prior-cache",
+                "--out",
+                str(tmp_path / "o5"),
+            ]
+        )
+        == 0
+    )
     assert "[eval]" not in capsys.readouterr().err and not (moved / "eval_prior_cache").exists()
     assert json.loads((tmp_path / "o5" / "eval.json").read_text())["prior_cache"]["file"] is None
 
@@ -203,11 +259,15 @@ def test_generate_uses_the_checkpoints_tokenizer_and_data(random_checkpoint, tmp
     real = gen.checkpoint_data
     monkeypatch.setattr(gen, "checkpoint_data", lambda *a: seen.append(a) or real(*a))
     assert gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0
-    assert capsys.readouterr().out.startswith("bake") and seen == [(str(path), None, None)]  # the recorded data
+    assert capsys.readouterr().out.startswith("bake") and seen == [
+        (str(path), None, None)
+    ]  # the recorded data
     meta = json.loads((path / "meta.json").read_text())
     meta["config"]["data"]["path"] = str(tmp_path / "gone")
     (path / "meta.json").write_text(json.dumps(meta))
-    assert gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0  # GPT-2
+    assert (
+        gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0
+    )  # GPT-2
     assert gen.main([str(path), "--prompt", "x", "--mixture", "--tokenizer", "sentencepiece"]) == 2
     err = capsys.readouterr().err
     assert f"data.path={tmp_path / 'gone'} (tokenizer sentencepiece)" in err and "pass --data DIR" in err

@@ -27,7 +27,6 @@ def _mem_kib(field: str) -> int:
 
 
 def _export_worker(rank: int, world: int, out: str) -> dict:
-    from data.catalog import Catalog
     from launcher.config import load_run_config
     from launcher.plan import Plan
     from launcher.state import export_consolidated
@@ -35,14 +34,31 @@ def _export_worker(rank: int, world: int, out: str) -> dict:
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
 
-    cfg = load_run_config(None, ["model.preset=tiny", "model.n_layers=4", "model.d_model=512", "model.n_heads=4",
-                                 "model.vocab_size=512", "model.seq_len=32", "model.ffn.kind=demix",
-                                 f"model.ffn.num_experts={DOMAINS}"], check=False)
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=4",
+            "model.d_model=512",
+            "model.n_heads=4",
+            "model.vocab_size=512",
+            "model.seq_len=32",
+            "model.ffn.kind=demix",
+            f"model.ffn.num_experts={DOMAINS}",
+        ],
+        check=False,
+    )
     topo = build_topology(world, 1, DOMAINS, domain_names=NAMES)
     groups = ProcessGroups.create(topo)
     model = GPT(cfg.model, expert_ids=list(topo.rank_info(rank).domains), init_seed=0)
-    catalog = SimpleNamespace(train_domains=tuple(NAMES), tokenizer="gpt2", vocab_size=512, tokenizer_sha256="0" * 64,
-                              bos_id=1, eod_id=2)
+    catalog = SimpleNamespace(
+        train_domains=tuple(NAMES),
+        tokenizer="gpt2",
+        vocab_size=512,
+        tokenizer_sha256="0" * 64,
+        bos_id=1,
+        eod_id=2,
+    )
     plan = Plan(cfg, catalog, topo)
     bundle = SimpleNamespace(engine=SimpleNamespace(module=model), groups=groups)
     expert_bytes = sum(p.numel() * p.element_size() for ps in model.expert_parameters().values() for p in ps)
@@ -54,7 +70,11 @@ def _export_worker(rank: int, world: int, out: str) -> dict:
     before = _mem_kib("VmRSS")
     export_consolidated(bundle, plan, rank, Path(out), step=1)
     peak = _mem_kib("VmHWM")
-    return {"peak_increase": (peak - before) * 1024, "expert_bytes": expert_bytes, "shared_bytes": shared_bytes}
+    return {
+        "peak_increase": (peak - before) * 1024,
+        "expert_bytes": expert_bytes,
+        "shared_bytes": shared_bytes,
+    }
 
 
 def _can_reset_peak_rss() -> bool:
@@ -66,7 +86,9 @@ def _can_reset_peak_rss() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _can_reset_peak_rss(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+@pytest.mark.skipif(
+    not _can_reset_peak_rss(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS"
+)
 def test_export_of_8_ranks_8_domains_holds_no_other_expert(tmp_path):
     results = run_ranks(_export_worker, WORLD, args=(str(tmp_path / "model"),))
     expert, shared = results[0]["expert_bytes"], results[0]["shared_bytes"]
@@ -85,5 +107,8 @@ def test_export_of_8_ranks_8_domains_holds_no_other_expert(tmp_path):
     reference = GPT(ckpt.cfg.model, init_seed=0).state_dict()  # initialisation is per parameter name
     got = model.state_dict()
     assert all(torch.equal(got[k], v) for k, v in reference.items())
-    print({rank: round(r["peak_increase"] / 2**20, 1) for rank, r in enumerate(results)}, "MiB;",
-          f"expert {expert / 2**20:.1f} MiB, shared {shared / 2**20:.1f} MiB")
+    print(
+        {rank: round(r["peak_increase"] / 2**20, 1) for rank, r in enumerate(results)},
+        "MiB;",
+        f"expert {expert / 2**20:.1f} MiB, shared {shared / 2**20:.1f} MiB",
+    )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 from typing import Optional
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -35,8 +36,11 @@ import torch.utils.checkpoint
 try:
     from torch.utils.flop_counter import FlopCounterMode
 except ImportError:  # torch < 2.1
-    pytest.skip("torch.utils.flop_counter is unavailable in this torch (needs torch >= 2.1): the FLOPs formulas "
-                "cannot be checked against the running model", allow_module_level=True)
+    pytest.skip(
+        "torch.utils.flop_counter is unavailable in this torch (needs torch >= 2.1): the FLOPs formulas "
+        "cannot be checked against the running model",
+        allow_module_level=True,
+    )
 
 from launcher.config import load_run_config
 from model import accounting as acc
@@ -75,9 +79,12 @@ def _sdpa_bwd(g, q, k, v) -> int:
 CPU_SDPA = {}
 if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
     CPU_SDPA = {
-        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: _sdpa_fwd(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, out_shape=None, **kw: _sdpa_bwd(g, q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: _sdpa_fwd(
+            q, k, v
+        ),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, out_shape=None, **kw: (
+            _sdpa_bwd(g, q, k, v)
+        ),
     }
 
 
@@ -98,16 +105,30 @@ KINDS = {"dense": 0, "demix": 3, "gshard": 4, "cse": 3}  # kind -> experts per e
 
 
 def build(kind: str, size: Size, *extra: str, experts: Optional[int] = None) -> tuple[ModelConfig, GPT]:
-    cfg = load_run_config(None, [
-        "model.preset=tiny", f"model.n_layers={size.n_layers}", f"model.d_model={size.d_model}", "model.n_heads=4",
-        f"model.seq_len={size.seq_len}", f"model.vocab_size={size.vocab}", f"model.ffn.kind={kind}",
-        f"model.ffn.num_experts={KINDS[kind] if experts is None else experts}", "model.dropout=0.0", *extra,
-    ]).model
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            f"model.n_layers={size.n_layers}",
+            f"model.d_model={size.d_model}",
+            "model.n_heads=4",
+            f"model.seq_len={size.seq_len}",
+            f"model.vocab_size={size.vocab}",
+            f"model.ffn.kind={kind}",
+            f"model.ffn.num_experts={KINDS[kind] if experts is None else experts}",
+            "model.dropout=0.0",
+            *extra,
+        ],
+    ).model
     torch.manual_seed(0)
     model = GPT(cfg, init_seed=0).train()
-    for layer in cse_layers(model):  # clustered: sequences are dispatched by distance (cdist), not all to expert 0
+    for layer in cse_layers(
+        model
+    ):  # clustered: sequences are dispatched by distance (cdist), not all to expert 0
         p = cfg.ffn.cse.projection_dim
-        layer.set_clusters(torch.randn(3, p, generator=torch.Generator().manual_seed(layer.layer_idx)), torch.ones(3))
+        layer.set_clusters(
+            torch.randn(3, p, generator=torch.Generator().manual_seed(layer.layer_idx)), torch.ones(3)
+        )
     return cfg, model
 
 
@@ -115,11 +136,15 @@ def build(kind: str, size: Size, *extra: str, experts: Optional[int] = None) -> 
 class Counted:
     total: int
     by_op: dict[str, int]
-    dropped_routes: int  # GShard routes over capacity, summed over expert layers (plain layer runs kept ones only)
+    dropped_routes: (
+        int  # GShard routes over capacity, summed over expert layers (plain layer runs kept ones only)
+    )
     fused_sdpa: bool  # attention ran a fused SDPA kernel (its backward recomputes QKᵀ)
 
 
-def count(model: GPT, size: Size, *, math_sdpa: bool, recompute: bool = False, early_stop: bool = True) -> Counted:
+def count(
+    model: GPT, size: Size, *, math_sdpa: bool, recompute: bool = False, early_stop: bool = True
+) -> Counted:
     """FLOPs of one forward + backward of `size.batch` sequences (one update), as the counter sees them."""
     if recompute:
         apply_activation_recompute(model)
@@ -140,8 +165,11 @@ def count(model: GPT, size: Size, *, math_sdpa: bool, recompute: bool = False, e
     by_op = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
     k = model.cfg.ffn.gshard.top_k
     s_tokens = size.batch * size.seq_len
-    dropped = sum(round(float(v) * k * s_tokens) for name, v in out.ffn_stats.items()
-                  if name.endswith("dropped_fraction"))
+    dropped = sum(
+        round(float(v) * k * s_tokens)
+        for name, v in out.ffn_stats.items()
+        if name.endswith("dropped_fraction")
+    )
     fused = any("attention" in op and "backward" in op for op in by_op)
     return Counted(fc.get_total_flops(), by_op, dropped, fused)
 
@@ -189,10 +217,14 @@ def test_counted_flops_match_formula(kind: str, size: Size, recompute: bool) -> 
     formula = rep.get(conv)
     extras = rep.router_flops(conv) + cse_projection_flops(cfg, size, n_fwd)
     ratio = got.total / formula
-    print(f"{kind} {size} {conv}: counted/formula = {ratio:.6f} (counted {got.total}, formula {formula}, "
-          f"left-out matmuls {extras}: router {rep.router_flops(conv)}, CSE projection "
-          f"{cse_projection_flops(cfg, size, n_fwd)})")
-    assert abs(ratio - 1) < TOL, f"{kind} {size} {conv}: counted {got.total} vs formula {formula} ({ratio:.4f})"
+    print(
+        f"{kind} {size} {conv}: counted/formula = {ratio:.6f} (counted {got.total}, formula {formula}, "
+        f"left-out matmuls {extras}: router {rep.router_flops(conv)}, CSE projection "
+        f"{cse_projection_flops(cfg, size, n_fwd)})"
+    )
+    assert abs(ratio - 1) < TOL, (
+        f"{kind} {size} {conv}: counted {got.total} vs formula {formula} ({ratio:.4f})"
+    )
     # every counted matmul is accounted for: the formula plus the itemised left-out ones, exactly
     assert got.total == formula + extras, got.by_op
 
@@ -246,9 +278,11 @@ def test_default_execution_itemised(kind: str, recompute: bool) -> None:
     rep = report(cfg, size)
     formula = rep.get("recompute" if recompute else "no_recompute")
     terms = default_execution_terms(cfg, size, got, recompute)
-    print(f"{kind} {size} {'recompute' if recompute else 'no_recompute'} default kernels: counted/formula = "
-          f"{got.total / formula:.6f}; terms relative to the formula: "
-          + ", ".join(f"{k} {v / formula:+.4%}" for k, v in terms.items() if v))
+    print(
+        f"{kind} {size} {'recompute' if recompute else 'no_recompute'} default kernels: counted/formula = "
+        f"{got.total / formula:.6f}; terms relative to the formula: "
+        + ", ".join(f"{k} {v / formula:+.4%}" for k, v in terms.items() if v)
+    )
     if kind == "gshard":
         assert got.dropped_routes > 0  # the case being checked: capacity factor 1.0 drops routes
     if CPU_SDPA or got.fused_sdpa:
@@ -265,26 +299,45 @@ def test_deepspeed_gshard_layer_executes_capacity() -> None:
 
     size = SIZES[1]
     for factor in (1.0, 1.25):
-        cfg, model = build("gshard", size, "model.ffn.gshard.experts_per_rank=4",
-                           f"model.ffn.gshard.capacity_factor={factor}")
+        cfg, model = build(
+            "gshard",
+            size,
+            "model.ffn.gshard.experts_per_rank=4",
+            f"model.ffn.gshard.capacity_factor={factor}",
+        )
         layout = gshard_layout(cfg, world_size=1, rank=0)  # ep_size 1: no all-to-all, no process group
         for block in model.blocks:
             if isinstance(block.ffn, GShardFFN):
                 block.ffn = DistributedGShardFFN(block.ffn, cfg, layout)
         got = count(model, size, math_sdpa=True)
         rep = report(cfg, size)
-        g, e, s_tok, h, f = cfg.ffn.gshard, layout.num_experts, size.batch * size.seq_len, cfg.d_model, cfg.d_ffn
+        g, e, s_tok, h, f = (
+            cfg.ffn.gshard,
+            layout.num_experts,
+            size.batch * size.seq_len,
+            cfg.d_model,
+            cfg.d_ffn,
+        )
         n_moe = len(cfg.moe_layer_ids())
         rows = e * expert_capacity(s_tok, e, g.top_k, factor, g.min_capacity)
         terms = {
             "router": rep.router_flops("no_recompute"),
             "capacity_padding": n_moe * 3 * (rows - g.top_k * s_tok) * 2 * (2 * h * f),
-            "stats_gate": n_moe * 2 * s_tok * h * e,  # DistributedGShardFFN's no-grad gate for routing statistics
-            "gating_einsums": n_moe * 2 * 2 * (2 * s_tok * e),  # DeepSpeed's gates·mask "se,se->s", forward + backward
+            "stats_gate": n_moe
+            * 2
+            * s_tok
+            * h
+            * e,  # DistributedGShardFFN's no-grad gate for routing statistics
+            "gating_einsums": n_moe
+            * 2
+            * 2
+            * (2 * s_tok * e),  # DeepSpeed's gates·mask "se,se->s", forward + backward
         }
-        print(f"deepspeed gshard {size} capacity factor {factor}: "
-              f"counted/formula = {got.total / rep.no_recompute:.6f}; "
-              + ", ".join(f"{k} {v / rep.no_recompute:+.4%}" for k, v in terms.items()))
+        print(
+            f"deepspeed gshard {size} capacity factor {factor}: "
+            f"counted/formula = {got.total / rep.no_recompute:.6f}; "
+            + ", ".join(f"{k} {v / rep.no_recompute:+.4%}" for k, v in terms.items())
+        )
         assert got.total == rep.no_recompute + sum(terms.values()), (terms, got.by_op)
         if factor == 1.0:
             assert terms["capacity_padding"] == 0 and abs(got.total / rep.no_recompute - 1) < TOL
@@ -306,7 +359,8 @@ def test_wrong_formulas_are_caught() -> None:
         "recompute convention for a run without recompute": rep.recompute,
         "causal-halved attention scores": rep.no_recompute - 3 * l * 2 * b * s * s * h,
         "unpadded vocabulary in the logit layer": acc.flops_per_update(cfg, size.batch).no_recompute,
-        "logit layer left out": rep.no_recompute - 3 * acc.logit_forward_flops(cfg, b, s, cfg.padded_vocab_size()),
+        "logit layer left out": rep.no_recompute
+        - 3 * acc.logit_forward_flops(cfg, b, s, cfg.padded_vocab_size()),
     }
     g_size = SIZES[1]
     g_cfg, g_model = build("gshard", g_size, "model.ffn.gshard.capacity_factor=2.0")
@@ -317,7 +371,10 @@ def test_wrong_formulas_are_caught() -> None:
     for name, value, truth in cases:
         print(f"{name}: {rel(value, truth):+.2%}")
         assert abs(rel(value, truth)) > TOL, name
-    assert abs(rel(rep.no_recompute, counted)) < TOL and abs(rel(report(g_cfg, g_size).no_recompute, g_counted)) < TOL
+    assert (
+        abs(rel(rep.no_recompute, counted)) < TOL
+        and abs(rel(report(g_cfg, g_size).no_recompute, g_counted)) < TOL
+    )
 
 
 @pytest.mark.gpu
@@ -333,8 +390,12 @@ def test_default_execution_itemised_on_cuda() -> None:
         (out.loss if out.aux_loss is None else out.loss + out.aux_loss).backward()
     by_op = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
     k, s_tok = cfg.ffn.gshard.top_k, size.batch * size.seq_len
-    dropped = sum(round(float(v) * k * s_tok) for n, v in out.ffn_stats.items() if n.endswith("dropped_fraction"))
-    got = Counted(fc.get_total_flops(), by_op, dropped, any("attention" in op and "backward" in op for op in by_op))
+    dropped = sum(
+        round(float(v) * k * s_tok) for n, v in out.ffn_stats.items() if n.endswith("dropped_fraction")
+    )
+    got = Counted(
+        fc.get_total_flops(), by_op, dropped, any("attention" in op and "backward" in op for op in by_op)
+    )
     assert got.fused_sdpa, by_op
     rep = report(cfg, size)
     assert got.total == rep.no_recompute + sum(default_execution_terms(cfg, size, got, False).values()), by_op

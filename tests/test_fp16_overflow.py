@@ -24,12 +24,27 @@ MB, SEQ, VOCAB = 4, 8, 64
 def _cfg(precision: str = "fp16", zero: int = 0) -> Any:
     from launcher.config import load_run_config
 
-    return load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=1", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
-        "model.d_model=16", "model.n_heads=2", "data.mixture=natural", f"parallel.zero_stage={zero}",
-        f"train.precision={precision}", f"train.micro_batch={MB}", "train.grad_accum=2", "train.steps=10",
-        "train.lr=1e-2", "train.warmup_fraction=0.0", "train.schedule=constant", "train.clip_grad=0.1",
-    ])
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=1",
+            f"model.vocab_size={VOCAB}",
+            f"model.seq_len={SEQ}",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "data.mixture=natural",
+            f"parallel.zero_stage={zero}",
+            f"train.precision={precision}",
+            f"train.micro_batch={MB}",
+            "train.grad_accum=2",
+            "train.steps=10",
+            "train.lr=1e-2",
+            "train.warmup_fraction=0.0",
+            "train.schedule=constant",
+            "train.clip_grad=0.1",
+        ],
+    )
 
 
 def _batch(i: int) -> dict[str, torch.Tensor]:
@@ -44,7 +59,9 @@ def _engine(cfg: Any, install: bool) -> tuple[Any, bool]:
     from parallel.topology import build_topology
 
     torch.manual_seed(0)
-    bundle = ffn_kind(cfg).build_engine(GPT(cfg.model, init_seed=3), cfg, ProcessGroups.create(build_topology(1, 1, 1)))
+    bundle = ffn_kind(cfg).build_engine(
+        GPT(cfg.model, init_seed=3), cfg, ProcessGroups.create(build_topology(1, 1, 1))
+    )
     return bundle, install and install_norm_overflow_check(bundle.engine.optimizer)
 
 
@@ -52,12 +69,16 @@ def _state(bundle: Any) -> dict[str, Any]:
     opt = bundle.engine.optimizer
     masters = [p for g in opt.fp32_groups for p in g]
     adam = opt.optimizer.state
-    return {"fp16": [p.detach().clone() for p in bundle.engine.module.parameters()],
-            "fp32": [p.detach().clone() for p in masters],
-            "exp_avg": [adam[p]["exp_avg"].clone() for p in masters if p in adam],
-            "exp_avg_sq": [adam[p]["exp_avg_sq"].clone() for p in masters if p in adam],
-            "scale": opt.loss_scale_config.cur_scale, "skipped": bundle.engine.skipped_steps,
-            "steps": bundle.engine.global_steps, "lr": bundle.scheduler.get_last_lr()}
+    return {
+        "fp16": [p.detach().clone() for p in bundle.engine.module.parameters()],
+        "fp32": [p.detach().clone() for p in masters],
+        "exp_avg": [adam[p]["exp_avg"].clone() for p in masters if p in adam],
+        "exp_avg_sq": [adam[p]["exp_avg_sq"].clone() for p in masters if p in adam],
+        "scale": opt.loss_scale_config.cur_scale,
+        "skipped": bundle.engine.skipped_steps,
+        "steps": bundle.engine.global_steps,
+        "lr": bundle.scheduler.get_last_lr(),
+    }
 
 
 def _train(rank: int, world: int) -> dict[str, Any]:
@@ -80,13 +101,20 @@ def _train(rank: int, world: int) -> dict[str, Any]:
             micro = [_batch(2 * step), _batch(2 * step + 1)]
             with record_host_reads() as got:
                 train_step(bundle, cfg, micro, 1)
-            reads.append(Counter(t.split(" <- ")[0].split(":")[0] + " " + t.split(" <- ")[0].split(" ")[1]
-                                 for _, t in got if not t.startswith("torch/optim")))  # AdamW's step counters
+            reads.append(
+                Counter(
+                    t.split(" <- ")[0].split(":")[0] + " " + t.split(" <- ")[0].split(" ")[1]
+                    for _, t in got
+                    if not t.startswith("torch/optim")
+                )
+            )  # AdamW's step counters
             states.append(_state(bundle))
         out["states"][name], out["reads"][name] = states, reads
         out["params"] = sum(1 for _ in bundle.engine.module.parameters())
-    out["others"] = {f"{p} ZeRO {z}": _engine(_cfg(p, z), install=True)[1]
-                     for p, z in (("fp32", 0), ("bf16", 0), ("fp16", 1))}
+    out["others"] = {
+        f"{p} ZeRO {z}": _engine(_cfg(p, z), install=True)[1]
+        for p, z in (("fp32", 0), ("bf16", 0), ("fp16", 1))
+    }
     return out
 
 
@@ -96,7 +124,9 @@ def test_norm_overflow_step_trains_as_deepspeeds_step_with_one_read() -> None:
     assert not any(got["others"].values()), got["others"]  # every other optimizer keeps DeepSpeed's own step
     ds, ours = got["states"]["deepspeed"], got["states"]["norm"]
     assert [s["skipped"] for s in ours] == [s["skipped"] for s in ds]
-    assert ours[3]["skipped"] == ours[2]["skipped"] + 1 and ours[3]["scale"] == 2.0**39  # the planted overflow
+    assert (
+        ours[3]["skipped"] == ours[2]["skipped"] + 1 and ours[3]["scale"] == 2.0**39
+    )  # the planted overflow
     assert ours[4]["skipped"] == ours[3]["skipped"] and ours[4]["steps"] == ours[3]["steps"] + 1
     for step, (a, b) in enumerate(zip(ds, ours)):
         for key in ("scale", "skipped", "steps", "lr"):
@@ -108,6 +138,8 @@ def test_norm_overflow_step_trains_as_deepspeeds_step_with_one_read() -> None:
     # Reads per optimizer step (AdamW's step counters aside): ours one, DeepSpeed's one per parameter and more.
     for step, reads in enumerate(got["reads"]["norm"]):
         assert reads == Counter({"parallel/overflow.py overflowed": 1}), (step, reads)
-    for step, reads in enumerate(got["reads"]["deepspeed"]):  # the control: the recorder sees DeepSpeed's reads
+    for step, reads in enumerate(
+        got["reads"]["deepspeed"]
+    ):  # the control: the recorder sees DeepSpeed's reads
         if step != 3:  # (at the overflow its per-parameter test stops at the first inf gradient)
             assert sum(reads.values()) >= got["params"] + 1, (step, reads)

@@ -28,8 +28,17 @@ def _train_records(run) -> list[dict]:
 @pytest.mark.parametrize("zero", [0, 2])
 def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_path, zero):
     run = tmp_path / f"z{zero}"
-    _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=zero),
-             "--set", "train.eval_interval=2"])
+    _launch(
+        [
+            "--nproc",
+            str(_nproc()),
+            "--run-dir",
+            str(run),
+            *_overrides(tiny_tokens, steps=6, zero=zero),
+            "--set",
+            "train.eval_interval=2",
+        ]
+    )
     start = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "start")
     assert start["device"] != "cpu"
     losses = _losses(run)
@@ -40,7 +49,15 @@ def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_pa
 @pytest.mark.parametrize("kind", ["gshard", "dense"])
 def test_nccl_baselines_train(tiny_tokens, tmp_path, kind):
     run = tmp_path / kind
-    _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, kind=kind, steps=4, zero=1)])
+    _launch(
+        [
+            "--nproc",
+            str(_nproc()),
+            "--run-dir",
+            str(run),
+            *_overrides(tiny_tokens, kind=kind, steps=4, zero=1),
+        ]
+    )
     losses = _losses(run)
     assert len(losses) == 4 and losses[4] < losses[1]
 
@@ -51,8 +68,19 @@ def test_fp16_loss_scaling_end_to_end(tiny_tokens, tmp_path, zero):
     norms = {}
     for precision in ("fp32", "fp16"):
         run = tmp_path / precision
-        _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=zero),
-                 "--set", f"train.precision={precision}", "--set", "train.clip_grad=0.5"])
+        _launch(
+            [
+                "--nproc",
+                str(_nproc()),
+                "--run-dir",
+                str(run),
+                *_overrides(tiny_tokens, steps=6, zero=zero),
+                "--set",
+                f"train.precision={precision}",
+                "--set",
+                "train.clip_grad=0.5",
+            ]
+        )
         recs = _train_records(run)
         assert len(recs) == 6 and recs[-1]["loss"] < recs[0]["loss"]
         norms[precision] = recs[0]["grad_norm"]
@@ -63,8 +91,18 @@ def test_bf16_where_the_gpu_has_it(tiny_tokens, tmp_path):
     import torch
 
     run = tmp_path / "bf16"
-    proc = _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=3),
-                    "--set", "train.precision=bf16"], check=False)
+    proc = _launch(
+        [
+            "--nproc",
+            str(_nproc()),
+            "--run-dir",
+            str(run),
+            *_overrides(tiny_tokens, steps=3),
+            "--set",
+            "train.precision=bf16",
+        ],
+        check=False,
+    )
     if torch.cuda.get_device_capability() >= (8, 0):  # not is_bf16_supported(): True on V100 by emulation
         assert proc.returncode == 0, proc.stderr[-2000:]
     else:  # refused at plan time, before any process starts
@@ -95,7 +133,9 @@ def test_training_state_moves_between_zero_stages_on_the_device(tiny_tokens, tmp
 
     run = tmp_path / "run"
     _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=3, zero=2)])
-    proc = _launch(["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=0)])
+    proc = _launch(
+        ["--nproc", str(_nproc()), "--run-dir", str(run), *_overrides(tiny_tokens, steps=6, zero=0)]
+    )
     assert "zero_stage 2 -> 0" in proc.stderr
     losses = _losses(run)
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[3]

@@ -17,10 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("dense", "demix-1", "demix-2", "demix-8", "gshard")
 
 
-def _run(args: list[str], env_extra: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_throughput", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_throughput", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _rows(md: str) -> dict[str, list[str]]:
@@ -55,9 +63,18 @@ def test_tiny_run_measures_every_arm_with_a_finite_ratio(tmp_path):
         # the project's accounting: DEMix = dense FLOPs, GShard top-2 adds the second expert's FFN
         assert r["flops_per_update_no_recompute"] > 0
     by_arm = {r["arm"]: r for r in result["rows"]}
-    assert by_arm["demix-8"]["flops_per_update_no_recompute"] == by_arm["dense"]["flops_per_update_no_recompute"]
-    assert by_arm["gshard"]["flops_per_update_no_recompute"] > by_arm["dense"]["flops_per_update_no_recompute"]
-    assert by_arm["demix-8"]["params"] > by_arm["demix-2"]["params"] > by_arm["demix-1"]["params"] == by_arm["dense"]["params"]
+    assert (
+        by_arm["demix-8"]["flops_per_update_no_recompute"] == by_arm["dense"]["flops_per_update_no_recompute"]
+    )
+    assert (
+        by_arm["gshard"]["flops_per_update_no_recompute"] > by_arm["dense"]["flops_per_update_no_recompute"]
+    )
+    assert (
+        by_arm["demix-8"]["params"]
+        > by_arm["demix-2"]["params"]
+        > by_arm["demix-1"]["params"]
+        == by_arm["dense"]["params"]
+    )
 
 
 def test_full_sweep_without_cuda_is_refused_with_the_reason(tmp_path):
@@ -94,8 +111,25 @@ def test_out_of_memory_is_recorded_and_the_sweep_goes_on():
 def test_gpu_sweep_reports_mfu_and_peak_memory(tmp_path):
     assert torch.cuda.is_available()  # the gpu marker skips this test elsewhere (tests/conftest.py)
     record = tmp_path / "gpu.md"
-    proc = _run(["--sizes", "gpt3-small", "--arms", "dense,demix-2,gshard", "--steps", "2", "--warmup", "1",
-                 "--micro-batch", "1", "--seq-len", "512", "--record", str(record)], timeout=600)
+    proc = _run(
+        [
+            "--sizes",
+            "gpt3-small",
+            "--arms",
+            "dense,demix-2,gshard",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "512",
+            "--record",
+            str(record),
+        ],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(record.with_suffix(".json").read_text())
     assert result["versions"]["gpu"] and result["device"] != "cpu"

@@ -33,8 +33,16 @@ VARIANTS = [
 ]
 
 
-def _train(rank: int, world: int, kind: str, domains: int, zero: int, precision: str, grad_reduce: str,
-           prologue: bool = True) -> dict:
+def _train(
+    rank: int,
+    world: int,
+    kind: str,
+    domains: int,
+    zero: int,
+    precision: str,
+    grad_reduce: str,
+    prologue: bool = True,
+) -> dict:
     """A few steps of one variant; the collectives and the backward's progress recorded in the last micro-batch.
     `prologue=False` removes parallel/engine.py's `attach_backward_prologue` hook (the bug it fixes, planted)."""
     import torch.distributed as dist
@@ -47,9 +55,15 @@ def _train(rank: int, world: int, kind: str, domains: int, zero: int, precision:
     from parallel.memory import RankParams, buffer_bytes
     from parallel.topology import build_topology
 
-    extra = (f"parallel.grad_reduce={grad_reduce}", f"parallel.bucket_elements={BUCKET}", f"train.precision={precision}",
-             f"train.steps={STEPS}", f"train.grad_accum={GAS}", "model.ffn.gshard.second_expert_policy=all",
-             *((f"model.ffn.num_experts={world}",) if kind == "gshard" else ()))
+    extra = (
+        f"parallel.grad_reduce={grad_reduce}",
+        f"parallel.bucket_elements={BUCKET}",
+        f"train.precision={precision}",
+        f"train.steps={STEPS}",
+        f"train.grad_accum={GAS}",
+        "model.ffn.gshard.second_expert_policy=all",
+        *((f"model.ffn.num_experts={world}",) if kind == "gshard" else ()),
+    )
     cfg = _cfg(kind, domains, zero, extra=extra)
     topo = build_topology(world, 1, domains if kind == "demix" else 1)
     info = topo.rank_info(rank)
@@ -71,6 +85,7 @@ def _train(rank: int, world: int, kind: str, domains: int, zero: int, precision:
 
         def hook(module, args, out) -> None:
             out.register_hook(note)
+
         return hook
 
     model.ln_f.register_forward_hook(marker("backward:head"))
@@ -97,11 +112,22 @@ def _train(rank: int, world: int, kind: str, domains: int, zero: int, precision:
     trainable = [p for p in model.parameters() if p.requires_grad]
     expert = sum(p.numel() for p in trainable if is_expert_param(p))
     rank_params = RankParams(sum(p.numel() for p in trainable) - expert, expert, world, 1)
-    return {"sd": sd, "norms": norms, "events": list(events), "plan": bundle.grad_reduce,
-            "hooked": bundle.reducer is not None, "overlap_comm": getattr(bundle.engine.optimizer, "overlap_comm", None),
-            "buffers": max(ipg) if zero else (bundle.reducer.peak_in_flight * (2 if precision == "fp16" else 4)
-                                               if bundle.reducer is not None else None),
-            "buffer_bytes": buffer_bytes(precision, zero, rank_params, grad_reduce, BUCKET)}
+    return {
+        "sd": sd,
+        "norms": norms,
+        "events": list(events),
+        "plan": bundle.grad_reduce,
+        "hooked": bundle.reducer is not None,
+        "overlap_comm": getattr(bundle.engine.optimizer, "overlap_comm", None),
+        "buffers": max(ipg)
+        if zero
+        else (
+            bundle.reducer.peak_in_flight * (2 if precision == "fp16" else 4)
+            if bundle.reducer is not None
+            else None
+        ),
+        "buffer_bytes": buffer_bytes(precision, zero, rank_params, grad_reduce, BUCKET),
+    }
 
 
 def _variants(rank: int, world: int) -> dict:
@@ -109,8 +135,11 @@ def _variants(rank: int, world: int) -> dict:
 
     # torch's CPU fp16 kernels work on any x86 CPU; DeepSpeed's CPU accelerator refuses fp16 where oneDNN lacks it.
     type(get_accelerator()).is_fp16_supported = lambda self: True
-    out = {(name, mode): _train(rank, world, kind, domains, zero, precision, mode)
-           for name, kind, domains, zero, precision in VARIANTS for mode in ("overlap", "after_backward")}
+    out = {
+        (name, mode): _train(rank, world, kind, domains, zero, precision, mode)
+        for name, kind, domains, zero, precision in VARIANTS
+        for mode in ("overlap", "after_backward")
+    }
     out[("demix2-z1", "no_prologue")] = _train(rank, world, "demix", 2, 1, "fp32", "overlap", prologue=False)
     return out
 
@@ -135,7 +164,9 @@ def test_the_backward_check_sees_an_all_reduce_inside_the_backward_only():
     assert reduced_during_backward(["backward:head", ar, "backward:embedding"])
     assert not reduced_during_backward(["backward:head", "backward:embedding", ar])
     assert not reduced_during_backward(["backward:head", ("all_reduce", (0, 1), 1), "backward:embedding", ar])
-    assert not reduced_during_backward([ar, "backward:head", "backward:embedding", "backward:head", "backward:embedding"])
+    assert not reduced_during_backward(
+        [ar, "backward:head", "backward:embedding", "backward:head", "backward:embedding"]
+    )
 
 
 @pytest.mark.slow
@@ -190,19 +221,31 @@ def _bf16(rank: int, world: int) -> dict:
     out = {}
     for zero in (1, 2):
         for precision, dtype in (("fp32", None), ("bf16", "fp32")):
-            extra = [f"train.precision={precision}", "train.steps=2"] + ([f"train.grad_reduce_dtype={dtype}"] if dtype else [])
+            extra = [f"train.precision={precision}", "train.steps=2"] + (
+                [f"train.grad_reduce_dtype={dtype}"] if dtype else []
+            )
             cfg = _cfg("demix", 2, zero, extra=tuple(extra))
             torch.manual_seed(0)
             model = GPT(cfg.model, expert_ids=list(info.domains), init_seed=0)
             bundle = ffn_kind(cfg).build_engine(model, cfg, ProcessGroups.create(topo))
             engine = bundle.engine
-            norms = [float(train_step(bundle, cfg, [_batch(info.dp_rank, s, m, info.domains) for m in range(2)], 2).grad_norm)
-                     for s in range(2)]
+            norms = [
+                float(
+                    train_step(
+                        bundle, cfg, [_batch(info.dp_rank, s, m, info.domains) for m in range(2)], 2
+                    ).grad_norm
+                )
+                for s in range(2)
+            ]
             out[(zero, precision)] = {
-                "norms": norms, "zero_optimizer": type(engine.optimizer) is DeepSpeedZeroOptimizer,
+                "norms": norms,
+                "zero_optimizer": type(engine.optimizer) is DeepSpeedZeroOptimizer,
                 "comm": engine.communication_data_type,
                 "accum": getattr(engine.optimizer, "gradient_accumulation_dtype", None),
-                "keys": {k: bundle.deepspeed_config.get(k) for k in ("communication_data_type", "data_types")}}
+                "keys": {
+                    k: bundle.deepspeed_config.get(k) for k in ("communication_data_type", "data_types")
+                },
+            }
     return out
 
 
@@ -251,7 +294,9 @@ def test_generated_config_overlap_buckets_and_reduce_dtype():
     # without the model (the launcher's JSON): the typed settings alone
     z = ds("parallel.zero_stage=1")["zero_optimization"]
     assert z["overlap_comm"] is True and "reduce_bucket_size" not in z
-    z = ds("parallel.zero_stage=1", "parallel.grad_reduce=after_backward", "parallel.bucket_elements=999")["zero_optimization"]
+    z = ds("parallel.zero_stage=1", "parallel.grad_reduce=after_backward", "parallel.bucket_elements=999")[
+        "zero_optimization"
+    ]
     assert z["overlap_comm"] is False and z["reduce_bucket_size"] == 1000
     assert "overlap_comm" not in ds("parallel.zero_stage=0")["zero_optimization"]
     # bf16's fp32 reduction: ZeRO 2 both keys, ZeRO 1 the communication dtype only, ZeRO 0 (autocast, fp32 grads) none
@@ -264,8 +309,13 @@ def test_generated_config_overlap_buckets_and_reduce_dtype():
     default = ds("parallel.zero_stage=2", "train.precision=bf16")
     assert "communication_data_type" not in default and "data_types" not in default
     # the framework owns the keys: extra_deepspeed may not set them
-    owned = extra_deepspeed_problems({"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1},
-                                      "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}})
+    owned = extra_deepspeed_problems(
+        {
+            "zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1},
+            "communication_data_type": "fp32",
+            "data_types": {"grad_accum_dtype": "fp32"},
+        }
+    )
     assert len(owned) == 4 and any("parallel.grad_reduce" in m for m in owned)
     assert any("train.grad_reduce_dtype" in m for m in owned)
 
@@ -274,14 +324,26 @@ def test_grad_reduce_settings_are_validated():
     from launcher.config import ConfigError, load_run_config
 
     with pytest.raises(ConfigError) as e:
-        load_run_config(None, ["parallel.grad_reduce=sometimes", "parallel.bucket_elements=0",
-                               "train.grad_reduce_dtype=fp8", "train.precision=bf16"])
+        load_run_config(
+            None,
+            [
+                "parallel.grad_reduce=sometimes",
+                "parallel.bucket_elements=0",
+                "train.grad_reduce_dtype=fp8",
+                "train.precision=bf16",
+            ],
+        )
     msg = str(e.value)
     assert "parallel.grad_reduce='sometimes'" in msg and "overlap, after_backward" in msg
     assert "parallel.bucket_elements=0" in msg and "train.grad_reduce_dtype='fp8'" in msg
     with pytest.raises(ConfigError, match="applies to train.precision=bf16 only"):
         load_run_config(None, ["train.grad_reduce_dtype=fp32", "train.precision=fp32"])
-    assert load_run_config(None, ["train.grad_reduce_dtype=fp32", "train.precision=bf16"]).train.grad_reduce_dtype == "fp32"
+    assert (
+        load_run_config(
+            None, ["train.grad_reduce_dtype=fp32", "train.precision=bf16"]
+        ).train.grad_reduce_dtype
+        == "fp32"
+    )
 
 
 def test_cost_model_overlap_follows_the_trainers_reduction():
@@ -303,7 +365,9 @@ def test_cost_model_overlap_follows_the_trainers_reduction():
         return cm.trainer_cost_options(cfg.train, cfg.parallel, **changes)
 
     xl = model("model.preset=gpt3-xl", "model.ffn.kind=demix", "model.ffn.num_experts=8")
-    after = cm.predict(xl, 128, cluster, eff, options("train.precision=fp16", "parallel.grad_reduce=after_backward"))
+    after = cm.predict(
+        xl, 128, cluster, eff, options("train.precision=fp16", "parallel.grad_reduce=after_backward")
+    )
     over = cm.predict(xl, 128, cluster, eff, options("train.precision=fp16"))
     assert after.allreduce_s == over.allreduce_s > 0
     assert after.step_s == pytest.approx(after.compute_s + after.allreduce_s)
@@ -324,7 +388,10 @@ def test_cost_model_overlap_follows_the_trainers_reduction():
     # trainer dtypes: bf16 at ZeRO 0 reduces fp32 gradients (autocast), at ZeRO 2 bf16 unless asked for fp32
     assert options("train.precision=bf16").grad_dtype == "fp32"
     assert options("train.precision=bf16", "parallel.zero_stage=2").grad_dtype == "bf16"
-    assert options("train.precision=bf16", "parallel.zero_stage=2", "train.grad_reduce_dtype=fp32").grad_dtype == "fp32"
+    assert (
+        options("train.precision=bf16", "parallel.zero_stage=2", "train.grad_reduce_dtype=fp32").grad_dtype
+        == "fp32"
+    )
     # the paper fit's fixed fraction stays what it was
     fixed = cm.predict(xl, 128, cluster, eff, cm.CostOptions(overlap=0.5))
     assert fixed.step_s == pytest.approx(fixed.compute_s + 0.5 * fixed.allreduce_s)

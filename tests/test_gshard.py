@@ -17,8 +17,15 @@ from model.gshard import GShardFFN, expert_capacity, route_tokens
 
 def _cfg(experts: int, d: int = 8, **gshard) -> ModelConfig:
     g = GShardConfig(**{"min_capacity": 4, **gshard})
-    return ModelConfig(n_layers=2, d_model=d, n_heads=2, seq_len=16, vocab_size=64, make_vocab_size_divisible_by=8,
-                       ffn=FFNConfig(kind="gshard", num_experts=experts, gshard=g))
+    return ModelConfig(
+        n_layers=2,
+        d_model=d,
+        n_heads=2,
+        seq_len=16,
+        vocab_size=64,
+        make_vocab_size_divisible_by=8,
+        ffn=FFNConfig(kind="gshard", num_experts=experts, gshard=g),
+    )
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -61,11 +68,18 @@ def test_capacity_rounds_up_to_a_multiple_of_the_tensor_parallel_size() -> None:
     """With tp > 1 each TP rank sends C / tp slots of every expert: C = 11 becomes 12 at tp=2, 12 stays 12."""
     assert expert_capacity(32, 4, 2, 0.6875, 1) == 11
     assert expert_capacity(32, 4, 2, 0.6875, 1, multiple_of=2) == 12
-    assert expert_capacity(32, 4, 2, 0.75, 1, multiple_of=2) == 12 and expert_capacity(4, 4, 2, 1.0, 5, 4) == 8
+    assert (
+        expert_capacity(32, 4, 2, 0.75, 1, multiple_of=2) == 12 and expert_capacity(4, 4, 2, 1.0, 5, 4) == 8
+    )
     logits = torch.randn(32, 4)
-    one, two = route_tokens(logits, 2, 0.6875, 1, "all"), route_tokens(logits, 2, 0.6875, 1, "all", capacity_multiple=2)
+    one, two = (
+        route_tokens(logits, 2, 0.6875, 1, "all"),
+        route_tokens(logits, 2, 0.6875, 1, "all", capacity_multiple=2),
+    )
     assert (one.capacity, two.capacity) == (11, 12)
-    assert int(two.kept_KS.sum()) >= int(one.kept_KS.sum())  # one more slot per expert, never fewer kept routes
+    assert int(two.kept_KS.sum()) >= int(
+        one.kept_KS.sum()
+    )  # one more slot per expert, never fewer kept routes
     moe = GShardFFN(_cfg(4, capacity_factor=0.6875, min_capacity=1))
     moe.capacity_multiple = 2
     assert moe.route(torch.randn(32, moe.gate.in_features)).capacity == 12
@@ -107,10 +121,13 @@ def test_routing_equals_deepspeed_top2gating(policy: str, tokens: int, experts: 
     torch.manual_seed(1)
     r = route_tokens(logits.clone(), 2, factor, 4, policy, training=True)
     torch.manual_seed(1)
-    l_aux, cap, _, idx, loc, gates, counts = top2gating(logits.clone(), factor, 4, True, None, policy == "sampling",
-                                                        sparse_routes=True)
+    l_aux, cap, _, idx, loc, gates, counts = top2gating(
+        logits.clone(), factor, 4, True, None, policy == "sampling", sparse_routes=True
+    )
     assert int(cap) == r.capacity
-    assert torch.equal(l_aux, r.l_aux) and torch.equal(counts, r.counts_E) and torch.equal(gates, r.weights_KS)
+    assert (
+        torch.equal(l_aux, r.l_aux) and torch.equal(counts, r.counts_E) and torch.equal(gates, r.weights_KS)
+    )
     assert torch.equal(idx.long(), torch.where(r.kept_KS, r.experts_KS, -1))
     assert torch.equal(loc.long()[r.kept_KS], r.slots_KS[r.kept_KS])
 
@@ -152,7 +169,12 @@ def test_layout() -> None:
     assert [l.local_experts for l in lay] == [(0,), (1,), (2,), (3,)] and lay[0].ep_ranks == (0, 1, 2, 3)
     assert lay[0].edp_ranks == (0,) and lay[0].group_name == "ep_size_4"
     two = [gshard_layout(replace(cfg, ffn=replace(cfg.ffn, num_experts=2)), 4, r) for r in range(4)]
-    assert [l.local_experts for l in two] == [(0,), (1,), (0,), (1,)]  # DeepSpeed's E+D: ep groups (0,1), (2,3)
+    assert [l.local_experts for l in two] == [
+        (0,),
+        (1,),
+        (0,),
+        (1,),
+    ]  # DeepSpeed's E+D: ep groups (0,1), (2,3)
     assert two[0].edp_ranks == (0, 2) and two[1].ep_ranks == (0, 1)
     d_e = [gshard_layout(replace(cfg, ffn=replace(cfg.ffn, num_experts=2)), 4, r, True) for r in range(4)]
     assert [l.local_experts for l in d_e] == [(0,), (0,), (1,), (1,)] and d_e[0].edp_ranks == (0, 1)
@@ -177,10 +199,16 @@ def test_gating_report(tmp_path) -> None:
     cfg = replace(_cfg(4), n_layers=4)
     model = GPT(cfg, init_seed=0)
     g = torch.Generator().manual_seed(0)
-    batches = {d: [{"tokens_BT": torch.randint(lo, lo + 32, (2, 16), generator=g)} for _ in range(2)]
-               for d, lo in (("web", 0), ("code", 32))}
+    batches = {
+        d: [{"tokens_BT": torch.randint(lo, lo + 32, (2, 16), generator=g)} for _ in range(2)]
+        for d, lo in (("web", 0), ("code", 32))
+    }
     m = gating_matrix(model, batches)
-    assert m["domains"] == ["web", "code"] and m["num_experts"] == 4 and list(m["layers"]) == ["layer1", "layer3"]
+    assert (
+        m["domains"] == ["web", "code"]
+        and m["num_experts"] == 4
+        and list(m["layers"]) == ["layer1", "layer3"]
+    )
     rows = torch.tensor(m["layers"]["layer1"])
     assert rows.shape == (2, 4) and torch.allclose(rows.sum(1), torch.ones(2, dtype=rows.dtype))
     paths = write_gating_report(m, tmp_path)
@@ -195,9 +223,31 @@ def test_gating_cli_on_a_consolidated_checkpoint(tmp_path, tiny_tokens) -> None:
     from model.gpt import GPT
 
     domains = sorted(json.loads((tiny_tokens / "gpt2" / "manifest.json").read_text())["counts"])[:2]
-    cfg = load_run_config(None, ["model.preset=tiny", "model.n_layers=2", "model.seq_len=32",
-                                 "model.ffn.kind=gshard", "model.ffn.num_experts=4", "data.tokenizer=gpt2"])
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.seq_len=32",
+            "model.ffn.kind=gshard",
+            "model.ffn.num_experts=4",
+            "data.tokenizer=gpt2",
+        ],
+    )
     save_consolidated(tmp_path / "ckpt", GPT(cfg.model, init_seed=0).state_dict(), cfg, domains)
-    assert main([str(tmp_path / "ckpt"), "--data", str(tiny_tokens), "--out", str(tmp_path / "out"), "--batches", "1"]) == 0
+    assert (
+        main(
+            [
+                str(tmp_path / "ckpt"),
+                "--data",
+                str(tiny_tokens),
+                "--out",
+                str(tmp_path / "out"),
+                "--batches",
+                "1",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "out" / "gating.json").read_text())
     assert report["domains"] == domains and len(report["layers"]["layer1"]) == 2

@@ -33,21 +33,43 @@ ATOL = 3e-4
 def _cfg(experts: int, zero: int, policy: str = "all", tp: int = 1):
     from launcher.config import load_run_config
 
-    odd_capacity = ["model.ffn.gshard.capacity_factor=0.6875", "model.ffn.gshard.min_capacity=1"] if tp > 1 else []
-    return load_run_config(None, odd_capacity + [f"parallel.tensor_parallel={tp}",
-        "model.preset=tiny", "model.n_layers=2", f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}",
-        "model.ffn.kind=gshard", f"model.ffn.num_experts={experts}", f"model.ffn.gshard.second_expert_policy={policy}",
-        "model.ffn.gshard.aux_loss_weight=0.1", f"parallel.zero_stage={zero}", f"train.micro_batch={MB}",
-        f"train.grad_accum={GAS}", f"train.steps={STEPS}", "train.lr=1e-2", "train.warmup_fraction=0.0",
-        "train.clip_grad=0.5", "train.weight_decay=0.1",
-    ])
+    odd_capacity = (
+        ["model.ffn.gshard.capacity_factor=0.6875", "model.ffn.gshard.min_capacity=1"] if tp > 1 else []
+    )
+    return load_run_config(
+        None,
+        odd_capacity
+        + [
+            f"parallel.tensor_parallel={tp}",
+            "model.preset=tiny",
+            "model.n_layers=2",
+            f"model.vocab_size={VOCAB}",
+            f"model.seq_len={SEQ}",
+            "model.ffn.kind=gshard",
+            f"model.ffn.num_experts={experts}",
+            f"model.ffn.gshard.second_expert_policy={policy}",
+            "model.ffn.gshard.aux_loss_weight=0.1",
+            f"parallel.zero_stage={zero}",
+            f"train.micro_batch={MB}",
+            f"train.grad_accum={GAS}",
+            f"train.steps={STEPS}",
+            "train.lr=1e-2",
+            "train.warmup_fraction=0.0",
+            "train.clip_grad=0.5",
+            "train.weight_decay=0.1",
+        ],
+    )
 
 
 def _batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
     tokens = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "domain_ids": torch.zeros(MB, dtype=torch.long),
-            "loss_mask": torch.ones(MB, SEQ)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "domain_ids": torch.zeros(MB, dtype=torch.long),
+        "loss_mask": torch.ones(MB, SEQ),
+    }
 
 
 def _capacity_like_tp(model: torch.nn.Module, tp: int) -> None:
@@ -62,9 +84,9 @@ def _expert_id(name: str) -> int:
 
 
 def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp: int = 1) -> dict:
-    from model.gpt import GPT
-    from launcher.train import train_step
     from launcher.ffn_kinds import ffn_kind
+    from launcher.train import train_step
+    from model.gpt import GPT
     from parallel.groups import ProcessGroups
     from parallel.gshard import DistributedGShardFFN, gather_gshard_state_dict
     from parallel.topology import build_topology
@@ -81,7 +103,7 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
 
     def shard(logits):  # this TP rank's vocabulary columns of the plain model's logits
         v = logits.shape[-1] // tp
-        return logits[..., tp_rank * v:(tp_rank + 1) * v]
+        return logits[..., tp_rank * v : (tp_rank + 1) * v]
 
     # forward parity on this rank's tokens (training mode: training capacity, seeded second-expert sampling)
     b = _batch(dp_rank, 99, 0)
@@ -93,7 +115,9 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
     out["fwd"] = [(d.logits, shard(p.logits)), (d.aux_loss, p.aux_loss), (d.loss, p.loss)]
     out["dropped"] = float(d.ffn_stats["layer1/dropped_fraction"])
     init, want = gather_gshard_state_dict(model, groups), plain.state_dict()
-    out["init_gathered_equal"] = init.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in init.items())
+    out["init_gathered_equal"] = init.keys() == want.keys() and all(
+        torch.equal(v, want[k]) for k, v in init.items()
+    )
     out["losses"] = []
     for step in range(STEPS):
         res = train_step(bundle, cfg, [_batch(dp_rank, step, m) for m in range(GAS)], 1)
@@ -133,9 +157,14 @@ def _reference(experts: int, world: int, tp: int = 1) -> tuple[dict[str, torch.T
     params = dict(model.named_parameters())
     t = cfg.train
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": t.weight_decay},
-         {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        [
+            {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": t.weight_decay},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     for step in range(STEPS):
         model.zero_grad(set_to_none=True)
@@ -154,7 +183,9 @@ def _reference(experts: int, world: int, tp: int = 1) -> tuple[dict[str, torch.T
 def _check(results: list[dict], experts: int, world: int, policy: str, tp: int = 1) -> None:
     for r, res in enumerate(results):
         for got, want in res["fwd"]:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {r}: distributed != plain forward")
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-5, msg=f"rank {r}: distributed != plain forward"
+            )
         assert res["init_gathered_equal"], f"rank {r}: gathered initial weights differ from the plain model"
         assert all(torch.isfinite(torch.tensor(res["losses"])))
         torch.testing.assert_close(res["eval"][0], res["eval"][1], rtol=1e-5, atol=1e-5)
@@ -166,7 +197,9 @@ def _check(results: list[dict], experts: int, world: int, policy: str, tp: int =
             for r, res in enumerate(results):  # dense parameters (and the gate) identical on every rank
                 assert torch.equal(res["gathered"][k], v), f"{k} differs on rank {r}"
         if ref is not None:
-            torch.testing.assert_close(v, ref[k], rtol=1e-3, atol=ATOL, msg=f"{k} vs the single-process reference")
+            torch.testing.assert_close(
+                v, ref[k], rtol=1e-3, atol=ATOL, msg=f"{k} vs the single-process reference"
+            )
     for r, res in enumerate(results):
         if ref is not None:
             assert res["norm"] == pytest.approx(ref_norm, rel=1e-4), f"rank {r} grad norm"
@@ -208,7 +241,9 @@ def test_gshard_tensor_parallel_2_ranks_all_to_all_inside_the_tp_group() -> None
     its half of every expert's (odd, rounded-up) capacity; ZeRO 0 and 2 against the reference, ZeRO 1 with the
     sampled second expert (both TP ranks must draw the same samples)."""
     layouts = [(2, 0, "all", 2), (2, 2, "all", 2), (2, 1, "sampling", 2)]
-    results = run_ranks(_worker, 2, args=(layouts,), device_strict=True)  # all-to-all and TP gathers as NCCL needs
+    results = run_ranks(
+        _worker, 2, args=(layouts,), device_strict=True
+    )  # all-to-all and TP gathers as NCCL needs
     assert [res[0]["edp_ranks"] for res in results] == [(0,), (1,)]
     assert results[0][0]["dropped"] > 0, "the odd capacity should drop tokens"
     for i, (experts, _, policy, tp) in enumerate(layouts):

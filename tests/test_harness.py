@@ -33,24 +33,38 @@ def env(tmp_path_factory, tiny_tokens, random_checkpoint):
     root = tmp_path_factory.mktemp("harness")
     tasks = root / "tasks"
     rec = H.write_tasks(tiny_tokens, "gpt2", tasks, max_docs=3)
-    return SimpleNamespace(root=root, data=tiny_tokens, tasks=tasks, rec=rec,
-                           demix=random_checkpoint(root / "demix", "demix"),
-                           dense=random_checkpoint(root / "dense", "dense"),
-                           tok=load_prepared_tokenizer(tiny_tokens, "gpt2"),
-                           tm=TaskManager(include_path=str(tasks), include_defaults=False))
+    return SimpleNamespace(
+        root=root,
+        data=tiny_tokens,
+        tasks=tasks,
+        rec=rec,
+        demix=random_checkpoint(root / "demix", "demix"),
+        dense=random_checkpoint(root / "dense", "dense"),
+        tok=load_prepared_tokenizer(tiny_tokens, "gpt2"),
+        tm=TaskManager(include_path=str(tasks), include_defaults=False),
+    )
 
 
 def _evaluate(env, model: str, model_args: str, tasks: list[str], **kw) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=env.tm,
-                                      log_samples=False, bootstrap_iters=0, device="cpu", **kw)
+        res = lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=tasks,
+            task_manager=env.tm,
+            log_samples=False,
+            bootstrap_iters=0,
+            device="cpu",
+            **kw,
+        )
     return {t: {k.split(",")[0]: v for k, v in r.items()} for t, r in res["results"].items()}
 
 
 def _rolling(text: str, domain: str, i: int = 0) -> Instance:
-    return Instance("loglikelihood_rolling", {"domain": domain, "text": text}, (text,), i,
-                    (H.PPL_PREFIX + domain, i, 1))
+    return Instance(
+        "loglikelihood_rolling", {"domain": domain, "text": text}, (text,), i, (H.PPL_PREFIX + domain, i, 1)
+    )
 
 
 def _ll_request(ctx: str, cont: str, domain: str, i: int = 0) -> Instance:
@@ -68,7 +82,9 @@ def test_task_files_hold_the_prepared_split(env):
         rows = [json.loads(x) for x in (env.tasks / "data" / f"ppl_{d}.jsonl").read_text().splitlines()]
         assert [r["text"] for r in rows] == texts[d] and len(rows) == 3
         assert [r["n_tokens"] for r in rows] == [len(env.tok.encode(r["text"])) for r in rows]
-        assert stored_equal(env.tok, env.data, d, "test", texts[d]) == 3  # [bos] + enc(text) = the token files
+        assert (
+            stored_equal(env.tok, env.data, d, "test", texts[d]) == 3
+        )  # [bos] + enc(text) = the token files
         assert env.rec["domains"][d]["tokens"] == sum(r["n_tokens"] for r in rows)
     assert H.read_task_documents(env.tasks) == texts
     mc = [json.loads(x) for x in (env.tasks / "data" / "continuation.jsonl").read_text().splitlines()]
@@ -80,8 +96,12 @@ def test_task_files_hold_the_prepared_split(env):
     ns: dict = {}
     exec((env.tasks / "utils.py").read_text(), ns)  # self-contained: the tasks load without this project
     got = ns["process_ppl_results"]({"text": "a b  c", "n_tokens": 4}, [-2.0])
-    assert got == {"word_perplexity": (-2.0, 3), "byte_perplexity": (-2.0, 6), "bits_per_byte": (-2.0, 6),
-                   "token_perplexity": (-2.0, 4)}
+    assert got == {
+        "word_perplexity": (-2.0, 3),
+        "byte_perplexity": (-2.0, 6),
+        "bits_per_byte": (-2.0, 6),
+        "token_perplexity": (-2.0, 4),
+    }
 
 
 def test_task_writer_refuses_a_foreign_directory(env, tmp_path, capsys):
@@ -100,14 +120,16 @@ def test_windows_are_evaluates_blocks_for_a_one_document_stream(env):
     text = H.read_task_documents(env.tasks, ["sailing"])["sailing"][0]
     ids = env.tok.encode(text)
     wins = H.document_windows(ids, T, env.tok.bos_id)
-    assert sum(n for *_, n in wins) == len(ids) and all(len(w[0]) == len(w[1]) == n for w in wins for n in [w[2]])
+    assert sum(n for *_, n in wins) == len(ids) and all(
+        len(w[0]) == len(w[1]) == n for w in wins for n in [w[2]]
+    )
     tokens, targets, _ = block_inputs(load_blocks(env.data, "gpt2", "sailing", "test", T, None))
     full = len(ids) // T  # evaluate's blocks lying wholly inside the first document of the stream
     assert full >= 1
     for w in range(full):
         assert wins[w][0] == tokens[w].tolist() and wins[w][1] == targets[w].tolist()
     lm_wins = H.document_windows(ids, T, env.tok.bos_id, "lm_eval")
-    assert [w[1][-w[2]:] for w in lm_wins] == [w[1] for w in wins]  # the same targets, each scored once
+    assert [w[1][-w[2] :] for w in lm_wins] == [w[1] for w in wins]  # the same targets, each scored once
     assert len(lm_wins[-1][0]) == min(T, len(ids))  # ... the last one with the full context
 
 
@@ -118,8 +140,14 @@ def test_harness_perplexity_equals_evaluate(env, kind, mode):
     ckpt = env.demix if kind == "demix" else env.dense
     args = f"checkpoint={ckpt},data={env.data},cached_blocks={CACHED_BLOCKS},batch_size=16"
     got = _evaluate(env, "demix", args + (f",mode={mode}" if mode else ""), ["demix_ppl"])
-    ev = H.evaluate_documents(ckpt, env.data, H.read_task_documents(env.tasks), modes=[mode or "ppl"],
-                              cached_blocks=CACHED_BLOCKS, batch_size=16)
+    ev = H.evaluate_documents(
+        ckpt,
+        env.data,
+        H.read_task_documents(env.tasks),
+        modes=[mode or "ppl"],
+        cached_blocks=CACHED_BLOCKS,
+        batch_size=16,
+    )
     per_domain = []
     for d in DOMAINS:
         h, e = got[H.PPL_PREFIX + d]["token_perplexity"], ev["domains"][d]["ppl"][mode or "ppl"]
@@ -158,7 +186,9 @@ def test_stock_hf_model_on_an_export_equals_the_expert(env):
     assert export_main([str(ckpt), "--domain", "sailing", "--out", str(out), "--data", str(env.data)]) == 0
     task = H.PPL_PREFIX + "sailing"
     hf = _evaluate(env, "hf", f"pretrained={out},tokenizer={out},dtype=float32,add_bos_token=False", [task])
-    ours = _evaluate(env, "demix", f"checkpoint={ckpt},data={env.data},expert=sailing,windows=lm_eval", [task])
+    ours = _evaluate(
+        env, "demix", f"checkpoint={ckpt},data={env.data},expert=sailing,windows=lm_eval", [task]
+    )
     a, b = hf[task]["token_perplexity"], ours[task]["token_perplexity"]
     assert abs(a - b) / b < 1e-5, (a, b)
 
@@ -171,8 +201,11 @@ def test_loglikelihood_equals_a_direct_computation(env):
     tok = env.tok
     doc = H.read_task_documents(env.tasks, ["finance"])["finance"][0]
     words = doc.split(" ")
-    cases = [(" ".join(words[:6]), " " + " ".join(words[6:9])), ("", " ".join(words[:4])),
-             (" ".join(words[:40]) + " ", " ".join(words[40:43]))]  # the last one: > 32 tokens, trailing space
+    cases = [
+        (" ".join(words[:6]), " " + " ".join(words[6:9])),
+        ("", " ".join(words[:4])),
+        (" ".join(words[:40]) + " ", " ".join(words[40:43])),
+    ]  # the last one: > 32 tokens, trailing space
     for kind, margs in (("dense", {}), ("demix", {"expert": "finance"}), ("demix", {"mode": "uniform"})):
         ckpt = env.dense if kind == "dense" else env.demix
         lm = H.DemixLM(checkpoint=str(ckpt), data=str(env.data), **margs)
@@ -183,7 +216,7 @@ def test_loglikelihood_equals_a_direct_computation(env):
             n = len(ctx) - len(ctx.rstrip())
             ctx, cont = (ctx[:-n], ctx[-n:] + cont) if n else (ctx, cont)
             c_ids = tok.encode(ctx) if ctx else []
-            x_ids = tok.encode(ctx + cont)[len(c_ids):]
+            x_ids = tok.encode(ctx + cont)[len(c_ids) :]
             seq = torch.tensor([([tok.bos_id] + c_ids + x_ids)[-33:]])
             C = len(x_ids)
             if kind == "dense":
@@ -191,25 +224,39 @@ def test_loglikelihood_equals_a_direct_computation(env):
             else:
                 experts = [lm.experts.index("finance")] if "expert" in margs else list(range(E))
             with torch.no_grad():  # GPT.forward routed to each expert: full logits, E T V
-                logp = torch.stack([torch.log_softmax(model(seq[:, :-1], None if j is None else torch.tensor([j]))
-                                                      .logits[0].double(), -1) for j in experts])
+                logp = torch.stack(
+                    [
+                        torch.log_softmax(
+                            model(seq[:, :-1], None if j is None else torch.tensor([j])).logits[0].double(),
+                            -1,
+                        )
+                        for j in experts
+                    ]
+                )
             tgt = seq[0, 1:]
             ll_ET = logp.gather(2, tgt.expand(len(experts), -1)[..., None])[..., 0]
             # posterior before t (eqs. 7-8, uniform prior) over the whole window, mixture (eq. 6)
-            prefix = torch.cat([torch.zeros(len(experts), 1, dtype=torch.float64), ll_ET.cumsum(1)[:, :-1]], 1)
+            prefix = torch.cat(
+                [torch.zeros(len(experts), 1, dtype=torch.float64), ll_ET.cumsum(1)[:, :-1]], 1
+            )
             log_g = torch.log_softmax(prefix, 0)
             mix_TV = torch.logsumexp(logp + log_g[..., None], 0)
             want = float(mix_TV[-C:].gather(1, tgt[-C:, None]).sum())
             assert lp == pytest.approx(want, rel=1e-5, abs=1e-4)
-            assert greedy == bool((mix_TV[-C:, :tok.vocab_size].argmax(-1) == tgt[-C:]).all())
+            assert greedy == bool((mix_TV[-C:, : tok.vocab_size].argmax(-1) == tgt[-C:]).all())
     # a greedy continuation (one that tokenises back to the same ids) is recognised as such
     from launcher.evaluation.generate import generate
 
     lm = H.DemixLM(checkpoint=str(env.dense), data=str(env.data))
     found = 0
     for prompt in ("The hull", "Bond yield", "Oven flour", "Market rate", "Wind"):
-        new = generate(lm.model, [tok.bos_id] + tok.encode(prompt), temperature=0.0, max_new_tokens=2,
-                       vocab_limit=tok.vocab_size).new_ids
+        new = generate(
+            lm.model,
+            [tok.bos_id] + tok.encode(prompt),
+            temperature=0.0,
+            max_new_tokens=2,
+            vocab_limit=tok.vocab_size,
+        ).new_ids
         cont = tok.decode(new)
         if tok.encode(prompt + cont) == tok.encode(prompt) + new:
             assert lm.loglikelihood([_ll_request(prompt, cont, "sailing")])[0][1] is True
@@ -218,8 +265,13 @@ def test_loglikelihood_equals_a_direct_computation(env):
 
 
 def test_multiple_choice_task_runs(env):
-    got = _evaluate(env, "demix", f"checkpoint={env.demix},data={env.data},mode=uniform,batch_size=16",
-                    ["demix_continuation"], limit=3)["demix_continuation"]
+    got = _evaluate(
+        env,
+        "demix",
+        f"checkpoint={env.demix},data={env.data},mode=uniform,batch_size=16",
+        ["demix_continuation"],
+        limit=3,
+    )["demix_continuation"]
     assert 0.0 <= got["acc"] <= 1.0 and 0.0 <= got["acc_norm"] <= 1.0
 
 
@@ -228,14 +280,20 @@ def test_rolling_modes_and_opt_out_agree_with_evaluate(env):
     docs = H.read_task_documents(env.tasks, ["cooking"])
     reqs = [_rolling(t, "cooking", i) for i, t in enumerate(docs["cooking"])]
     n_tokens = sum(len(env.tok.encode(t)) for t in docs["cooking"])
-    ev = H.evaluate_documents(env.demix, env.data, docs, modes=["naive", "updating", "average"], batch_size=16)
+    ev = H.evaluate_documents(
+        env.demix, env.data, docs, modes=["naive", "updating", "average"], batch_size=16
+    )
     for mode in ("naive", "updating", "average"):
         lm = H.DemixLM(checkpoint=str(env.demix), data=str(env.data), mode=mode, batch_size=16)
         ppl = math.exp(-sum(lm.loglikelihood_rolling(reqs)) / n_tokens)
         assert ppl == pytest.approx(ev["domains"]["cooking"]["ppl"][mode], rel=1e-5)
-    lm = H.DemixLM(checkpoint=str(env.demix), data=str(env.data), mode="uniform", exclude_experts="finance;sailing")
+    lm = H.DemixLM(
+        checkpoint=str(env.demix), data=str(env.data), mode="uniform", exclude_experts="finance;sailing"
+    )
     assert lm.experts == ["cooking"]
-    ev = H.evaluate_documents(env.demix, env.data, docs, modes=["uniform"], exclude_experts=["finance", "sailing"])
+    ev = H.evaluate_documents(
+        env.demix, env.data, docs, modes=["uniform"], exclude_experts=["finance", "sailing"]
+    )
     ppl = math.exp(-sum(lm.loglikelihood_rolling(reqs)) / n_tokens)
     assert ppl == pytest.approx(ev["domains"]["cooking"]["ppl"]["uniform"], rel=1e-5)
 
@@ -245,28 +303,44 @@ def test_generate_until_is_greedy_and_stops_at_strings(env):
 
     lm = H.DemixLM(checkpoint=str(env.demix), data=str(env.data), expert="sailing")
     tok = env.tok
-    ref = generate(lm.model, [tok.bos_id] + tok.encode("The hull"), expert=lm.experts.index("sailing"),
-                   temperature=0.0, max_new_tokens=6, stop_id=tok.eod_id, vocab_limit=tok.vocab_size)
+    ref = generate(
+        lm.model,
+        [tok.bos_id] + tok.encode("The hull"),
+        expert=lm.experts.index("sailing"),
+        temperature=0.0,
+        max_new_tokens=6,
+        stop_id=tok.eod_id,
+        vocab_limit=tok.vocab_size,
+    )
     text = tok.decode([t for t in ref.new_ids if t != tok.eod_id])
-    req = Instance("generate_until", {"domain": "sailing"}, ("The hull", {"until": [], "max_gen_toks": 6}), 0,
-                   ("t", 0, 1))
+    req = Instance(
+        "generate_until",
+        {"domain": "sailing"},
+        ("The hull", {"until": [], "max_gen_toks": 6}),
+        0,
+        ("t", 0, 1),
+    )
     assert lm.generate_until([req]) == [text]
     if len(text) > 1:
         stop = text[1:3] if text[1:3].strip() else text[-1]
-        req = Instance("generate_until", {}, ("The hull", {"until": [stop], "max_gen_toks": 6}), 0, ("t", 0, 1))
-        assert lm.generate_until([req]) == [text[:text.index(stop)]]
+        req = Instance(
+            "generate_until", {}, ("The hull", {"until": [stop], "max_gen_toks": 6}), 0, ("t", 0, 1)
+        )
+        assert lm.generate_until([req]) == [text[: text.index(stop)]]
 
 
 def test_bad_model_args_are_clear_errors(env):
     ck, data = str(env.demix), str(env.data)
-    for kwargs, match in [({"mode": "best"}, "mode='best': choose one of cached"),
-                          ({"expert": "knitting"}, "expert='knitting' is not an expert"),
-                          ({"expert": "sailing", "mode": "uniform"}, "not both"),
-                          ({"exclude_experts": "knitting"}, "not experts of"),
-                          ({"posterior": "suffix"}, "posterior='suffix'"),
-                          ({"windows": "overlap"}, "windows='overlap'"),
-                          ({"topk": 2, "mode": "uniform"}, "topk=2"),
-                          ({"colour": "red"}, "unknown colour")]:
+    for kwargs, match in [
+        ({"mode": "best"}, "mode='best': choose one of cached"),
+        ({"expert": "knitting"}, "expert='knitting' is not an expert"),
+        ({"expert": "sailing", "mode": "uniform"}, "not both"),
+        ({"exclude_experts": "knitting"}, "not experts of"),
+        ({"posterior": "suffix"}, "posterior='suffix'"),
+        ({"windows": "overlap"}, "windows='overlap'"),
+        ({"topk": 2, "mode": "uniform"}, "topk=2"),
+        ({"colour": "red"}, "unknown colour"),
+    ]:
         with pytest.raises(ValueError, match=match):
             H.DemixLM(checkpoint=ck, data=data, **kwargs)
     with pytest.raises(ValueError, match="has no experts"):
@@ -281,8 +355,22 @@ def test_bad_model_args_are_clear_errors(env):
 def test_lm_eval_cli_through_the_run_wrapper(env, tmp_path, capsys):
     """`python -m launcher.evaluation.harness run ...` is lm-eval's own CLI with model demix registered (it indexes
     lm-eval's built-in tasks too, hence slow)."""
-    rc = H.main(["run", "--model", "demix", "--model_args", f"checkpoint={env.dense},data={env.data}",
-                 "--include_path", str(env.tasks), "--tasks", "demix_ppl_cooking", "--device", "cpu",
-                 "--output_path", str(tmp_path / "out")])
+    rc = H.main(
+        [
+            "run",
+            "--model",
+            "demix",
+            "--model_args",
+            f"checkpoint={env.dense},data={env.data}",
+            "--include_path",
+            str(env.tasks),
+            "--tasks",
+            "demix_ppl_cooking",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(tmp_path / "out"),
+        ]
+    )
     assert rc == 0
     assert "token_perplexity" in capsys.readouterr().out

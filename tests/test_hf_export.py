@@ -23,14 +23,24 @@ DOMAINS = ["a", "b", "c"]
 
 
 def _ckpt(tmp_path, kind: str):
-    cfg = RunConfig(model=ModelConfig(n_layers=2, d_model=48, n_heads=3, seq_len=24, vocab_size=300,
-                                      ffn=FFNConfig(kind=kind, num_experts=3 if kind == "demix" else 0)))
+    cfg = RunConfig(
+        model=ModelConfig(
+            n_layers=2,
+            d_model=48,
+            n_heads=3,
+            seq_len=24,
+            vocab_size=300,
+            ffn=FFNConfig(kind=kind, num_experts=3 if kind == "demix" else 0),
+        )
+    )
     model = GPT(cfg.model, init_seed=7)
     with torch.no_grad():  # non-trivial biases and norms, so a layout mistake cannot hide behind zeros
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln" in name or "ln_f" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    return save_consolidated(tmp_path / kind, model.state_dict(), cfg, DOMAINS if kind == "demix" else ["all"])
+    return save_consolidated(
+        tmp_path / kind, model.state_dict(), cfg, DOMAINS if kind == "demix" else ["all"]
+    )
 
 
 def _hf_logits(path, tokens):
@@ -48,10 +58,16 @@ def test_domain_export_reproduces_the_demix_model(tmp_path):
     rec = export(path, tmp_path / "hf_b", domain="b")
     assert (tmp_path / "hf_b" / "model.safetensors").is_file() and rec["max_abs_logit_diff"] < 1e-4
     cfg = json.loads((tmp_path / "hf_b" / "config.json").read_text())
-    assert cfg["activation_function"] == "gelu" and cfg["n_inner"] == 4 * 48 and cfg["layer_norm_epsilon"] == 1e-5
+    assert (
+        cfg["activation_function"] == "gelu"
+        and cfg["n_inner"] == 4 * 48
+        and cfg["layer_norm_epsilon"] == 1e-5
+    )
     tokens = torch.randint(0, 300, (3, 24))
     with torch.no_grad():
-        ours = c.build_model().eval()(tokens, torch.full((3,), 1)).logits  # the DEMix model routed to expert "b"
+        ours = (
+            c.build_model().eval()(tokens, torch.full((3,), 1)).logits
+        )  # the DEMix model routed to expert "b"
         other = c.build_model().eval()(tokens, torch.full((3,), 0)).logits
     hf = _hf_logits(tmp_path / "hf_b", tokens)
     assert (ours - hf).abs().max() < 1e-4
@@ -62,9 +78,20 @@ def test_merged_export_is_the_weighted_average_of_experts(tmp_path):
     path = _ckpt(tmp_path, "demix")
     c = load_consolidated(path)
     prior = tmp_path / "prior.json"
-    prior.write_text(json.dumps({"format": "demix-cached-prior/1", "domains": DOMAINS, "probs": [0.5, 0.3, 0.2],
-                                 "blocks": 4, "decay": 0.3}))
-    assert main([str(path), "--merge-prior", str(prior), "--out", str(tmp_path / "hf_m"), "--no-tokenizer"]) == 0
+    prior.write_text(
+        json.dumps(
+            {
+                "format": "demix-cached-prior/1",
+                "domains": DOMAINS,
+                "probs": [0.5, 0.3, 0.2],
+                "blocks": 4,
+                "decay": 0.3,
+            }
+        )
+    )
+    assert (
+        main([str(path), "--merge-prior", str(prior), "--out", str(tmp_path / "hf_m"), "--no-tokenizer"]) == 0
+    )
     sd = c.state_dict
     ref = dense_model(c, [0.5, 0.3, 0.2])
     want = sum(w * sd[f"blocks.1.ffn.experts.{j}.fc1.weight"] for j, w in enumerate([0.5, 0.3, 0.2]))
@@ -103,7 +130,9 @@ def test_folder_alone_generates_what_the_project_generates(tmp_path, tiny_tokens
 
     path = random_checkpoint(tmp_path / kind / "model", kind)
     out = tmp_path / f"hf_{kind}"
-    args = [str(path), "--out", str(out), "--data", str(tiny_tokens)] + (["--domain", "sailing"] if kind == "demix" else [])
+    args = [str(path), "--out", str(out), "--data", str(tiny_tokens)] + (
+        ["--domain", "sailing"] if kind == "demix" else []
+    )
     assert main(args) == 0
     tok = load_prepared_tokenizer(tiny_tokens, "gpt2")
     hf_tok = AutoTokenizer.from_pretrained(out)
@@ -117,8 +146,15 @@ def test_folder_alone_generates_what_the_project_generates(tmp_path, tiny_tokens
     assert "training tokens: 12,345" in card and "cooking, sailing, finance" in card and str(path) in card
     c = load_consolidated(path)
     model = c.build_model().eval()
-    ours = generate(model, [tok.bos_id] + tok.encode(prompt), expert=1 if kind == "demix" else None,
-                    temperature=0.0, max_new_tokens=12, stop_id=tok.eod_id, vocab_limit=tok.vocab_size)
+    ours = generate(
+        model,
+        [tok.bos_id] + tok.encode(prompt),
+        expert=1 if kind == "demix" else None,
+        temperature=0.0,
+        max_new_tokens=12,
+        stop_id=tok.eod_id,
+        vocab_limit=tok.vocab_size,
+    )
     pipe = pipeline("text-generation", model=str(out))
     theirs = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"]
     assert theirs == tok.decode(ours.new_ids) and len(ours.new_ids) > 0
@@ -133,7 +169,9 @@ def test_export_refuses_a_tokenizer_that_is_not_the_models(tmp_path, tiny_tokens
     (path / "meta.json").write_text(json.dumps(meta))
     assert main([str(path), "--out", str(tmp_path / "x"), "--data", str(tiny_tokens)]) == 2
     assert not (tmp_path / "x").exists()
-    assert main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0  # gpt2: offline files
+    assert (
+        main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0
+    )  # gpt2: offline files
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,8 +218,21 @@ def test_card_finds_the_evaluation_where_evaluate_writes_it(tmp_path, evaluated)
     finally:
         shutil.rmtree(run_eval, ignore_errors=True)
         shutil.move(str(tmp_path / "moved"), str(path / "eval"))
-    assert main([str(path), "--out", str(tmp_path / "x"), "--no-tokenizer", "--domain", "sailing",
-                 "--eval-json", str(tmp_path / "nosuch.json")]) == 2  # a given file that is not there is refused
+    assert (
+        main(
+            [
+                str(path),
+                "--out",
+                str(tmp_path / "x"),
+                "--no-tokenizer",
+                "--domain",
+                "sailing",
+                "--eval-json",
+                str(tmp_path / "nosuch.json"),
+            ]
+        )
+        == 2
+    )  # a given file that is not there is refused
 
 
 def test_card_renders_the_block_count_of_an_eval_json(tmp_path, evaluated):
@@ -196,7 +247,11 @@ def test_card_renders_the_block_count_of_an_eval_json(tmp_path, evaluated):
     else:
         assert f"({min(blocks)} to {max(blocks)} blocks of 32 tokens per domain; " in card
     # no per-domain counts and no cap recorded: the phrase is left out, never "None blocks"
-    bare = {"domains": {"cooking": {"role": "train", "ppl": {"naive": 12.5}}}, "max_blocks": None, "seq_len": 32}
+    bare = {
+        "domains": {"cooking": {"role": "train", "ppl": {"naive": 12.5}}},
+        "max_blocks": None,
+        "seq_len": 32,
+    }
     given.write_text(json.dumps(bare))
     card = _card(path, tmp_path / "hf2", "--domain", "cooking", "--eval-json", str(given))
     assert "None" not in card and "source checkpoint (32-token blocks; `naive`" in card
@@ -204,8 +259,9 @@ def test_card_renders_the_block_count_of_an_eval_json(tmp_path, evaluated):
     bare["domains"]["sailing"] = {"role": "train", "ppl": {"naive": 9.0}, "blocks": 7}
     bare["domains"]["cooking"]["blocks"] = 3
     given.write_text(json.dumps(bare))
-    assert "(3 to 7 blocks of 32 tokens per domain; " in _card(path, tmp_path / "hf3", "--domain", "cooking",
-                                                              "--eval-json", str(given))
+    assert "(3 to 7 blocks of 32 tokens per domain; " in _card(
+        path, tmp_path / "hf3", "--domain", "cooking", "--eval-json", str(given)
+    )
 
 
 def test_card_gives_an_adapted_experts_own_training_tokens(tmp_path, tiny_tokens, random_checkpoint):
@@ -223,16 +279,28 @@ def test_card_gives_an_adapted_experts_own_training_tokens(tmp_path, tiny_tokens
     added_path = tmp_path / "added"
     added, _ = add_expert(two, "finance", added_path, data=str(tiny_tokens), tokenizer="gpt2", dev_blocks=2)
     card = _card(added_path, tmp_path / "hf_added", "--domain", "finance")
-    assert "- training tokens: none of its own (the finance expert was added by `launcher.modular.experts add`" in card
+    assert (
+        "- training tokens: none of its own (the finance expert was added by `launcher.modular.experts add`"
+        in card
+    )
     assert "- training tokens: 12,345\n" not in card and "the model it was added to: 12,345 tokens" in card
     assert "- training tokens: 12,345\n" in _card(added_path, tmp_path / "hf_old", "--domain", "cooking")
 
     cfg = added.cfg
-    cfg = replace(cfg, train=replace(cfg.train, init_from=str(added_path), trainable="experts"),
-                  data=replace(cfg.data, domains=["finance"]))
+    cfg = replace(
+        cfg,
+        train=replace(cfg.train, init_from=str(added_path), trainable="experts"),
+        data=replace(cfg.data, domains=["finance"]),
+    )
     keep = ("tokenizer", "vocab_size", "tokenizer_sha256", "bos_id", "eod_id")
-    dapt = save_consolidated(tmp_path / "dapt" / "model", added.state_dict, cfg, added.domains, step=4,
-                             extra={**{k: added.meta[k] for k in keep}, "train_tokens": 4096})
+    dapt = save_consolidated(
+        tmp_path / "dapt" / "model",
+        added.state_dict,
+        cfg,
+        added.domains,
+        step=4,
+        extra={**{k: added.meta[k] for k in keep}, "train_tokens": 4096},
+    )
     card = _card(dapt, tmp_path / "hf_dapt", "--domain", "finance")
     assert "- training tokens: 4,096 of finance, this expert's own (DEMix-DAPT from" in card
     assert "trained on 12,345 tokens" in card

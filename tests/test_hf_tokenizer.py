@@ -9,11 +9,16 @@ import pytest
 
 from data.tokenizer import gpt2_data_dir, load_tokenizer, train_sentencepiece
 from launcher.modular.hf_tokenizer import (
-    HF_TOKENIZER_FILES, check_ids, hf_tokenizer, load_hf_tokenizer, main, save_hf_tokenizer,
+    HF_TOKENIZER_FILES,
+    check_ids,
+    hf_tokenizer,
+    load_hf_tokenizer,
+    main,
+    save_hf_tokenizer,
 )
 
 CODE = (
-    "import os\n\n\nclass Parser:\n    \"\"\"Parse   the input.\"\"\"\n\n    def __init__(self, path):\n"
+    'import os\n\n\nclass Parser:\n    """Parse   the input."""\n\n    def __init__(self, path):\n'
     "        self.path = path  # two  spaces\n        self.count = 0\n\n    def run(self):\n"
     "\tfor i in range(10):\n\t\tif i % 2 == 0:\n\t\t\tprint(i, 3.14159, 2024)\n        return {'a': [1, 2, 3]}\n"
     "# ----------------------------------------\n#### Section ####\n>>> x = 42\n... y = x ** 2\n"
@@ -46,7 +51,7 @@ HELD_OUT = [
     "mixed    runs     of      spaces       and        more",
     "Zürich 東京 😀😀😀 naïve",
     "▁ the sentencepiece space mark",
-    "-----  .....  #####  >>>>> ===== \"\"\"\"\"",
+    '-----  .....  #####  >>>>> ===== """""',
     CODE[::-1],
     PROSE.upper(),
 ]
@@ -78,7 +83,13 @@ def exported(request):
 def test_folder_holds_everything_and_autotokenizer_loads_it(sp, tmp_path):
     tok, out, record = sp
     assert sorted(p.name for p in out.iterdir()) == sorted(HF_TOKENIZER_FILES)
-    assert record == {"kind": "sentencepiece", "vocab_size": tok.vocab_size, "bos_id": 1, "eos_id": 2, "pad_id": 2}
+    assert record == {
+        "kind": "sentencepiece",
+        "vocab_size": tok.vocab_size,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": 2,
+    }
     moved = tmp_path / "elsewhere"
     shutil.copytree(out, moved)  # nothing points back at the sentencepiece model or the export folder
     from transformers import AutoTokenizer
@@ -100,8 +111,13 @@ def test_same_ids_with_and_without_bos(exported):
         assert hf.encode(text) == [tok.bos_id] + want
     assert hf("")["input_ids"] == [tok.bos_id]
     report = check_ids(tok, out, HELD_OUT)
-    assert report == {"texts": len(HELD_OUT), "tokens": sum(len(tok.encode(t)) for t in HELD_OUT),
-                      "mismatched_texts": 0, "decode_mismatched_texts": 0, "first_mismatch": None}
+    assert report == {
+        "texts": len(HELD_OUT),
+        "tokens": sum(len(tok.encode(t)) for t in HELD_OUT),
+        "mismatched_texts": 0,
+        "decode_mismatched_texts": 0,
+        "first_mismatch": None,
+    }
 
 
 def test_special_tokens_and_literal_special_text(exported):
@@ -134,7 +150,12 @@ def test_byte_fallback_for_characters_absent_from_training(sp):
     tok, out, _ = sp
     hf = load_hf_tokenizer(out)
     ids = hf.encode("🦀", add_special_tokens=False)
-    assert ids == tok.encode("🦀") and hf.convert_ids_to_tokens(ids) == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x80>"]
+    assert ids == tok.encode("🦀") and hf.convert_ids_to_tokens(ids) == [
+        "<0xF0>",
+        "<0x9F>",
+        "<0xA6>",
+        "<0x80>",
+    ]
 
 
 def test_merge_order_on_every_short_string_of_periodic_pieces(sp):
@@ -144,10 +165,21 @@ def test_merge_order_on_every_short_string_of_periodic_pieces(sp):
     tok, out, _ = sp
     hf = hf_tokenizer(tok)
     sp_ = tok._sp
-    normal = {sp_.id_to_piece(i) for i in range(tok.vocab_size)
-              if not (sp_.is_control(i) or sp_.is_unknown(i) or sp_.is_byte(i)) and sp_.id_to_piece(i) not in "\n\t"}
-    periodic = {p for p in normal for k in range(1, len(p)) if p[:k] in normal and p[k:] in normal
-                and p[len(p) - k:] in normal and p[k:] + p[len(p) - k:] == p and p[:k] != p[k:]}
+    normal = {
+        sp_.id_to_piece(i)
+        for i in range(tok.vocab_size)
+        if not (sp_.is_control(i) or sp_.is_unknown(i) or sp_.is_byte(i)) and sp_.id_to_piece(i) not in "\n\t"
+    }
+    periodic = {
+        p
+        for p in normal
+        for k in range(1, len(p))
+        if p[:k] in normal
+        and p[k:] in normal
+        and p[len(p) - k :] in normal
+        and p[k:] + p[len(p) - k :] == p
+        and p[:k] != p[k:]
+    }
     alphabets = {frozenset(p.replace("▁", " ")) | extra for p in periodic for extra in (set(), {" "})}
     alphabets |= {frozenset(" \t"), frozenset(" x"), frozenset(" \n-")}
     assert any(len(p) >= 3 for p in periodic), "the sample should make pieces like '---' or '▁▁▁'"
@@ -168,7 +200,9 @@ def test_text_generation_pipeline_prepends_bos(sp):
     from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=8, n_layer=1, n_head=2))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=8, n_layer=1, n_head=2)
+    )
     pipe = pipeline("text-generation", model=model, tokenizer=load_hf_tokenizer(out), device="cpu")
     prompt = "    def run(self):\n\t"
     assert pipe.preprocess(prompt)["input_ids"][0].tolist() == [tok.bos_id] + tok.encode(prompt)
@@ -188,9 +222,15 @@ def test_unsupported_sentencepiece_settings_are_refused(tmp_path):
 
     from data.tokenizer import SentencePieceTokenizer
 
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(PROSE.split("\n") * 5), model_prefix=str(tmp_path / "m"),
-                                   vocab_size=600, model_type="bpe", byte_fallback=True, hard_vocab_limit=False,
-                                   minloglevel=2)  # defaults: nmt_nfkc, dummy prefix, whitespace collapsing
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(PROSE.split("\n") * 5),
+        model_prefix=str(tmp_path / "m"),
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )  # defaults: nmt_nfkc, dummy prefix, whitespace collapsing
     with pytest.raises(ValueError, match="add_dummy_prefix"):
         hf_tokenizer(SentencePieceTokenizer(tmp_path / "m.model"))
 

@@ -23,11 +23,24 @@ def _plan(ac: str, seq_len: int, tp: int = 1):
     from launcher.config import load_run_config
     from launcher.plan import Plan, plan_layout
 
-    cfg = load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", f"model.seq_len={seq_len}",
-        "model.vocab_size=50257", "train.micro_batch=2", "train.grad_accum=4", "train.precision=bf16",
-        f"train.activation_checkpointing={ac}", f"parallel.tensor_parallel={tp}", "data.mixture=natural",
-    ], check=False)
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.d_model=64",
+            "model.n_heads=2",
+            f"model.seq_len={seq_len}",
+            "model.vocab_size=50257",
+            "train.micro_batch=2",
+            "train.grad_accum=4",
+            "train.precision=bf16",
+            f"train.activation_checkpointing={ac}",
+            f"parallel.tensor_parallel={tp}",
+            "data.mixture=natural",
+        ],
+        check=False,
+    )
     layout = plan_layout(cfg, tp, ["a"])
     assert not layout.problems, layout.problems
     return Plan(layout.cfg, Catalog(cfg.data.path, "random", 50257, 0, ("a",), (), {}), layout.topo, notes=())
@@ -36,12 +49,19 @@ def _plan(ac: str, seq_len: int, tp: int = 1):
 # (activation checkpointing, seq_len, tensor parallel, does the head recompute): 2 x 1024 tokens per micro-batch
 # against chunks of 2^26 // 50304 = 1334 rows (tp 1) or 2^26 // 25216 = 2661 rows (tp 2: half the padded vocabulary
 # 50432 per rank); 2 x 512 = 1024 tokens fit one chunk.
-CASES = [("none", 1024, 1, True), ("full", 1024, 1, True), ("none", 512, 1, False), ("full", 512, 1, False),
-         ("none", 1024, 2, False)]
+CASES = [
+    ("none", 1024, 1, True),
+    ("full", 1024, 1, True),
+    ("none", 512, 1, False),
+    ("full", 512, 1, False),
+    ("none", 1024, 2, False),
+]
 
 
 @pytest.mark.parametrize("ac, seq_len, tp, head", CASES, ids=[f"{a}-s{s}-tp{t}" for a, s, t, _ in CASES])
-def test_logged_hfu_adds_the_recomputed_head_forward_and_mfu_does_not(monkeypatch, ac, seq_len, tp, head) -> None:
+def test_logged_hfu_adds_the_recomputed_head_forward_and_mfu_does_not(
+    monkeypatch, ac, seq_len, tp, head
+) -> None:
     import launcher.train as train
 
     plan = _plan(ac, seq_len, tp)
@@ -61,12 +81,17 @@ def test_logged_hfu_adds_the_recomputed_head_forward_and_mfu_does_not(monkeypatc
     assert rec["mfu"] == pytest.approx(tflops(model) / PEAK, rel=1e-12)
     assert rec["hfu"] == pytest.approx(tflops(hardware) / PEAK, rel=1e-12)
     assert rec["tflops_per_gpu"] == pytest.approx(tflops(hardware), rel=1e-12)
-    assert rec["tflops_per_gpu_no_recompute"] == pytest.approx(tflops(model), rel=1e-12)  # conventions unchanged
+    assert rec["tflops_per_gpu_no_recompute"] == pytest.approx(
+        tflops(model), rel=1e-12
+    )  # conventions unchanged
     assert rec["tflops_per_gpu_recompute"] == pytest.approx(tflops(4 * layer + 3 * logit), rel=1e-12)
 
 
 def test_head_recompute_rule() -> None:
-    assert acc.head_recomputed(1334, 50304, 1 << 26) is False and acc.head_recomputed(1335, 50304, 1 << 26) is True
+    assert (
+        acc.head_recomputed(1334, 50304, 1 << 26) is False
+        and acc.head_recomputed(1335, 50304, 1 << 26) is True
+    )
     assert acc.head_recomputed(2, 10**9, 1 << 26) is True  # a vocabulary over the budget: chunks of one row
     assert acc.head_recomputed(1, 10**9, 1 << 26) is False
     rep = acc.flops_per_update(_plan("none", 512).cfg.model, 8, vocab_size=50257)
@@ -85,10 +110,19 @@ def test_running_model_executes_what_hardware_flops_count(chunk_rows: int) -> No
     from launcher.config import load_run_config
     from model.gpt import GPT
 
-    cfg = load_run_config(None, [
-        "model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64",
-        "model.vocab_size=500", "model.dropout=0.0", "data.mixture=natural",
-    ]).model
+    cfg = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.d_model=64",
+            "model.n_heads=4",
+            "model.seq_len=64",
+            "model.vocab_size=500",
+            "model.dropout=0.0",
+            "data.mixture=natural",
+        ],
+    ).model
     torch.manual_seed(0)
     model = GPT(cfg, init_seed=0).train()
     V = cfg.padded_vocab_size()  # 512: the head multiplies by every row

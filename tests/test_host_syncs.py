@@ -21,7 +21,9 @@ import pytest
 
 from tests.multirank import run_ranks
 
-_REPO_PREFIX = str(__import__('pathlib').Path(__file__).resolve().parents[1]) + '/'  # frames shown repo-relative
+_REPO_PREFIX = (
+    str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+)  # frames shown repo-relative
 
 # (file, function) of the reads allowed inside a step, each with why it stays; the project's own two are also counted
 # exactly (`expected_reads`).
@@ -61,8 +63,12 @@ class count_synchronize:
             import traceback
 
             frames = [f for f in traceback.extract_stack()[:-1] if "/accelerator/" not in f.filename]
-            events.append(" <- ".join(f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:"
-                                      f"{f.lineno} {f.name}" for f in reversed(frames[-3:])))
+            events.append(
+                " <- ".join(
+                    f"{f.filename.split('site-packages/')[-1].split(_REPO_PREFIX)[-1]}:{f.lineno} {f.name}"
+                    for f in reversed(frames[-3:])
+                )
+            )
             return original(acc, *args, **kwargs)
 
         self.cls.synchronize = synchronize
@@ -72,8 +78,9 @@ class count_synchronize:
         self.cls.synchronize = self.original
 
 
-def _steps(rank: int, world: int, tokens: str, kind: str, zero: int, domains: str, precision: str,
-           run_dir: str) -> dict:
+def _steps(
+    rank: int, world: int, tokens: str, kind: str, zero: int, domains: str, precision: str, run_dir: str
+) -> dict:
     """Host reads and accelerator synchronize() calls of two non-logging training steps (after two first ones), each
     with the FFN kind's after-step hook as the loop runs it (CSE: clustered after the first step, then the centre
     update)."""
@@ -86,12 +93,29 @@ def _steps(rank: int, world: int, tokens: str, kind: str, zero: int, domains: st
     if precision == "fp16":
         from deepspeed.accelerator import get_accelerator
 
-        type(get_accelerator()).is_fp16_supported = lambda self: True  # torch's CPU fp16 kernels work on any x86 CPU
-    sets = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
-            f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2", f"data.domains=[{domains}]",
-            f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}", "train.steps=4", "train.micro_batch=2",
-            "train.grad_accum=2", f"parallel.zero_stage={zero}", f"train.precision={precision}",
-            "logging.wandb_mode=disabled", "logging.progress_bar=false", *(_CSE_SETS if kind == "cse" else [])]
+        type(get_accelerator()).is_fp16_supported = lambda self: (
+            True
+        )  # torch's CPU fp16 kernels work on any x86 CPU
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.seq_len=32",
+        f"model.ffn.kind={kind}",
+        f"data.path={tokens}",
+        "data.tokenizer=gpt2",
+        f"data.domains=[{domains}]",
+        f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}",
+        "train.steps=4",
+        "train.micro_batch=2",
+        "train.grad_accum=2",
+        f"parallel.zero_stage={zero}",
+        f"train.precision={precision}",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        *(_CSE_SETS if kind == "cse" else []),
+    ]
     plan = make_plan(load_run_config(None, sets, check=False), world)
     trainer = Trainer.setup(plan, Path(run_dir), resume="never")
     n = len(plan.catalog.train_domains)
@@ -115,8 +139,10 @@ def _steps(rank: int, world: int, tokens: str, kind: str, zero: int, domains: st
 
 def _runs(rank: int, world: int, tokens: str, zero: int, combos: list, run_dir: str) -> list:
     """`_steps` of several (kind, domains, precision) in one pair of processes (one start-up, ~9 s, for all)."""
-    return [(combo, _steps(rank, world, tokens, combo[0], zero, combo[1], combo[2], f"{run_dir}/{i}"))
-            for i, combo in enumerate(combos)]
+    return [
+        (combo, _steps(rank, world, tokens, combo[0], zero, combo[1], combo[2], f"{run_dir}/{i}"))
+        for i, combo in enumerate(combos)
+    ]
 
 
 def _allowed(trace: str) -> bool:
@@ -130,16 +156,30 @@ def _allowed(trace: str) -> bool:
 
 # CSE clusters after the first step (boundary round(0.25 x 4) = 1); eps is chosen for at least two clusters, so that
 # the routed path (several experts, the counts' read) is what runs in the recorded steps.
-_CSE_SETS = ["model.ffn.num_experts=4", "model.ffn.cse.num_samples=16", "model.ffn.cse.dbscan_eps=0.0",
-             "model.ffn.cse.dbscan_auto=target", "model.ffn.cse.min_clusters=2", "model.ffn.cse.dbscan_min_samples=2",
-             "model.ffn.cse.warmup_fraction=0.25"]
+_CSE_SETS = [
+    "model.ffn.num_experts=4",
+    "model.ffn.cse.num_samples=16",
+    "model.ffn.cse.dbscan_eps=0.0",
+    "model.ffn.cse.dbscan_auto=target",
+    "model.ffn.cse.min_clusters=2",
+    "model.ffn.cse.dbscan_min_samples=2",
+    "model.ffn.cse.warmup_fraction=0.25",
+]
 # Every FFN kind at every ZeRO stage, one pair of processes per stage. DEMix runs with one domain per rank (the paper's
 # layout) and with a rank holding two domains (rows routed on the host); ZeRO 0 also in fp16 (DeepSpeed's
 # FP16_UnfusedOptimizer, whose overflow test parallel/overflow.py replaces).
-_KINDS = [("dense", "cooking,sailing"), ("demix", "cooking,sailing"), ("demix", "cooking,sailing,finance"),
-          ("gshard", "cooking,sailing"), ("cse", "cooking,sailing")]
-_BY_STAGE = {0: [(k, d, "fp32") for k, d in _KINDS] + [(k, d, "fp16") for k, d in _KINDS],
-             1: [(k, d, "fp32") for k, d in _KINDS], 2: [(k, d, "fp32") for k, d in _KINDS]}
+_KINDS = [
+    ("dense", "cooking,sailing"),
+    ("demix", "cooking,sailing"),
+    ("demix", "cooking,sailing,finance"),
+    ("gshard", "cooking,sailing"),
+    ("cse", "cooking,sailing"),
+]
+_BY_STAGE = {
+    0: [(k, d, "fp32") for k, d in _KINDS] + [(k, d, "fp16") for k, d in _KINDS],
+    1: [(k, d, "fp32") for k, d in _KINDS],
+    2: [(k, d, "fp32") for k, d in _KINDS],
+}
 _STEPS, _MICRO = 2, 2  # recorded optimizer steps, micro-batches per step
 
 
@@ -147,8 +187,12 @@ def expected_reads(precision: str, zero: int, clusters: list) -> Counter:
     """How often each ALLOWED read of the project's own code must happen in the recorded steps: the fp16 overflow
     decision once per optimizer step (ZeRO 0), a clustered CSE layer's counts once per layer with K >= 2 and
     micro-batch."""
-    return Counter({("parallel/overflow.py", "overflowed"): _STEPS if (precision, zero) == ("fp16", 0) else 0,
-                    ("model/cse.py", "routed_counts"): _STEPS * _MICRO * sum(k >= 2 for k in clusters)})
+    return Counter(
+        {
+            ("parallel/overflow.py", "overflowed"): _STEPS if (precision, zero) == ("fp16", 0) else 0,
+            ("model/cse.py", "routed_counts"): _STEPS * _MICRO * sum(k >= 2 for k in clusters),
+        }
+    )
 
 
 def _project_read(trace: str) -> tuple:
@@ -160,8 +204,10 @@ def _project_read(trace: str) -> tuple:
 
 def step_problems(where: str, got: dict, precision: str, zero: int) -> list[str]:
     """What is wrong with one run's recorded reads and synchronize() calls (`_steps`' result)."""
-    problems = [f"{where}: {n} x {w} at {t}"
-                for (w, t), n in Counter((w, t) for w, t in got["reads"] if not _allowed(t)).items()]
+    problems = [
+        f"{where}: {n} x {w} at {t}"
+        for (w, t), n in Counter((w, t) for w, t in got["reads"] if not _allowed(t)).items()
+    ]
     problems += [f"{where}: {n} x synchronize() at {t}" for t, n in Counter(got["syncs"]).items()]
     counted = Counter(k for k in (_project_read(t) for _, t in got["reads"]) if k)
     for key, n in expected_reads(precision, zero, got["clusters"]).items():
@@ -174,7 +220,9 @@ def step_problems(where: str, got: dict, precision: str, zero: int) -> list[str]
 def test_a_training_step_reads_nothing_back_and_never_synchronises(tiny_tokens, zero):
     """Neither a host read of a device tensor nor the accelerator's synchronize() outside a logging step, except the
     ALLOWED reads, and those of the project's code exactly as often as `expected_reads` says."""
-    results = run_ranks(_runs, 2, args=(str(tiny_tokens), zero, _BY_STAGE[zero], tempfile.mkdtemp()), device_strict=True)
+    results = run_ranks(
+        _runs, 2, args=(str(tiny_tokens), zero, _BY_STAGE[zero], tempfile.mkdtemp()), device_strict=True
+    )
     problems = []
     for rank, runs in enumerate(results):
         for (kind, domains, precision), got in runs:
@@ -192,12 +240,17 @@ def test_the_check_fails_on_planted_reads():
     counts = ("tolist", "model/cse.py:192 routed_counts <- model/cse.py:177 forward")
     exact = {"reads": [overflow] * 2 + [counts] * 4, "syncs": [], "clusters": [3, 1]}
     assert step_problems("x", exact, "fp16", 0) == []
-    planted = {"reads": [overflow] * 2 + [counts] * 8 + [("item", "launcher/train.py:1 train_step")],
-               "syncs": ["deepspeed/runtime/engine.py:1 forward"], "clusters": [3, 1]}
+    planted = {
+        "reads": [overflow] * 2 + [counts] * 8 + [("item", "launcher/train.py:1 train_step")],
+        "syncs": ["deepspeed/runtime/engine.py:1 forward"],
+        "clusters": [3, 1],
+    }
     got = step_problems("x", planted, "fp16", 0)
     assert len(got) == 3 and "item at launcher/train.py" in got[0] and "synchronize()" in got[1]
     assert got[2] == "x: 8 reads at model/cse.py routed_counts, expected 4"
-    assert step_problems("x", exact, "fp32", 0) == ["x: 2 reads at parallel/overflow.py overflowed, expected 0"]
+    assert step_problems("x", exact, "fp32", 0) == [
+        "x: 2 reads at parallel/overflow.py overflowed, expected 0"
+    ]
 
 
 def _probe(rank: int, world: int) -> list:
@@ -207,7 +260,12 @@ def _probe(rank: int, world: int) -> list:
 
     x = torch.ones(3, device=torch.device("cpu"))  # a device tensor (device named)
     with record_host_reads() as reads:
-        x.sum().item(), bool(x.any()), x.to("cpu"), torch.zeros(2).tolist()  # the last one is host: not a read
+        (
+            x.sum().item(),
+            bool(x.any()),
+            x.to("cpu"),
+            torch.zeros(2).tolist(),
+        )  # the last one is host: not a read
     return [w for w, _ in reads]
 
 
@@ -244,10 +302,16 @@ def test_the_generated_config_turns_deepspeeds_synchronising_timers_off():
 
     for zero in (0, 1, 2):
         for precision in ("fp32", "bf16", "fp16"):
-            cfg = load_run_config(None, [f"parallel.zero_stage={zero}", f"train.precision={precision}"], check=False)
+            cfg = load_run_config(
+                None, [f"parallel.zero_stage={zero}", f"train.precision={precision}"], check=False
+            )
             ds = deepspeed_config(cfg.train, cfg.parallel)
-            parsed = DeepSpeedConfig(dict(ds, train_batch_size=ds["train_micro_batch_size_per_gpu"]
-                                          * ds["gradient_accumulation_steps"]))
+            parsed = DeepSpeedConfig(
+                dict(
+                    ds,
+                    train_batch_size=ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"],
+                )
+            )
             assert not parsed.timers_config.enabled and not parsed.timers_config.synchronized
             assert not parsed.wall_clock_breakdown
     problems = extra_deepspeed_problems({"timers": {"throughput": {"enabled": True}}})
@@ -266,7 +330,12 @@ def test_batch_copies_on_cpu_are_the_plain_copies_they_were(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", no_pinning)
     cpu = torch.device("cpu")
-    for t in (torch.randint(0, 50257, (2, 32)), torch.ones(2, 32), torch.tensor([0, 2]), torch.arange(6).view(2, 3).t()):
+    for t in (
+        torch.randint(0, 50257, (2, 32)),
+        torch.ones(2, 32),
+        torch.tensor([0, 2]),
+        torch.arange(6).view(2, 3).t(),
+    ):
         got = to_device(t, cpu)
         assert got.dtype == t.dtype and got.stride() == t.stride() and torch.equal(got, t)
         assert got.data_ptr() == t.to(cpu).data_ptr()  # no copy at all, as before
@@ -300,8 +369,15 @@ def test_adamw_is_fused_on_cuda_and_unchanged_elsewhere():
     torch.manual_seed(0)
     ref = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
     fused = [p.detach().clone().requires_grad_() for p in ref]
-    opts = [torch.optim.AdamW([{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}], **o)
-            for ps, o in ((ref, adamw_options(t, "cpu")), (fused, dict(adamw_options(t, "cuda")) | {"fused": True}))]
+    opts = [
+        torch.optim.AdamW(
+            [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}], **o
+        )
+        for ps, o in (
+            (ref, adamw_options(t, "cpu")),
+            (fused, dict(adamw_options(t, "cuda")) | {"fused": True}),
+        )
+    ]
     for step in range(3):
         for ps, opt in zip((ref, fused), opts):
             g = torch.Generator().manual_seed(step)

@@ -32,8 +32,13 @@ def _write_messy(path):
 
 FIELDS = dict(text_field="txt", domain_field="dom", id_field="doc", domains=["news", "code", "biomed"])
 EXPECTED = {
-    2: "invalid_json", 4: "missing_text", 5: "empty_text", 6: "non_utf8", 9: "unknown_domain",
-    10: "not_an_object", 11: "non_utf8",
+    2: "invalid_json",
+    4: "missing_text",
+    5: "empty_text",
+    6: "non_utf8",
+    9: "unknown_domain",
+    10: "not_an_object",
+    11: "non_utf8",
 }
 
 
@@ -61,7 +66,12 @@ def test_skip_keeps_every_valid_document_and_records_counts(tmp_path):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["problems"]["total"] == len(EXPECTED)
     assert manifest["problems"]["counts"] == {
-        "empty_text": 1, "invalid_json": 1, "missing_text": 1, "non_utf8": 2, "not_an_object": 1, "unknown_domain": 1,
+        "empty_text": 1,
+        "invalid_json": 1,
+        "missing_text": 1,
+        "non_utf8": 2,
+        "not_an_object": 1,
+        "unknown_domain": 1,
     }
     assert any(":6: non_utf8" in p for p in manifest["problems"]["first"])
 
@@ -72,7 +82,9 @@ def test_fail_raises_one_error_listing_file_and_line_and_writes_nothing(tmp_path
     with pytest.raises(CorpusError) as e:
         ingest(src, tmp_path / "out", on_error="fail", max_report=3, **FIELDS)
     msg = str(e.value)
-    assert f"{src}:2: invalid_json" in msg and f"{src}:4: missing_text" in msg and f"{src}:5: empty_text" in msg
+    assert (
+        f"{src}:2: invalid_json" in msg and f"{src}:4: missing_text" in msg and f"{src}:5: empty_text" in msg
+    )
     assert "7 bad line(s)" in msg and "and 4 more" in msg
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.jsonl"))
 
@@ -105,8 +117,13 @@ def test_domain_names_that_would_escape_or_break_the_output_are_problems(tmp_pat
     from data.ingest import ingest
 
     src = tmp_path / "in.jsonl"
-    rows = [{"text": "fine", "domain": "news"}, {"text": "t", "domain": "../escape"}, {"text": "t", "domain": "a/b"},
-            {"text": "t", "domain": ".hidden"}, {"text": "t", "domain": "x" * 65}]
+    rows = [
+        {"text": "fine", "domain": "news"},
+        {"text": "t", "domain": "../escape"},
+        {"text": "t", "domain": "a/b"},
+        {"text": "t", "domain": ".hidden"},
+        {"text": "t", "domain": "x" * 65},
+    ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = ingest(src, tmp_path / "out")
     assert report.documents == {"news": 1}
@@ -121,15 +138,24 @@ def test_ingest_is_a_cli(tmp_path):
 
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "hello", "domain": "news"}) + "\n" + "not json\n")
-    ok = subprocess.run([sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "out")],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and json.loads(ok.stdout)["documents"] == {"news": 1}
-    bad = subprocess.run([sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "o2"),
-                          "--on-error", "fail"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "data.ingest", str(src), "--out", str(tmp_path / "o2"), "--on-error", "fail"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "invalid_json" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "o2").exists()
-    missing = subprocess.run([sys.executable, "-m", "data.ingest", str(tmp_path / "nope"), "--out", str(tmp_path / "o3")],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "data.ingest", str(tmp_path / "nope"), "--out", str(tmp_path / "o3")],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 2 and "no such file or directory" in missing.stderr
 
 
@@ -137,8 +163,14 @@ def test_a_domain_that_is_not_a_string_is_a_problem_not_a_domain(tmp_path):
     """`"domain": true` would have become a domain named "True" (issue 30, class 5); numbers, lists and objects
     likewise: each is reported with file:line and nothing of it is written."""
     src = tmp_path / "in.jsonl"
-    rows = [{"text": "fine", "domain": "news"}, {"text": "t", "domain": True}, {"text": "t", "domain": 3},
-            {"text": "t", "domain": ["a"]}, {"text": "t", "domain": {"a": 1}}, {"text": "t", "domain": False}]
+    rows = [
+        {"text": "fine", "domain": "news"},
+        {"text": "t", "domain": True},
+        {"text": "t", "domain": 3},
+        {"text": "t", "domain": ["a"]},
+        {"text": "t", "domain": {"a": 1}},
+        {"text": "t", "domain": False},
+    ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = ingest(src, tmp_path / "out")
     assert report.documents == {"news": 1}
@@ -154,7 +186,12 @@ def test_a_second_ingest_into_the_same_folder_leaves_only_what_its_manifest_list
     first.write_text("".join(json.dumps(r) + "\n" for r in GOOD))
     second.write_text(json.dumps(GOOD[0]) + "\n")
     ingest(first, out, **FIELDS)
-    assert sorted(p.name for p in out.iterdir()) == ["biomed.jsonl", "code.jsonl", "manifest.json", "news.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "biomed.jsonl",
+        "code.jsonl",
+        "manifest.json",
+        "news.jsonl",
+    ]
     ingest(second, out, **FIELDS)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "news.jsonl"]
     assert list(json.loads((out / "manifest.json").read_text())["domains"]) == ["news"]
@@ -169,4 +206,6 @@ def test_unreadable_domain_folders_and_files_are_problems_not_silence(tmp_path):
     report = ingest(root, tmp_path / "out", on_error="skip")
     assert report.documents == {"news": 1}
     assert dict(report.problems.counts) == {"unreadable_domain": 1, "unreadable_file": 1}
-    assert "dangling symbolic link" in str(report.problems.first[0]) or "dangling symbolic link" in str(report.problems.first[1])
+    assert "dangling symbolic link" in str(report.problems.first[0]) or "dangling symbolic link" in str(
+        report.problems.first[1]
+    )

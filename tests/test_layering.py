@@ -28,7 +28,11 @@ FORBIDDEN = {
 
 
 def _modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+    }
 
 
 def _imports(path: Path) -> set[str]:
@@ -100,7 +104,9 @@ def test_no_upward_imports() -> None:
 
 def test_parallel_never_takes_the_run_config() -> None:
     """parallel/ works on model/parallel/train configs and ready objects; the run config is the launcher's."""
-    users = [str(p.relative_to(ROOT)) for p in (ROOT / "parallel").rglob("*.py") if "RunConfig" in p.read_text()]
+    users = [
+        str(p.relative_to(ROOT)) for p in (ROOT / "parallel").rglob("*.py") if "RunConfig" in p.read_text()
+    ]
     assert not users, f"parallel/ modules that mention RunConfig: {users}"
 
 
@@ -115,8 +121,12 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path: Path) -> None:
 def test_only_the_strategy_registry_branches_on_the_ffn_kind() -> None:
     """launcher/ and parallel/ ask launcher/ffn_kinds.py; a new FFN kind touches one file there."""
     pattern = re.compile(r"kind (==|!=|in)\b|kind not in\b")
-    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-            for folder in ("launcher", "parallel") for p in sorted((ROOT / folder).rglob("*.py"))
-            if p.name != "ffn_kinds.py"
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for folder in ("launcher", "parallel")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if p.name != "ffn_kinds.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, "branches on the FFN kind outside launcher/ffn_kinds.py:\n" + "\n".join(hits)

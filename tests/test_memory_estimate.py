@@ -9,8 +9,14 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
-from parallel.memory import (estimate_activations, measure_peak, rank_batch, rank_domain_ids, trace_peak,
-                             with_training_layers)
+from parallel.memory import (
+    estimate_activations,
+    measure_peak,
+    rank_batch,
+    rank_domain_ids,
+    trace_peak,
+    with_training_layers,
+)
 
 KINDS = {
     "dense": ({"kind": "dense"}, None),
@@ -24,8 +30,19 @@ def _cfg(kind: str) -> ModelConfig:
 
     ffn = KINDS[kind][0]
     sets = [f"model.ffn.{k}={v}" for k, v in ffn.items()]
-    return load_run_config(None, ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
-                                  "model.seq_len=128", "model.vocab_size=512", "model.dropout=0.0", *sets]).model
+    return load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=2",
+            "model.d_model=64",
+            "model.n_heads=4",
+            "model.seq_len=128",
+            "model.vocab_size=512",
+            "model.dropout=0.0",
+            *sets,
+        ],
+    ).model
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
@@ -76,8 +93,11 @@ def test_gshard_traced_with_the_layer_training_runs():
     from deepspeed.moe import sharded_moe
 
     assert sharded_moe.gumbel_map  # the trace sampled the second expert (policy 'sampling')
-    assert not any(isinstance(t, FakeTensor) for f in sharded_moe.gumbel_map.values()
-                   for t in (f.__self__.loc, f.__self__.scale))
+    assert not any(
+        isinstance(t, FakeTensor)
+        for f in sharded_moe.gumbel_map.values()
+        for t in (f.__self__.loc, f.__self__.scale)
+    )
 
 
 @pytest.mark.slow  # end to end: four dry runs and their MemTracker measurements (~20 s of CPU)
@@ -99,7 +119,9 @@ def test_memory_estimate_benchmark_tiny_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "memory_estimate.md"
     assert bench.main(["--tiny", "--out", str(out)]) == 0
     rows, states = seen["rows"], seen["states"]
-    assert {(r["layout"], r["recompute"]) for r in rows} == {(l.label, c) for l in bench.LAYOUTS for c in (False, True)}
+    assert {(r["layout"], r["recompute"]) for r in rows} == {
+        (l.label, c) for l in bench.LAYOUTS for c in (False, True)
+    }
     assert {r["method"] for r in rows} == {"traced"} and bench.check(rows) == []
     assert all(r["estimate_s"] > 0 for r in rows)
     for s in states:
@@ -116,19 +138,33 @@ def test_memory_estimate_benchmark_tiny_end_to_end(tmp_path, monkeypatch):
     assert bench.check([dict(rows[2], est_act=rows[2]["mt_act"] * 1.05)]) == []  # inside the tolerance
 
 
-@pytest.mark.parametrize("kind,sets,experts", [
-    ("dense", [], None),
-    ("demix", ["model.ffn.num_experts=4"], (1, 2)),
-    ("gshard", ["model.ffn.num_experts=4", "model.ffn.gshard.moe_every=2"], (0, 1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "kind,sets,experts",
+    [
+        ("dense", [], None),
+        ("demix", ["model.ffn.num_experts=4"], (1, 2)),
+        ("gshard", ["model.ffn.num_experts=4", "model.ffn.gshard.moe_every=2"], (0, 1, 2, 3)),
+    ],
+)
 def test_a_deep_model_traced_shallow_and_extrapolated_equals_the_whole_trace(kind, sets, experts):
     """The dry run traces 2 and 4 groups of blocks and extrapolates over the depth: equal to tracing all 12 layers
     (both recompute modes; bf16 parameters, and fp32 under bf16 autocast as ZeRO 0 runs), within 0.01 %."""
     from launcher.config import load_run_config
     from parallel.memory import _cached_traces, trace_peaks, traced_depths
 
-    m = load_run_config(None, ["model.preset=tiny", "model.n_layers=12", "model.d_model=64", "model.n_heads=4",
-                               "model.seq_len=128", "model.vocab_size=512", f"model.ffn.kind={kind}", *sets]).model
+    m = load_run_config(
+        None,
+        [
+            "model.preset=tiny",
+            "model.n_layers=12",
+            "model.d_model=64",
+            "model.n_heads=4",
+            "model.seq_len=128",
+            "model.vocab_size=512",
+            f"model.ffn.kind={kind}",
+            *sets,
+        ],
+    ).model
     assert traced_depths(m) is not None and traced_depths(m)[1] < m.n_layers
     for dtypes in ((torch.bfloat16, None), (torch.float32, torch.bfloat16)):
         whole = {r: t["activations"] for r, t in trace_peaks(m, 4, experts, (False, True), *dtypes).items()}
@@ -147,12 +183,16 @@ def test_extrapolation_follows_the_peak_from_the_backward_to_the_forward():
     from launcher.config import load_run_config
     from parallel.memory import _cached_traces, trace_peaks
 
-    m = load_run_config(None, ["model.preset=gpt3-small", "model.ffn.kind=demix", "model.seq_len=256",
-                               "model.ffn.num_experts=4"]).model
+    m = load_run_config(
+        None,
+        ["model.preset=gpt3-small", "model.ffn.kind=demix", "model.seq_len=256", "model.ffn.num_experts=4"],
+    ).model
     dtypes = (torch.float32, torch.bfloat16)
     shallow = {L: trace_peaks(replace(m, n_layers=L), 2, (1, 2), (True,), *dtypes)[True] for L in (2, 4)}
     whole = trace_peaks(m, 2, (1, 2), (True,), *dtypes)[True]
-    assert all(t["backward"] > t["forward"] for t in shallow.values()) and whole["forward"] > whole["backward"]
+    assert (
+        all(t["backward"] > t["forward"] for t in shallow.values()) and whole["forward"] > whole["backward"]
+    )
     one_line = shallow[2]["activations"] + (shallow[4]["activations"] - shallow[2]["activations"]) * 5
     assert one_line < 0.97 * whole["activations"]
     _cached_traces.cache_clear()
@@ -168,5 +208,7 @@ def test_models_whose_blocks_do_not_repeat_are_traced_whole():
 
     assert traced_depths(model("model.n_layers=12", "model.ffn.kind=cse", "model.ffn.num_experts=4")) is None
     assert traced_depths(model("model.n_layers=4")) is None  # shallow already
-    assert traced_depths(model("model.n_layers=9", "model.ffn.kind=gshard", "model.ffn.num_experts=4")) is None
+    assert (
+        traced_depths(model("model.n_layers=9", "model.ffn.kind=gshard", "model.ffn.num_experts=4")) is None
+    )
     assert traced_depths(model("model.n_layers=24")) == (2, 4)

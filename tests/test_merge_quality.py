@@ -39,23 +39,46 @@ def test_equal_experts_merge_exactly(branched, dense, tiny_tokens):
 def test_independent_experts_end_to_end(random_checkpoint, tiny_tokens, tmp_path, capsys):
     ckpt = random_checkpoint(tmp_path / "demix", "demix", seed=5)
     record = tmp_path / "out" / "merge_quality.md"
-    assert main([str(ckpt), "--data", str(tiny_tokens), "--max-blocks", str(BLOCKS), "--cached-blocks",
-                 str(DEV_BLOCKS), "--record", str(record)]) == 0
+    assert (
+        main(
+            [
+                str(ckpt),
+                "--data",
+                str(tiny_tokens),
+                "--max-blocks",
+                str(BLOCKS),
+                "--cached-blocks",
+                str(DEV_BLOCKS),
+                "--record",
+                str(record),
+            ]
+        )
+        == 0
+    )
     md, rep = record.read_text(), json.loads(record.with_suffix(".json").read_text())
     assert "| domain | role | mixture ppl |" in md and "uptime" in md and "avg train" in md
     (res,) = rep["checkpoints"]
     # independent random fc1 matrices: ||mean|| / mean ||W|| ~ 1/sqrt(3)
-    assert all(abs(v - 3 ** -0.5) < 0.05 for v in res["coherence"].values())
+    assert all(abs(v - 3**-0.5) < 0.05 for v in res["coherence"].values())
     c = load_consolidated(ckpt)
-    ev = evaluate_checkpoint(c, tiny_tokens, max_blocks=BLOCKS, cached_blocks=DEV_BLOCKS, modes=["cached"],
-                             unigram=False, progress=False)
+    ev = evaluate_checkpoint(
+        c,
+        tiny_tokens,
+        max_blocks=BLOCKS,
+        cached_blocks=DEV_BLOCKS,
+        modes=["cached"],
+        unigram=False,
+        progress=False,
+    )
     for dom, r in res["domains"].items():
         assert r["ppl"]["mixture"] == pytest.approx(ev["domains"][dom]["ppl"]["cached"], rel=1e-12)
         prior = merge_weights_from_data(c, dom, str(tiny_tokens), "gpt2", DEV_BLOCKS)
         assert prior.domains == c.domains
         assert [r["weights"][d] for d in c.domains] == pytest.approx(prior.probs, abs=1e-9)
         assert r["top1_expert"] == max(c.domains, key=r["weights"].__getitem__)
-        assert r["ppl"]["top1"] == pytest.approx(ev["domains"][dom]["expert_ppl"][r["top1_expert"]], rel=1e-12)
+        assert r["ppl"]["top1"] == pytest.approx(
+            ev["domains"][dom]["expert_ppl"][r["top1_expert"]], rel=1e-12
+        )
         assert all(math.isfinite(v) and v > 1 for v in r["ppl"].values())
 
 

@@ -44,9 +44,15 @@ class OnMeta(torch.Tensor):
 
     @staticmethod
     def __new__(cls, values: torch.Tensor) -> "OnMeta":
-        return torch.Tensor._make_wrapper_subclass(cls, values.shape, strides=values.stride(), dtype=values.dtype,
-                                                   storage_offset=values.storage_offset(), device=META,
-                                                   requires_grad=values.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            values.shape,
+            strides=values.stride(),
+            dtype=values.dtype,
+            storage_offset=values.storage_offset(),
+            device=META,
+            requires_grad=values.requires_grad,
+        )
 
     def __init__(self, values: torch.Tensor) -> None:
         self._values = values
@@ -101,8 +107,10 @@ def _dispatch(func, args: tuple, kwargs: Optional[dict]) -> Any:
     if any(t.is_meta for t in host):
         raise RuntimeError(f"{func} got a plain meta tensor (no values): made outside simulated_meta()?")
     if on_device and host and func not in _CROSSING:
-        raise RuntimeError(f"Tensor on device cpu is not on the expected device meta! ({func} with a host tensor of "
-                           f"shape {tuple(host[0].shape)})")
+        raise RuntimeError(
+            f"Tensor on device cpu is not on the expected device meta! ({func} with a host tensor of "
+            f"shape {tuple(host[0].shape)})"
+        )
     device = kwargs.get("device")
     if device is not None:
         kwargs = {**kwargs, "device": torch.device("cpu")}
@@ -129,7 +137,11 @@ class _FromData(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if func in (torch.tensor, torch.as_tensor) and device is not None and torch.device(device).type == "meta":
+        if (
+            func in (torch.tensor, torch.as_tensor)
+            and device is not None
+            and torch.device(device).type == "meta"
+        ):
             requires_grad = kwargs.pop("requires_grad", False)
             return func(*args, **{**kwargs, "device": "cpu"}).to(META).requires_grad_(requires_grad)
         return func(*args, **kwargs)
@@ -144,11 +156,15 @@ def simulated_meta() -> Iterator[None]:
 
 def to_simulated_meta(module: nn.Module) -> nn.Module:
     """Move every parameter and buffer of `module` onto the simulated device, in place."""
-    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, moved): shared tensors stay shared
+    moved: dict[
+        int, tuple[torch.Tensor, torch.Tensor]
+    ] = {}  # id -> (original, moved): shared tensors stay shared
     with simulated_meta():
         for m in module.modules():
-            for table, move in ((m._parameters, lambda p: nn.Parameter(p.detach().to(META), p.requires_grad)),
-                                (m._buffers, lambda b: b.to(META))):
+            for table, move in (
+                (m._parameters, lambda p: nn.Parameter(p.detach().to(META), p.requires_grad)),
+                (m._buffers, lambda b: b.to(META)),
+            ):
                 for name, t in table.items():
                     if t is not None:
                         if id(t) not in moved:
@@ -159,7 +175,9 @@ def to_simulated_meta(module: nn.Module) -> nn.Module:
 
 def values(t: torch.Tensor) -> torch.Tensor:
     """The CPU values of a simulated-device tensor."""
-    assert isinstance(t, OnMeta) and t.device == META, f"expected a device tensor, got {type(t).__name__} on {t.device}"
+    assert isinstance(t, OnMeta) and t.device == META, (
+        f"expected a device tensor, got {type(t).__name__} on {t.device}"
+    )
     return t._values
 
 
@@ -186,12 +204,16 @@ class _HostInBackward(torch.autograd.Function):
         return g * torch.full(g.shape, 2.0)
 
 
-@pytest.mark.parametrize("planted", [
-    lambda x: _HostConstant()(x),
-    lambda x: x * torch.rand(x.shape),
-    lambda x: x + torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(x.shape),
-    lambda x: torch.cat([x, torch.zeros(1, x.shape[1])]),
-], ids=["host-scalar", "host-rand", "host-distribution", "host-cat"])
+@pytest.mark.parametrize(
+    "planted",
+    [
+        lambda x: _HostConstant()(x),
+        lambda x: x * torch.rand(x.shape),
+        lambda x: x + torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(x.shape),
+        lambda x: torch.cat([x, torch.zeros(1, x.shape[1])]),
+    ],
+    ids=["host-scalar", "host-rand", "host-distribution", "host-cat"],
+)
 def test_harness_catches_a_host_tensor_in_forward(planted: Callable[[torch.Tensor], torch.Tensor]) -> None:
     with simulated_meta():
         x = torch.randn(2, 3).to(META)
@@ -228,10 +250,21 @@ B, T, V, D = 3, 8, 64, 16
 
 
 def _cfg(kind: str, num_experts: int = 0, **gshard: Any) -> ModelConfig:
-    return ModelConfig(n_layers=2, d_model=D, n_heads=2, seq_len=T, vocab_size=V, make_vocab_size_divisible_by=8,
-                       dropout=0.1, ffn=FFNConfig(kind=kind, num_experts=num_experts,
-                                                  gshard=GShardConfig(moe_every=1, min_capacity=1, **gshard),
-                                                  cse=CSEConfig(last_layers=1, projection_dim=4, max_clusters=3)))
+    return ModelConfig(
+        n_layers=2,
+        d_model=D,
+        n_heads=2,
+        seq_len=T,
+        vocab_size=V,
+        make_vocab_size_divisible_by=8,
+        dropout=0.1,
+        ffn=FFNConfig(
+            kind=kind,
+            num_experts=num_experts,
+            gshard=GShardConfig(moe_every=1, min_capacity=1, **gshard),
+            cse=CSEConfig(last_layers=1, projection_dim=4, max_clusters=3),
+        ),
+    )
 
 
 # name -> (config, expert ids held, routing ids per sequence (None: none passed), routing ids on the device, clusters)
@@ -240,10 +273,17 @@ CASES: dict[str, tuple[ModelConfig, Optional[list[int]], Optional[list[int]], bo
     "demix": (_cfg("demix", 3), None, [0, 2, 0], False, 0),  # ids on the host, as the trainer passes them
     "demix-device-ids": (_cfg("demix", 3), None, [2, 1, 2], True, 0),  # single-process evaluation
     "demix-one-expert": (_cfg("demix", 3), [1], [1, 1, 1], False, 0),  # a rank holding one domain's expert
-    **{f"gshard-top2-{p}": (_cfg("gshard", 3, second_expert_policy=p), None, None, False, 0)
-       for p in SECOND_EXPERT_POLICIES},
-    "gshard-top2-capacity-drops": (_cfg("gshard", 4, capacity_factor=0.5, eval_capacity_factor=0.5), None, None,
-                                   False, 0),
+    **{
+        f"gshard-top2-{p}": (_cfg("gshard", 3, second_expert_policy=p), None, None, False, 0)
+        for p in SECOND_EXPERT_POLICIES
+    },
+    "gshard-top2-capacity-drops": (
+        _cfg("gshard", 4, capacity_factor=0.5, eval_capacity_factor=0.5),
+        None,
+        None,
+        False,
+        0,
+    ),
     "gshard-top1": (_cfg("gshard", 3, top_k=1), None, None, False, 0),
     "gshard-one-expert": (_cfg("gshard", 1), None, None, False, 0),
     "cse-warmup": (_cfg("cse"), None, None, False, 0),  # before clustering: every sequence on expert 0
@@ -265,8 +305,12 @@ def _build(name: str) -> tuple[GPT, dict[str, Any]]:
         layer.set_clusters(seen[0][:clusters], torch.ones(clusters))
     mask = torch.ones(B, T)
     mask[:, 0] = 0.0  # a prepended domain token (+Domain-Token) is not scored
-    batch = {"tokens_BT": tokens, "domain_ids_B": None if ids is None else torch.tensor(ids),
-             "targets_BT": torch.roll(tokens, -1, 1), "loss_mask_BT": mask}
+    batch = {
+        "tokens_BT": tokens,
+        "domain_ids_B": None if ids is None else torch.tensor(ids),
+        "targets_BT": torch.roll(tokens, -1, 1),
+        "loss_mask_BT": mask,
+    }
     return model, batch
 
 
@@ -310,14 +354,20 @@ def test_batched_and_sequential_evaluation_on_the_device(name: str) -> None:
     ref, batch = _build(name)
     ref.eval()
     tokens, targets = batch["tokens_BT"], batch["targets_BT"]
-    want = [expert_log_likelihoods(ref, tokens, targets), sequential_log_likelihoods(ref, tokens, targets),
-            next_token_log_probs(ref, tokens)]
+    want = [
+        expert_log_likelihoods(ref, tokens, targets),
+        sequential_log_likelihoods(ref, tokens, targets),
+        next_token_log_probs(ref, tokens),
+    ]
     model, _ = _build(name)
     to_simulated_meta(model).eval()
     with simulated_meta():
         x, y = tokens.to(META), targets.to(META)
-        got = [expert_log_likelihoods(model, x, y), sequential_log_likelihoods(model, x, y),
-               next_token_log_probs(model, x)]
+        got = [
+            expert_log_likelihoods(model, x, y),
+            sequential_log_likelihoods(model, x, y),
+            next_token_log_probs(model, x),
+        ]
     for g, w in zip(got, want):
         assert torch.allclose(values(g), w, rtol=1e-5, atol=1e-5)
 
@@ -358,7 +408,9 @@ def test_gumbel_noise_is_torch_distributions_draw_on_the_device(dtype: torch.dty
     from model.gshard import gumbel_noise
 
     torch.manual_seed(5)
-    want = torch.distributions.Gumbel(torch.tensor(0.0, dtype=dtype), torch.tensor(1.0, dtype=dtype)).rsample((64, 8))
+    want = torch.distributions.Gumbel(torch.tensor(0.0, dtype=dtype), torch.tensor(1.0, dtype=dtype)).rsample(
+        (64, 8)
+    )
     torch.manual_seed(5)
     got = gumbel_noise(torch.empty(64, 8, dtype=dtype))
     assert got.dtype == dtype and torch.equal(got, want) and bool(torch.isfinite(got).all())
@@ -366,7 +418,9 @@ def test_gumbel_noise_is_torch_distributions_draw_on_the_device(dtype: torch.dty
     assert on_meta.device == META and on_meta.dtype == dtype
 
 
-@pytest.mark.parametrize("name", ["demix", "demix-one-expert", "cse-clustered", "dense", "gshard-top2-sampling"])
+@pytest.mark.parametrize(
+    "name", ["demix", "demix-one-expert", "cse-clustered", "dense", "gshard-top2-sampling"]
+)
 def test_every_ffn_kind_trains_under_bf16_autocast(name: str) -> None:
     """ZeRO 0 with bf16 runs the model under torch.autocast (DeepSpeed's torch_autocast): the layers that scatter
     several experts' rows into one buffer must take the experts' bf16 outputs (they raised "Index put requires the

@@ -8,10 +8,13 @@ import torch
 from model import mixture as mx
 
 # ll[j, b, t] = log p(x_t | x_<t, D = j): 2 experts, 2 blocks, 3 tokens.
-LL = torch.tensor([
-    [[-1.0, -2.0, -1.0], [-3.0, -1.0, -2.0]],
-    [[-2.0, -1.0, -3.0], [-1.0, -1.0, -1.0]],
-], dtype=torch.float64)
+LL = torch.tensor(
+    [
+        [[-1.0, -2.0, -1.0], [-3.0, -1.0, -2.0]],
+        [[-2.0, -1.0, -3.0], [-1.0, -1.0, -1.0]],
+    ],
+    dtype=torch.float64,
+)
 
 
 def _softmax(xs):
@@ -61,7 +64,9 @@ def test_average_baseline_uses_fixed_uniform_weights():
     lp = mx.average_log_probs(LL)
     for b in range(2):
         for t in range(3):
-            assert float(lp[b, t]) == pytest.approx(math.log((math.exp(LL[0, b, t]) + math.exp(LL[1, b, t])) / 2))
+            assert float(lp[b, t]) == pytest.approx(
+                math.log((math.exp(LL[0, b, t]) + math.exp(LL[1, b, t])) / 2)
+            )
     # unlike the uniform-prior posterior mixture, which reweights as the prefix grows
     assert not torch.allclose(lp, mx.posterior_mixture_log_probs(LL, mx.uniform_log_prior(2)))
 
@@ -77,7 +82,7 @@ def test_updating_prior_is_eq9_over_end_of_block_posteriors():
     pi1 = _softmax([-6.0 + math.log(pi0[0]), -3.0 + math.log(pi0[1])])
     assert upd.log_posterior_EB[:, 1].exp().tolist() == pytest.approx(pi1)
     # the next prior ∝ λ π_1 + λ² π_0
-    s = [lam * pi1[j] + lam ** 2 * pi0[j] for j in range(2)]
+    s = [lam * pi1[j] + lam**2 * pi0[j] for j in range(2)]
     assert upd.final_log_prior_E.exp().tolist() == pytest.approx([v / sum(s) for v in s])
     # and the mixture of block 1 uses that block's prior
     lp = mx.posterior_mixture_log_probs(LL, upd.log_prior_EB)
@@ -165,13 +170,17 @@ def test_previous_token_posterior_by_hand():
     mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     prior = torch.log(torch.tensor([0.7, 0.3], dtype=torch.float64))
     post = mx.log_posterior(ll, prior, mask, posterior="previous_token").exp()[:, 0]
-    expect = torch.stack([torch.softmax(prior + e, 0) for e in (torch.zeros(2), ll[:, 0, 0], torch.zeros(2),
-                                                                ll[:, 0, 2])], dim=1)
+    expect = torch.stack(
+        [torch.softmax(prior + e, 0) for e in (torch.zeros(2), ll[:, 0, 0], torch.zeros(2), ll[:, 0, 2])],
+        dim=1,
+    )
     assert torch.allclose(post, expect, atol=1e-12)
     # end of block: the last scored token only (here t = 3); a block with nothing scored gives no evidence
     assert torch.equal(mx.end_of_block_evidence(ll, mask, "previous_token")[:, 0], ll[:, 0, 3])
-    assert torch.equal(mx.end_of_block_evidence(ll, torch.zeros(1, 4), "previous_token"), torch.zeros(2, 1,
-                                                                                                        dtype=torch.float64))
+    assert torch.equal(
+        mx.end_of_block_evidence(ll, torch.zeros(1, 4), "previous_token"),
+        torch.zeros(2, 1, dtype=torch.float64),
+    )
     with pytest.raises(ValueError, match="posterior='last'"):
         mx.log_posterior(ll, prior, mask, posterior="last")
 
@@ -218,8 +227,10 @@ def test_mean_cached_prior_is_softer_than_the_updating_one():
 
 def test_old_cached_prior_files_load_as_updating(tmp_path):
     path = tmp_path / "old.json"
-    path.write_text('{"format": "demix-cached-prior/1", "domains": ["a", "b"], "probs": [0.9, 0.1], "blocks": 100, '
-                    '"decay": 0.3}')
+    path.write_text(
+        '{"format": "demix-cached-prior/1", "domains": ["a", "b"], "probs": [0.9, 0.1], "blocks": 100, '
+        '"decay": 0.3}'
+    )
     old = mx.CachedPrior.load(path)
     assert (old.estimator, old.posterior) == ("updating", "prefix")
     path.write_text(path.read_text()[:-1] + ', "estimator": "mode"}')

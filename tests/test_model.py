@@ -8,8 +8,14 @@ from model.gpt import GPT
 
 
 def _cfg(kind="dense", experts=0, **over):
-    sets = ["model.preset=tiny", "model.n_layers=2", "model.vocab_size=300", "model.seq_len=32", f"model.ffn.kind={kind}",
-            f"model.ffn.num_experts={experts}"] + [f"model.{k}={v}" for k, v in over.items()]
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.vocab_size=300",
+        "model.seq_len=32",
+        f"model.ffn.kind={kind}",
+        f"model.ffn.num_experts={experts}",
+    ] + [f"model.{k}={v}" for k, v in over.items()]
     return load_run_config(None, sets).model
 
 
@@ -44,8 +50,14 @@ def test_demix_routes_each_sequence_to_its_domain_expert():
     for b in range(3):
         # a model holding only the expert of domain d_b gives the same logits for sequence b
         sub = GPT(_cfg("demix", experts=3), expert_ids=[int(d[b])])
-        sub.load_state_dict({k: v for k, v in full.state_dict().items() if ".experts." not in k or f".experts.{int(d[b])}." in k})
-        torch.testing.assert_close(sub(x[b:b + 1], d[b:b + 1]).logits, mixed[b:b + 1])
+        sub.load_state_dict(
+            {
+                k: v
+                for k, v in full.state_dict().items()
+                if ".experts." not in k or f".experts.{int(d[b])}." in k
+            }
+        )
+        torch.testing.assert_close(sub(x[b : b + 1], d[b : b + 1]).logits, mixed[b : b + 1])
     # experts really differ: swapping domains changes the output
     assert not torch.allclose(full(x, torch.tensor([0, 0, 0])).logits, mixed)
 
@@ -82,7 +94,9 @@ def test_loss_mask_excludes_positions():
 
 
 def test_meta_device_build_of_xl_demix_is_instant():
-    cfg = load_run_config(None, ["model.preset=gpt3-xl", "model.ffn.kind=demix", "model.ffn.num_experts=8"]).model
+    cfg = load_run_config(
+        None, ["model.preset=gpt3-xl", "model.ffn.kind=demix", "model.ffn.num_experts=8"]
+    ).model
     with torch.device("meta"):
         m = GPT(cfg, expert_ids=[3])
     assert all(p.is_meta for p in m.parameters())

@@ -40,7 +40,9 @@ def test_evaluation_without_an_expert_is_bit_identical_to_a_model_built_without_
     a = evaluate_checkpoint(path, tiny_tokens, exclude_experts=["sailing"], **SETTINGS)
     b = evaluate_checkpoint(without, tiny_tokens, **SETTINGS)
     assert a["experts"] == b["experts"] == ["cooking", "finance"] and a["excluded_experts"] == ["sailing"]
-    assert a["domains"]["sailing"]["role"] == "novel"  # its expert is gone: the mixture sees it as a new domain
+    assert (
+        a["domains"]["sailing"]["role"] == "novel"
+    )  # its expert is gone: the mixture sees it as a new domain
     for dom in ("cooking", "sailing", "finance"):
         ra, rb = a["domains"][dom], b["domains"][dom]
         assert ra["block_nll"] == rb["block_nll"] and ra["ppl"] == rb["ppl"]  # exact equality, every mode
@@ -54,17 +56,60 @@ def test_export_without_an_expert_is_bit_identical(opted_out, tmp_path):
     from launcher.modular.hf_export import main as export_main
 
     path, without = opted_out
-    assert export_main([str(path), "--merge-weights", "cooking=1,sailing=5,finance=3", "--exclude-experts", "sailing",
-                        "--no-tokenizer", "--out", str(tmp_path / "hf_a")]) == 0
-    assert export_main([str(without), "--merge-weights", "cooking=1,finance=3", "--no-tokenizer",
-                        "--out", str(tmp_path / "hf_b")]) == 0
-    ta, tb = load_file(tmp_path / "hf_a" / "model.safetensors"), load_file(tmp_path / "hf_b" / "model.safetensors")
+    assert (
+        export_main(
+            [
+                str(path),
+                "--merge-weights",
+                "cooking=1,sailing=5,finance=3",
+                "--exclude-experts",
+                "sailing",
+                "--no-tokenizer",
+                "--out",
+                str(tmp_path / "hf_a"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        export_main(
+            [
+                str(without),
+                "--merge-weights",
+                "cooking=1,finance=3",
+                "--no-tokenizer",
+                "--out",
+                str(tmp_path / "hf_b"),
+            ]
+        )
+        == 0
+    )
+    ta, tb = (
+        load_file(tmp_path / "hf_a" / "model.safetensors"),
+        load_file(tmp_path / "hf_b" / "model.safetensors"),
+    )
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     rec = json.loads((tmp_path / "hf_a" / "demix_export.json").read_text())
-    assert rec["excluded_experts"] == ["sailing"] and rec["merge_weights"] == {"cooking": 0.25, "finance": 0.75}
+    assert rec["excluded_experts"] == ["sailing"] and rec["merge_weights"] == {
+        "cooking": 0.25,
+        "finance": 0.75,
+    }
     assert "opted out" in (tmp_path / "hf_a" / "README.md").read_text()
-    assert export_main([str(path), "--domain", "sailing", "--exclude-experts", "sailing", "--no-tokenizer",
-                        "--out", str(tmp_path / "hf_c")]) == 2  # an excluded expert cannot be exported
+    assert (
+        export_main(
+            [
+                str(path),
+                "--domain",
+                "sailing",
+                "--exclude-experts",
+                "sailing",
+                "--no-tokenizer",
+                "--out",
+                str(tmp_path / "hf_c"),
+            ]
+        )
+        == 2
+    )  # an excluded expert cannot be exported
 
 
 def test_opt_out_errors_are_clear(tmp_path, random_checkpoint, tiny_tokens, capsys):

@@ -16,16 +16,24 @@ from data.blocks import SPLITS, open_indexed
 
 REPO = Path(__file__).resolve().parents[1]
 
-PROSE = ["The river rose after three days of rain and the ferry stopped running.",
-         "Bread needs flour, water, salt and time; the rest is patience.",
-         "She wrote to the council about the broken street lamps on Elm Road.",
-         "A good map shows what you need and leaves out what you do not."]
-CODE = ["@property\ndef name(self):\n    # maintainer: dev@example.org\n    return self._name\n",
-        "my @items = sort { $a <=> $b } @numbers;\nprint join(', ', @items), \"\\n\";\n",
-        "for i in range(10):\n    if i % 2:\n        print(i, end=' ')\n",
-        "@dataclass\nclass Point:\n    x: float\n    y: float\n"]
-FORTUNES = ["You will meet a tall stranger who knows the answer.", "Today is a good day to finish what you started.",
-            "A watched pot never boils, but an unwatched one boils over.", "Fortune favours the prepared corpus."]
+PROSE = [
+    "The river rose after three days of rain and the ferry stopped running.",
+    "Bread needs flour, water, salt and time; the rest is patience.",
+    "She wrote to the council about the broken street lamps on Elm Road.",
+    "A good map shows what you need and leaves out what you do not.",
+]
+CODE = [
+    "@property\ndef name(self):\n    # maintainer: dev@example.org\n    return self._name\n",
+    "my @items = sort { $a <=> $b } @numbers;\nprint join(', ', @items), \"\\n\";\n",
+    "for i in range(10):\n    if i % 2:\n        print(i, end=' ')\n",
+    "@dataclass\nclass Point:\n    x: float\n    y: float\n",
+]
+FORTUNES = [
+    "You will meet a tall stranger who knows the answer.",
+    "Today is a good day to finish what you started.",
+    "A watched pot never boils, but an unwatched one boils over.",
+    "Fortune favours the prepared corpus.",
+]
 
 
 def _source(root: Path) -> Path:
@@ -41,7 +49,9 @@ def _source(root: Path) -> Path:
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
     assert p.returncode == 0, f"{args[0]} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     return p
 
@@ -51,8 +61,24 @@ def test_own_corpus_ingest_prepare_launch_evaluate_report(tmp_path):
     work.mkdir()
     src = _source(tmp_path)
     _run(["data.ingest", str(src), "--out", "corpus", "--novel", "fortunes"], work)
-    p = _run(["data.prepare", "--corpus", "corpus", "--out", "tokens", "--tokenizer", "gpt2", "--workers", "1",
-              "--valid-fraction", "0.1", "--test-fraction", "0.2"], work)
+    p = _run(
+        [
+            "data.prepare",
+            "--corpus",
+            "corpus",
+            "--out",
+            "tokens",
+            "--tokenizer",
+            "gpt2",
+            "--workers",
+            "1",
+            "--valid-fraction",
+            "0.1",
+            "--test-fraction",
+            "0.2",
+        ],
+        work,
+    )
     assert "anonymisation: off" in p.stdout
     m = json.loads((work / "tokens" / "gpt2" / "manifest.json").read_text())
     assert m["roles"] == {"code": "train", "fortunes": "novel", "prose": "train"}
@@ -69,11 +95,25 @@ def test_own_corpus_ingest_prepare_launch_evaluate_report(tmp_path):
     assert sum("my @items" in t for t in stored) == sum("my @items" in t for t in written) > 0
     assert not any("<USER>" in t or "<EMAIL>" in t for t in stored)
 
-    sets = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
-            "model.ffn.kind=demix", "data.path=tokens", "data.tokenizer=gpt2", "data.mixture=by_domain",
-            "train.steps=4", "train.micro_batch=2", "train.grad_accum=1", "train.eval_batches=1",
-            "train.save_interval=4", "logging.log_interval=1", "logging.wandb_mode=disabled",
-            "logging.progress_bar=false"]
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.seq_len=32",
+        "model.ffn.kind=demix",
+        "data.path=tokens",
+        "data.tokenizer=gpt2",
+        "data.mixture=by_domain",
+        "train.steps=4",
+        "train.micro_batch=2",
+        "train.grad_accum=1",
+        "train.eval_batches=1",
+        "train.save_interval=4",
+        "logging.log_interval=1",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+    ]
     overrides = [a for s in sets for a in ("--set", s)]
     dry = _run(["launcher.dryrun", "--world-size", "2", *overrides], work)
     assert "fortunes" in dry.stdout + dry.stderr and "code" in dry.stdout + dry.stderr  # the real domains
@@ -81,7 +121,10 @@ def test_own_corpus_ingest_prepare_launch_evaluate_report(tmp_path):
     run = work / "runs" / "demix"
     assert (run / "model" / "meta.json").is_file() and (run / "metrics.jsonl").is_file()
 
-    _run(["launcher.evaluation.evaluate", "runs/demix/model", "--max-blocks", "2", "--cached-blocks", "2"], work)
+    _run(
+        ["launcher.evaluation.evaluate", "runs/demix/model", "--max-blocks", "2", "--cached-blocks", "2"],
+        work,
+    )
     ev = json.loads((run / "model" / "eval" / "eval.json").read_text())
     doms = ev["domains"]
     assert doms["fortunes"]["role"] == "novel" and doms["prose"]["role"] == "train"

@@ -37,7 +37,13 @@ def test_parse_size():
 
 def test_strip_roff():
     text = ".TH LS 1\n.SH NAME\nls \\- list \\fBdirectory\\fR contents\\(em \\f[I]fast\\f[]\n.PP\nSecond one."
-    assert ps.strip_roff(text).split("\n") == ["", "", "ls - list directory contents-- fast", "", "Second one."]
+    assert ps.strip_roff(text).split("\n") == [
+        "",
+        "",
+        "ls - list directory contents-- fast",
+        "",
+        "Second one.",
+    ]
 
 
 def test_generator_deterministic_valid_and_cached(tmp_path, pools):
@@ -59,7 +65,11 @@ def test_generator_deterministic_valid_and_cached(tmp_path, pools):
         assert [d["id"] for d in docs] == [f"{domain}-{i}" for i in range(len(docs))]
         assert {d["domain"] for d in docs} == {domain} and all(d["text"].strip() for d in docs)
         info = a["files"][domain]
-        assert info == {"bytes": len(data), "documents": len(docs), "sha256": hashlib.sha256(data).hexdigest()}
+        assert info == {
+            "bytes": len(data),
+            "documents": len(docs),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
         assert len(data) >= SIZE // 8
         total += len(data)
 
@@ -81,8 +91,12 @@ def test_baseline_counts_the_same_tokens(tmp_path, pools):
     corpus = tmp_path / "corpus"
     ps.generate_corpus(corpus, SIZE, seed=1, pool_bytes=POOL, pools=pools)
     enc = load_tokenizer("gpt2")._enc
-    texts = [json.loads(line)["text"] for d in ps.DOMAINS
-             for line in (corpus / f"{d}.jsonl").read_bytes().split(b"\n") if line]
+    texts = [
+        json.loads(line)["text"]
+        for d in ps.DOMAINS
+        for line in (corpus / f"{d}.jsonl").read_bytes().split(b"\n")
+        if line
+    ]
     r = ps.tiktoken_loop(corpus)
     assert r["documents"] == len(texts)
     assert r["tokens"] == sum(len(enc.encode_ordinary(t)) for t in texts) > 0

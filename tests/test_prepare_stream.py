@@ -32,40 +32,69 @@ def corpus(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
     for domain, n in (("news", 260), ("code", 240), ("small", 12)):
-        lines = [json.dumps({"id": f"{domain}-{i}", "domain": domain, "text": _text(domain, i)}) for i in range(n)]
+        lines = [
+            json.dumps({"id": f"{domain}-{i}", "domain": domain, "text": _text(domain, i)}) for i in range(n)
+        ]
         if domain == "news":
             lines.insert(150, '{"id": "broken", "text": ')  # line 151, in a later chunk
             lines.insert(40, "")  # blank: counts as a line, not a problem
         if domain == "code":
             lines = [json.loads(x) for x in lines]
-            lines = [json.dumps({"domain": "code", "text": r["text"]}) for r in lines]  # no ids: split by byte offset
+            lines = [
+                json.dumps({"domain": "code", "text": r["text"]}) for r in lines
+            ]  # no ids: split by byte offset
         (d / f"{domain}.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
 
 def _files(tok_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(tok_dir)): p.read_bytes() for p in sorted(tok_dir.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(tok_dir)): p.read_bytes()
+        for p in sorted(tok_dir.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def _prepare(corpus, out, **kw):
     kw.setdefault("workers", 1)
-    return prepare_corpus(corpus, out, chunk_bytes=CHUNK, seed=5, valid_fraction=0.1, test_fraction=0.1,
-                          anonymise={"code": False}, progress=False, **kw)
+    return prepare_corpus(
+        corpus,
+        out,
+        chunk_bytes=CHUNK,
+        seed=5,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        anonymise={"code": False},
+        progress=False,
+        **kw,
+    )
 
 
 def _same_manifest(a: dict, b: dict) -> None:
-    for key in ("counts", "token_counts", "anonymise", "problems", "split", "inputs_sha256", "plan_key", "tokenizer"):
+    for key in (
+        "counts",
+        "token_counts",
+        "anonymise",
+        "problems",
+        "split",
+        "inputs_sha256",
+        "plan_key",
+        "tokenizer",
+    ):
         assert a[key] == b[key], key
 
 
 def test_many_chunks_hash_split_and_absolute_problem_lines(corpus, tmp_path):
     chunks = plan_chunks({d: corpus / f"{d}.jsonl" for d in ("news", "code", "small")}, CHUNK)
-    assert sum(c.domain == "news" for c in chunks) >= 10 and [c.exact for c in chunks if c.domain == "small"] == [True]
+    assert sum(c.domain == "news" for c in chunks) >= 10 and [
+        c.exact for c in chunks if c.domain == "small"
+    ] == [True]
     r = _prepare(corpus, tmp_path / "tokens")
     m = r.manifest
     assert m["problems"]["counts"] == {"invalid_json": 1}
-    assert m["problems"]["first"][0].startswith(f"{corpus / 'news.jsonl'}:152: invalid_json")  # blank line 41 counted
+    assert m["problems"]["first"][0].startswith(
+        f"{corpus / 'news.jsonl'}:152: invalid_json"
+    )  # blank line 41 counted
     tok = load_tokenizer("gpt2")
     tok_dir = tmp_path / "tokens" / "gpt2"
     files = {d: corpus / f"{d}.jsonl" for d in m["domains"]}
@@ -73,7 +102,9 @@ def test_many_chunks_hash_split_and_absolute_problem_lines(corpus, tmp_path):
         want = split_texts(files, m["split"], code, m["anonymise"]["policy"])
         for d in m["domains"]:
             info = m["counts"][d][split]
-            ds = open_indexed(tok_dir / d / split) if info["documents"] else []  # kept open while its arrays live
+            ds = (
+                open_indexed(tok_dir / d / split) if info["documents"] else []
+            )  # kept open while its arrays live
             got = [tok.decode(ds[i][1:].tolist()) for i in range(len(ds))]
             assert got == want[d], (d, split)
     # the news split is the hash of (seed, domain, id): each document's own, independent of chunks
@@ -86,7 +117,7 @@ def test_many_chunks_hash_split_and_absolute_problem_lines(corpus, tmp_path):
     counts = np.load(tok_dir / m["token_counts"]["news"])
     for code, split in enumerate(SPLITS):
         tokens = np.fromfile(tok_dir / "news" / f"{split}.bin", dtype=np.uint16)
-        assert (counts[code][:tok.vocab_size] == np.bincount(tokens, minlength=tok.vocab_size)).all()
+        assert (counts[code][: tok.vocab_size] == np.bincount(tokens, minlength=tok.vocab_size)).all()
     assert not (tmp_path / "tokens" / "gpt2.parts").exists()
 
 
@@ -114,7 +145,8 @@ def test_merge_refuses_missing_chunks_and_writes_nothing(corpus, tmp_path):
     assert r.merged and (tmp_path / "tokens" / "gpt2" / "manifest.json").is_file()
 
 
-KILLER = """
+KILLER = (
+    """
 import os, signal, sys
 import data.chunks as chunks
 chunks.BATCH_CHARS = 800  # several batches per chunk: the kill lands inside one, with its parts half written
@@ -129,26 +161,44 @@ chunks.encode_concat = dying
 from data.prepare import prepare_corpus
 prepare_corpus(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=%d, seed=5, valid_fraction=0.1, test_fraction=0.1,
                anonymise={"code": False}, progress=False)
-""" % CHUNK
+"""
+    % CHUNK
+)
 
 
 def test_killed_mid_domain_resumes_to_identical_files(corpus, tmp_path, capsys):
     reference = _prepare(corpus, tmp_path / "reference").manifest
     out = tmp_path / "tokens"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", KILLER, str(corpus), str(out), "40"], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", KILLER, str(corpus), str(out), "40"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == -9, p.stderr[-2000:]
     parts = out / "gpt2.parts"
     done = sorted(parts.glob("*/*.json"))
     assert 3 <= len(done) < 24 and list(parts.glob("*/*.tmp")), "killed mid-run, inside a chunk"
     assert not (out / "gpt2").exists()
-    r = prepare_corpus(corpus, out, workers=1, chunk_bytes=CHUNK, seed=5, valid_fraction=0.1, test_fraction=0.1,
-                       anonymise={"code": False}, progress=True)
+    r = prepare_corpus(
+        corpus,
+        out,
+        workers=1,
+        chunk_bytes=CHUNK,
+        seed=5,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        anonymise={"code": False},
+        progress=True,
+    )
     assert f"resuming: {len(done)} of " in capsys.readouterr().out
     _same_manifest(reference, r.manifest)
-    assert r.manifest["stats"]["chunks"] == sum(1 for _ in plan_chunks(
-        {d: corpus / f"{d}.jsonl" for d in r.manifest["domains"]}, CHUNK)) - len(done)
+    assert r.manifest["stats"]["chunks"] == sum(
+        1 for _ in plan_chunks({d: corpus / f"{d}.jsonl" for d in r.manifest["domains"]}, CHUNK)
+    ) - len(done)
     assert _files(tmp_path / "reference" / "gpt2") == _files(out / "gpt2")
     assert not parts.exists()
 
@@ -193,9 +243,13 @@ def test_a_worker_stops_when_its_prepare_process_is_gone(corpus, tmp_path):
     gone.wait()  # a pid that no longer runs
     chunk = plan_chunks({"news": corpus / "news.jsonl"}, CHUNK)[0]
     parts = tmp_path / "parts"
-    job = ChunkJob(str(parts), TokenizerSpec("gpt2"), "uint16", 50257, 5, 0.1, 0.1, False, 20, "key", gone.pid)
+    job = ChunkJob(
+        str(parts), TokenizerSpec("gpt2"), "uint16", 50257, 5, 0.1, 0.1, False, 20, "key", gone.pid
+    )
     with pytest.raises(SystemExit, match="is gone"):
         prepare_chunk(chunk, job)
-    assert not list(parts.rglob("*.json")) and not list(parts.rglob("*.tmp")) and not list(parts.rglob("*.bin"))
+    assert (
+        not list(parts.rglob("*.json")) and not list(parts.rglob("*.tmp")) and not list(parts.rglob("*.bin"))
+    )
     record = prepare_chunk(chunk, ChunkJob(**{**job.__dict__, "owner_pid": os.getpid()}))  # the control
     assert record["splits"] and list(parts.rglob("*.json"))

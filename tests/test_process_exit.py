@@ -47,7 +47,9 @@ def test_the_control_a_normal_exit_tears_down(tmp_path):
     assert proc.returncode == 3 and (tmp_path / "teardown").exists() and (tmp_path / "atexit").exists()
 
 
-def test_the_runner_in_the_launchers_process_gets_the_subprocess_environment_and_restores_the_caller(tmp_path, monkeypatch):
+def test_the_runner_in_the_launchers_process_gets_the_subprocess_environment_and_restores_the_caller(
+    tmp_path, monkeypatch
+):
     """DeepSpeed's runner (run in this process) starts its per-node launcher, which starts the "rank" (here a shell
     recording its directory and environment) with the environment and directory the runner's own subprocess would
     have had; afterwards the caller's environment, directory and signal handlers are as they were, and a runner
@@ -60,8 +62,20 @@ def test_the_runner_in_the_launchers_process_gets_the_subprocess_environment_and
     before, handlers = dict(os.environ), [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     out = tmp_path / "seen"
     env = dict(os.environ, DS_ACCELERATOR="cpu", DEMIX_PROBE="from-the-launcher", PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--master_port", "29591",
-           "--num_gpus", "1", "--no_python", "/bin/sh", "-c", f"pwd > {out}; env >> {out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--no_local_rank",
+        "--master_port",
+        "29591",
+        "--num_gpus",
+        "1",
+        "--no_python",
+        "/bin/sh",
+        "-c",
+        f"pwd > {out}; env >> {out}",
+    ]
     assert run_runner(cmd, env) == 0
     seen = out.read_text().splitlines()
     assert seen[0] == str(REPO_ROOT) and "DEMIX_PROBE=from-the-launcher" in seen and "RANK=0" in seen

@@ -77,7 +77,9 @@ def _assert_same_state(a: Path, b: Path) -> None:
         else:
             assert torch.equal(va, vb), name
     ta, tb = (torch.load(p / "trainer.pt", weights_only=True) for p in (a, b))
-    assert ta["scheduler"] == tb["scheduler"] and ta["adam_step"] == tb["adam_step"] and ta["step"] == tb["step"]
+    assert (
+        ta["scheduler"] == tb["scheduler"] and ta["adam_step"] == tb["adam_step"] and ta["step"] == tb["step"]
+    )
 
 
 def _roundtrip(tmp_path: Path, first: tuple[int, list[str]], then: list[tuple[int, list[str]]]) -> Path:
@@ -99,10 +101,14 @@ def test_demix_state_moves_from_4_ranks_to_2_and_1_rank_bit_for_bit(tiny_tokens,
     Loaded at 2 ranks (one per domain) with ZeRO 2 in bf16 (fp32 masters behind bf16 parameters), and at 1 rank
     (both experts on it) with ZeRO 0: each writes back the same fp32 weights, moments and step."""
     a = _sets(tiny_tokens, zero=1)
-    ckpt = _roundtrip(tmp_path, (4, a), [
-        (2, _sets(tiny_tokens, "demix", 2, 2, "train.precision=bf16", "train.grad_accum=4")),
-        (1, _sets(tiny_tokens, "demix", 0, 2, "train.grad_accum=8")),
-    ])
+    ckpt = _roundtrip(
+        tmp_path,
+        (4, a),
+        [
+            (2, _sets(tiny_tokens, "demix", 2, 2, "train.precision=bf16", "train.grad_accum=4")),
+            (1, _sets(tiny_tokens, "demix", 0, 2, "train.grad_accum=8")),
+        ],
+    )
     names = json.loads((ckpt / "meta.json").read_text())["params"]
     assert "blocks.0.ffn.experts.0.fc1.weight" in names and "blocks.0.ffn.experts.1.fc1.weight" in names
     assert (ckpt / "zero" / "wte.weight" / "exp_avg_sq.pt").is_file()
@@ -116,7 +122,9 @@ def test_fp16_zero0_state_moves_to_fp32_zero2_and_back(tiny_tokens, tmp_path):
     fp16 = _sets(tiny_tokens, "demix", 0, 2, "train.precision=fp16")
     ckpt = _roundtrip(tmp_path, (2, fp16), [(2, _sets(tiny_tokens, "demix", 2, 2)), (2, fp16)])
     saved = torch.load(ckpt / "trainer.pt", weights_only=True)["loss_scaler"]
-    again = torch.load(tmp_path / "again1" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True)
+    again = torch.load(
+        tmp_path / "again1" / "checkpoints" / "step_00000002" / "trainer.pt", weights_only=True
+    )
     assert saved["cur_scale"] > 1 and again["loss_scaler"] == saved
     assert torch.load(ckpt / "trainer.pt", weights_only=True)["adam_step"] == 3
 
@@ -125,19 +133,37 @@ def test_gshard_state_moves_from_4_ranks_to_2_with_two_experts_each(tiny_tokens,
     """GShard with 4 experts: one per rank at 4 ranks (ZeRO 1), two per rank at 2 (ZeRO 0). DeepSpeed names an
     expert by its local index; the state uses the plain model's global ids, so rank 1 of the 2-rank run finds
     experts 2 and 3 where ranks 2 and 3 wrote them."""
+
     def sets(zero: int, *extra: str) -> list[str]:
         return _sets(tiny_tokens, "gshard", zero, 2, "model.ffn.num_experts=4", *extra)
 
-    ckpt = _roundtrip(tmp_path, (4, sets(1)), [(2, sets(0, "train.grad_accum=4", "model.ffn.gshard.experts_per_rank=2"))])
+    ckpt = _roundtrip(
+        tmp_path, (4, sets(1)), [(2, sets(0, "train.grad_accum=4", "model.ffn.gshard.experts_per_rank=2"))]
+    )
     assert (ckpt / "zero" / "blocks.1.ffn.experts.3.fc1.weight" / "exp_avg.pt").is_file()
 
 
 def test_tensor_parallel_state_is_written_whole_and_resharded(tiny_tokens, tmp_path):
     """tp=2: shards are gathered into whole tensors (cat_dim records the split) and sliced again on load, here by
     a layout with half the data-parallel ranks and another ZeRO stage."""
-    ckpt = _roundtrip(tmp_path, (4, _sets(tiny_tokens, "dense", 1, 2, "parallel.tensor_parallel=2", "data.mixture=natural")),
-                      [(2, _sets(tiny_tokens, "dense", 2, 2, "parallel.tensor_parallel=2", "data.mixture=natural",
-                                 "train.grad_accum=4"))])
+    ckpt = _roundtrip(
+        tmp_path,
+        (4, _sets(tiny_tokens, "dense", 1, 2, "parallel.tensor_parallel=2", "data.mixture=natural")),
+        [
+            (
+                2,
+                _sets(
+                    tiny_tokens,
+                    "dense",
+                    2,
+                    2,
+                    "parallel.tensor_parallel=2",
+                    "data.mixture=natural",
+                    "train.grad_accum=4",
+                ),
+            )
+        ],
+    )
     qkv = torch.load(ckpt / "zero" / "blocks.0.attn.qkv.weight" / "fp32.pt", weights_only=True)
     assert qkv["param"].shape == (3 * 64, 64) and qkv["cat_dim"] == 0
 
@@ -145,16 +171,19 @@ def test_tensor_parallel_state_is_written_whole_and_resharded(tiny_tokens, tmp_p
 def _deepspeed_loads_it(rank: int, world: int, sets: list[str], ckdir: str, scratch: str) -> tuple:
     """A fresh engine, then DeepSpeed's own universal-checkpoint loader on our state; returns what disagrees with
     the state's files, and the step and schedule position DeepSpeed restored."""
-    import os
 
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import Trainer
     from parallel.universal import ParamStates
 
-    trainer = Trainer.setup(make_plan(load_run_config(None, sets, check=False), world), Path(scratch), resume="never")
+    trainer = Trainer.setup(
+        make_plan(load_run_config(None, sets, check=False), world), Path(scratch), resume="never"
+    )
     engine = trainer.bundle.engine
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # DeepSpeed's loaders pass weights_only=False: refuse code
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = (
+        "1"  # DeepSpeed's loaders pass weights_only=False: refuse code
+    )
     path, _ = engine.load_checkpoint(ckdir, tag="step_00000002", load_module_strict=False)
     states, bad = ParamStates(engine), []
     for name, p in engine.module.named_parameters():
@@ -162,7 +191,9 @@ def _deepspeed_loads_it(rank: int, world: int, sets: list[str], ckdir: str, scra
         if sorted(got) != ["exp_avg", "exp_avg_sq", "fp32"]:
             bad.append((name, sorted(got)))
         for key, value in got.items():
-            want = torch.load(Path(ckdir) / "step_00000002" / "zero" / name / f"{key}.pt", weights_only=True)["param"]
+            want = torch.load(Path(ckdir) / "step_00000002" / "zero" / name / f"{key}.pt", weights_only=True)[
+                "param"
+            ]
             if not torch.equal(value.cpu(), want):
                 bad.append((name, key))
         if not torch.equal(p.detach().float().cpu(), states.get(p)["fp32"].cpu()):
@@ -176,8 +207,12 @@ def test_deepspeeds_own_universal_loader_reads_the_state(tiny_tokens, tmp_path):
     Adam moments, parameters, step and schedule, reading every file weights-only."""
     run = tmp_path / "run"
     run_ranks(_train, 4, args=(_sets(tiny_tokens, zero=1), str(run)))
-    sets = _sets(tiny_tokens, "demix", 2, 2, "train.grad_accum=4", "extra_deepspeed.checkpoint.load_universal=true")
-    results = run_ranks(_deepspeed_loads_it, 2, args=(sets, str(run / "checkpoints"), str(tmp_path / "scratch")))
+    sets = _sets(
+        tiny_tokens, "demix", 2, 2, "train.grad_accum=4", "extra_deepspeed.checkpoint.load_universal=true"
+    )
+    results = run_ranks(
+        _deepspeed_loads_it, 2, args=(sets, str(run / "checkpoints"), str(tmp_path / "scratch"))
+    )
     for bad, global_steps, last_epoch, loaded in results:
         assert loaded and bad == [] and global_steps == 2 and last_epoch == 2
 
@@ -189,8 +224,13 @@ def _losses(run: Path) -> dict[int, float]:
 def _launch_args(tokens: Path, run: Path, ranks: int, steps: int, zero: int) -> list[str]:
     global_batch = 16  # micro_batch 2: grad_accum = 16 / (2 x ranks), the same recipe at every size
     args = _overrides(tokens, steps=steps, zero=zero)
-    extra = ["data.domains=[cooking,finance]", f"train.grad_accum={global_batch // (2 * ranks)}",
-             "train.schedule=constant", "train.warmup_fraction=0", "train.save_interval=3"]
+    extra = [
+        "data.domains=[cooking,finance]",
+        f"train.grad_accum={global_batch // (2 * ranks)}",
+        "train.schedule=constant",
+        "train.warmup_fraction=0",
+        "train.save_interval=3",
+    ]
     return ["--nproc", str(ranks), "--run-dir", str(run), *args, *[a for s in extra for a in ("--set", s)]]
 
 
@@ -202,9 +242,13 @@ def moved(tiny_tokens, tmp_path_factory) -> dict[str, Path]:
     not move (b against a for steps 4-6, c against b for 7-9), and c is the fp32 ZeRO-2 run zero_to_fp32 reads."""
     root = tmp_path_factory.mktemp("moved")
     runs = {name: root / name for name in "abc"}
-    reference_run(_launch_args(tiny_tokens, runs["a"], 2, 6, zero=1)[4:], 2, runs["a"])  # forked ranks, no launcher
-    for name, ranks, source in (("b", 4, runs["a"] / "checkpoints" / "step_00000003"),
-                                ("c", 2, runs["b"] / "checkpoints" / "step_00000006")):
+    reference_run(
+        _launch_args(tiny_tokens, runs["a"], 2, 6, zero=1)[4:], 2, runs["a"]
+    )  # forked ranks, no launcher
+    for name, ranks, source in (
+        ("b", 4, runs["a"] / "checkpoints" / "step_00000003"),
+        ("c", 2, runs["b"] / "checkpoints" / "step_00000006"),
+    ):
         proc = _launch(_launch_args(tiny_tokens, runs[name], ranks, 9, zero=2) + ["--resume", str(source)])
         (runs[name] / "launch.stderr").write_text(proc.stderr)
     return runs
@@ -215,7 +259,7 @@ def test_a_run_resumed_on_another_number_of_ranks_continues_its_loss(moved, befo
     """A state written on `before` ranks continues on `after` ranks (and another ZeRO stage for 2 -> 4) on the
     trajectory of the run that did not move. The data order differs after the move (other shards), so the losses
     match within a tolerance, not exactly."""
-    stay, move, source, steps = (("a", "b", 3, (4, 5, 6)) if before == 2 else ("b", "c", 6, (7, 8, 9)))
+    stay, move, source, steps = ("a", "b", 3, (4, 5, 6)) if before == 2 else ("b", "c", 6, (7, 8, 9))
     stderr = (moved[move] / "launch.stderr").read_text()
     assert f"world_size {before} -> {after}" in stderr and "carry over exactly" in stderr
     a, b = _losses(moved[stay]), _losses(moved[move])
@@ -236,8 +280,12 @@ def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, moved, tmp_p
 
     run = moved["c"]
     out = tmp_path / "fp32"
-    conv = subprocess.run([sys.executable, "-m", "launcher.zero_to_fp32", str(run), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    conv = subprocess.run(
+        [sys.executable, "-m", "launcher.zero_to_fp32", str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert conv.returncode == 0, conv.stderr
     assert json.loads(conv.stdout)["from"].endswith("step_00000009")
 
@@ -256,7 +304,17 @@ def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, moved, tmp_p
     ppl = {}
     for name, ckpt in (("fp32", out), ("export", run / "model")):
         report = tmp_path / f"eval-{name}"
-        args = [str(ckpt), "--data", str(tiny_tokens), "--max-blocks", "4", "--modes", "naive", "--out", str(report)]
+        args = [
+            str(ckpt),
+            "--data",
+            str(tiny_tokens),
+            "--max-blocks",
+            "4",
+            "--modes",
+            "naive",
+            "--out",
+            str(report),
+        ]
         assert evaluate(args) == 0, capsys.readouterr().err
         res = json.loads((report / "eval.json").read_text())
         ppl[name] = {d: r["ppl"] for d, r in res["domains"].items()}
@@ -277,8 +335,11 @@ def test_what_cannot_change_on_resume_is_named_before_anything_starts(tiny_token
         status = main(_launch_args(tiny_tokens, run, 2, 12, zero=2) + more + ["--dry-run"])
         return status, capsys.readouterr().err
 
-    for bad, word in (("model.n_heads=4", "model"), ("parallel.tensor_parallel=2", "tensor_parallel"),
-                      ("data.domains=[cooking,sailing]", "domains")):
+    for bad, word in (
+        ("model.n_heads=4", "model"),
+        ("parallel.tensor_parallel=2", "tensor_parallel"),
+        ("data.domains=[cooking,sailing]", "domains"),
+    ):
         status, err = dry_run(bad)
         assert status == 2 and word in err and "Traceback" not in err, (bad, err)
     status, err = dry_run()

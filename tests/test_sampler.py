@@ -35,15 +35,21 @@ def test_blocks_are_windows_over_the_concatenated_stream():
     stream = np.concatenate(docs)
     assert len(ds) == (len(stream) - 1) // 4 == 3
     for i in range(len(ds)):
-        assert ds[i].tolist() == stream[i * 4:i * 4 + 5].tolist()
+        assert ds[i].tolist() == stream[i * 4 : i * 4 + 5].tolist()
     assert ds[-1].tolist() == ds[2].tolist()
     with pytest.raises(IndexError):
         ds[3]
 
 
 def _seen(sampler, steps):
-    return [(d, b) for s in range(steps) for m in range(sampler.grad_accum)
-            for d, b in zip(sampler.batch(s, m)["domain_ids_B"].tolist(), sampler.batch(s, m)["block_ids_B"].tolist())]
+    return [
+        (d, b)
+        for s in range(steps)
+        for m in range(sampler.grad_accum)
+        for d, b in zip(
+            sampler.batch(s, m)["domain_ids_B"].tolist(), sampler.batch(s, m)["block_ids_B"].tolist()
+        )
+    ]
 
 
 def test_same_domain_shards_are_disjoint_and_cover_each_epoch():
@@ -55,7 +61,7 @@ def test_same_domain_shards_are_disjoint_and_cover_each_epoch():
     assert sets[0].isdisjoint(sets[1]) and sets[0].isdisjoint(sets[2]) and sets[1].isdisjoint(sets[2])
     assert set().union(*sets) == set(range(n))
     owned = len(samplers[0].streams[0])
-    first, second = [b for _, b in seen[0][:owned]], [b for _, b in seen[0][owned:2 * owned]]
+    first, second = [b for _, b in seen[0][:owned]], [b for _, b in seen[0][owned : 2 * owned]]
     assert sorted(first) == sorted(second) == sorted(sets[0])  # each epoch visits every owned block once
     assert first != second  # and reshuffles
 
@@ -91,7 +97,10 @@ def test_inputs_targets_shift_and_rank_serving_two_domains_mixes_them():
         for b in range(4):
             d, blk = int(batch["domain_ids_B"][b]), int(batch["block_ids_B"][b])
             x = ds[d][blk]
-            assert batch["tokens_BT"][b].tolist() == x[:-1].tolist() and batch["targets_BT"][b].tolist() == x[1:].tolist()
+            assert (
+                batch["tokens_BT"][b].tolist() == x[:-1].tolist()
+                and batch["targets_BT"][b].tolist() == x[1:].tolist()
+            )
             assert all(t == 1 or t // 100_000 == d for t in x.tolist())  # only that domain's tokens
         assert batch["loss_mask_BT"].shape == (4, T) and float(batch["loss_mask_BT"].min()) == 1.0
 
@@ -115,7 +124,7 @@ def test_natural_balanced_and_domain_token_mixtures():
             d, blk = int(batch["domain_ids_B"][b]), int(batch["block_ids_B"][b])
             x = ds[d][blk]
             assert int(batch["tokens_BT"][b, 0]) == base + d  # input only
-            assert batch["tokens_BT"][b, 1:].tolist() == x[:T - 1].tolist()
+            assert batch["tokens_BT"][b, 1:].tolist() == x[: T - 1].tolist()
             assert batch["targets_BT"][b].tolist() == x[:T].tolist()
             assert int(batch["targets_BT"].max()) < base  # the domain token is never a target
 
@@ -141,19 +150,29 @@ def _rank_view(rank: int, world: int, steps: int, resume_at: int) -> dict:
         hashes += [hash(tuple(row)) for row in batch["tokens_BT"].tolist()]
     resumed = build_sampler(cfg, ds, [domain], shard, 2, micro_batch=2, grad_accum=2)
     resumed.load_state_dict({**resumed.state_dict(), "step": resume_at, "micro_step": 0})
-    tail = [hash(tuple(row)) for _ in range((steps - resume_at) * 2) for row in next(resumed)["tokens_BT"].tolist()]
+    tail = [
+        hash(tuple(row))
+        for _ in range((steps - resume_at) * 2)
+        for row in next(resumed)["tokens_BT"].tolist()
+    ]
     gathered = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "domain": domain, "seen": seen, "hashes": hashes})
     by_rank = {g["rank"]: g for g in gathered}
     for r, g in by_rank.items():
         for r2, g2 in by_rank.items():
             if r < r2:
-                assert set(g["hashes"]).isdisjoint(g2["hashes"]), (r, r2)  # no block content shared, any domain
+                assert set(g["hashes"]).isdisjoint(g2["hashes"]), (
+                    r,
+                    r2,
+                )  # no block content shared, any domain
                 if g["domain"] == g2["domain"]:
                     assert {b for _, b in g["seen"]}.isdisjoint(b for _, b in g2["seen"])
         assert {d for d, _ in g["seen"]} == {g["domain"]}
-    return {"tail_matches": tail == hashes[resume_at * 2 * 2:], "blocks_seen": len(set(seen)),
-            "owned": len(s.streams[domain])}
+    return {
+        "tail_matches": tail == hashes[resume_at * 2 * 2 :],
+        "blocks_seen": len(set(seen)),
+        "owned": len(s.streams[domain]),
+    }
 
 
 @pytest.mark.slow

@@ -22,17 +22,21 @@ from data import sources as S
 
 
 def test_news_documents_join_title_subtitle_text_and_skip_empty():
-    csv_text = ('\ufeffarticle_id,publish_date,article_source_link,title,subtitle,text\n'
-                '1,2017/2/7,http://x,"Title, with comma",,"Body ""quoted"" text."\n'
-                '2,2017/2/8,http://y,Second,Sub,"Line one\nline two"\n'
-                '3,2017/2/9,http://z,No body,,\n')
+    csv_text = (
+        "\ufeffarticle_id,publish_date,article_source_link,title,subtitle,text\n"
+        '1,2017/2/7,http://x,"Title, with comma",,"Body ""quoted"" text."\n'
+        '2,2017/2/8,http://y,Second,Sub,"Line one\nline two"\n'
+        "3,2017/2/9,http://z,No body,,\n"
+    )
     docs = list(S.news_documents(csv_text))
     assert docs == ['Title, with comma\n\nBody "quoted" text.', "Second\n\nSub\n\nLine one\nline two"]
 
 
 def test_tweet_documents():
-    assert list(S.tweet_documents("source_id,text\na-1,Hello #health\nb-2,\"Quoted, tweet\"\n")) == [
-        "Hello #health", "Quoted, tweet"]
+    assert list(S.tweet_documents('source_id,text\na-1,Hello #health\nb-2,"Quoted, tweet"\n')) == [
+        "Hello #health",
+        "Quoted, tweet",
+    ]
 
 
 MEDLINE = b"""<?xml version="1.0" encoding="utf-8"?>
@@ -58,8 +62,10 @@ MEDLINE = b"""<?xml version="1.0" encoding="utf-8"?>
 
 def test_medline_english_title_and_abstract_only():
     docs = list(S.medline_documents(io.BytesIO(gzip.decompress(gzip.compress(MEDLINE)))))
-    assert docs == ["Effects of X on Y.\n\nBACKGROUND: We studied X in 103 mice.\n\nRESULTS: It worked.",
-                    "Plain.\n\nUnlabelled text."]
+    assert docs == [
+        "Effects of X on Y.\n\nBACKGROUND: We studied X in 103 mice.\n\nRESULTS: It worked.",
+        "Plain.\n\nUnlabelled text.",
+    ]
 
 
 def test_spdx_document():
@@ -103,19 +109,40 @@ def test_strip_overstrike_and_redirects():
 
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
 def test_render_man_with_groff_gives_plain_text():
-    page = b'.TH FROB 1 2024 "demo" "User Commands"\n.SH NAME\nfrob \\- twiddle bits\n' \
-           b'.SH DESCRIPTION\n.B frob\nreads\n.I files\nand writes them.\n'
+    page = (
+        b'.TH FROB 1 2024 "demo" "User Commands"\n.SH NAME\nfrob \\- twiddle bits\n'
+        b".SH DESCRIPTION\n.B frob\nreads\n.I files\nand writes them.\n"
+    )
     text = S.render_man(gzip.compress(page))
     assert "NAME" in text and "frob - twiddle bits" in text.replace("\u2010", "-")
     assert "\b" not in text and "\x1b" not in text and "files" in text
 
 
 def test_novel_chapters_split_and_reflow():
-    lines = ["PRIDE AND PREJUDICE", "", "By Jane Austen", "", "VOLUME I", "Chapter 1", "", "It is a truth",
-             "universally acknowledged.", "", "Second para.", "", "CHAPTER II", "", "Mr. Bennet was", None, "x"]
+    lines = [
+        "PRIDE AND PREJUDICE",
+        "",
+        "By Jane Austen",
+        "",
+        "VOLUME I",
+        "Chapter 1",
+        "",
+        "It is a truth",
+        "universally acknowledged.",
+        "",
+        "Second para.",
+        "",
+        "CHAPTER II",
+        "",
+        "Mr. Bennet was",
+        None,
+        "x",
+    ]
     docs = list(S.novel_chapters(lines, "Pride and Prejudice"))
-    assert docs == ["Pride and Prejudice\nChapter 1\n\nIt is a truth universally acknowledged.\n\nSecond para.",
-                    "Pride and Prejudice\nCHAPTER II\n\nMr. Bennet was\n\nx"]
+    assert docs == [
+        "Pride and Prejudice\nChapter 1\n\nIt is a truth universally acknowledged.\n\nSecond para.",
+        "Pride and Prejudice\nCHAPTER II\n\nMr. Bennet was\n\nx",
+    ]
 
 
 PLAY = """# Macbeth
@@ -152,24 +179,43 @@ def test_play_scenes_one_document_per_scene_markup_removed():
 
 
 def test_bible_chapters_group_verses():
-    verses = [("Genesis", 1, 1, "In the beginning."), ("Genesis", 1, 2, "And the earth."),
-              ("Genesis", 2, 1, "Thus the heavens."), ("Exodus", 1, 1, "Now these.")]
+    verses = [
+        ("Genesis", 1, 1, "In the beginning."),
+        ("Genesis", 1, 2, "And the earth."),
+        ("Genesis", 2, 1, "Thus the heavens."),
+        ("Exodus", 1, 1, "Now these."),
+    ]
     jsonl = "\n".join(json.dumps({"book": b, "chapter": c, "verse": v, "text": t}) for b, c, v, t in verses)
-    assert list(S.bible_chapters(jsonl)) == ["Genesis 1\n\n1 In the beginning.\n2 And the earth.",
-                                             "Genesis 2\n\n1 Thus the heavens.", "Exodus 1\n\n1 Now these."]
+    assert list(S.bible_chapters(jsonl)) == [
+        "Genesis 1\n\n1 In the beginning.\n2 And the earth.",
+        "Genesis 2\n\n1 Thus the heavens.",
+        "Exodus 1\n\n1 Now these.",
+    ]
 
 
 def test_review_parsers():
     assert list(S.pang_lee_documents('\ufeff"1","a fine film . \n"\r\n"0","dull , "" slow ""\n"\r\n')) == [
-        "a fine film . \n", 'dull , " slow "\n']
+        "a fine film . \n",
+        'dull , " slow "\n',
+    ]
     amazon = "1_1\t-0.9\tBroke at once.\r\n1_2\t-0.2\tReturned it.\r\n2_1\t0.5\tGreat value.\r\n"
-    assert list(S.vader_snippets(amazon, group_by_review=True)) == ["Broke at once. Returned it.", "Great value."]
+    assert list(S.vader_snippets(amazon, group_by_review=True)) == [
+        "Broke at once. Returned it.",
+        "Great value.",
+    ]
     assert list(S.vader_snippets("1\t2.2\tGood.\n2\t-1\tBad.\n", group_by_review=False)) == ["Good.", "Bad."]
 
 
 def test_python_stdlib_files_exclude_tests(tmp_path):
-    for rel in ["os.py", "json/__init__.py", "test/test_os.py", "unittest/test/test_case.py",
-                "idlelib/idle_test/x.py", "site-packages/pkg.py", "email/test_helper.py"]:
+    for rel in [
+        "os.py",
+        "json/__init__.py",
+        "test/test_os.py",
+        "unittest/test/test_case.py",
+        "idlelib/idle_test/x.py",
+        "site-packages/pkg.py",
+        "email/test_helper.py",
+    ]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
     got = [p.relative_to(tmp_path).as_posix() for p in S.python_stdlib_files(tmp_path)]
@@ -217,8 +263,16 @@ def _header() -> bytes:
 
 def test_read_rda_character_vector():
     _SYMS.clear()
-    body = _header() + _i(2 | (1 << 10)) + _sym("austen") + _strsxp(["CHAPTER 1", "", "It is a truth", None]) \
-        + _i(2 | (1 << 10)) + _sym("named") + _strsxp(["a", "b"], names=["x", "y"]) + _i(254)
+    body = (
+        _header()
+        + _i(2 | (1 << 10))
+        + _sym("austen")
+        + _strsxp(["CHAPTER 1", "", "It is a truth", None])
+        + _i(2 | (1 << 10))
+        + _sym("named")
+        + _strsxp(["a", "b"], names=["x", "y"])
+        + _i(254)
+    )
     objs = S.read_rda(gzip.compress(b"RDX3\n" + body))
     assert list(objs) == ["austen", "named"]
     assert list(objs["austen"]) == ["CHAPTER 1", "", "It is a truth", None]
@@ -232,11 +286,13 @@ def test_read_lazyload_db():
     blob_body = _header() + _strsxp(["line one", "line two"])
     blob = struct.pack(">I", len(blob_body)) + zlib.compress(blob_body)
     _SYMS.clear()
-    index = _header() + _vecsxp({
-        "variables": _vecsxp({"emma": _i(13, 2, 0, len(blob))}),
-        "references": _i(19, 0),
-        "compressed": _i(10, 1, 1),
-    })
+    index = _header() + _vecsxp(
+        {
+            "variables": _vecsxp({"emma": _i(13, 2, 0, len(blob))}),
+            "references": _i(19, 0),
+            "compressed": _i(10, 1, 1),
+        }
+    )
     books = S.read_lazyload_db(gzip.compress(index), blob)
     assert list(books) == ["emma"] and list(books["emma"]) == ["line one", "line two"]
 
@@ -287,8 +343,12 @@ def test_fetcher_apt_updates_lists_once_when_missing(tmp_path):
     runner = FakeRunner(apt_lists=False)
     f = S.Fetcher(tmp_path, runner=runner)
     root = f.fetch(S.Package("apt", "manpages"))
-    assert [c[:2] for c in runner.calls] == [["apt-get", "download"], ["apt-get", "update"],
-                                            ["apt-get", "download"], ["dpkg-deb", "-x"]]
+    assert [c[:2] for c in runner.calls] == [
+        ["apt-get", "download"],
+        ["apt-get", "update"],
+        ["apt-get", "download"],
+        ["dpkg-deb", "-x"],
+    ]
     assert root.is_dir() and (root / "usr/share").is_dir()
     assert S.package_version(S.Package("apt", "manpages"), root) == "1.2-3"
     assert S.deb_version(Path("libc6_2%3a2.36-9_amd64.deb")) == "2:2.36-9"
@@ -311,7 +371,9 @@ def test_normalise():
 
 def test_write_domain_dedupes_numbers_and_caps(tmp_path):
     path = tmp_path / "d.jsonl"
-    stats = B.write_domain("d", ["one", "", "two", "one", "  ", "three", "four"], path, max_docs=3, max_bytes=None)
+    stats = B.write_domain(
+        "d", ["one", "", "two", "one", "  ", "three", "four"], path, max_docs=3, max_bytes=None
+    )
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["text"] for r in rows] == ["one", "two", "three"] and stats["truncated"]
     assert [r["id"] for r in rows] == ["d-000000", "d-000001", "d-000002"] and rows[0]["domain"] == "d"
@@ -337,7 +399,9 @@ def _fake_sources(fail: bool = False) -> dict[str, S.Source]:
     remote = (S.Package("pip", "nosuch", "1"),)
     out = {f"t{i}": S.Source(f"t{i}", "train", "doc", local, "CC0-1.0", docs(5 + i)) for i in range(6)}
     out["n0"] = S.Source("n0", "novel", "doc", local, "CC0-1.0", docs(3))
-    out["bad"] = S.Source("bad", "train", "doc", remote if fail else local, "CC0-1.0", broken if fail else docs(2))
+    out["bad"] = S.Source(
+        "bad", "train", "doc", remote if fail else local, "CC0-1.0", broken if fail else docs(2)
+    )
     return out
 
 
@@ -346,13 +410,19 @@ def test_build_corpus_is_idempotent_and_rebuilds_changed_files(tmp_path):
     m1 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache"), sources=srcs)
     assert set(m1["_this_run"]["status"].values()) == {"built"}
     on_disk = json.loads((tmp_path / "corpus/manifest.json").read_text())
-    assert on_disk["domains"]["t0"]["split_role"] == "train" and on_disk["domains"]["n0"]["split_role"] == "novel"
+    assert (
+        on_disk["domains"]["t0"]["split_role"] == "train"
+        and on_disk["domains"]["n0"]["split_role"] == "novel"
+    )
     assert on_disk["domains"]["t0"]["documents"] == 5 and on_disk["novel_domains"] == ["n0"]
     assert on_disk["domains"]["t0"]["sha256"] == B.sha256_file(tmp_path / "corpus/t0.jsonl")
-    assert on_disk["domains"]["t0"]["sources"] == [{"registry": "local", "package": "fake",
-                                                    "version": S.package_version(S.Package("local", "x"), None)}]
+    assert on_disk["domains"]["t0"]["sources"] == [
+        {"registry": "local", "package": "fake", "version": S.package_version(S.Package("local", "x"), None)}
+    ]
 
-    m2 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=NoNetworkFetcher(tmp_path / "cache"), sources=srcs)
+    m2 = B.build_corpus(
+        tmp_path, list(srcs), None, 8.0, fetcher=NoNetworkFetcher(tmp_path / "cache"), sources=srcs
+    )
     assert set(m2["_this_run"]["status"].values()) == {"reused"}
 
     (tmp_path / "corpus/t1.jsonl").write_text("tampered\n")
@@ -368,8 +438,9 @@ def test_failed_source_is_reported_and_threshold_applies(tmp_path):
     def refuse(cmd, **_):
         return subprocess.CompletedProcess(cmd, 1, "", "network is unreachable")
 
-    m = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache", runner=refuse),
-                       sources=srcs)
+    m = B.build_corpus(
+        tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache", runner=refuse), sources=srcs
+    )
     bad = m["domains"]["bad"]
     assert bad["status"] == "failed" and "network is unreachable" in bad["reason"]
     assert not (tmp_path / "corpus/bad.jsonl").exists()

@@ -28,7 +28,9 @@ def _resume(rank: int, world: int, sets: list[str], run_dir: str, resume: str) -
     from launcher.plan import make_plan
     from launcher.train import Trainer
 
-    trainer = Trainer.setup(make_plan(load_run_config(None, sets, check=False), world), Path(run_dir), resume=resume)
+    trainer = Trainer.setup(
+        make_plan(load_run_config(None, sets, check=False), world), Path(run_dir), resume=resume
+    )
     return trainer.start, trainer.resumed_from.name
 
 
@@ -36,7 +38,7 @@ def _overwrite_in_place(path: Path, offset: int = 0) -> None:
     """Random bytes over part of `path`, same size: what a size check cannot see."""
     data = bytearray(path.read_bytes())
     n = min(64, len(data) - offset)
-    data[offset:offset + n] = os.urandom(n)
+    data[offset : offset + n] = os.urandom(n)
     path.write_bytes(bytes(data))
 
 
@@ -64,14 +66,17 @@ def test_every_file_of_a_state_has_the_checksum_of_its_bytes(two_states):
         meta = json.loads((ckpt / "meta.json").read_text())
         files = sorted(meta["files"])
         assert sorted(meta["sha256"]) == files and len(files) > 10
-        assert any(f.startswith("rng/rank00001") for f in files)  # written by rank 1, its sum gathered by rank 0
+        assert any(
+            f.startswith("rng/rank00001") for f in files
+        )  # written by rank 1, its sum gathered by rank 0
         for rel in files:
             assert meta["sha256"][rel] == sha256_file(ckpt / rel), rel
         assert not (ckpt / SUMS_DIR).exists()
 
 
-@pytest.mark.parametrize("victim", ["trainer.pt", "zero/wte.weight/fp32.pt", "zero/wte.weight/exp_avg_sq.pt",
-                                    "rng/rank00001.pt"])
+@pytest.mark.parametrize(
+    "victim", ["trainer.pt", "zero/wte.weight/fp32.pt", "zero/wte.weight/exp_avg_sq.pt", "rng/rank00001.pt"]
+)
 def test_auto_resume_falls_back_from_a_damaged_newest_state(two_states, tmp_path, victim, capfd):
     """The newest state's file overwritten in place, same size: every rank resumes from step 2, with a warning
     naming the file; no training state is changed or removed (metrics.jsonl rewinds to step 2, as any resume)."""
@@ -145,7 +150,9 @@ def test_mutation_without_recorded_checksums_the_damage_passes(two_states, tmp_p
     run = _copy(two_states[0], tmp_path)
     newest = run / "checkpoints" / "step_00000004"
     _overwrite_in_place(newest / "trainer.pt", offset=100)
-    assert checksum_damage(newest) is not None and latest_checkpoint(run, checksums=True).name == "step_00000002"
+    assert (
+        checksum_damage(newest) is not None and latest_checkpoint(run, checksums=True).name == "step_00000002"
+    )
     meta = json.loads((newest / "meta.json").read_text())
     del meta["sha256"]
     (newest / "meta.json").write_text(json.dumps(meta))
@@ -159,8 +166,11 @@ def test_a_damaged_checksum_table_is_damage(two_states, tmp_path):
     run = _copy(two_states[0], tmp_path)
     newest = run / "checkpoints" / "step_00000004"
     meta = json.loads((newest / "meta.json").read_text())
-    for sums, why in (({}, "records no checksum for"), ([], "not an object"),
-                      ({**meta["sha256"], "trainer.pt": 5}, "records no checksum for trainer.pt")):
+    for sums, why in (
+        ({}, "records no checksum for"),
+        ([], "not an object"),
+        ({**meta["sha256"], "trainer.pt": 5}, "records no checksum for trainer.pt"),
+    ):
         (newest / "meta.json").write_text(json.dumps({**meta, "sha256": sums}))
         assert why in (checksum_damage(newest) or ""), sums
 
@@ -176,6 +186,7 @@ def test_hashing_writer_gives_the_sha256_file(tmp_path):
 
 # ---------------------------------------------------------------- consolidated checkpoints (model/, exports)
 
+
 def test_a_consolidated_export_records_the_checksum_of_every_shard(two_states):
     """The run's model/ (expert shards written by each domain group's first rank, the rest by rank 0): meta.json's
     sha256 covers every shard, as written; the per-shard sums that waited beside them are gone."""
@@ -189,8 +200,9 @@ def test_a_consolidated_export_records_the_checksum_of_every_shard(two_states):
 
 
 @pytest.mark.parametrize("victim", ["model.pt", "experts/expert_0001.pt"])
-def test_a_consolidated_checkpoint_changed_in_place_is_refused_by_every_reader(two_states, tiny_tokens, tmp_path,
-                                                                               victim, capsys):
+def test_a_consolidated_checkpoint_changed_in_place_is_refused_by_every_reader(
+    two_states, tiny_tokens, tmp_path, victim, capsys
+):
     """Bytes of one shard changed in place (same size): loading names the file and the recorded checksum; a tool
     (evaluate) says so in one line with exit status 2; copying the expert into a new checkpoint refuses it too.
     The control: without the recorded sums the same damage loads without a word (or fails elsewhere)."""
@@ -203,8 +215,22 @@ def test_a_consolidated_checkpoint_changed_in_place_is_refused_by_every_reader(t
     _overwrite_in_place(model / victim, offset=(model / victim).stat().st_size // 2)
     with pytest.raises(CheckpointError, match=f"{victim} does not match the sha256"):
         load_consolidated(model)
-    assert evaluate([str(model), "--data", str(tiny_tokens), "--max-blocks", "1", "--modes", "naive",
-                     "--out", str(tmp_path / "eval")]) == 2
+    assert (
+        evaluate(
+            [
+                str(model),
+                "--data",
+                str(tiny_tokens),
+                "--max-blocks",
+                "1",
+                "--modes",
+                "naive",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "does not match the sha256" in err and "Traceback" not in err and not (tmp_path / "eval").exists()
     if victim.startswith("experts/"):

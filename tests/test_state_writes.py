@@ -19,8 +19,9 @@ from parallel.universal import assign_writers
 from tests.multirank import run_ranks
 
 
-def _loads(assignment: dict[str, int], sizes: dict[str, int], ranks: list[int], start: dict[int, int] | None = None
-           ) -> dict[int, int]:
+def _loads(
+    assignment: dict[str, int], sizes: dict[str, int], ranks: list[int], start: dict[int, int] | None = None
+) -> dict[int, int]:
     out = {r: (start or {}).get(r, 0) for r in ranks}
     for name, rank in assignment.items():
         out[rank] += sizes[name]
@@ -36,12 +37,17 @@ def test_assignment_is_deterministic_covers_every_file_once_and_is_balanced():
     rng = random.Random(0)
     for trial in range(200):
         ranks = sorted(rng.sample(range(64), rng.randint(1, 16)))
-        sizes = {f"p{i}/{k}": rng.choice([4, 4096, rng.randint(1, 10**6), 10**7]) for i in range(rng.randint(0, 80))
-                 for k in ("fp32", "exp_avg")}
+        sizes = {
+            f"p{i}/{k}": rng.choice([4, 4096, rng.randint(1, 10**6), 10**7])
+            for i in range(rng.randint(0, 80))
+            for k in ("fp32", "exp_avg")
+        }
         got = assign_writers(sizes, ranks)
         assert set(got) == set(sizes) and set(got.values()) <= set(ranks)  # every file, exactly one writer
         shuffled = dict(rng.sample(list(sizes.items()), len(sizes)))
-        assert assign_writers(shuffled, list(reversed(ranks))) == got  # order of names or ranks does not matter
+        assert (
+            assign_writers(shuffled, list(reversed(ranks))) == got
+        )  # order of names or ranks does not matter
         if sizes:
             assert _within_bound(_loads(got, sizes, ranks), max(sizes.values())), trial
 
@@ -89,8 +95,9 @@ def test_group_files_stay_in_their_group_and_shared_files_even_out_the_totals():
     files = {r: {(0, 1, 2, 3): shared, (2 * (r // 2), 2 * (r // 2) + 1): experts[r // 2]} for r in range(4)}
     got = run_ranks(_plan, 4, args=(files,))
     for r, writers in enumerate(got):
-        assert {n: w for n, w in writers.items() if n.startswith("s")} == {n: w for n, w in got[0].items()
-                                                                           if n.startswith("s")}
+        assert {n: w for n, w in writers.items() if n.startswith("s")} == {
+            n: w for n, w in got[0].items() if n.startswith("s")
+        }
         assert all(writers[n] in (2 * (r // 2), 2 * (r // 2) + 1) for n in experts[r // 2])
     every = {**got[0], **got[2]}
     sizes = {**shared, **experts[0], **experts[1]}
@@ -122,7 +129,9 @@ def _save_and_record(rank: int, world: int, sets: list[str], run_dir: str) -> di
 
     def recording(obj, path: Path) -> str:
         digest = real(obj, path)
-        mine[str(Path(path).relative_to(Path(run_dir) / "checkpoints" / ".step_00000001.tmp"))] = Path(path).stat().st_size
+        mine[str(Path(path).relative_to(Path(run_dir) / "checkpoints" / ".step_00000001.tmp"))] = (
+            Path(path).stat().st_size
+        )
         return digest
 
     state.save_hashed = recording
@@ -134,16 +143,33 @@ def _save_and_record(rank: int, world: int, sets: list[str], run_dir: str) -> di
 
 
 def _sets(tokens: Path, kind: str, *extra: str) -> list[str]:
-    return ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=32",
-            f"model.ffn.kind={kind}", f"data.path={tokens}", "data.tokenizer=gpt2", "data.domains=[cooking,finance]",
-            f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}", "train.steps=4", "train.micro_batch=2",
-            "train.grad_accum=1", "parallel.zero_stage=1", "logging.wandb_mode=disabled",
-            "logging.progress_bar=false", *extra]
+    return [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=2",
+        "model.seq_len=32",
+        f"model.ffn.kind={kind}",
+        f"data.path={tokens}",
+        "data.tokenizer=gpt2",
+        "data.domains=[cooking,finance]",
+        f"data.mixture={'by_domain' if kind == 'demix' else 'natural'}",
+        "train.steps=4",
+        "train.micro_batch=2",
+        "train.grad_accum=1",
+        "parallel.zero_stage=1",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,extra", [("demix", ()), ("dense", ("parallel.tensor_parallel=2",))],
-                         ids=["demix-4ranks-zero1", "dense-tp2-4ranks-zero1"])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [("demix", ()), ("dense", ("parallel.tensor_parallel=2",))],
+    ids=["demix-4ranks-zero1", "dense-tp2-4ranks-zero1"],
+)
 def test_every_rank_writes_a_balanced_share_of_the_state(tiny_tokens, tmp_path, kind, extra):
     """4 ranks, ZeRO 1 (each rank holds a partition of the fp32 masters and moments). DEMix: 2 domains of 2 ranks,
     experts written inside their domain. Dense with tp=2: the TP-gathered whole tensors are written by ranks of
@@ -154,10 +180,14 @@ def test_every_rank_writes_a_balanced_share_of_the_state(tiny_tokens, tmp_path, 
     from launcher.state import FILE_OVERHEAD_BYTES
 
     run = tmp_path / "run"
-    records = run_ranks(_save_and_record, 4, args=(_sets(tiny_tokens, kind, *extra), str(run)), device_strict=True)
+    records = run_ranks(
+        _save_and_record, 4, args=(_sets(tiny_tokens, kind, *extra), str(run)), device_strict=True
+    )
     ckpt = run / "checkpoints" / "step_00000001"
     on_disk = {str(p.relative_to(ckpt)): p.stat().st_size for p in (ckpt / "zero").glob("*/*.pt")}
-    params = [{k: v for k, v in rec.items() if k.count("/") == 2 and k.startswith("zero/")} for rec in records]
+    params = [
+        {k: v for k, v in rec.items() if k.count("/") == 2 and k.startswith("zero/")} for rec in records
+    ]
     written = [name for rec in params for name in rec]
     assert sorted(written) == sorted(on_disk)  # every file, each by exactly one rank
     assert all(rec for rec in params), [len(rec) for rec in params]  # every rank wrote some

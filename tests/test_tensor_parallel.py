@@ -24,8 +24,15 @@ B, T = 4, 32
 
 
 def _cfg(kind: str = "dense", experts: int = 0, **over) -> ModelConfig:
-    sets = ["model.preset=tiny", "model.n_layers=2", f"model.vocab_size={VOCAB}", f"model.seq_len={T}",
-            "model.dropout=0.0", f"model.ffn.kind={kind}", f"model.ffn.num_experts={experts}"]
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=2",
+        f"model.vocab_size={VOCAB}",
+        f"model.seq_len={T}",
+        "model.dropout=0.0",
+        f"model.ffn.kind={kind}",
+        f"model.ffn.num_experts={experts}",
+    ]
     sets += [f"model.{k}={v}" for k, v in over.items()]
     return load_run_config(None, sets).model
 
@@ -56,7 +63,10 @@ def _scenario(cfg: ModelConfig, expert_ids, domains, group, seed: int, perturb: 
     import torch.distributed as dist
 
     from parallel.tensor_parallel import (
-        apply_tensor_parallel, gather_full_grads, gather_full_state_dict, replicated_parameter_names,
+        apply_tensor_parallel,
+        gather_full_grads,
+        gather_full_state_dict,
+        replicated_parameter_names,
         shard_full_state_dict,
     )
 
@@ -92,7 +102,9 @@ def _scenario(cfg: ModelConfig, expert_ids, domains, group, seed: int, perturb: 
     mismatch = {}
     for name, p in tpm.named_parameters():
         if name in replicated:
-            diff = (_all_gather_last_dim(p.grad.unsqueeze(-1), group) - p.grad.unsqueeze(-1)).abs().max().item()
+            diff = (
+                (_all_gather_last_dim(p.grad.unsqueeze(-1), group) - p.grad.unsqueeze(-1)).abs().max().item()
+            )
             if diff != 0.0:
                 mismatch[name] = diff
     res["replicated_grad_mismatch"] = mismatch
@@ -108,7 +120,9 @@ def _scenario(cfg: ModelConfig, expert_ids, domains, group, seed: int, perturb: 
     torch.manual_seed(seed + 7)
     other = apply_tensor_parallel(GPT(cfg, expert_ids, tensor_parallel=tp), group)
     other.load_state_dict(shard_full_state_dict(other, full, group), strict=True)
-    res["reshard"] = max((full[k] - v).abs().max().item() for k, v in gather_full_state_dict(other, group).items())
+    res["reshard"] = max(
+        (full[k] - v).abs().max().item() for k, v in gather_full_state_dict(other, group).items()
+    )
 
     if perturb:  # a negative control: the comparison must see a change in one shard on one rank
         with torch.no_grad():
@@ -138,9 +152,13 @@ def _autocast_scenario(cfg: ModelConfig, group, seed: int) -> dict:
     twin = copy.deepcopy(tpm, {id(group): group})
     return {
         "loss": _rel(t.loss.detach(), r.loss.detach()),
-        "grad_norm_rel": max(((full[n] - p.grad).norm() / p.grad.norm()).item() for n, p in ref.named_parameters()),
+        "grad_norm_rel": max(
+            ((full[n] - p.grad).norm() / p.grad.norm()).item() for n, p in ref.named_parameters()
+        ),
         "grad_dtypes": sorted({str(p.grad.dtype) for p in tpm.parameters()}),
-        "deepcopy_loss": _rel(twin(tokens, targets_BT=targets).loss.detach(), tpm(tokens, targets_BT=targets).loss.detach()),
+        "deepcopy_loss": _rel(
+            twin(tokens, targets_BT=targets).loss.detach(), tpm(tokens, targets_BT=targets).loss.detach()
+        ),
     }
 
 
@@ -169,8 +187,12 @@ def _chunked_loss_scenario(cfg: ModelConfig, group, seed: int) -> dict:
         (la, ta, ga), (lb, tb, gb) = outs[a], outs[b]
         return max([_rel(la, lb), _rel(ta, tb)] + [_rel(ga[n], gb[n]) for n in gb])
 
-    return {"chunked_vs_whole": rel("chunked", "whole"), "chunked_vs_tp1": rel("chunked", "ref"),
-            "rows": chunked._loss_chunk_rows(), "ignored_loss": outs["chunked"][1][0, :3].abs().max().item()}
+    return {
+        "chunked_vs_whole": rel("chunked", "whole"),
+        "chunked_vs_tp1": rel("chunked", "ref"),
+        "rows": chunked._loss_chunk_rows(),
+        "ignored_loss": outs["chunked"][1][0, :3].abs().max().item(),
+    }
 
 
 def _megatron_ce_crosscheck(seed: int) -> float:
@@ -184,7 +206,9 @@ def _megatron_ce_crosscheck(seed: int) -> float:
     try:
         g = torch.Generator().manual_seed(seed)
         dev = torch.device("cpu")  # the training device here: named, as the trainer names it (device-strict)
-        logits = torch.randn(3, 5, 64, generator=g, device=dev)  # identical on all ranks, then each takes its shard
+        logits = torch.randn(
+            3, 5, 64, generator=g, device=dev
+        )  # identical on all ranks, then each takes its shard
         targets = torch.randint(0, 64, (3, 5), generator=g, device=dev)
         group = parallel_state.get_tensor_model_parallel_group()
         local = logits.chunk(group.size(), dim=-1)[group.rank()]
@@ -194,8 +218,14 @@ def _megatron_ce_crosscheck(seed: int) -> float:
         lb = megatron_ce(b.clone(), targets)
         (la * torch.arange(15.0).view(3, 5)).sum().backward()
         (lb * torch.arange(15.0).view(3, 5)).sum().backward()
-        full_loss = torch.nn.functional.cross_entropy(logits.view(15, 64), targets.view(15), reduction="none").view(3, 5)
-        return max((la - lb).abs().max().item(), (a.grad - b.grad).abs().max().item(), (la - full_loss).abs().max().item())
+        full_loss = torch.nn.functional.cross_entropy(
+            logits.view(15, 64), targets.view(15), reduction="none"
+        ).view(3, 5)
+        return max(
+            (la - lb).abs().max().item(),
+            (a.grad - b.grad).abs().max().item(),
+            (la - full_loss).abs().max().item(),
+        )
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -237,7 +267,9 @@ def _world4_worker(rank: int, world: int, dense: ModelConfig, demix: ModelConfig
 def _check_parity(res: dict, tp: int) -> None:
     assert res["full_vocab"] == res["local_vocab"] * tp
     assert res["grad_names_equal"] and res["grad_shapes_equal"]
-    assert res["zero_grads"] == [], f"reference gradients that are all zero (a vacuous comparison): {res['zero_grads']}"
+    assert res["zero_grads"] == [], (
+        f"reference gradients that are all zero (a vacuous comparison): {res['zero_grads']}"
+    )
     for key in ("logits", "loss", "token_loss"):
         assert res[key] < TOL, f"{key}: relative error {res[key]:.3g}"
     bad = {n: e for n, e in res["grads"].items() if not e < TOL}
@@ -280,7 +312,9 @@ def test_replicated_params_have_identical_grads_on_tp_ranks(tp2):
             assert res["replicated_grad_mismatch"] == {}
             names = set(res["replicated"])
             assert {"wpe.weight", "ln_f.weight", "blocks.0.ln1.bias", "blocks.1.attn.proj.bias"} <= names
-            assert not any(n.endswith(("qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias", "wte.weight")) for n in names)
+            assert not any(
+                n.endswith(("qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias", "wte.weight")) for n in names
+            )
     assert "blocks.0.ffn.mlp.fc2.bias" in tp2[0]["dense"]["replicated"]
     assert "blocks.1.ffn.experts.2.fc2.bias" in tp2[0]["demix"]["replicated"]
 
@@ -297,7 +331,9 @@ def test_tp2_runs_under_cpu_bf16_autocast_and_deep_copies(tp2):
     for rank_res in tp2:
         res = rank_res["autocast"]
         assert res["grad_dtypes"] == ["torch.float32"]
-        assert res["loss"] < 1e-3 and res["grad_norm_rel"] < 5e-2, res  # bf16 matmuls, different reduction split
+        assert res["loss"] < 1e-3 and res["grad_norm_rel"] < 5e-2, (
+            res
+        )  # bf16 matmuls, different reduction split
         assert res["deepcopy_loss"] == 0.0
 
 
@@ -310,6 +346,7 @@ def test_tp2_chunked_vocab_parallel_loss_matches_whole_and_tp1(tp2):
 
 
 # ---------------------------------------------------------------- multi-rank (4 processes)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,tp", [("tp4_dense", 4), ("tp4_demix", 4), ("tp2_in_world4", 2)])
@@ -357,7 +394,10 @@ def test_unpadded_vocab_is_a_value_error_pointing_at_the_padding():
 
     cfg = _cfg(make_vocab_size_divisible_by=1, vocab_size=511)
     model = GPT(cfg)  # vocab 511, odd
-    with pytest.raises(ValueError, match=r"padded vocabulary 511 is not divisible by tensor_parallel=2.*GPT\(cfg, tensor_parallel=2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"padded vocabulary 511 is not divisible by tensor_parallel=2.*GPT\(cfg, tensor_parallel=2\)",
+    ):
         apply_tensor_parallel(model, _FakeGroup(2))
     assert GPT(cfg, tensor_parallel=2).vocab_size % 2 == 0
 

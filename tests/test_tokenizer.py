@@ -7,10 +7,17 @@ from pathlib import Path
 import pytest
 
 from data.tokenizer import (
-    GPT2_FILE_SHA256, SentencePieceTokenizer, gpt2_data_dir, load_tokenizer, sha256_file, train_sentencepiece,
+    GPT2_FILE_SHA256,
+    SentencePieceTokenizer,
+    gpt2_data_dir,
+    load_tokenizer,
+    sha256_file,
+    train_sentencepiece,
 )
 
-CODE = "def f(x):\n\tif x:\n\t\treturn  x  # two  spaces\n    \n\r\n  trailing   \n\n\n    indented()\t# tab\n"
+CODE = (
+    "def f(x):\n\tif x:\n\t\treturn  x  # two  spaces\n    \n\r\n  trailing   \n\n\n    indented()\t# tab\n"
+)
 TEXTS = [
     "Hello world",
     "  leading and trailing spaces  ",
@@ -109,7 +116,10 @@ def test_gpt2_encoding_threads_own_their_encodings_and_are_kept():
     import copy
     import pickle
 
-    for twin in (pickle.loads(pickle.dumps(tok)), copy.deepcopy(tok)):  # a copy starts with no threads of its own
+    for twin in (
+        pickle.loads(pickle.dumps(tok)),
+        copy.deepcopy(tok),
+    ):  # a copy starts with no threads of its own
         assert twin._pools[1] == {} and [ids for _, _, ids in _own_encodings(twin, 2)] == [want] * 2
 
 

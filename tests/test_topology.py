@@ -130,7 +130,9 @@ def test_describe_is_compact_and_json_ready(topo):
 def test_even_128_gpus_tp2_eight_domains():
     t = build_topology(128, 2, 8, domain_names=[f"d{i}" for i in range(8)])
     assert t.dp_size == 64 and t.allocation == (8,) * 8
-    assert t.expert_group(0, 0) == tuple(range(0, 16, 2)) and t.expert_group(7, 1) == tuple(range(113, 128, 2))
+    assert t.expert_group(0, 0) == tuple(range(0, 16, 2)) and t.expert_group(7, 1) == tuple(
+        range(113, 128, 2)
+    )
     assert t.rank_info(127) == t.rank_info(127).__class__(127, 1, 63, (7,), 7, 8)
     assert t.domains_of_rank(0) == (0,) and t.ranks_of_domain(3) == tuple(range(48, 64))
     assert t.describe()["domains"][3]["global_ranks"] == "48-63"
@@ -155,8 +157,10 @@ def test_more_domains_than_ranks_splits_domains_contiguously():
         ((16, 1, 8, [2, 2]), ["has 2 entries but needs 8", "sums to 4 but must sum to 16"]),
         ((16, 2, 8, [1, 1, 1, 1, 1, 1, 1, 0]), ["counts [0] < 1", "sums to 7 but must sum to 8"]),
         ((16, 1, 4, [8, 4, 4, -1]), ["counts [-1] < 1", "sums to 15 but must sum to 16"]),
-        ((4, 1, 8, [2, 2, 2, 2, 0, 0, 0, 0]),
-         ["needs 4 (domains per data-parallel rank)", "fewer data-parallel ranks (4)"]),
+        (
+            (4, 1, 8, [2, 2, 2, 2, 0, 0, 0, 0]),
+            ["needs 4 (domains per data-parallel rank)", "fewer data-parallel ranks (4)"],
+        ),
         ((8, 0, 8), ["tensor_parallel=0"]),
         ((8, 1, 0), ["num_domains=0"]),
         ((8, 1, 2, None, ["a"]), ["1 domain names"]),
@@ -212,8 +216,13 @@ def test_deepspeed_layouts_for_world_8_ep_4():
     assert doc.expert_data_parallel[:4] == ((0, 8), (2, 10), (4, 12), (6, 14))
 
 
-EVEN = [(w, tp, g) for w in (1, 4, 8, 128, 1024) for tp in (1, 2, 4, 8) for g in (1, 2, 4, 8)
-        if w % tp == 0 and (w // tp < g and g % (w // tp) == 0 or w // tp >= g and (w // tp) % g == 0)]
+EVEN = [
+    (w, tp, g)
+    for w in (1, 4, 8, 128, 1024)
+    for tp in (1, 2, 4, 8)
+    for g in (1, 2, 4, 8)
+    if w % tp == 0 and (w // tp < g and g % (w // tp) == 0 or w // tp >= g and (w // tp) % g == 0)
+]
 
 
 @pytest.mark.parametrize("world, tp, domains", EVEN)
@@ -221,7 +230,9 @@ def test_even_topology_equals_deepspeed_data_before_expert(world, tp, domains):
     topo = build_topology(world, tp, domains)
     eq = deepspeed_equivalent(topo)
     assert eq is not None and eq["use_data_before_expert_parallelism"]
-    ds = deepspeed_moe_groups(world, eq["ep_size"], use_data_before_expert_parallelism=True, model_parallel=tp)
+    ds = deepspeed_moe_groups(
+        world, eq["ep_size"], use_data_before_expert_parallelism=True, model_parallel=tp
+    )
     assert deepspeed_mismatches(topo, ds, eq["num_experts"]) == []
     # every DeepSpeed expert-data-parallel group is exactly one of ours
     ours = {topo.expert_group(g, t) for g in range(domains) for t in range(tp)}
@@ -232,8 +243,9 @@ def test_deepspeed_default_order_does_not_match():
     topo = build_topology(128, 2, 8)
     ds = deepspeed_moe_groups(128, 8, model_parallel=2)  # E + D: strided expert-data-parallel groups
     assert deepspeed_mismatches(topo, ds)
-    legacy = deepspeed_moe_groups(128, 8, use_data_before_expert_parallelism=True, model_parallel=2,
-                                  expert_tensor_parallelism=False)  # ignores tp: groups mix tp ranks
+    legacy = deepspeed_moe_groups(
+        128, 8, use_data_before_expert_parallelism=True, model_parallel=2, expert_tensor_parallelism=False
+    )  # ignores tp: groups mix tp ranks
     assert deepspeed_mismatches(topo, legacy)
     no_tp = deepspeed_moe_groups(16, 8, use_data_before_expert_parallelism=True)
     assert deepspeed_mismatches(build_topology(16, 1, 8), no_tp) == []
@@ -273,19 +285,28 @@ def test_reproduction_matches_deepspeed_source(monkeypatch, world, ep, pp, data_
         fake = FakeDist()
         monkeypatch.setattr(groups, "dist", fake)
         monkeypatch.setattr(groups, "log_dist", lambda *a, **k: None)
-        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP",
-                     "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+        for name in (
+            "_EXPERT_PARALLEL_GROUP",
+            "_EXPERT_DATA_PARALLEL_GROUP",
+            "_EXPERT_PARALLEL_GROUP_RANKS",
+            "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+        ):
             monkeypatch.setattr(groups, name, {})
-        groups._create_expert_and_data_parallel(ep, mp_size=mp, pp_size=pp, use_data_before_expert_parallel_=data_first)
-        ours = ds_create_expert_and_data_parallel(world, ep, use_data_before_expert_parallelism=data_first,
-                                                  mp_size=mp, pp_size=pp)
+        groups._create_expert_and_data_parallel(
+            ep, mp_size=mp, pp_size=pp, use_data_before_expert_parallel_=data_first
+        )
+        ours = ds_create_expert_and_data_parallel(
+            world, ep, use_data_before_expert_parallelism=data_first, mp_size=mp, pp_size=pp
+        )
         if mp == 1:  # exact creation order: legacy path makes data groups first
             assert fake.made == list(ours.expert_data_parallel + ours.expert_parallel)
         elif pp == 1:  # mp > 1: per stage, expert-parallel groups first
             assert fake.made == list(ours.expert_parallel + ours.expert_data_parallel)
         assert sorted(fake.made) == sorted(ours.expert_parallel + ours.expert_data_parallel)
         name = f"ep_size_{ep}"  # what rank 0 keeps
-        assert tuple(groups._EXPERT_PARALLEL_GROUP_RANKS[name]) == next(g for g in ours.expert_parallel if 0 in g)
+        assert tuple(groups._EXPERT_PARALLEL_GROUP_RANKS[name]) == next(
+            g for g in ours.expert_parallel if 0 in g
+        )
         rank0_edp = next(g for g in ours.expert_data_parallel if 0 in g)
         assert tuple(groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name]) == rank0_edp
     for tp in (1, 2, 4):

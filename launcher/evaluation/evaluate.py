@@ -63,8 +63,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from data.argtypes import positive_int, unit_left_open
+from data.atomic import staged_dir
 from data.blocks import BlockDataset
 from data.catalog import DataError, check_tokenizer, read_token_manifest
+from data.cli import check_output_dir, cli_main, exit_process
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
 from launcher.config import RunConfig
 from launcher.distributed import ensure_env, start_distributed, training_device
@@ -72,13 +75,10 @@ from launcher.evaluation.prior_cache import PRIOR_CACHE_DIR, PriorCache, PriorEn
 from launcher.evaluation.progress import Progress, plan_line
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from launcher.evaluation.unigram import domain_unigram
+from launcher.typed import from_dict
 from model import mixture as mx
 from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
-from data.argtypes import positive_int, unit_left_open
-from data.atomic import staged_dir
-from data.cli import check_output_dir, cli_main, exit_process
-from launcher.typed import from_dict
 from parallel.precision import forward_precision, local_precision_problems
 
 DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
@@ -135,11 +135,17 @@ def resolve_eval_device(choice: str = "auto") -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         if choice == "cuda":
-            raise ValueError(f"--device cuda: CUDA is not available on this machine (torch {torch.__version__}, "
-                             f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu")
+            raise ValueError(
+                f"--device cuda: CUDA is not available on this machine (torch {torch.__version__}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu"
+            )
         return torch.device("cpu")
-    if choice == "auto" and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_backend() == "gloo":
+    if (
+        choice == "auto"
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_backend() == "gloo"
+    ):
         return torch.device("cpu")
     return training_device()
 
@@ -160,8 +166,12 @@ def resolve_eval_precision(choice: str, trained: str, device: torch.device) -> s
     return p
 
 
-def data_manifest(data_root: Union[str, Path], tokenizer: str, model_tokenizer_sha256: Optional[str] = None,
-                  model_vocab: Optional[int] = None) -> dict[str, Any]:
+def data_manifest(
+    data_root: Union[str, Path],
+    tokenizer: str,
+    model_tokenizer_sha256: Optional[str] = None,
+    model_vocab: Optional[int] = None,
+) -> dict[str, Any]:
     """The token manifest of `data_root/tokenizer`, refusing (DataError) tokens of another tokenizer than the
     model's (its consolidated checkpoint records the fingerprint): perplexities on them would be meaningless."""
     path = Path(data_root) / tokenizer / "manifest.json"
@@ -170,8 +180,9 @@ def data_manifest(data_root: Union[str, Path], tokenizer: str, model_tokenizer_s
     return manifest
 
 
-def check_checkpoint_data(c: Union[Consolidated, str, Path], data_root: Union[str, Path],
-                          tokenizer: Optional[str] = None) -> dict[str, Any]:
+def check_checkpoint_data(
+    c: Union[Consolidated, str, Path], data_root: Union[str, Path], tokenizer: Optional[str] = None
+) -> dict[str, Any]:
     """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size); a path reads only its
     meta.json, so a CLI checks the data before loading any tensor. `tokenizer` defaults to the checkpoint's."""
     meta = c.meta if isinstance(c, Consolidated) else read_meta(c)
@@ -187,8 +198,11 @@ def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) 
     return data, tokenizer
 
 
-def checkpoint_data(checkpoint: Union[Consolidated, str, Path], data: Optional[Union[str, Path]] = None,
-                    tokenizer: Optional[str] = None) -> tuple[str, str]:
+def checkpoint_data(
+    checkpoint: Union[Consolidated, str, Path],
+    data: Optional[Union[str, Path]] = None,
+    tokenizer: Optional[str] = None,
+) -> tuple[str, str]:
     """(data root, tokenizer) to evaluate or generate with: the ones given, else the checkpoint's own - the data.path
     and data.tokenizer its run config recorded, by `data_source` (the rule `launcher.modular.experts` uses too) -
     checked against its tokenizer fingerprint. A path reads only meta.json, so a CLI checks the data
@@ -198,22 +212,35 @@ def checkpoint_data(checkpoint: Union[Consolidated, str, Path], data: Optional[U
         c = checkpoint
     else:  # meta.json only: no tensor is read
         meta = read_meta(checkpoint)
-        c = Consolidated(cfg=from_dict(RunConfig, meta["config"], source=str(Path(checkpoint) / "meta.json")),
-                         domains=list(meta["domains"]), state_dict={}, step=int(meta.get("step", 0)), meta=meta)
+        c = Consolidated(
+            cfg=from_dict(RunConfig, meta["config"], source=str(Path(checkpoint) / "meta.json")),
+            domains=list(meta["domains"]),
+            state_dict={},
+            step=int(meta.get("step", 0)),
+            meta=meta,
+        )
     if data is None:
         recorded, name = Path(c.cfg.data.path), tokenizer or c.cfg.data.tokenizer
         if not (recorded / name / "manifest.json").is_file():
-            raise DataError(f"the checkpoint's recorded data is not there: its run config says data.path={recorded} "
-                            f"(tokenizer {name}), and {recorded / name / 'manifest.json'} is missing"
-                            + (f" (relative to {Path.cwd()})" if not recorded.is_absolute() else "")
-                            + "; pass --data DIR, the prepared tokens root the model was trained on (the directory "
-                            f"holding {name}/manifest.json, written by python -m data.prepare)")
+            raise DataError(
+                f"the checkpoint's recorded data is not there: its run config says data.path={recorded} "
+                f"(tokenizer {name}), and {recorded / name / 'manifest.json'} is missing"
+                + (f" (relative to {Path.cwd()})" if not recorded.is_absolute() else "")
+                + "; pass --data DIR, the prepared tokens root the model was trained on (the directory "
+                f"holding {name}/manifest.json, written by python -m data.prepare)"
+            )
     root, name = data_source(c, None if data is None else str(data), tokenizer)
     return str(root), name
 
 
-def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
-                max_blocks: Optional[int]) -> np.ndarray:
+def load_blocks(
+    data_root: Union[str, Path],
+    tokenizer: str,
+    domain: str,
+    split: str,
+    seq_len: int,
+    max_blocks: Optional[int],
+) -> np.ndarray:
     """The first `max_blocks` blocks (N x (T+1) tokens, in stream order) of a domain's split; N may be 0."""
     try:
         ds = BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len)
@@ -223,8 +250,14 @@ def load_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split:
     return np.stack([ds[i] for i in range(n)]) if n else np.zeros((0, seq_len + 1), dtype=np.int64)
 
 
-def count_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split: str, seq_len: int,
-                 max_blocks: Optional[int]) -> int:
+def count_blocks(
+    data_root: Union[str, Path],
+    tokenizer: str,
+    domain: str,
+    split: str,
+    seq_len: int,
+    max_blocks: Optional[int],
+) -> int:
     """How many blocks `load_blocks` returns, without reading them."""
     try:
         n = len(BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len))
@@ -233,17 +266,25 @@ def count_blocks(data_root: Union[str, Path], tokenizer: str, domain: str, split
     return n if max_blocks is None else min(n, max_blocks)
 
 
-def check_eval_request(checkpoint: Union[str, Path], data_root: Union[str, Path], tokenizer: Optional[str],
-                       split: str, domains: Optional[Sequence[str]], seq_len: Optional[int],
-                       allow_missing: bool = False) -> None:
+def check_eval_request(
+    checkpoint: Union[str, Path],
+    data_root: Union[str, Path],
+    tokenizer: Optional[str],
+    split: str,
+    domains: Optional[Sequence[str]],
+    seq_len: Optional[int],
+    allow_missing: bool = False,
+) -> None:
     """Refuse (ValueError), before a tensor is read, an evaluation whose tables would be nonsense: blocks longer than
     the model's context, a domain that is not in the data, a domain with no block in `split` (unless
     `allow_missing`: it is skipped with a note, its row left out), and a table with no rows at all."""
     meta = read_meta(checkpoint)
     context = int(meta["config"]["model"]["seq_len"])
     if seq_len is not None and seq_len > context:
-        raise ValueError(f"--seq-len {seq_len} is beyond the model's context ({context} tokens, model.seq_len of "
-                         f"{checkpoint}): it has no position embedding past it; use at most {context}")
+        raise ValueError(
+            f"--seq-len {seq_len} is beyond the model's context ({context} tokens, model.seq_len of "
+            f"{checkpoint}): it has no position embedding past it; use at most {context}"
+        )
     tokenizer = tokenizer or meta["config"]["data"]["tokenizer"]
     path = Path(data_root) / tokenizer / "manifest.json"
     have = list(read_token_manifest(path)["domains"])
@@ -254,11 +295,15 @@ def check_eval_request(checkpoint: Union[str, Path], data_root: Union[str, Path]
     T = seq_len or context
     empty = [d for d in names if not len(load_blocks(data_root, tokenizer, d, split, T, 1))]
     if len(empty) == len(names):
-        raise ValueError(f"no domain has a {split} block of {T}+1 tokens in {path.parent}: every table would have no "
-                         "rows; evaluate another --split, or a shorter --seq-len")
+        raise ValueError(
+            f"no domain has a {split} block of {T}+1 tokens in {path.parent}: every table would have no "
+            "rows; evaluate another --split, or a shorter --seq-len"
+        )
     if empty and not allow_missing:
-        raise ValueError(f"{empty} have no {split} block of {T}+1 tokens in {path.parent}: their rows would be missing "
-                         "from the tables; pass --allow-missing to evaluate the other domains, or a shorter --seq-len")
+        raise ValueError(
+            f"{empty} have no {split} block of {T}+1 tokens in {path.parent}: their rows would be missing "
+            "from the tables; pass --allow-missing to evaluate the other domains, or a shorter --seq-len"
+        )
 
 
 def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> tuple[torch.Tensor, ...]:
@@ -268,15 +313,21 @@ def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> 
         tokens, targets = x[:, :-1], x[:, 1:]
     else:
         T = x.shape[1] - 1
-        tokens = torch.cat([torch.full((x.shape[0], 1), domain_token, dtype=torch.long), x[:, :T - 1]], dim=1)
+        tokens = torch.cat(
+            [torch.full((x.shape[0], 1), domain_token, dtype=torch.long), x[:, : T - 1]], dim=1
+        )
         targets = x[:, :T]
     return tokens.contiguous(), targets.contiguous(), torch.ones(targets.shape, dtype=torch.float32)
 
 
 @torch.no_grad()
 def stream_log_likelihoods(
-    model: torch.nn.Module, tokens_NT: torch.Tensor, targets_NT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None, batch_size: int = 4, precision: str = "fp32",
+    model: torch.nn.Module,
+    tokens_NT: torch.Tensor,
+    targets_NT: torch.Tensor,
+    expert_ids: Optional[Sequence[int]] = None,
+    batch_size: int = 4,
+    precision: str = "fp32",
     on_blocks: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """ll E x N x T (fp32, on the host) over a stream of N blocks, scored on the model's device in `precision`
@@ -285,13 +336,16 @@ def stream_log_likelihoods(
     rank, world = _dist()
     N, T = tokens_NT.shape
     mine = list(range(rank, N, world))
-    device = next(model.parameters()).device  # the blocks are scored and summed over ranks there (NCCL: no CPU)
+    device = next(
+        model.parameters()
+    ).device  # the blocks are scored and summed over ranks there (NCCL: no CPU)
     parts = {}
     for s in range(0, len(mine), batch_size):
-        idx = mine[s:s + batch_size]
+        idx = mine[s : s + batch_size]
         with forward_precision(model, precision, device.type):
-            parts[tuple(idx)] = expert_log_likelihoods(model, tokens_NT[idx].to(device), targets_NT[idx].to(device),
-                                                       expert_ids)
+            parts[tuple(idx)] = expert_log_likelihoods(
+                model, tokens_NT[idx].to(device), targets_NT[idx].to(device), expert_ids
+            )
         if on_blocks is not None:
             on_blocks(min(N, (s + len(idx)) * world))
     E = next(iter(parts.values())).shape[0] if parts else max(1, len(expert_ids or demix_expert_ids(model)))
@@ -303,8 +357,15 @@ def stream_log_likelihoods(
     return full.cpu()
 
 
-def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int, precision: str = "fp32",
-                     on_blocks: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+def _domain_token_ll(
+    model,
+    blocks,
+    base: int,
+    num_domains: int,
+    batch_size: int,
+    precision: str = "fp32",
+    on_blocks: Optional[Callable[[int], None]] = None,
+) -> torch.Tensor:
     """+Domain-Token: ll under each domain token d (the token plays the expert's part), G x N x T."""
     out = []
     for d in range(num_domains):
@@ -314,9 +375,18 @@ def _domain_token_ll(model, blocks, base: int, num_domains: int, batch_size: int
     return torch.stack(out)
 
 
-def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, estimator: str = "mean",
-                  posterior: str = "prefix", precision: str = "fp32", on_blocks: Optional[Callable[[int], None]] = None,
-                  ) -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
+def _cached_prior(
+    model,
+    dev_blocks,
+    experts,
+    cached_blocks,
+    decay,
+    batch_size,
+    estimator: str = "mean",
+    posterior: str = "prefix",
+    precision: str = "fp32",
+    on_blocks: Optional[Callable[[int], None]] = None,
+) -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
     """The cached prior of one domain from its development blocks (None without any), and every estimator x
     posterior variant of it on the same log-likelihoods ({"<estimator>/<posterior>": {expert: p}}, Figure 4 for
     each choice)."""
@@ -327,32 +397,48 @@ def _cached_prior(model, dev_blocks, experts, cached_blocks, decay, batch_size, 
     variants = {}
     for est in mx.CACHED_ESTIMATORS:
         for post in mx.POSTERIORS:
-            v = mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if est == "updating" else None, est, post)
+            v = mx.estimate_cached_prior(
+                ll, experts, mask, cached_blocks, decay if est == "updating" else None, est, post
+            )
             variants[f"{est}/{post}"] = dict(zip(v.domains, v.probs))
-    prior = mx.estimate_cached_prior(ll, experts, mask, cached_blocks, decay if estimator == "updating" else None,
-                                     estimator, posterior)
+    prior = mx.estimate_cached_prior(
+        ll, experts, mask, cached_blocks, decay if estimator == "updating" else None, estimator, posterior
+    )
     return prior, variants
 
 
-def _domain_token_entry(model, blocks, base: int, train_domains: list[str], own: Optional[int],
-                        batch_size: int, precision: str = "fp32", on_blocks: Optional[Callable[[int], None]] = None,
-                        ) -> dict[str, Any]:
+def _domain_token_entry(
+    model,
+    blocks,
+    base: int,
+    train_domains: list[str],
+    own: Optional[int],
+    batch_size: int,
+    precision: str = "fp32",
+    on_blocks: Optional[Callable[[int], None]] = None,
+) -> dict[str, Any]:
     """+Domain-Token: own token in-domain, the best token on a novel domain (DEMix §5.3)."""
     ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size, precision, on_blocks)
     mask = torch.ones(ll.shape[1:])
     exp_ppl = mx.expert_perplexities(ll, mask)
     best = mx.naive_expert(ll, own, mask)
     nll, tokens = block_sums(ll[best], mask)
-    return {"expert_ppl": dict(zip(train_domains, exp_ppl)), "naive_expert": train_domains[best],
-            "ppl": {"ppl": exp_ppl[best]}, "block_nll": {"ppl": nll}, "block_tokens": tokens}
+    return {
+        "expert_ppl": dict(zip(train_domains, exp_ppl)),
+        "naive_expert": train_domains[best],
+        "ppl": {"ppl": exp_ppl[best]},
+        "block_nll": {"ppl": nll},
+        "block_tokens": tokens,
+    }
 
 
 def _mean(values: list[float]) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
-def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay,
-                  posterior: str = "prefix") -> dict[str, Any]:
+def _demix_domain(
+    ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay, posterior: str = "prefix"
+) -> dict[str, Any]:
     """Every mode's perplexity and the posterior statistics of one test domain."""
     E = ll_EBT.shape[0]
     uniform = mx.uniform_log_prior(E)
@@ -360,7 +446,9 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
     naive = mx.naive_expert(ll_EBT, own, mask_BT)
     upd = mx.updating_priors(ll_EBT, mask_BT, decay, posterior=posterior)
     res: dict[str, Any] = {
-        "expert_ppl": dict(zip(experts, exp_ppl)), "naive_expert": experts[naive], "ppl": {},
+        "expert_ppl": dict(zip(experts, exp_ppl)),
+        "naive_expert": experts[naive],
+        "ppl": {},
         "posterior": {
             "updating_mean_end_of_block": dict(zip(experts, upd.log_posterior_EB.exp().mean(dim=1).tolist())),
             "updating_final_prior": dict(zip(experts, upd.final_log_prior_E.exp().tolist())),
@@ -384,16 +472,23 @@ def _demix_domain(ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, deca
             else:
                 top = mx.topk_mixture_log_probs(ll_EBT, lp_E, min(topk, E), mask_BT, posterior=posterior)
                 lp = top.log_probs_BT
-                res["topk"] = {"k": min(topk, E), "experts": [experts[j] for j in top.experts],
-                               "experts_evaluated": top.experts_evaluated, "of": E}
+                res["topk"] = {
+                    "k": min(topk, E),
+                    "experts": [experts[j] for j in top.experts],
+                    "experts_evaluated": top.experts_evaluated,
+                    "of": E,
+                }
         else:
             raise ValueError(f"mode {mode!r}: choose from {', '.join(DEMIX_MODES)}")
         res["ppl"][mode] = mx.perplexity(lp, mask_BT)
         res.setdefault("block_nll", {})[mode], res["block_tokens"] = block_sums(lp, mask_BT)
     if cached_prior is not None:
-        res["cached_prior"] = {"probs": dict(zip(cached_prior.domains, cached_prior.probs)),
-                               "blocks": cached_prior.blocks, "estimator": cached_prior.estimator,
-                               "posterior": cached_prior.posterior}
+        res["cached_prior"] = {
+            "probs": dict(zip(cached_prior.domains, cached_prior.probs)),
+            "blocks": cached_prior.blocks,
+            "estimator": cached_prior.estimator,
+            "posterior": cached_prior.posterior,
+        }
     return res
 
 
@@ -458,36 +553,62 @@ def _agree_over_ranks(hits: list[str], need: list[str], device: torch.device) ->
     return [d for d, f in zip(need, flags.tolist()) if f > 0]
 
 
-def _prior_plan(e: _Eval, domains: list[str], given: Optional[dict[str, mx.CachedPrior]],
-                cache: Optional[PriorCache], say: Callable[[str], None],
-                ) -> tuple[PriorEntries, dict[str, int], str, Optional[dict[str, Any]]]:
+def _prior_plan(
+    e: _Eval,
+    domains: list[str],
+    given: Optional[dict[str, mx.CachedPrior]],
+    cache: Optional[PriorCache],
+    say: Callable[[str], None],
+) -> tuple[PriorEntries, dict[str, int], str, Optional[dict[str, Any]]]:
     """The priors given or cached, the development blocks to score for the other domains, the plan line's
     "prior: ..." clause, and the cache key (None without a cache)."""
     entries: PriorEntries = {d: {"prior": given[d], "given": True} for d in domains if given and d in given}
     need = [d for d in domains if d not in entries]
     key, cached = None, {}
     if cache is not None and need:
-        key = cache.fingerprint(data_fingerprint(e.data_root, e.tokenizer, e.dev_split), {
-            "dev_split": e.dev_split, "cached_blocks": e.cached_blocks, "seq_len": e.seq_len, "decay": e.decay,
-            "estimator": e.cached_estimator, "posterior": e.posterior, "precision": e.precision,
-            "device": e.device.type, "experts": e.experts})
+        key = cache.fingerprint(
+            data_fingerprint(e.data_root, e.tokenizer, e.dev_split),
+            {
+                "dev_split": e.dev_split,
+                "cached_blocks": e.cached_blocks,
+                "seq_len": e.seq_len,
+                "decay": e.decay,
+                "estimator": e.cached_estimator,
+                "posterior": e.posterior,
+                "precision": e.precision,
+                "device": e.device.type,
+                "experts": e.experts,
+            },
+        )
         cached, why = cache.read(key)
         if why:
             say(f"[eval] prior cache not used: {why}")
     hits = _agree_over_ranks([d for d in need if d in cached], need, e.device)
     entries.update({d: cached[d] for d in hits})
-    to_score = {d: count_blocks(e.data_root, e.tokenizer, d, e.dev_split, e.seq_len, e.cached_blocks)
-                for d in need if d not in hits}
+    to_score = {
+        d: count_blocks(e.data_root, e.tokenizer, d, e.dev_split, e.seq_len, e.cached_blocks)
+        for d in need
+        if d not in hits
+    }
     parts = []
     if hits:
-        parts.append(f"prior: cached from {cache.file(key)}" + (f" for {', '.join(hits)}" if to_score else "")
-                     + f" (its {e.cached_blocks} {e.dev_split} blocks per domain are not scored again)")
+        parts.append(
+            f"prior: cached from {cache.file(key)}"
+            + (f" for {', '.join(hits)}" if to_score else "")
+            + f" (its {e.cached_blocks} {e.dev_split} blocks per domain are not scored again)"
+        )
     if to_score:
         n = sorted(set(to_score.values()))
-        where = (f"once per checkpoint: cached in {cache.file(key)}" if cache is not None
-                 else "not cached: evaluate_checkpoint(prior_cache=True) or the command caches it")
-        parts.append(f"prior: scoring {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} {e.dev_split} blocks per domain"
-                     + (f" for {', '.join(to_score)}" if hits else f" ({len(to_score)} domains)") + f", {where}")
+        where = (
+            f"once per checkpoint: cached in {cache.file(key)}"
+            if cache is not None
+            else "not cached: evaluate_checkpoint(prior_cache=True) or the command caches it"
+        )
+        parts.append(
+            f"prior: scoring {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} {e.dev_split} blocks per domain"
+            + (f" for {', '.join(to_score)}" if hits else f" ({len(to_score)} domains)")
+            + f", {where}"
+        )
     if len(entries) > len(hits):
         parts.append("prior: given for " + ", ".join(d for d in entries if entries[d].get("given")))
     return entries, to_score, "; ".join(parts), key
@@ -499,15 +620,30 @@ def _score_priors(e: _Eval, to_score: dict[str, int], prog: Progress) -> PriorEn
     for dom in to_score:
         prog.start(f"prior {dom} ({e.dev_split})")
         dev = load_blocks(e.data_root, e.tokenizer, dom, e.dev_split, e.seq_len, e.cached_blocks)
-        prior, variants = _cached_prior(e.model, dev, e.experts, e.cached_blocks, e.decay, e.batch_size,
-                                        e.cached_estimator, e.posterior, e.precision, prog.at)
+        prior, variants = _cached_prior(
+            e.model,
+            dev,
+            e.experts,
+            e.cached_blocks,
+            e.decay,
+            e.batch_size,
+            e.cached_estimator,
+            e.posterior,
+            e.precision,
+            prog.at,
+        )
         out[dom] = {"prior": prior, "variants": variants}
         prog.stage_done(len(dev))
     return out
 
 
-def _save_priors(cache: Optional[PriorCache], key: Optional[dict[str, Any]], scored: PriorEntries, seconds: float,
-                 say: Callable[[str], None]) -> None:
+def _save_priors(
+    cache: Optional[PriorCache],
+    key: Optional[dict[str, Any]],
+    scored: PriorEntries,
+    seconds: float,
+    say: Callable[[str], None],
+) -> None:
     """Write the priors scored here into the checkpoint's cache (rank 0; a read-only place is only noted)."""
     if cache is None or key is None or not scored or _dist()[0] != 0:
         return
@@ -517,8 +653,9 @@ def _save_priors(cache: Optional[PriorCache], key: Optional[dict[str, Any]], sco
         say(f"[eval] prior: not cached ({err})")
 
 
-def _evaluate_domain(e: _Eval, dom: str, prior: Optional[dict[str, Any]], prog: Progress,
-                     say: Callable[[str], None]) -> dict[str, Any]:
+def _evaluate_domain(
+    e: _Eval, dom: str, prior: Optional[dict[str, Any]], prog: Progress, say: Callable[[str], None]
+) -> dict[str, Any]:
     """One domain's entry of eval.json: every mode from the same log-likelihoods of its test blocks."""
     role = "train" if dom in e.train_domains else "novel"
     own = e.train_domains.index(dom) if role == "train" else None
@@ -528,38 +665,79 @@ def _evaluate_domain(e: _Eval, dom: str, prior: Optional[dict[str, Any]], prog: 
     entry: dict[str, Any] = {"role": role, "blocks": int(len(blocks)), "tokens": int(mask.sum())}
     if e.unigram:
         try:
-            entry["unigram"] = domain_unigram(e.data_root, e.tokenizer, dom, e.seq_len,
-                                              int(e.manifest["tokenizer"]["vocab_size"]), targets, mask, e.dev_split)
+            entry["unigram"] = domain_unigram(
+                e.data_root,
+                e.tokenizer,
+                dom,
+                e.seq_len,
+                int(e.manifest["tokenizer"]["vocab_size"]),
+                targets,
+                mask,
+                e.dev_split,
+            )
         except ValueError as err:
             say(f"[eval] {dom}: no unigram baseline ({err})")
     if e.experts:
         ll = stream_log_likelihoods(e.model, tokens, targets, None, e.batch_size, e.precision, prog.at)
         if prior and prior.get("variants"):
             entry["cached_prior_variants"] = prior["variants"]
-        entry.update(_demix_domain(ll, mask, own, e.experts, e.modes, prior["prior"] if prior else None, e.topk,
-                                   e.decay, e.posterior))
+        entry.update(
+            _demix_domain(
+                ll,
+                mask,
+                own,
+                e.experts,
+                e.modes,
+                prior["prior"] if prior else None,
+                e.topk,
+                e.decay,
+                e.posterior,
+            )
+        )
     elif e.domain_token:
         base = int(e.manifest["tokenizer"]["vocab_size"])
-        entry.update(_domain_token_entry(e.model, blocks, base, e.train_domains, own, e.batch_size, e.precision,
-                                         prog.at))
+        entry.update(
+            _domain_token_entry(
+                e.model, blocks, base, e.train_domains, own, e.batch_size, e.precision, prog.at
+            )
+        )
     else:
         ll = stream_log_likelihoods(e.model, tokens, targets, None, e.batch_size, e.precision, prog.at)
         entry["ppl"] = {"ppl": mx.perplexity(ll[0], mask)}
         nll, entry["block_tokens"] = block_sums(ll[0], mask)
         entry["block_nll"] = {"ppl": nll}
-    prog.stage_done(len(blocks) * e.passes_per_block,
-                    "done: " + ", ".join(f"{m} {_fmt(v)}" for m, v in entry["ppl"].items()))
+    prog.stage_done(
+        len(blocks) * e.passes_per_block,
+        "done: " + ", ".join(f"{m} {_fmt(v)}" for m, v in entry["ppl"].items()),
+    )
     return entry
 
 
 def evaluate_model(
-    model: torch.nn.Module, cfg: Any, train_domains: Sequence[str], data_root: Union[str, Path], *,
-    tokenizer: Optional[str] = None, split: str = "test", dev_split: str = "valid", max_blocks: Optional[int] = None,
-    modes: Sequence[str] = DEMIX_MODES, domains: Optional[Sequence[str]] = None, batch_size: int = 4,
-    cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
-    seq_len: Optional[int] = None, out_dir: Optional[Union[str, Path]] = None, progress: bool = True,
-    extra: Optional[dict[str, Any]] = None, cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
-    posterior: str = "prefix", cached_estimator: str = "mean", unigram: bool = True, precision: str = "fp32",
+    model: torch.nn.Module,
+    cfg: Any,
+    train_domains: Sequence[str],
+    data_root: Union[str, Path],
+    *,
+    tokenizer: Optional[str] = None,
+    split: str = "test",
+    dev_split: str = "valid",
+    max_blocks: Optional[int] = None,
+    modes: Sequence[str] = DEMIX_MODES,
+    domains: Optional[Sequence[str]] = None,
+    batch_size: int = 4,
+    cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
+    decay: float = mx.UPDATING_DECAY,
+    topk: int = 2,
+    seq_len: Optional[int] = None,
+    out_dir: Optional[Union[str, Path]] = None,
+    progress: bool = True,
+    extra: Optional[dict[str, Any]] = None,
+    cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
+    posterior: str = "prefix",
+    cached_estimator: str = "mean",
+    unigram: bool = True,
+    precision: str = "fp32",
     prior_cache: Optional[PriorCache] = None,
 ) -> dict[str, Any]:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data, on the model's device in
@@ -569,49 +747,103 @@ def evaluate_model(
     With `progress`, a plan line (work, estimated time, the prior's cost) and then block counts with an ETA go to
     stderr (launcher/evaluation/progress.py). Returns the dict documented in `EVAL_SCHEMA`."""
     if posterior not in mx.POSTERIORS or cached_estimator not in mx.CACHED_ESTIMATORS:
-        raise ValueError(f"posterior={posterior!r} / cached_estimator={cached_estimator!r}: choose from "
-                         f"{', '.join(mx.POSTERIORS)} / {', '.join(mx.CACHED_ESTIMATORS)}")
+        raise ValueError(
+            f"posterior={posterior!r} / cached_estimator={cached_estimator!r}: choose from "
+            f"{', '.join(mx.POSTERIORS)} / {', '.join(mx.CACHED_ESTIMATORS)}"
+        )
     t0 = time.perf_counter()
     say = functools.partial(_say, progress)
     tokenizer, seq_len = tokenizer or cfg.data.tokenizer, seq_len or cfg.model.seq_len
     if seq_len > cfg.model.seq_len:
         raise ValueError(f"seq_len={seq_len} is beyond the model's context ({cfg.model.seq_len} tokens)")
-    manifest = data_manifest(data_root, tokenizer, (extra or {}).get("tokenizer_sha256"), (extra or {}).get("vocab_size"))
+    manifest = data_manifest(
+        data_root, tokenizer, (extra or {}).get("tokenizer_sha256"), (extra or {}).get("vocab_size")
+    )
     all_domains = list(domains) if domains is not None else list(manifest["domains"])
     is_demix = bool(demix_expert_ids(model))
     experts = list(train_domains) if is_demix else []
     if is_demix and len(experts) != len(demix_expert_ids(model)):
         raise ValueError(f"{len(experts)} domain names for {len(demix_expert_ids(model))} experts")
-    e = _Eval(model.eval(), data_root, tokenizer, manifest, list(train_domains), experts,
-              [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"], split, dev_split, seq_len, max_blocks,
-              batch_size, normalise_precision(precision), cached_blocks, decay, topk, posterior, cached_estimator,
-              unigram, cfg.data.mixture == "domain_token")
+    e = _Eval(
+        model.eval(),
+        data_root,
+        tokenizer,
+        manifest,
+        list(train_domains),
+        experts,
+        [m for m in modes if m in DEMIX_MODES] if is_demix else ["ppl"],
+        split,
+        dev_split,
+        seq_len,
+        max_blocks,
+        batch_size,
+        normalise_precision(precision),
+        cached_blocks,
+        decay,
+        topk,
+        posterior,
+        cached_estimator,
+        unigram,
+        cfg.data.mixture == "domain_token",
+    )
     results: dict[str, Any] = {
-        "format": EVAL_FORMAT, "kind": cfg.model.ffn.kind, "data_mixture": cfg.data.mixture, "experts": experts,
-        "train_domains": list(train_domains), "split": split, "dev_split": dev_split, "seq_len": seq_len,
-        "max_blocks": max_blocks, "modes": e.modes, "decay": decay, "cached_blocks": cached_blocks, "topk": topk,
-        "posterior": posterior, "cached_estimator": cached_estimator, "device": str(e.device),
-        "precision": e.precision, **(extra or {}), "domains": {},
+        "format": EVAL_FORMAT,
+        "kind": cfg.model.ffn.kind,
+        "data_mixture": cfg.data.mixture,
+        "experts": experts,
+        "train_domains": list(train_domains),
+        "split": split,
+        "dev_split": dev_split,
+        "seq_len": seq_len,
+        "max_blocks": max_blocks,
+        "modes": e.modes,
+        "decay": decay,
+        "cached_blocks": cached_blocks,
+        "topk": topk,
+        "posterior": posterior,
+        "cached_estimator": cached_estimator,
+        "device": str(e.device),
+        "precision": e.precision,
+        **(extra or {}),
+        "domains": {},
     }
     plan = {d: count_blocks(data_root, tokenizer, d, split, seq_len, max_blocks) for d in all_domains}
     for dom in [d for d, n in plan.items() if not n]:
         say(f"[eval] {dom}/{split}: no blocks of {seq_len}+1 tokens, skipped")
     plan = {d: n for d, n in plan.items() if n}
     if not plan:
-        raise ValueError(f"no domain of {all_domains} has a {split} block of {seq_len}+1 tokens in {data_root}/"
-                         f"{tokenizer}: the evaluation has no rows")
+        raise ValueError(
+            f"no domain of {all_domains} has a {split} block of {seq_len}+1 tokens in {data_root}/"
+            f"{tokenizer}: the evaluation has no rows"
+        )
     priors, to_score, prior_note, key = ({}, {}, "", None)
     if is_demix and any(m in e.modes for m in ("cached", "topk")):
         priors, to_score, prior_note, key = _prior_plan(e, list(plan), cached_priors, prior_cache, say)
-        results["prior_cache"] = {"file": str(prior_cache.file(key)) if key else None,
-                                  "from_cache": [d for d in priors if not priors[d].get("given")],
-                                  "scored": list(to_score)}
+        results["prior_cache"] = {
+            "file": str(prior_cache.file(key)) if key else None,
+            "from_cache": [d for d in priors if not priors[d].get("given")],
+            "scored": list(to_score),
+        }
     elif is_demix:
         priors = {d: {"prior": p, "given": True} for d, p in (cached_priors or {}).items() if d in plan}
         prior_note = "prior: none (no cached/topk mode)"
     sec, timed = _time_block_pass(e, next(iter(plan))) if progress and _dist()[0] == 0 else (None, 0)
-    say(plan_line(plan, split, seq_len, len(experts), e.modes, e.passes_per_block, to_score, dev_split, prior_note,
-                  sec, timed, _dist()[1]))
+    say(
+        plan_line(
+            plan,
+            split,
+            seq_len,
+            len(experts),
+            e.modes,
+            e.passes_per_block,
+            to_score,
+            dev_split,
+            prior_note,
+            sec,
+            timed,
+            _dist()[1],
+        )
+    )
     prog = Progress(sum(plan.values()) * e.passes_per_block + sum(to_score.values()), say)
     t_prior = time.perf_counter()
     scored = _score_priors(e, to_score, prog)
@@ -622,7 +854,9 @@ def evaluate_model(
         results["domains"][dom] = _evaluate_domain(e, dom, priors.get(dom), prog, say)
     results["tables"] = summary_tables(results)
     results["seconds"] = round(time.perf_counter() - t0, 3)
-    if out_dir is not None and _dist()[0] == 0:  # the estimated priors are written with the report, not midway
+    if (
+        out_dir is not None and _dist()[0] == 0
+    ):  # the estimated priors are written with the report, not midway
         results["files"] = write_outputs(results, out_dir, estimated)
     # cached only once the evaluation has succeeded (its outputs published): a failed one leaves nothing behind
     _save_priors(prior_cache, key, scored, prior_seconds, say)
@@ -630,9 +864,13 @@ def evaluate_model(
 
 
 def evaluate_checkpoint(
-    ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], exclude_experts: Sequence[str] = (),
-    device: Union[str, torch.device] = "auto", precision: str = "auto",
-    prior_cache: Union[bool, str, Path, PriorCache, None] = None, **kwargs: Any,
+    ckpt: Union[str, Path, Consolidated],
+    data_root: Union[str, Path],
+    exclude_experts: Sequence[str] = (),
+    device: Union[str, torch.device] = "auto",
+    precision: str = "auto",
+    prior_cache: Union[bool, str, Path, PriorCache, None] = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it (same keyword
     arguments: tokenizer, split, dev_split, max_blocks, modes, domains, batch_size, cached_blocks, decay, topk,
@@ -650,10 +888,14 @@ def evaluate_checkpoint(
     `prior_cache`: True keeps the cached priors in CKPT_DIR/eval_prior_cache (launcher/evaluation/prior_cache.py,
     keyed by the checkpoint's recorded shard sums, the data and the prior's settings) and reuses them; a path, that
     directory; None/False, none (the priors are scored every time). Only for a checkpoint given by its path."""
-    dev = device if isinstance(device, torch.device) else resolve_eval_device(device)  # before loading anything
+    dev = (
+        device if isinstance(device, torch.device) else resolve_eval_device(device)
+    )  # before loading anything
     if prior_cache not in (None, False) and not isinstance(prior_cache, PriorCache):
         if isinstance(ckpt, Consolidated):
-            raise ValueError("prior_cache needs the checkpoint's path (an in-memory checkpoint has no recorded sums)")
+            raise ValueError(
+                "prior_cache needs the checkpoint's path (an in-memory checkpoint has no recorded sums)"
+            )
         prior_cache = PriorCache.beside(ckpt, exclude_experts, None if prior_cache is True else prior_cache)
     if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/surgery.py)
         from launcher.modular.surgery import load_without
@@ -661,14 +903,29 @@ def evaluate_checkpoint(
         c = load_without(ckpt, exclude_experts)
     else:
         c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
-    extra = {"checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt), "step": c.step,
-             "tokenizer_sha256": c.meta.get("tokenizer_sha256"), "vocab_size": c.meta.get("vocab_size"),
-             "excluded_experts": list(exclude_experts)}
+    extra = {
+        "checkpoint": None if isinstance(ckpt, Consolidated) else str(ckpt),
+        "step": c.step,
+        "tokenizer_sha256": c.meta.get("tokenizer_sha256"),
+        "vocab_size": c.meta.get("vocab_size"),
+        "excluded_experts": list(exclude_experts),
+    }
     prec = resolve_eval_precision(precision, c.cfg.train.precision, dev)
     if precision == "auto" and prec != normalise_precision(c.cfg.train.precision):
-        _say(kwargs.get("progress", True), f"[eval] trained in {c.cfg.train.precision}, evaluated in {prec} on {dev}")
-    return evaluate_model(c.build_model().to(dev), c.cfg, c.domains, data_root, extra=extra, precision=prec,
-                          prior_cache=prior_cache or None, **kwargs)
+        _say(
+            kwargs.get("progress", True),
+            f"[eval] trained in {c.cfg.train.precision}, evaluated in {prec} on {dev}",
+        )
+    return evaluate_model(
+        c.build_model().to(dev),
+        c.cfg,
+        c.domains,
+        data_root,
+        extra=extra,
+        precision=prec,
+        prior_cache=prior_cache or None,
+        **kwargs,
+    )
 
 
 def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
@@ -678,22 +935,37 @@ def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
     per_domain = {d: r["ppl"] for d, r in doms.items()}
     avg, avg_ci = {}, {}
     for role in ("train", "novel"):
-        avg[role] = {m: _mean([r["ppl"][m] for r in doms.values() if r["role"] == role and m in r["ppl"]])
-                     for m in results["modes"]}
+        avg[role] = {
+            m: _mean([r["ppl"][m] for r in doms.values() if r["role"] == role and m in r["ppl"]])
+            for m in results["modes"]
+        }
         avg_ci[role] = {}
         for m in results["modes"]:
-            blocks = [(r["block_nll"][m], r["block_tokens"]) for r in doms.values()
-                      if r["role"] == role and m in r.get("block_nll", {})]
+            blocks = [
+                (r["block_nll"][m], r["block_tokens"])
+                for r in doms.values()
+                if r["role"] == role and m in r.get("block_nll", {})
+            ]
             if blocks:
                 avg_ci[role][m] = list(bootstrap_mean_ppl(blocks)[1:])
-    per_domain_ci = {d: {m: list(bootstrap_ppl(nll, r["block_tokens"])[1:]) for m, nll in r.get("block_nll", {}).items()}
-                     for d, r in doms.items()}
-    unigram = {role: _mean([r["unigram"]["ppl"] for r in doms.values() if r["role"] == role and "unigram" in r])
-               for role in ("train", "novel")}
-    return {"in_domain_average": avg["train"], "novel_average": avg["novel"], "per_domain": per_domain,
-            "unigram_in_domain_average": unigram["train"], "unigram_novel_average": unigram["novel"],
-            "in_domain_average_ci": avg_ci["train"], "novel_average_ci": avg_ci["novel"],
-            "per_domain_ci": per_domain_ci}
+    per_domain_ci = {
+        d: {m: list(bootstrap_ppl(nll, r["block_tokens"])[1:]) for m, nll in r.get("block_nll", {}).items()}
+        for d, r in doms.items()
+    }
+    unigram = {
+        role: _mean([r["unigram"]["ppl"] for r in doms.values() if r["role"] == role and "unigram" in r])
+        for role in ("train", "novel")
+    }
+    return {
+        "in_domain_average": avg["train"],
+        "novel_average": avg["novel"],
+        "per_domain": per_domain,
+        "unigram_in_domain_average": unigram["train"],
+        "unigram_novel_average": unigram["novel"],
+        "in_domain_average_ci": avg_ci["train"],
+        "novel_average_ci": avg_ci["novel"],
+        "per_domain_ci": per_domain_ci,
+    }
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -703,54 +975,97 @@ def _fmt(v: Optional[float]) -> str:
 def markdown_report(results: dict[str, Any]) -> str:
     """The paper's tables as markdown (modes as rows)."""
     modes, doms, t = results["modes"], results["domains"], results["tables"]
-    label = (lambda m: f"DEMix ({m})") if results["experts"] else (lambda m: results["kind"] + (
-        " +Domain-Token" if results["data_mixture"] == "domain_token" else ""))
-    lines = [f"# Evaluation ({results['split']} split, {results['seq_len']}-token blocks"
-             + (f", at most {results['max_blocks']} blocks per domain" if results["max_blocks"] else "") + ")", ""]
+    label = (
+        (lambda m: f"DEMix ({m})")
+        if results["experts"]
+        else (
+            lambda m: (
+                results["kind"] + (" +Domain-Token" if results["data_mixture"] == "domain_token" else "")
+            )
+        )
+    )
+    lines = [
+        f"# Evaluation ({results['split']} split, {results['seq_len']}-token blocks"
+        + (f", at most {results['max_blocks']} blocks per domain" if results["max_blocks"] else "")
+        + ")",
+        "",
+    ]
     if results.get("checkpoint"):
         lines += [f"checkpoint: `{results['checkpoint']}` (step {results.get('step')})", ""]
     if results.get("precision", "fp32") != "fp32" or results.get("device", "cpu") != "cpu":
-        lines += [f"device: {results.get('device', 'cpu')}; precision: {results.get('precision', 'fp32')}"
-                  + (" (autocast: matmuls in half precision, log-likelihoods and sums in fp32)"
-                     if results.get("precision", "fp32") != "fp32" else ""), ""]
+        lines += [
+            f"device: {results.get('device', 'cpu')}; precision: {results.get('precision', 'fp32')}"
+            + (
+                " (autocast: matmuls in half precision, log-likelihoods and sums in fp32)"
+                if results.get("precision", "fp32") != "fp32"
+                else ""
+            ),
+            "",
+        ]
     if results["experts"]:
-        lines += [f"posterior: {results.get('posterior', 'prefix')} (evidence of every posterior); cached prior: "
-                  f"{results.get('cached_estimator', 'updating')} over {results['cached_blocks']} "
-                  f"{results['dev_split']} blocks; updating prior λ = {results['decay']}", ""]
-    lines += ["## In-domain average perplexity (cf. Table 3)", "", "| model | avg ppl | 95% interval (blocks) |",
-              "|---|---|---|"]
+        lines += [
+            f"posterior: {results.get('posterior', 'prefix')} (evidence of every posterior); cached prior: "
+            f"{results.get('cached_estimator', 'updating')} over {results['cached_blocks']} "
+            f"{results['dev_split']} blocks; updating prior λ = {results['decay']}",
+            "",
+        ]
+    lines += [
+        "## In-domain average perplexity (cf. Table 3)",
+        "",
+        "| model | avg ppl | 95% interval (blocks) |",
+        "|---|---|---|",
+    ]
     ci = t.get("in_domain_average_ci", {})
-    lines += [f"| {label(m)} | {_fmt(t['in_domain_average'][m])} | "
-              + (f"{_fmt(ci[m][0])} – {_fmt(ci[m][1])}" if m in ci else "–") + " |" for m in modes]
+    lines += [
+        f"| {label(m)} | {_fmt(t['in_domain_average'][m])} | "
+        + (f"{_fmt(ci[m][0])} – {_fmt(ci[m][1])}" if m in ci else "–")
+        + " |"
+        for m in modes
+    ]
     for role, title in (("train", "Training domains (cf. Table 4)"), ("novel", "Novel domains")):
         names = [d for d, r in doms.items() if r["role"] == role]
         if not names:
             continue
-        lines += ["", f"## {title}", "", "| model | " + " | ".join(names) + " | avg |", "|---" * (len(names) + 2) + "|"]
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| model | " + " | ".join(names) + " | avg |",
+            "|---" * (len(names) + 2) + "|",
+        ]
         for m in modes:
             cells = [_fmt(doms[d]["ppl"].get(m)) for d in names]
             avg = t["in_domain_average" if role == "train" else "novel_average"][m]
             lines.append(f"| {label(m)} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
         if any("unigram" in doms[d] for d in names):
             uni = t.get("unigram_in_domain_average" if role == "train" else "unigram_novel_average")
-            lines.append("| unigram (own train split) | " + " | ".join(
-                _fmt(doms[d]["unigram"]["ppl"]) if "unigram" in doms[d] else "–" for d in names) + f" | {_fmt(uni)} |")
+            lines.append(
+                "| unigram (own train split) | "
+                + " | ".join(_fmt(doms[d]["unigram"]["ppl"]) if "unigram" in doms[d] else "–" for d in names)
+                + f" | {_fmt(uni)} |"
+            )
     lines += ["", "## Novel-domain average perplexity (cf. Table 5)", "", "| model | avg ppl |", "|---|---|"]
     lines += [f"| {label(m)} | {_fmt(t['novel_average'][m])} |" for m in modes]
     naive = {d: r["naive_expert"] for d, r in doms.items() if "naive_expert" in r}
     if naive:
-        lines += ["", "naive expert per domain (own expert in-domain, best single expert on novel domains): "
-                  + ", ".join(f"{d} -> {e}" for d, e in naive.items())]
+        lines += [
+            "",
+            "naive expert per domain (own expert in-domain, best single expert on novel domains): "
+            + ", ".join(f"{d} -> {e}" for d, e in naive.items()),
+        ]
     tk = {d: r["topk"] for d, r in doms.items() if "topk" in r}
     if tk:
         k = next(iter(tk.values()))
-        lines += [f"top-k: k = {k['k']} of {k['of']} experts evaluated per token (chosen by the cached prior): "
-                  + ", ".join(f"{d} -> {'+'.join(v['experts'])}" for d, v in tk.items())]
+        lines += [
+            f"top-k: k = {k['k']} of {k['of']} experts evaluated per token (chosen by the cached prior): "
+            + ", ".join(f"{d} -> {'+'.join(v['experts'])}" for d, v in tk.items())
+        ]
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: dict[str, Any], out_dir: Union[str, Path],
-                  cached_priors: Optional[dict[str, Any]] = None) -> dict[str, str]:
+def write_outputs(
+    results: dict[str, Any], out_dir: Union[str, Path], cached_priors: Optional[dict[str, Any]] = None
+) -> dict[str, str]:
     """Write the report into `out_dir` (eval.json, eval.md, the figures, `cached_priors/<domain>.json` for each
     estimated prior); returns {name: path}. Staged and published together (data/atomic.py `staged_dir`): a failure
     (a full disk included) leaves no report without its eval.json."""
@@ -761,7 +1076,9 @@ def write_outputs(results: dict[str, Any], out_dir: Union[str, Path],
         for dom, prior in (cached_priors or {}).items():
             prior.save(tmp / "cached_priors" / f"{dom}.json")
         files = {"json": str(out_dir / "eval.json"), "markdown": str(out_dir / "eval.md")}
-        files.update({k: str(out_dir / Path(v).relative_to(tmp)) for k, v in write_figures(results, tmp).items()})
+        files.update(
+            {k: str(out_dir / Path(v).relative_to(tmp)) for k, v in write_figures(results, tmp).items()}
+        )
         results["files"] = files
         (tmp / "eval.md").write_text(markdown_report(results))
         write_json_atomic(tmp / "eval.json", results)
@@ -790,32 +1107,76 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--split", default="test")
     ap.add_argument("--dev-split", default="valid", help="split the cached prior is estimated on")
     ap.add_argument("--max-blocks", type=positive_int, help="at most N blocks per domain")
-    ap.add_argument("--modes", default=",".join(DEMIX_MODES), help="comma-separated subset of " + ",".join(DEMIX_MODES))
+    ap.add_argument(
+        "--modes", default=",".join(DEMIX_MODES), help="comma-separated subset of " + ",".join(DEMIX_MODES)
+    )
     ap.add_argument("--domains", help="comma-separated domains (default: all in the data manifest)")
     ap.add_argument("--cached-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS)
-    ap.add_argument("--decay", type=unit_left_open, default=mx.UPDATING_DECAY,
-                    help="λ of the updating prior (eq. 9), in (0, 1]")
+    ap.add_argument(
+        "--decay",
+        type=unit_left_open,
+        default=mx.UPDATING_DECAY,
+        help="λ of the updating prior (eq. 9), in (0, 1]",
+    )
     ap.add_argument("--topk", type=positive_int, default=2)
-    ap.add_argument("--posterior", choices=mx.POSTERIORS, default="prefix",
-                    help="evidence of every posterior: the whole prefix (eqs. 7-8) or the previous token (reference code)")
-    ap.add_argument("--cached-estimator", choices=mx.CACHED_ESTIMATORS, default="mean",
-                    help="cached prior: mean of the dev posteriors (paper), ewm (reference code, α=0.3) or eq. 9")
-    ap.add_argument("--batch-size", type=positive_int, default=4, help="blocks per batched pass (x E sequences)")
-    ap.add_argument("--seq-len", type=positive_int, help="block length (default and most: the model's context)")
-    ap.add_argument("--allow-missing", action="store_true",
-                    help="skip (with a note) domains with no block in --split instead of refusing the evaluation")
-    ap.add_argument("--out", default=None, help="output directory (default: CKPT_DIR/eval, with --exclude-experts "
-                    "CKPT_DIR/eval-without-<names>)")
-    ap.add_argument("--exclude-experts", default="",
-                    help="comma-separated DEMix experts to opt out: never read, no part in any output")
-    ap.add_argument("--device", choices=EVAL_DEVICES, default="auto",
-                    help="auto: this rank's GPU (cuda:LOCAL_RANK) where CUDA is available, else the CPU")
-    ap.add_argument("--precision", choices=EVAL_PRECISIONS, default="auto",
-                    help="auto: the checkpoint's train.precision on a GPU that has it (bf16/fp16 as autocast), fp32 "
-                         "on the CPU")
-    ap.add_argument("--prior-cache", metavar="DIR", help="where the cached priors are kept and reused (default: "
-                    f"CKPT_DIR/{PRIOR_CACHE_DIR}, keyed by the checkpoint's sums, the data and the prior's settings)")
-    ap.add_argument("--no-prior-cache", action="store_true", help="score the cached prior's dev blocks again, keep nothing")
+    ap.add_argument(
+        "--posterior",
+        choices=mx.POSTERIORS,
+        default="prefix",
+        help="evidence of every posterior: the whole prefix (eqs. 7-8) or the previous token (reference code)",
+    )
+    ap.add_argument(
+        "--cached-estimator",
+        choices=mx.CACHED_ESTIMATORS,
+        default="mean",
+        help="cached prior: mean of the dev posteriors (paper), ewm (reference code, α=0.3) or eq. 9",
+    )
+    ap.add_argument(
+        "--batch-size", type=positive_int, default=4, help="blocks per batched pass (x E sequences)"
+    )
+    ap.add_argument(
+        "--seq-len", type=positive_int, help="block length (default and most: the model's context)"
+    )
+    ap.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="skip (with a note) domains with no block in --split instead of refusing the evaluation",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: CKPT_DIR/eval, with --exclude-experts "
+        "CKPT_DIR/eval-without-<names>)",
+    )
+    ap.add_argument(
+        "--exclude-experts",
+        default="",
+        help="comma-separated DEMix experts to opt out: never read, no part in any output",
+    )
+    ap.add_argument(
+        "--device",
+        choices=EVAL_DEVICES,
+        default="auto",
+        help="auto: this rank's GPU (cuda:LOCAL_RANK) where CUDA is available, else the CPU",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=EVAL_PRECISIONS,
+        default="auto",
+        help="auto: the checkpoint's train.precision on a GPU that has it (bf16/fp16 as autocast), fp32 "
+        "on the CPU",
+    )
+    ap.add_argument(
+        "--prior-cache",
+        metavar="DIR",
+        help="where the cached priors are kept and reused (default: "
+        f"CKPT_DIR/{PRIOR_CACHE_DIR}, keyed by the checkpoint's sums, the data and the prior's settings)",
+    )
+    ap.add_argument(
+        "--no-prior-cache",
+        action="store_true",
+        help="score the cached prior's dev blocks again, keep nothing",
+    )
     ap.add_argument("--quiet", action="store_true", help="no plan line, progress or ETA on stderr")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -824,22 +1185,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
     resolve_eval_device(args.device)  # e.g. --device cuda without CUDA: refused before anything is read
     data, tokenizer = checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
-    check_eval_request(args.checkpoint, data, tokenizer, args.split,
-                       args.domains.split(",") if args.domains else None, args.seq_len, args.allow_missing)
+    check_eval_request(
+        args.checkpoint,
+        data,
+        tokenizer,
+        args.split,
+        args.domains.split(",") if args.domains else None,
+        args.seq_len,
+        args.allow_missing,
+    )
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
-    check_output_dir(Path(args.out or default_out), [EVAL_FORMAT], EVAL_FILES, inputs=[Path(data)],
-                     manifest="eval.json", what="--out")  # a user's eval.md is not replaced
+    check_output_dir(
+        Path(args.out or default_out),
+        [EVAL_FORMAT],
+        EVAL_FILES,
+        inputs=[Path(data)],
+        manifest="eval.json",
+        what="--out",
+    )  # a user's eval.md is not replaced
     device = _join_ranks(args.device)
-    _say(not args.quiet, f"[eval] {args.checkpoint} on {data}/{tokenizer}"
-         + ("" if args.data else " (the checkpoint's recorded data.path; --data DIR for another)"))
+    _say(
+        not args.quiet,
+        f"[eval] {args.checkpoint} on {data}/{tokenizer}"
+        + ("" if args.data else " (the checkpoint's recorded data.path; --data DIR for another)"),
+    )
     res = evaluate_checkpoint(
-        args.checkpoint, data, tokenizer=tokenizer, split=args.split, dev_split=args.dev_split,
-        max_blocks=args.max_blocks, modes=modes, domains=args.domains.split(",") if args.domains else None,
-        batch_size=args.batch_size, cached_blocks=args.cached_blocks, decay=args.decay, topk=args.topk,
-        posterior=args.posterior, cached_estimator=args.cached_estimator,
-        seq_len=args.seq_len, out_dir=args.out or str(default_out), exclude_experts=exclude,
-        device=device, precision=args.precision, progress=not args.quiet,
+        args.checkpoint,
+        data,
+        tokenizer=tokenizer,
+        split=args.split,
+        dev_split=args.dev_split,
+        max_blocks=args.max_blocks,
+        modes=modes,
+        domains=args.domains.split(",") if args.domains else None,
+        batch_size=args.batch_size,
+        cached_blocks=args.cached_blocks,
+        decay=args.decay,
+        topk=args.topk,
+        posterior=args.posterior,
+        cached_estimator=args.cached_estimator,
+        seq_len=args.seq_len,
+        out_dir=args.out or str(default_out),
+        exclude_experts=exclude,
+        device=device,
+        precision=args.precision,
+        progress=not args.quiet,
         prior_cache=False if args.no_prior_cache else (args.prior_cache or True),
     )
     if _dist()[0] == 0:

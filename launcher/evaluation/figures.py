@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
 from data.cli import cli_main, exit_process
 from data.readers import read_json_object
 
@@ -35,8 +36,15 @@ def _pyplot():
 
 
 def heatmap(
-    matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], path: Path, title: str, cbar: str,
-    fmt: str = "{:.2f}", cmap: str = "Blues", rule_after: Optional[int] = None,
+    matrix: np.ndarray,
+    rows: Sequence[str],
+    cols: Sequence[str],
+    path: Path,
+    title: str,
+    cbar: str,
+    fmt: str = "{:.2f}",
+    cmap: str = "Blues",
+    rule_after: Optional[int] = None,
 ) -> Path:
     """One annotated heatmap written to `path` (PNG)."""
     plt = _pyplot()
@@ -53,8 +61,15 @@ def heatmap(
     for i in range(n_r):
         for j in range(n_c):
             v = matrix[i, j]
-            ax.text(j, i, fmt.format(v) if np.isfinite(v) else "-", ha="center", va="center", fontsize=7,
-                    color="white" if np.isfinite(v) and v > mid else "black")
+            ax.text(
+                j,
+                i,
+                fmt.format(v) if np.isfinite(v) else "-",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if np.isfinite(v) and v > mid else "black",
+            )
     if rule_after is not None and 0 < rule_after < n_r:
         ax.axhline(rule_after - 0.5, color="red", linewidth=1.5)
     fig.colorbar(im, ax=ax, label=cbar)
@@ -72,26 +87,40 @@ def posterior_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], li
     doms = [d for d, r in results["domains"].items() if r.get("posterior")]
     train = [d for d in doms if results["domains"][d]["role"] == "train"]
     rows = train + [d for d in doms if d not in train]
-    m = np.array([[results["domains"][d]["posterior"]["updating_mean_end_of_block"][e] for e in experts] for d in rows])
+    m = np.array(
+        [[results["domains"][d]["posterior"]["updating_mean_end_of_block"][e] for e in experts] for d in rows]
+    )
     return m.reshape(len(rows), len(experts)), rows, experts, len(train)
 
 
-def cached_prior_matrix(results: dict[str, Any], variant: str) -> tuple[np.ndarray, list[str], list[str], int]:
+def cached_prior_matrix(
+    results: dict[str, Any], variant: str
+) -> tuple[np.ndarray, list[str], list[str], int]:
     """(matrix, row domains, expert names, training rows) of one cached-prior variant ("<estimator>/<posterior>")."""
     experts = results["experts"]
     doms = [d for d, r in results["domains"].items() if variant in r.get("cached_prior_variants", {})]
     train = [d for d in doms if results["domains"][d]["role"] == "train"]
     rows = train + [d for d in doms if d not in train]
-    m = np.array([[results["domains"][d]["cached_prior_variants"][variant][e] for e in experts] for d in rows])
+    m = np.array(
+        [[results["domains"][d]["cached_prior_variants"][variant][e] for e in experts] for d in rows]
+    )
     return m.reshape(len(rows), len(experts)), rows, experts, len(train)
 
 
 def specialisation_matrix(results: dict[str, Any]) -> tuple[np.ndarray, list[str], list[str]]:
     """(ppl ratio matrix, training-domain rows, expert names) for Figure 2."""
     experts = results["experts"]
-    rows = [d for d, r in results["domains"].items() if r["role"] == "train" and r.get("expert_ppl") and d in experts]
-    m = np.array([[results["domains"][d]["expert_ppl"][e] / results["domains"][d]["expert_ppl"][d] for e in experts]
-                  for d in rows])
+    rows = [
+        d
+        for d, r in results["domains"].items()
+        if r["role"] == "train" and r.get("expert_ppl") and d in experts
+    ]
+    m = np.array(
+        [
+            [results["domains"][d]["expert_ppl"][e] / results["domains"][d]["expert_ppl"][d] for e in experts]
+            for d in rows
+        ]
+    )
     return m.reshape(len(rows), len(experts)), rows, experts
 
 
@@ -102,25 +131,47 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
         return written
     m, rows, cols, n_train = posterior_matrix(results)
     if len(rows):
-        written["posteriors"] = str(heatmap(
-            m, rows, cols, out_dir / "posteriors.png", cbar="p(D = expert | block)",
-            title=f"Domain posteriors, updating prior (λ={results['decay']}), mean at the end of "
-                  f"{results['split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
-            rule_after=n_train))
+        written["posteriors"] = str(
+            heatmap(
+                m,
+                rows,
+                cols,
+                out_dir / "posteriors.png",
+                cbar="p(D = expert | block)",
+                title=f"Domain posteriors, updating prior (λ={results['decay']}), mean at the end of "
+                f"{results['split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
+                rule_after=n_train,
+            )
+        )
     names = sorted({v for r in results["domains"].values() for v in r.get("cached_prior_variants", {})})
     for name in names:
         m, rows, cols, n_train = cached_prior_matrix(results, name)
         est, post = name.split("/")
-        written[f"cached_prior_{est}_{post}"] = str(heatmap(
-            m, rows, cols, out_dir / f"cached_prior_{est}_{post}.png", cbar="cached p(D = expert)",
-            title=f"Cached prior, estimator {est}, posterior {post}, from {results['cached_blocks']} "
-                  f"{results['dev_split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
-            rule_after=n_train))
+        written[f"cached_prior_{est}_{post}"] = str(
+            heatmap(
+                m,
+                rows,
+                cols,
+                out_dir / f"cached_prior_{est}_{post}.png",
+                cbar="cached p(D = expert)",
+                title=f"Cached prior, estimator {est}, posterior {post}, from {results['cached_blocks']} "
+                f"{results['dev_split']} blocks (cf. DEMix Fig. 4); training domains above the rule",
+                rule_after=n_train,
+            )
+        )
     m, rows, cols = specialisation_matrix(results)
     if len(rows):
-        written["specialisation"] = str(heatmap(
-            m, rows, cols, out_dir / "specialisation.png", cbar="ppl(expert) / ppl(own expert)", cmap="Reds",
-            title="Expert specialisation: ppl of expert j on domain i / ppl of domain i's expert (cf. DEMix Fig. 2)"))
+        written["specialisation"] = str(
+            heatmap(
+                m,
+                rows,
+                cols,
+                out_dir / "specialisation.png",
+                cbar="ppl(expert) / ppl(own expert)",
+                cmap="Reds",
+                title="Expert specialisation: ppl of expert j on domain i / ppl of domain i's expert (cf. DEMix Fig. 2)",
+            )
+        )
     return written
 
 
@@ -135,8 +186,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         written = write_figures(results, args.out or path.parent)
     except (LookupError, TypeError, AttributeError) as e:  # an entry of another shape than evaluate writes
-        raise ValueError(f"{path} is not an eval.json of launcher.evaluation.evaluate ({type(e).__name__}: "
-                         f"{e})") from None
+        raise ValueError(
+            f"{path} is not an eval.json of launcher.evaluation.evaluate ({type(e).__name__}: {e})"
+        ) from None
     for name, p in written.items():
         print(f"{name}: {p}")
     return 0

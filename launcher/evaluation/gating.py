@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+
 from data.argtypes import positive_int
 from data.atomic import staged_dir
 from data.cli import cli_main, exit_process
@@ -81,12 +82,17 @@ def write_gating_report(matrix: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     # both files staged and published together (data/atomic.py `staged_dir`): a failure leaves neither
     with staged_dir(out, manifest="gating.json", shared=True) as tmp:
-        report = {**matrix, "row_entropy": {l: [row_entropy(r) for r in m] for l, m in matrix["layers"].items()},
-                  "uniform_entropy": math.log(matrix["num_experts"])}
+        report = {
+            **matrix,
+            "row_entropy": {l: [row_entropy(r) for r in m] for l, m in matrix["layers"].items()},
+            "uniform_entropy": math.log(matrix["num_experts"]),
+        }
         (tmp / "gating.json").write_text(json.dumps(report, indent=2) + "\n")
         layers = list(matrix["layers"])
         G, E = len(matrix["domains"]), matrix["num_experts"]
-        fig, axes = plt.subplots(1, len(layers), figsize=(1.5 + 0.45 * E * len(layers), 1.2 + 0.4 * G), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(layers), figsize=(1.5 + 0.45 * E * len(layers), 1.2 + 0.4 * G), squeeze=False
+        )
         for ax, layer in zip(axes[0], layers):
             im = ax.imshow(matrix["layers"][layer], aspect="auto", cmap="viridis", vmin=0.0)
             ax.set_title(layer)
@@ -102,8 +108,9 @@ def write_gating_report(matrix: dict, out_dir: str | Path) -> dict[str, Path]:
     return {"json": out / "gating.json", "png": out / "gating.png"}
 
 
-def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str], seq_len: int, batches: int,
-                       batch_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+def validation_batches(
+    root: str | Path, tokenizer: str, domains: Sequence[str], seq_len: int, batches: int, batch_size: int
+) -> dict[str, list[dict[str, torch.Tensor]]]:
     """The first `batches` x `batch_size` validation blocks of each domain."""
     from data.blocks import BlockDataset
 
@@ -112,7 +119,7 @@ def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str],
         ds = BlockDataset.from_prepared(root, tokenizer, d, split="valid", seq_len=seq_len)
         n = min(len(ds), batches * batch_size)
         blocks = [torch.from_numpy(ds[i][:-1]) for i in range(n)]
-        out[d] = [{"tokens_BT": torch.stack(blocks[i:i + batch_size])} for i in range(0, n, batch_size)]
+        out[d] = [{"tokens_BT": torch.stack(blocks[i : i + batch_size])} for i in range(0, n, batch_size)]
     return out
 
 
@@ -120,14 +127,18 @@ def validation_batches(root: str | Path, tokenizer: str, domains: Sequence[str],
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from launcher.checkpoint import load_consolidated, read_meta
 
-    ap = argparse.ArgumentParser(prog="python -m launcher.evaluation.gating", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m launcher.evaluation.gating", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
     ap.add_argument("--data", required=True, help="tokenised corpus directory (DataConfig.path)")
     ap.add_argument("--out", required=True, help="report directory")
     ap.add_argument("--tokenizer", default=None, help="default: the checkpoint's data.tokenizer")
     ap.add_argument("--batches", type=positive_int, default=8)
     ap.add_argument("--batch-size", type=positive_int, default=4)
-    ap.add_argument("--seq-len", type=positive_int, default=None, help="default and most: the model's context")
+    ap.add_argument(
+        "--seq-len", type=positive_int, default=None, help="default and most: the model's context"
+    )
     a = ap.parse_args(argv)
     context = read_meta(a.checkpoint)["config"]["model"]["seq_len"]  # checked before a tensor is read
     if a.seq_len is not None and a.seq_len > context:
@@ -141,8 +152,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     domains = ckpt.domains or cfg.data.domains
     if not domains:
         ap.error(f"{a.checkpoint} names no domains (meta.json 'domains' and data.domains are empty)")
-    batches = validation_batches(a.data, a.tokenizer or cfg.data.tokenizer, domains, a.seq_len or cfg.model.seq_len,
-                                 a.batches, a.batch_size)
+    batches = validation_batches(
+        a.data,
+        a.tokenizer or cfg.data.tokenizer,
+        domains,
+        a.seq_len or cfg.model.seq_len,
+        a.batches,
+        a.batch_size,
+    )
     paths = write_gating_report(gating_matrix(model, batches), a.out)
     print(f"wrote {paths['json']} and {paths['png']}")
     return 0

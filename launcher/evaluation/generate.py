@@ -34,12 +34,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from launcher.checkpoint import load_consolidated, read_meta
-from model import mixture as mx
-from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
 from data.argtypes import nonneg_float, nonneg_int, positive_int, random_seed, unit_left_open
 from data.cli import cli_main, exit_process
+from launcher.checkpoint import load_consolidated, read_meta
 from launcher.evaluation.evaluate import checkpoint_data
+from model import mixture as mx
+from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
 
 
 @dataclass
@@ -49,7 +49,9 @@ class Generation:
     posteriors: list[list[float]] = field(default_factory=list)  # mixture only: g(t) before each new token, E
 
 
-def sample_token(logp_V: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+def sample_token(
+    logp_V: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator
+) -> int:
     """One token from log-probabilities: greedy at temperature 0, else tempered, top-k and nucleus filtered."""
     if temperature <= 0:
         return int(torch.argmax(logp_V))
@@ -59,16 +61,28 @@ def sample_token(logp_V: torch.Tensor, temperature: float, top_k: int, top_p: fl
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         probs_sorted, order = torch.sort(torch.softmax(logits, -1), descending=True)
-        drop = torch.cumsum(probs_sorted, -1) - probs_sorted >= top_p  # keep the smallest prefix reaching top_p
+        drop = (
+            torch.cumsum(probs_sorted, -1) - probs_sorted >= top_p
+        )  # keep the smallest prefix reaching top_p
         logits[order[drop]] = float("-inf")
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
 @torch.no_grad()
 def generate(
-    model: torch.nn.Module, prompt_ids: Sequence[int], *, expert: Optional[int] = None, mixture: bool = False,
-    log_prior: Optional[torch.Tensor] = None, max_new_tokens: int = 50, temperature: float = 1.0, top_k: int = 0,
-    top_p: float = 1.0, seed: int = 0, stop_id: Optional[int] = None, prefix_ids: Sequence[int] = (),
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    expert: Optional[int] = None,
+    mixture: bool = False,
+    log_prior: Optional[torch.Tensor] = None,
+    max_new_tokens: int = 50,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_id: Optional[int] = None,
+    prefix_ids: Sequence[int] = (),
     vocab_limit: Optional[int] = None,
 ) -> Generation:
     """Sample `max_new_tokens` after `prompt_ids`. DEMix: `expert` (global id) or `mixture=True`; dense: neither.
@@ -91,10 +105,10 @@ def generate(
         E = len(experts)
         log_joint_E = (mx.uniform_log_prior(E) if log_prior is None else log_prior.double()).clone()
         if len(ids) > 1:
-            x = torch.tensor([ids[-model.cfg.seq_len - 1:]])
+            x = torch.tensor([ids[-model.cfg.seq_len - 1 :]])
             log_joint_E += expert_log_likelihoods(model, x[:, :-1], x[:, 1:]).double().sum(dim=(1, 2))
     for _ in range(max_new_tokens):
-        logp_EV = next_token_log_probs(model, torch.tensor([ids[-model.cfg.seq_len:]]), chosen)[:, 0]
+        logp_EV = next_token_log_probs(model, torch.tensor([ids[-model.cfg.seq_len :]]), chosen)[:, 0]
         if mixture:
             log_g_E = torch.log_softmax(log_joint_E, 0)
             out.posteriors.append(log_g_E.exp().tolist())
@@ -111,8 +125,9 @@ def generate(
     return out
 
 
-def checkpoint_tokenizer(checkpoint: Union[str, Path], data: Optional[str] = None, tokenizer: Optional[str] = None
-                         ) -> Any:
+def checkpoint_tokenizer(
+    checkpoint: Union[str, Path], data: Optional[str] = None, tokenizer: Optional[str] = None
+) -> Any:
     """The tokenizer to generate with: from the data given, else from the data and tokenizer the checkpoint's run
     config recorded (evaluate's `checkpoint_data`, the rule every tool follows), checked against its fingerprint;
     DataError naming the recorded path and --data when that data is missing. GPT-2 needs no data (offline files):
@@ -131,10 +146,14 @@ def checkpoint_tokenizer(checkpoint: Union[str, Path], data: Optional[str] = Non
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
-    ap.add_argument("--prompt", default="", help="text to continue (a beginning-of-document token is prepended)")
+    ap.add_argument(
+        "--prompt", default="", help="text to continue (a beginning-of-document token is prepended)"
+    )
     who = ap.add_mutually_exclusive_group()
     who.add_argument("--expert", help="domain name of the expert (or domain token) to generate with")
-    who.add_argument("--mixture", action="store_true", help="mix all experts with the running domain posterior")
+    who.add_argument(
+        "--mixture", action="store_true", help="mix all experts with the running domain posterior"
+    )
     ap.add_argument("--prior", default="uniform", help="mixture prior: uniform or a cached prior JSON file")
     ap.add_argument("--max-new-tokens", type=positive_int, default=50)
     ap.add_argument("--temperature", type=nonneg_float, default=1.0, help="0: greedy")
@@ -142,12 +161,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--top-p", type=unit_left_open, default=1.0, help="nucleus mass in (0, 1]; 1: no filter")
     ap.add_argument("--seed", type=random_seed, default=0)
     ap.add_argument("--stop-at-eod", action="store_true", help="stop at the end-of-document token")
-    ap.add_argument("--data", help="prepared tokens root holding the tokenizer (default: the checkpoint's recorded "
-                    "data.path; GPT-2 needs none)")
+    ap.add_argument(
+        "--data",
+        help="prepared tokens root holding the tokenizer (default: the checkpoint's recorded "
+        "data.path; GPT-2 needs none)",
+    )
     ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
     ap.add_argument("--json", action="store_true", help="print a JSON record (ids, text, posteriors)")
     args = ap.parse_args(argv)
-    prior = mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None  # before the model
+    prior = (
+        mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None
+    )  # before the model
     tok = checkpoint_tokenizer(args.checkpoint, args.data, args.tokenizer)  # before any tensor is read
     ckpt = load_consolidated(args.checkpoint)
     model = ckpt.build_model()
@@ -165,15 +189,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     expert = ckpt.domains.index(args.expert) if args.expert is not None else None
     prefix = [tok.domain_token_id(expert)] if domain_token and expert is not None else []
     res = generate(
-        model, [tok.bos_id] + tok.encode(args.prompt), expert=expert if is_demix else None, mixture=args.mixture,
-        log_prior=log_prior, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop_id=tok.eod_id if args.stop_at_eod else None, prefix_ids=prefix,
+        model,
+        [tok.bos_id] + tok.encode(args.prompt),
+        expert=expert if is_demix else None,
+        mixture=args.mixture,
+        log_prior=log_prior,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_id=tok.eod_id if args.stop_at_eod else None,
+        prefix_ids=prefix,
         vocab_limit=tok.vocab_size,
     )
     text = tok.decode(res.new_ids)
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "new_ids": res.new_ids, "text": text, "experts": ckpt.domains,
-                          "posteriors": res.posteriors}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "prompt": args.prompt,
+                    "new_ids": res.new_ids,
+                    "text": text,
+                    "experts": ckpt.domains,
+                    "posteriors": res.posteriors,
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         print(args.prompt + text)
         if res.posteriors:

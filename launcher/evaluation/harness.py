@@ -91,20 +91,28 @@ import yaml
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from data.atomic import staged_dir, write_json_atomic
 from data.argtypes import nonneg_float, positive_int, random_seed, unit_left_open
+from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import check_shape, read_json_object
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta
-from launcher.evaluation.evaluate import (DEMIX_MODES, _cached_prior, _demix_domain, check_checkpoint_data,
-                                         load_blocks, stream_log_likelihoods)
+from launcher.evaluation.evaluate import (
+    DEMIX_MODES,
+    _cached_prior,
+    _demix_domain,
+    check_checkpoint_data,
+    load_blocks,
+    stream_log_likelihoods,
+)
 from launcher.evaluation.generate import generate
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_hidden_states
 
 MODES: tuple[str, ...] = ("cached", "updating", "uniform", "naive", "average")
 WINDOWS: tuple[str, ...] = ("blocks", "lm_eval")
-TASKS_FORMAT = "demix-harness-tasks/2"  # /2: the record holds the sha256 of every file written (`verify_tasks_dir`)
+TASKS_FORMAT = (
+    "demix-harness-tasks/2"  # /2: the record holds the sha256 of every file written (`verify_tasks_dir`)
+)
 _OLD_TASKS_FORMATS = ("demix-harness-tasks/1",)  # replaced by `tasks`, refused by `check`
 PPL_GROUP = "demix_ppl"
 PPL_PREFIX = "demix_ppl_"
@@ -113,6 +121,7 @@ CONTEXT_TOKENS, CONTINUATION_TOKENS, DISTRACTORS = 48, 16, 3
 
 
 # ---------------------------------------------------------------- windows ----------------------------------------
+
 
 @dataclass
 class Windows:
@@ -127,8 +136,9 @@ class Windows:
     owner: list[int]
 
 
-def document_windows(ids: Sequence[int], seq_len: int, bos: int, windows: str = "blocks"
-                     ) -> list[tuple[list[int], list[int], int]]:
+def document_windows(
+    ids: Sequence[int], seq_len: int, bos: int, windows: str = "blocks"
+) -> list[tuple[list[int], list[int], int]]:
     """(input, targets, n_scored) per window of the document `[bos] + ids`, scoring every token of `ids` once; the
     scored targets are the last n_scored. blocks: window w reads d[wT : wT+T] and predicts d[wT+1 : wT+T+1] of
     d = [bos] + ids (evaluate's blocks over a one-document stream, the last one shorter). lm_eval: the harness's
@@ -141,19 +151,21 @@ def document_windows(ids: Sequence[int], seq_len: int, bos: int, windows: str = 
         d = [bos] + ids
         out = []
         for s in range(0, len(ids), seq_len):
-            tgt = d[s + 1:s + 1 + seq_len]
-            out.append((d[s:s + len(tgt)], tgt, len(tgt)))
+            tgt = d[s + 1 : s + 1 + seq_len]
+            out.append((d[s : s + len(tgt)], tgt, len(tgt)))
         return out
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     out = []
     for ctx, pred in map(make_disjoint_window, get_rolling_token_windows(ids, bos, seq_len, 1)):
-        seq = (list(ctx) + list(pred))[-(seq_len + 1):]
+        seq = (list(ctx) + list(pred))[-(seq_len + 1) :]
         out.append((seq[:-1], seq[1:], len(pred)))
     return out
 
 
-def pack_windows(windows: Sequence[tuple[list[int], list[int], int]], owner: Sequence[int], pad: int) -> Windows:
+def pack_windows(
+    windows: Sequence[tuple[list[int], list[int], int]], owner: Sequence[int], pad: int
+) -> Windows:
     """Right-pad windows to the longest (padding is never scored nor evidence; a causal model's real positions do
     not see it)."""
     N, T = len(windows), max((len(w[0]) for w in windows), default=1)
@@ -165,11 +177,12 @@ def pack_windows(windows: Sequence[tuple[list[int], list[int], int]], owner: Seq
         L = len(inp)
         tokens[i, :L], targets[i, :L] = torch.tensor(inp), torch.tensor(tgt)
         evidence[i, :L] = 1
-        score[i, L - n:L] = 1
+        score[i, L - n : L] = 1
     return Windows(tokens, targets, score, evidence, list(owner))
 
 
 # ---------------------------------------------------------------- model_args -------------------------------------
+
 
 def _names(value: Any) -> list[str]:
     """`a;b` (model_args cannot hold commas), a list, or None -> names."""
@@ -199,7 +212,7 @@ def _domain_of(req: Any) -> Optional[str]:
     if isinstance(doc, Mapping) and doc.get("domain"):
         return str(doc["domain"])
     name = getattr(req, "task_name", None) or ""
-    return name[len(PPL_PREFIX):] if name.startswith(PPL_PREFIX) else None
+    return name[len(PPL_PREFIX) :] if name.startswith(PPL_PREFIX) else None
 
 
 def _say(*a: Any) -> None:
@@ -214,21 +227,38 @@ def _registered(cls: type) -> type:
 
 # ---------------------------------------------------------------- the model --------------------------------------
 
+
 @_registered
 class DemixLM(LM):
     """A consolidated checkpoint (DEMix mixture, one expert, or dense) as an lm-eval model (module docstring)."""
 
-    def __init__(self, checkpoint: str, data: Optional[str] = None, mode: Optional[str] = None,
-                 posterior: str = "prefix", cached_estimator: str = "mean",
-                 cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY,
-                 expert: Optional[str] = None, topk: int = 0, exclude_experts: Any = None, batch_size: Any = 4,
-                 windows: str = "blocks", dev_split: str = "valid", max_gen_toks: int = 256,
-                 device: Optional[str] = None, max_batch_size: Any = None, **unknown: Any) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        data: Optional[str] = None,
+        mode: Optional[str] = None,
+        posterior: str = "prefix",
+        cached_estimator: str = "mean",
+        cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
+        decay: float = mx.UPDATING_DECAY,
+        expert: Optional[str] = None,
+        topk: int = 0,
+        exclude_experts: Any = None,
+        batch_size: Any = 4,
+        windows: str = "blocks",
+        dev_split: str = "valid",
+        max_gen_toks: int = 256,
+        device: Optional[str] = None,
+        max_batch_size: Any = None,
+        **unknown: Any,
+    ) -> None:
         super().__init__()
         if unknown:
-            raise ValueError(f"demix model_args: unknown {', '.join(sorted(unknown))}; known: checkpoint, data, mode, "
-                             "posterior, cached_estimator, cached_blocks, decay, expert, topk, exclude_experts, "
-                             "batch_size, windows, dev_split, max_gen_toks")
+            raise ValueError(
+                f"demix model_args: unknown {', '.join(sorted(unknown))}; known: checkpoint, data, mode, "
+                "posterior, cached_estimator, cached_blocks, decay, expert, topk, exclude_experts, "
+                "batch_size, windows, dev_split, max_gen_toks"
+            )
         if not checkpoint:
             raise ValueError("demix model_args: checkpoint=DIR (a consolidated checkpoint) is required")
         meta = read_meta(checkpoint)  # everything below is checked before a tensor is read
@@ -236,51 +266,70 @@ class DemixLM(LM):
         domains = list(meta["domains"])
         is_demix = kind == "demix"
         if meta["config"].get("data", {}).get("mixture") == "domain_token":
-            raise ValueError(f"{checkpoint}: a +Domain-Token model reads a domain token before every document; "
-                             "the harness model does not support it")
+            raise ValueError(
+                f"{checkpoint}: a +Domain-Token model reads a domain token before every document; "
+                "the harness model does not support it"
+            )
         exclude = _names(exclude_experts)
         if exclude and not is_demix:
-            raise ValueError(f"demix model_args: exclude_experts={';'.join(exclude)}: {checkpoint} is a {kind} "
-                             "checkpoint, it has no experts")
+            raise ValueError(
+                f"demix model_args: exclude_experts={';'.join(exclude)}: {checkpoint} is a {kind} "
+                "checkpoint, it has no experts"
+            )
         unknown_ex = [e for e in exclude if e not in domains]
         if unknown_ex:
-            raise ValueError(f"demix model_args: exclude_experts {unknown_ex} are not experts of {checkpoint}; "
-                             f"experts: {', '.join(domains)}")
+            raise ValueError(
+                f"demix model_args: exclude_experts {unknown_ex} are not experts of {checkpoint}; "
+                f"experts: {', '.join(domains)}"
+            )
         kept = [d for d in domains if d not in exclude]
         if is_demix and not kept:
             raise ValueError(f"demix model_args: excluding {exclude} leaves no expert")
         if mode is not None and mode not in MODES:
             raise ValueError(f"demix model_args: mode={mode!r}: choose one of {', '.join(MODES)}")
         if posterior not in mx.POSTERIORS:
-            raise ValueError(f"demix model_args: posterior={posterior!r}: choose one of {', '.join(mx.POSTERIORS)}")
+            raise ValueError(
+                f"demix model_args: posterior={posterior!r}: choose one of {', '.join(mx.POSTERIORS)}"
+            )
         if cached_estimator not in mx.CACHED_ESTIMATORS:
-            raise ValueError(f"demix model_args: cached_estimator={cached_estimator!r}: choose one of "
-                             f"{', '.join(mx.CACHED_ESTIMATORS)}")
+            raise ValueError(
+                f"demix model_args: cached_estimator={cached_estimator!r}: choose one of "
+                f"{', '.join(mx.CACHED_ESTIMATORS)}"
+            )
         if windows not in WINDOWS:
             raise ValueError(f"demix model_args: windows={windows!r}: choose one of {', '.join(WINDOWS)}")
         if expert is not None:
             if not is_demix:
-                raise ValueError(f"demix model_args: expert={expert}: {checkpoint} is a {kind} checkpoint, it has "
-                                 "no experts")
+                raise ValueError(
+                    f"demix model_args: expert={expert}: {checkpoint} is a {kind} checkpoint, it has "
+                    "no experts"
+                )
             if str(expert) not in kept:
-                raise ValueError(f"demix model_args: expert={expert!r} is not an expert of {checkpoint}"
-                                 + (" (excluded)" if str(expert) in exclude else "")
-                                 + f"; experts: {', '.join(kept)}")
+                raise ValueError(
+                    f"demix model_args: expert={expert!r} is not an expert of {checkpoint}"
+                    + (" (excluded)" if str(expert) in exclude else "")
+                    + f"; experts: {', '.join(kept)}"
+                )
             if mode is not None:
-                raise ValueError(f"demix model_args: give expert=NAME (one expert) or mode={mode} (a mixture), "
-                                 "not both")
+                raise ValueError(
+                    f"demix model_args: give expert=NAME (one expert) or mode={mode} (a mixture), not both"
+                )
         if not is_demix and mode not in (None, "naive"):
             _say(f"{checkpoint} is a {kind} checkpoint: mode={mode} ignored (one model, no mixture)")
         topk = int(topk or 0)
         if topk < 0 or (topk and (not is_demix or expert is not None or (mode or "cached") != "cached")):
-            raise ValueError(f"demix model_args: topk={topk}: top-k mixes the experts of highest cached prior; "
-                             "it needs a DEMix checkpoint, mode=cached and no expert")
+            raise ValueError(
+                f"demix model_args: topk={topk}: top-k mixes the experts of highest cached prior; "
+                "it needs a DEMix checkpoint, mode=cached and no expert"
+            )
         cached_blocks = positive_int.parse(cached_blocks, "demix model_args: cached_blocks")
         decay = unit_left_open.parse(decay, "demix model_args: decay")
         max_gen_toks = positive_int.parse(max_gen_toks, "demix model_args: max_gen_toks")
         if device not in (None, "cpu"):
-            _say(f"device={device} ignored: the project's evaluation functions build their inputs on the CPU, "
-                 "so the model runs there")
+            _say(
+                f"device={device} ignored: the project's evaluation functions build their inputs on the CPU, "
+                "so the model runs there"
+            )
 
         self.checkpoint, self.posterior, self.cached_estimator = str(checkpoint), posterior, cached_estimator
         self.cached_blocks, self.decay, self.topk = int(cached_blocks), float(decay), topk
@@ -306,7 +355,9 @@ class DemixLM(LM):
         self.expert_ids = [self.experts.index(self.expert)] if self.expert is not None else None
         self.mode = ("expert" if self.expert else (mode or "cached")) if self.experts else "dense"
         try:
-            self.manifest: Optional[dict[str, Any]] = check_checkpoint_data(c, self.data, self.prepared_tokenizer)
+            self.manifest: Optional[dict[str, Any]] = check_checkpoint_data(
+                c, self.data, self.prepared_tokenizer
+            )
         except (FileNotFoundError, ValueError) as e:  # e.g. gpt2 without prepared data: no cached priors
             self.manifest = None
             if self.mode == "cached":
@@ -332,8 +383,9 @@ class DemixLM(LM):
         for (_, domain), idxs in self._streams(requests).items():
             wins, owner = [], []
             for i in idxs:
-                for w in document_windows(self.tok.encode(requests[i].args[0]), self.seq_len, self.tok.bos_id,
-                                          self.windows):
+                for w in document_windows(
+                    self.tok.encode(requests[i].args[0]), self.seq_len, self.tok.bos_id, self.windows
+                ):
                     wins.append(w)
                     owner.append(i)
             if not wins:
@@ -355,9 +407,10 @@ class DemixLM(LM):
                 context, continuation = requests[i].args[:2]
                 ctx, cont = self._encode_pair(context, continuation)
                 if len(cont) > self.seq_len:
-                    raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's context of "
-                                     f"{self.seq_len}")
-                seq = ([self.tok.bos_id] + ctx + cont)[-(self.seq_len + 1):]
+                    raise ValueError(
+                        f"a continuation of {len(cont)} tokens exceeds the model's context of {self.seq_len}"
+                    )
+                seq = ([self.tok.bos_id] + ctx + cont)[-(self.seq_len + 1) :]
                 wins.append((seq[:-1], seq[1:], len(cont)))
                 conts.append(cont)
             W = pack_windows(wins, idxs, self.tok.eod_id)
@@ -383,22 +436,33 @@ class DemixLM(LM):
                 kw["expert"] = self.expert_ids[0]
             elif self.mode == "naive":
                 if domain not in self.experts:
-                    raise ValueError(f"generation with mode=naive needs the document's own expert; domain {domain!r} "
-                                     f"has none (experts: {', '.join(self.experts)}): pass expert=NAME")
+                    raise ValueError(
+                        f"generation with mode=naive needs the document's own expert; domain {domain!r} "
+                        f"has none (experts: {', '.join(self.experts)}): pass expert=NAME"
+                    )
                 kw["expert"] = self.experts.index(domain)
             elif self.mode == "average":
-                raise ValueError("generation with mode=average is not supported: generate samples from the "
-                                 "posterior mixture (eqs. 6-8); use mode=uniform, cached or expert=NAME")
+                raise ValueError(
+                    "generation with mode=average is not supported: generate samples from the "
+                    "posterior mixture (eqs. 6-8); use mode=uniform, cached or expert=NAME"
+                )
             elif self.mode != "dense":
                 prior = self._cached(domain) if self.mode == "cached" else None
                 kw.update(mixture=True, log_prior=None if prior is None else prior.log_prior(self.experts))
-            gen = generate(self.model, [self.tok.bos_id] + self.tok.encode(context), max_new_tokens=steps,
-                           temperature=0.0, stop_id=self.tok.eod_id, vocab_limit=self.tok.vocab_size, **kw)
+            gen = generate(
+                self.model,
+                [self.tok.bos_id] + self.tok.encode(context),
+                max_new_tokens=steps,
+                temperature=0.0,
+                stop_id=self.tok.eod_id,
+                vocab_limit=self.tok.vocab_size,
+                **kw,
+            )
             ids = gen.new_ids[:-1] if gen.new_ids and gen.new_ids[-1] == self.tok.eod_id else gen.new_ids
             text = self.tok.decode(ids)
             for stop in until:
                 if stop and stop in text:
-                    text = text[:text.index(stop)]
+                    text = text[: text.index(stop)]
             out.append(text)
         return out
 
@@ -411,7 +475,7 @@ class DemixLM(LM):
             context, continuation = context[:-n], context[-n:] + continuation
         ctx = self.tok.encode(context) if context else []
         whole = self.tok.encode(context + continuation)
-        return ctx, whole[len(ctx):]
+        return ctx, whole[len(ctx) :]
 
     def _streams(self, requests: Sequence[Any]) -> dict[tuple[Optional[str], Optional[str]], list[int]]:
         """Request indices grouped by (task, domain), each in document order: the stream an updating prior runs
@@ -433,18 +497,35 @@ class DemixLM(LM):
         if domain not in self._priors:
             prior = None
             if domain is not None and self.manifest is not None and domain in self.manifest["domains"]:
-                dev = load_blocks(self.data, self.prepared_tokenizer, domain, self.dev_split, self.seq_len,
-                                  self.cached_blocks)
-                prior, _ = _cached_prior(self.model, dev, self.experts, self.cached_blocks, self.decay,
-                                         self.batch_size, self.cached_estimator, self.posterior)
+                dev = load_blocks(
+                    self.data,
+                    self.prepared_tokenizer,
+                    domain,
+                    self.dev_split,
+                    self.seq_len,
+                    self.cached_blocks,
+                )
+                prior, _ = _cached_prior(
+                    self.model,
+                    dev,
+                    self.experts,
+                    self.cached_blocks,
+                    self.decay,
+                    self.batch_size,
+                    self.cached_estimator,
+                    self.posterior,
+                )
             if prior is None and self.mode == "cached":
-                _say(f"domain {domain!r}: no cached prior (no {self.dev_split} blocks in {self.data}); its documents "
-                     "use the updating prior")
+                _say(
+                    f"domain {domain!r}: no cached prior (no {self.dev_split} blocks in {self.data}); its documents "
+                    "use the updating prior"
+                )
             self._priors[domain] = prior
         return self._priors[domain]
 
-    def _mixture(self, ll: torch.Tensor, W: Windows, domain: Optional[str], rolling: bool
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _mixture(
+        self, ll: torch.Tensor, W: Windows, domain: Optional[str], rolling: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(log p of every target, N x T, from model/mixture.py; the log mixing weights E x N x T, None for a
         single model) under this model's mode for a stream of `domain` (module docstring)."""
         E = ll.shape[0]
@@ -467,14 +548,20 @@ class DemixLM(LM):
         else:  # updating, or cached without a prior for this domain
             prior = mx.updating_priors(ll, W.score_NT, self.decay, posterior=self.posterior).log_prior_EB
         if self.topk and cached is not None:
-            top = mx.topk_mixture_log_probs(ll, prior, min(self.topk, E), W.evidence_NT, "prior", self.posterior)
+            top = mx.topk_mixture_log_probs(
+                ll, prior, min(self.topk, E), W.evidence_NT, "prior", self.posterior
+            )
             keep = top.experts
             lp_K = prior[keep]
             log_w = torch.full(ll.shape, -math.inf, dtype=torch.float64)
-            log_w[keep] = mx.log_posterior(ll[keep], lp_K - torch.logsumexp(lp_K, 0), W.evidence_NT, self.posterior)
+            log_w[keep] = mx.log_posterior(
+                ll[keep], lp_K - torch.logsumexp(lp_K, 0), W.evidence_NT, self.posterior
+            )
             return top.log_probs_BT, log_w
-        return (mx.posterior_mixture_log_probs(ll, prior, W.evidence_NT, self.posterior),
-                mx.log_posterior(ll, prior, W.evidence_NT, self.posterior))
+        return (
+            mx.posterior_mixture_log_probs(ll, prior, W.evidence_NT, self.posterior),
+            mx.log_posterior(ll, prior, W.evidence_NT, self.posterior),
+        )
 
     @torch.no_grad()
     def _greedy(self, W: Windows, log_w: Optional[torch.Tensor]) -> list[bool]:
@@ -483,7 +570,7 @@ class DemixLM(LM):
         out = []
         vocab = self.tok.vocab_size
         for s in range(0, W.tokens_NT.shape[0], self.batch_size):
-            h_EBTD = expert_hidden_states(self.model, W.tokens_NT[s:s + self.batch_size], self.expert_ids)
+            h_EBTD = expert_hidden_states(self.model, W.tokens_NT[s : s + self.batch_size], self.expert_ids)
             for b in range(h_EBTD.shape[1]):
                 pos = W.score_NT[s + b].nonzero()[:, 0]
                 if not len(pos):
@@ -500,11 +587,21 @@ class DemixLM(LM):
 
 # ---------------------------------------------------------------- evaluate's side -------------------------------
 
+
 def evaluate_documents(
-    ckpt: Union[str, Path, Consolidated], data_root: Union[str, Path], texts: Mapping[str, Sequence[str]], *,
-    modes: Sequence[str] = DEMIX_MODES, posterior: str = "prefix", cached_estimator: str = "mean",
-    cached_blocks: int = mx.CACHED_PRIOR_BLOCKS, decay: float = mx.UPDATING_DECAY, topk: int = 2,
-    batch_size: int = 4, dev_split: str = "valid", exclude_experts: Sequence[str] = (),
+    ckpt: Union[str, Path, Consolidated],
+    data_root: Union[str, Path],
+    texts: Mapping[str, Sequence[str]],
+    *,
+    modes: Sequence[str] = DEMIX_MODES,
+    posterior: str = "prefix",
+    cached_estimator: str = "mean",
+    cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
+    decay: float = mx.UPDATING_DECAY,
+    topk: int = 2,
+    batch_size: int = 4,
+    dev_split: str = "valid",
+    exclude_experts: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Per-domain perplexity of `texts` ({domain: documents}) by `launcher.evaluation.evaluate`'s own functions:
     each domain's documents, one stream of per-document windows (`document_windows`, blocks) in order, scored by
@@ -536,17 +633,26 @@ def evaluate_documents(
             continue
         W = pack_windows(wins, range(len(wins)), tok.eod_id)
         ll = stream_log_likelihoods(model, W.tokens_NT, W.targets_NT, None, batch_size)
-        entry: dict[str, Any] = {"documents": len(docs), "windows": len(wins), "tokens": int(W.score_NT.sum())}
+        entry: dict[str, Any] = {
+            "documents": len(docs),
+            "windows": len(wins),
+            "tokens": int(W.score_NT.sum()),
+        }
         if experts:
             cached = None
             if any(m in modes for m in ("cached", "topk")) and domain in manifest["domains"]:
                 dev = load_blocks(data_root, tokenizer, domain, dev_split, T, cached_blocks)
-                cached, _ = _cached_prior(model, dev, experts, cached_blocks, decay, batch_size, cached_estimator,
-                                          posterior)
+                cached, _ = _cached_prior(
+                    model, dev, experts, cached_blocks, decay, batch_size, cached_estimator, posterior
+                )
             own = experts.index(domain) if domain in experts else None
             res = _demix_domain(ll, W.score_NT, own, experts, list(modes), cached, topk, decay, posterior)
-            entry.update(ppl=res["ppl"], expert_ppl=res["expert_ppl"], naive_expert=res["naive_expert"],
-                         cached_prior=None if cached is None else dict(zip(cached.domains, cached.probs)))
+            entry.update(
+                ppl=res["ppl"],
+                expert_ppl=res["expert_ppl"],
+                naive_expert=res["naive_expert"],
+                cached_prior=None if cached is None else dict(zip(cached.domains, cached.probs)),
+            )
         else:
             entry["ppl"] = {"ppl": mx.perplexity(ll[0], W.score_NT)}
         out["domains"][domain] = entry
@@ -554,6 +660,7 @@ def evaluate_documents(
 
 
 # ---------------------------------------------------------------- task files ------------------------------------
+
 
 def process_ppl_results(doc, results):
     """lm-eval process_results of a demix_ppl task: the harness's rolling metrics plus token_perplexity, each
@@ -572,8 +679,10 @@ def process_ppl_results(doc, results):
 
 def utils_source() -> str:
     """utils.py written beside the task YAMLs: self-contained (the tasks load without this project)."""
-    return ('"""process_results of the demix_ppl tasks (written by launcher.evaluation.harness tasks)."""\n\n'
-            "import re\n\n\n" + inspect.getsource(process_ppl_results))
+    return (
+        '"""process_results of the demix_ppl tasks (written by launcher.evaluation.harness tasks)."""\n\n'
+        "import re\n\n\n" + inspect.getsource(process_ppl_results)
+    )
 
 
 def _metric(name: str, aggregation: str, higher_is_better: bool) -> dict[str, Any]:
@@ -590,19 +699,26 @@ def ppl_task_yaml(domain: str, data_file: Path, split: str) -> str:
         "test_split": "test",
         "doc_to_text": "",
         "doc_to_target": "text",
-        "metric_list": [_metric("word_perplexity", "weighted_perplexity", False),
-                        _metric("byte_perplexity", "weighted_perplexity", False),
-                        _metric("bits_per_byte", "bits_per_byte", False),
-                        _metric("token_perplexity", "weighted_perplexity", False)],
+        "metric_list": [
+            _metric("word_perplexity", "weighted_perplexity", False),
+            _metric("byte_perplexity", "weighted_perplexity", False),
+            _metric("bits_per_byte", "bits_per_byte", False),
+            _metric("token_perplexity", "weighted_perplexity", False),
+        ],
         "metadata": {"version": 1.0, "domain": domain, "split": split},
     }
     return yaml.safe_dump(cfg, sort_keys=False) + "process_results: !function utils.process_ppl_results\n"
 
 
 def group_yaml(tasks: Sequence[str]) -> str:
-    cfg = {"group": PPL_GROUP, "task": list(tasks),
-           "aggregate_metric_list": [{"metric": "token_perplexity", "aggregation": "mean", "weight_by_size": False}],
-           "metadata": {"version": 1.0}}
+    cfg = {
+        "group": PPL_GROUP,
+        "task": list(tasks),
+        "aggregate_metric_list": [
+            {"metric": "token_perplexity", "aggregation": "mean", "weight_by_size": False}
+        ],
+        "metadata": {"version": 1.0},
+    }
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -627,14 +743,18 @@ def _span(tok: Any, ids: Sequence[int], text: str, start: int, stop: int) -> Opt
     """(text of ids[:start], text of ids[start:stop]) as a prefix and the next piece of `text`; None when the
     decoded tokens are not a prefix of the text (a cut inside a character) or the piece is blank."""
     head, full = tok.decode(list(ids[:start])), tok.decode(list(ids[:stop]))
-    if not text.startswith(full) or not full.startswith(head) or not full[len(head):].strip():
+    if not text.startswith(full) or not full.startswith(head) or not full[len(head) :].strip():
         return None
-    return head, full[len(head):]
+    return head, full[len(head) :]
 
 
-def continuation_docs(tok: Any, texts: Mapping[str, Sequence[str]], seed: int = 0,
-                      context_tokens: int = CONTEXT_TOKENS, continuation_tokens: int = CONTINUATION_TOKENS
-                      ) -> list[dict[str, Any]]:
+def continuation_docs(
+    tok: Any,
+    texts: Mapping[str, Sequence[str]],
+    seed: int = 0,
+    context_tokens: int = CONTEXT_TOKENS,
+    continuation_tokens: int = CONTINUATION_TOKENS,
+) -> list[dict[str, Any]]:
     """The multiple-choice documents: per document with enough tokens, its first `context_tokens` tokens' text,
     and as choices its true next `continuation_tokens` tokens and DISTRACTORS spans at the same offset of documents
     of other domains (random.Random(seed)); {"domain", "doc_index", "context", "choices", "gold"}."""
@@ -653,18 +773,37 @@ def continuation_docs(tok: Any, texts: Mapping[str, Sequence[str]], seed: int = 
         if not others:
             continue
         for i, context, cont in spans.get(d, []):
-            pick = rng.sample(others, DISTRACTORS) if len(others) >= DISTRACTORS else rng.choices(others, k=DISTRACTORS)
+            pick = (
+                rng.sample(others, DISTRACTORS)
+                if len(others) >= DISTRACTORS
+                else rng.choices(others, k=DISTRACTORS)
+            )
             choices = [cont] + [rng.choice(spans[o])[2] for o in pick]
             order = list(range(len(choices)))
             rng.shuffle(order)
-            out.append({"domain": d, "doc_index": i, "context": context, "choices": [choices[k] for k in order],
-                        "gold": order.index(0), "distractor_domains": pick})
+            out.append(
+                {
+                    "domain": d,
+                    "doc_index": i,
+                    "context": context,
+                    "choices": [choices[k] for k in order],
+                    "gold": order.index(0),
+                    "distractor_domains": pick,
+                }
+            )
     return out
 
 
-def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Path], split: str = "test",
-                max_docs: Optional[int] = None, domains: Optional[Sequence[str]] = None, seed: int = 0,
-                docs_from: Optional[str] = None) -> dict[str, Any]:
+def write_tasks(
+    data_root: Union[str, Path],
+    tokenizer: str,
+    out: Union[str, Path],
+    split: str = "test",
+    max_docs: Optional[int] = None,
+    domains: Optional[Sequence[str]] = None,
+    seed: int = 0,
+    docs_from: Optional[str] = None,
+) -> dict[str, Any]:
     """Write the task folder `out` (module docstring): <task>.yaml, utils.py, data/*.jsonl and demix_tasks.json
     (the record, returned). Documents: the first `max_docs` of each domain's `split`, with their token count under
     the prepared `tokenizer`."""
@@ -675,16 +814,21 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
     docs_from = docs_from or tokenizer
     manifest = Path(data_root) / docs_from / "manifest.json"
     if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} not found: --data is a prepared tokens root (data.prepare) and "
-                                f"--tokenizer one of its tokenizers")
+        raise FileNotFoundError(
+            f"{manifest} not found: --data is a prepared tokens root (data.prepare) and "
+            f"--tokenizer one of its tokenizers"
+        )
     names = ["demix_tasks.json", "utils.py", "data", f"{PPL_GROUP}.yaml", f"{MC_TASK}.yaml"]
-    check_output_dir(out, [TASKS_FORMAT, *_OLD_TASKS_FORMATS], names, inputs=[Path(data_root)],
-                     manifest="demix_tasks.json")
+    check_output_dir(
+        out, [TASKS_FORMAT, *_OLD_TASKS_FORMATS], names, inputs=[Path(data_root)], manifest="demix_tasks.json"
+    )
     tok = load_prepared_tokenizer(data_root, tokenizer)
     texts, notes = split_documents_text(data_root, docs_from, split, max_docs)
     if notes["changed_corpus_files"]:
-        _say(f"warning: {', '.join(notes['changed_corpus_files'])} changed since {data_root}/{docs_from} was "
-             "prepared: these are not exactly the tokenised documents")
+        _say(
+            f"warning: {', '.join(notes['changed_corpus_files'])} changed since {data_root}/{docs_from} was "
+            "prepared: these are not exactly the tokenised documents"
+        )
     if domains:
         unknown = [d for d in domains if d not in texts]
         if unknown:
@@ -695,33 +839,58 @@ def write_tasks(data_root: Union[str, Path], tokenizer: str, out: Union[str, Pat
         raise ValueError(f"no {split} documents in {data_root}/{docs_from}")
     with staged_dir(out, manifest="demix_tasks.json") as tmp:  # a failed write leaves no half task folder
         (tmp / "data").mkdir()
-        record: dict[str, Any] = {"format": TASKS_FORMAT, "data": str(Path(data_root).resolve()),
-                                  "tokenizer": tokenizer, "docs_from": docs_from, "split": split,
-                                  "max_docs": max_docs, "seed": seed, "group": PPL_GROUP, "domains": {},
-                                  "changed_corpus_files": notes["changed_corpus_files"]}
+        record: dict[str, Any] = {
+            "format": TASKS_FORMAT,
+            "data": str(Path(data_root).resolve()),
+            "tokenizer": tokenizer,
+            "docs_from": docs_from,
+            "split": split,
+            "max_docs": max_docs,
+            "seed": seed,
+            "group": PPL_GROUP,
+            "domains": {},
+            "changed_corpus_files": notes["changed_corpus_files"],
+        }
         tasks = []
         for d, docs in texts.items():
-            rows = [{"domain": d, "doc_index": i, "text": t, "n_tokens": len(tok.encode(t))}
-                    for i, t in enumerate(docs)]
+            rows = [
+                {"domain": d, "doc_index": i, "text": t, "n_tokens": len(tok.encode(t))}
+                for i, t in enumerate(docs)
+            ]
             name = f"ppl_{d}.jsonl"
-            (tmp / "data" / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                                             encoding="utf-8")
-            (tmp / f"{PPL_PREFIX}{d}.yaml").write_text(ppl_task_yaml(d, out / "data" / name, split), encoding="utf-8")
+            (tmp / "data" / name).write_text(
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+            )
+            (tmp / f"{PPL_PREFIX}{d}.yaml").write_text(
+                ppl_task_yaml(d, out / "data" / name, split), encoding="utf-8"
+            )
             tasks.append(PPL_PREFIX + d)
-            record["domains"][d] = {"task": PPL_PREFIX + d, "documents": len(rows),
-                                    "tokens": sum(r["n_tokens"] for r in rows)}
+            record["domains"][d] = {
+                "task": PPL_PREFIX + d,
+                "documents": len(rows),
+                "tokens": sum(r["n_tokens"] for r in rows),
+            }
         (tmp / f"{PPL_GROUP}.yaml").write_text(group_yaml(tasks), encoding="utf-8")
         mc = continuation_docs(tok, texts, seed)
         (tmp / "data" / "continuation.jsonl").write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mc), encoding="utf-8")
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mc), encoding="utf-8"
+        )
         if mc:
-            (tmp / f"{MC_TASK}.yaml").write_text(mc_task_yaml(out / "data" / "continuation.jsonl"), encoding="utf-8")
+            (tmp / f"{MC_TASK}.yaml").write_text(
+                mc_task_yaml(out / "data" / "continuation.jsonl"), encoding="utf-8"
+            )
         record["tasks"] = tasks + ([MC_TASK] if mc else [])
-        record["continuation"] = {"task": MC_TASK if mc else None, "documents": len(mc),
-                                  "context_tokens": CONTEXT_TOKENS, "continuation_tokens": CONTINUATION_TOKENS,
-                                  "distractors": DISTRACTORS}
+        record["continuation"] = {
+            "task": MC_TASK if mc else None,
+            "documents": len(mc),
+            "context_tokens": CONTEXT_TOKENS,
+            "continuation_tokens": CONTINUATION_TOKENS,
+            "distractors": DISTRACTORS,
+        }
         (tmp / "utils.py").write_text(utils_source(), encoding="utf-8")
-        record["files"] = file_hashes(tmp)  # what `check` verifies before lm-eval imports anything from the folder
+        record["files"] = file_hashes(
+            tmp
+        )  # what `check` verifies before lm-eval imports anything from the folder
         write_json_atomic(tmp / "demix_tasks.json", record)
     return record
 
@@ -748,40 +917,61 @@ def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
     path = root / "demix_tasks.json"
     rec = read_json_object(path, {"format": str, "domains": dict}, what="harness task folder record")
     if rec["format"] != TASKS_FORMAT:
-        raise ValueError(f"{path}: format {rec['format']!r}, not {TASKS_FORMAT!r} (a folder written before its files "
-                         "were fingerprinted, or not by `harness tasks`): write it again with `python -m "
-                         "launcher.evaluation.harness tasks`")
+        raise ValueError(
+            f"{path}: format {rec['format']!r}, not {TASKS_FORMAT!r} (a folder written before its files "
+            "were fingerprinted, or not by `harness tasks`): write it again with `python -m "
+            "launcher.evaluation.harness tasks`"
+        )
     check_shape(rec, {"files": dict}, path, "harness task folder record")
     now, then = file_hashes(root), rec["files"]
-    diff = {"changed": sorted(f for f in then if f in now and now[f] != then[f]),
-            "added": sorted(f for f in now if f not in then), "missing": sorted(f for f in then if f not in now)}
+    diff = {
+        "changed": sorted(f for f in then if f in now and now[f] != then[f]),
+        "added": sorted(f for f in now if f not in then),
+        "missing": sorted(f for f in then if f not in now),
+    }
     if any(diff.values()):
         listed = "; ".join(f"{k}: {', '.join(v[:5])}" for k, v in diff.items() if v)
-        raise ValueError(f"{root} is not as `harness tasks` wrote it ({listed}); nothing in it was imported (lm-eval "
-                         "would import its utils.py and follow its YAMLs: a changed or added file could run code). "
-                         "Write the folder again with `python -m launcher.evaluation.harness tasks`")
+        raise ValueError(
+            f"{root} is not as `harness tasks` wrote it ({listed}); nothing in it was imported (lm-eval "
+            "would import its utils.py and follow its YAMLs: a changed or added file could run code). "
+            "Write the folder again with `python -m launcher.evaluation.harness tasks`"
+        )
     return rec
 
 
-def read_task_documents(tasks_dir: Union[str, Path], domains: Optional[Sequence[str]] = None) -> dict[str, list[str]]:
+def read_task_documents(
+    tasks_dir: Union[str, Path], domains: Optional[Sequence[str]] = None
+) -> dict[str, list[str]]:
     """{domain: texts} of the perplexity tasks in a folder written by `write_tasks` (the documents they score)."""
-    rec = read_json_object(Path(tasks_dir) / "demix_tasks.json", {"domains": dict}, what="harness task folder record")
+    rec = read_json_object(
+        Path(tasks_dir) / "demix_tasks.json", {"domains": dict}, what="harness task folder record"
+    )
     out = {}
     for d in domains or list(rec["domains"]):
         if d not in rec["domains"]:
             raise ValueError(f"domain {d!r} has no task in {tasks_dir}; domains: {', '.join(rec['domains'])}")
         path = Path(tasks_dir) / "data" / f"ppl_{d}.jsonl"
         try:
-            out[d] = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
+            out[d] = [
+                json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line
+            ]
         except (OSError, ValueError, LookupError, TypeError) as e:
-            raise ValueError(f"{path} is not a task data file of `harness tasks` ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{path} is not a task data file of `harness tasks` ({type(e).__name__}: {e})"
+            ) from None
     return out
 
 
 # ---------------------------------------------------------------- running lm-eval -------------------------------
 
-def harness_metrics(model: str, model_args: str, tasks: Sequence[str], tasks_dir: Union[str, Path],
-                    limit: Optional[int] = None) -> dict[str, dict[str, Any]]:
+
+def harness_metrics(
+    model: str,
+    model_args: str,
+    tasks: Sequence[str],
+    tasks_dir: Union[str, Path],
+    limit: Optional[int] = None,
+) -> dict[str, dict[str, Any]]:
     """lm_eval.simple_evaluate on the task folder (its tasks only, offline); returns results per task with the
     ",none" filter suffix dropped from metric names."""
     import lm_eval
@@ -792,9 +982,16 @@ def harness_metrics(model: str, model_args: str, tasks: Sequence[str], tasks_dir
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
-                                          task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-                                          log_samples=False, bootstrap_iters=0, device="cpu")
+            res = lm_eval.simple_evaluate(
+                model=model,
+                model_args=model_args,
+                tasks=list(tasks),
+                limit=limit,
+                task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+                log_samples=False,
+                bootstrap_iters=0,
+                device="cpu",
+            )
     finally:
         sys.dont_write_bytecode = bytecode
     return {t: {k.split(",")[0]: v for k, v in r.items()} for t, r in res["results"].items()}
@@ -804,9 +1001,16 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
 
 
-def check(ckpt: str, tasks_dir: Union[str, Path], data: str, domains: Optional[Sequence[str]] = None,
-          modes: Sequence[str] = ("cached", "naive"), hf_domain: Optional[str] = None, batch_size: int = 8,
-          extra_args: str = "") -> dict[str, Any]:
+def check(
+    ckpt: str,
+    tasks_dir: Union[str, Path],
+    data: str,
+    domains: Optional[Sequence[str]] = None,
+    modes: Sequence[str] = ("cached", "naive"),
+    hf_domain: Optional[str] = None,
+    batch_size: int = 8,
+    extra_args: str = "",
+) -> dict[str, Any]:
     """Harness token perplexity vs `evaluate_documents` per domain and mode (DEMix; dense: one number); with
     `hf_domain`, the stock `hf` model on that expert's export vs `expert=<hf_domain>` (both window conventions)."""
     from lm_eval.utils import simple_parse_args_string
@@ -817,23 +1021,37 @@ def check(ckpt: str, tasks_dir: Union[str, Path], data: str, domains: Optional[S
     meta = read_meta(ckpt)
     is_demix = meta["config"]["model"]["ffn"]["kind"] == "demix"
     extra = simple_parse_args_string(extra_args)
-    same = {k: extra[k] for k in ("posterior", "cached_estimator", "cached_blocks", "decay", "topk", "dev_split")
-            if k in extra}  # what evaluate_documents must be told to compute the same thing
+    same = {
+        k: extra[k]
+        for k in ("posterior", "cached_estimator", "cached_blocks", "decay", "topk", "dev_split")
+        if k in extra
+    }  # what evaluate_documents must be told to compute the same thing
     if "exclude_experts" in extra:
         same["exclude_experts"] = _names(extra["exclude_experts"])
     topk = int(extra.get("topk", 0) or 0)
-    ev_mode = {m: ("topk" if m == "cached" and topk else m) for m in modes}  # harness cached + topk = evaluate's topk
-    ev = evaluate_documents(ckpt, data, docs, modes=list(ev_mode.values()) if is_demix else ["ppl"],
-                            batch_size=batch_size, **same)
+    ev_mode = {
+        m: ("topk" if m == "cached" and topk else m) for m in modes
+    }  # harness cached + topk = evaluate's topk
+    ev = evaluate_documents(
+        ckpt, data, docs, modes=list(ev_mode.values()) if is_demix else ["ppl"], batch_size=batch_size, **same
+    )
     base = f"checkpoint={ckpt},data={data},batch_size={batch_size}" + (f",{extra_args}" if extra_args else "")
     rows = []
-    for mode in (modes if is_demix else ["ppl"]):
+    for mode in modes if is_demix else ["ppl"]:
         args = base + (f",mode={mode}" if is_demix else "")
         got = harness_metrics("demix", args, tasks, tasks_dir)
         for d in docs:
             h, e = got[PPL_PREFIX + d]["token_perplexity"], ev["domains"][d]["ppl"][ev_mode.get(mode, mode)]
-            rows.append({"domain": d, "mode": mode, "harness": h, "evaluate_documents": e, "rel_diff": _rel(h, e),
-                         "tokens": ev["domains"][d]["tokens"]})
+            rows.append(
+                {
+                    "domain": d,
+                    "mode": mode,
+                    "harness": h,
+                    "evaluate_documents": e,
+                    "rel_diff": _rel(h, e),
+                    "tokens": ev["domains"][d]["tokens"],
+                }
+            )
     result: dict[str, Any] = {"checkpoint": ckpt, "tasks_dir": str(tasks_dir), "rows": rows}
     if hf_domain:
         import tempfile
@@ -845,32 +1063,54 @@ def check(ckpt: str, tasks_dir: Union[str, Path], data: str, domains: Optional[S
         c = load_consolidated(ckpt)
         with tempfile.TemporaryDirectory(prefix="demix-hf-") as tmp:
             hf_dir = Path(tmp) / hf_domain
-            rec = export(c, hf_dir, domain=hf_domain if is_demix else None, tokenizer=load_export_tokenizer(c, data),
-                         source=ckpt)
+            rec = export(
+                c,
+                hf_dir,
+                domain=hf_domain if is_demix else None,
+                tokenizer=load_export_tokenizer(c, data),
+                source=ckpt,
+            )
             task = [PPL_PREFIX + hf_domain]
             hf_args = f"pretrained={hf_dir},tokenizer={hf_dir},dtype=float32,add_bos_token=False"
             hf = harness_metrics("hf", hf_args, task, tasks_dir)[task[0]]["token_perplexity"]
-            hf_default = harness_metrics("hf", hf_args.replace(",add_bos_token=False", ""), task,
-                                         tasks_dir)[task[0]]["token_perplexity"]
-        one = f"checkpoint={ckpt},data={data},batch_size={batch_size}" + (f",expert={hf_domain}" if is_demix else "")
+            hf_default = harness_metrics("hf", hf_args.replace(",add_bos_token=False", ""), task, tasks_dir)[
+                task[0]
+            ]["token_perplexity"]
+        one = f"checkpoint={ckpt},data={data},batch_size={batch_size}" + (
+            f",expert={hf_domain}" if is_demix else ""
+        )
         blocks = harness_metrics("demix", one, task, tasks_dir)[task[0]]["token_perplexity"]
-        lm_eval_w = harness_metrics("demix", one + ",windows=lm_eval", task, tasks_dir)[task[0]]["token_perplexity"]
+        lm_eval_w = harness_metrics("demix", one + ",windows=lm_eval", task, tasks_dir)[task[0]][
+            "token_perplexity"
+        ]
         ev_d = ev["domains"][hf_domain]
         ev_expert = ev_d["expert_ppl"][hf_domain] if is_demix else ev_d["ppl"]["ppl"]
         pad = padding_log_mass(c, docs[hf_domain], data, hf_domain if is_demix else None, batch_size)
-        result["hf"] = {"domain": hf_domain, "hf_add_bos_token_false": hf, "hf_default_tokenizer_bos": hf_default,
-                        "demix_expert_lm_eval_windows": lm_eval_w, "demix_expert_blocks": blocks,
-                        "evaluate_documents_expert": ev_expert, "rel_hf_vs_demix_lm_eval_windows": _rel(hf, lm_eval_w),
-                        "rel_demix_blocks_vs_evaluate": _rel(blocks, ev_expert),
-                        "max_abs_logit_diff": rec.get("max_abs_logit_diff"), "padding_log_mass": pad,
-                        "hf_predicted_from_padding": lm_eval_w * math.exp(-pad),
-                        "rel_hf_vs_predicted": _rel(hf, lm_eval_w * math.exp(-pad))}
+        result["hf"] = {
+            "domain": hf_domain,
+            "hf_add_bos_token_false": hf,
+            "hf_default_tokenizer_bos": hf_default,
+            "demix_expert_lm_eval_windows": lm_eval_w,
+            "demix_expert_blocks": blocks,
+            "evaluate_documents_expert": ev_expert,
+            "rel_hf_vs_demix_lm_eval_windows": _rel(hf, lm_eval_w),
+            "rel_demix_blocks_vs_evaluate": _rel(blocks, ev_expert),
+            "max_abs_logit_diff": rec.get("max_abs_logit_diff"),
+            "padding_log_mass": pad,
+            "hf_predicted_from_padding": lm_eval_w * math.exp(-pad),
+            "rel_hf_vs_predicted": _rel(hf, lm_eval_w * math.exp(-pad)),
+        }
     return result
 
 
 @torch.no_grad()
-def padding_log_mass(c: Consolidated, texts: Sequence[str], data: Union[str, Path], expert: Optional[str] = None,
-                     batch_size: int = 8) -> float:
+def padding_log_mass(
+    c: Consolidated,
+    texts: Sequence[str],
+    data: Union[str, Path],
+    expert: Optional[str] = None,
+    batch_size: int = 8,
+) -> float:
     """Mean over the scored tokens (lm_eval windows) of log Z_all - log Z_real: the log-probability mass our model
     gives the padding rows of its embedding (ids >= the tokenizer's vocabulary; never targets), which an export with
     a trimmed vocabulary leaves out of its softmax. The export's perplexity is ours times exp(-this)."""
@@ -879,14 +1119,18 @@ def padding_log_mass(c: Consolidated, texts: Sequence[str], data: Union[str, Pat
     tok = load_export_tokenizer(c, data)
     model = c.build_model().eval()
     ids = None if expert is None else [c.domains.index(expert)]
-    wins = [w for t in texts for w in document_windows(tok.encode(t), int(c.cfg.model.seq_len), tok.bos_id, "lm_eval")]
+    wins = [
+        w
+        for t in texts
+        for w in document_windows(tok.encode(t), int(c.cfg.model.seq_len), tok.bos_id, "lm_eval")
+    ]
     W = pack_windows(wins, range(len(wins)), tok.eod_id)
     total, n = 0.0, 0.0
     for s in range(0, len(wins), batch_size):
-        logits = model.lm_head(expert_hidden_states(model, W.tokens_NT[s:s + batch_size], ids)[0]).double()
-        gap = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., :tok.vocab_size], -1)
-        total += float((gap * W.score_NT[s:s + batch_size]).sum())
-        n += float(W.score_NT[s:s + batch_size].sum())
+        logits = model.lm_head(expert_hidden_states(model, W.tokens_NT[s : s + batch_size], ids)[0]).double()
+        gap = torch.logsumexp(logits, -1) - torch.logsumexp(logits[..., : tok.vocab_size], -1)
+        total += float((gap * W.score_NT[s : s + batch_size]).sum())
+        n += float(W.score_NT[s : s + batch_size].sum())
     return total / max(n, 1.0)
 
 
@@ -895,36 +1139,58 @@ def _print_check(res: dict[str, Any], out: Any = None) -> None:
     print("| domain | mode | tokens | harness token ppl | evaluate_documents ppl | rel. diff |", file=out)
     print("|---|---|---|---|---|---|", file=out)
     for r in res["rows"]:
-        print(f"| {r['domain']} | {r['mode']} | {r['tokens']} | {r['harness']:.6f} | {r['evaluate_documents']:.6f} | "
-              f"{r['rel_diff']:.2e} |", file=out)
+        print(
+            f"| {r['domain']} | {r['mode']} | {r['tokens']} | {r['harness']:.6f} | {r['evaluate_documents']:.6f} | "
+            f"{r['rel_diff']:.2e} |",
+            file=out,
+        )
     if "hf" in res:
         h = res["hf"]
         print(f"\nhf export of {h['domain']} (max |logit diff| vs ours {h['max_abs_logit_diff']}):", file=out)
-        for k in ("hf_add_bos_token_false", "demix_expert_lm_eval_windows", "hf_predicted_from_padding",
-                  "hf_default_tokenizer_bos", "demix_expert_blocks", "evaluate_documents_expert", "padding_log_mass"):
+        for k in (
+            "hf_add_bos_token_false",
+            "demix_expert_lm_eval_windows",
+            "hf_predicted_from_padding",
+            "hf_default_tokenizer_bos",
+            "demix_expert_blocks",
+            "evaluate_documents_expert",
+            "padding_log_mass",
+        ):
             print(f"  {k}: {h[k]:.6g}", file=out)
-        print(f"  rel hf vs demix expert (lm_eval windows): {h['rel_hf_vs_demix_lm_eval_windows']:.2e}; hf vs that "
-              f"corrected for the padding rows' mass: {h['rel_hf_vs_predicted']:.2e}; "
-              f"demix expert (blocks) vs evaluate: {h['rel_demix_blocks_vs_evaluate']:.2e}", file=out)
+        print(
+            f"  rel hf vs demix expert (lm_eval windows): {h['rel_hf_vs_demix_lm_eval_windows']:.2e}; hf vs that "
+            f"corrected for the padding rows' mass: {h['rel_hf_vs_predicted']:.2e}; "
+            f"demix expert (blocks) vs evaluate: {h['rel_demix_blocks_vs_evaluate']:.2e}",
+            file=out,
+        )
 
 
 # ---------------------------------------------------------------- CLI -------------------------------------------
 
+
 def run_lm_eval(argv: Sequence[str]) -> int:
     """lm-eval's own CLI (`lm-eval run ...`) with the demix model registered."""
-    import launcher.evaluation.harness  # noqa: F401  (registers "demix" under the module's real name)
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
+    import launcher.evaluation.harness  # noqa: F401  (registers "demix" under the module's real name)
+
     argv = list(argv)
-    for i, arg in enumerate(argv):  # a folder `tasks` wrote is verified as `check` does before lm-eval imports it
-        path = argv[i + 1] if arg == "--include_path" and i + 1 < len(argv) else (
-            arg.partition("=")[2] if arg.startswith("--include_path=") else None)
+    for i, arg in enumerate(
+        argv
+    ):  # a folder `tasks` wrote is verified as `check` does before lm-eval imports it
+        path = (
+            argv[i + 1]
+            if arg == "--include_path" and i + 1 < len(argv)
+            else (arg.partition("=")[2] if arg.startswith("--include_path=") else None)
+        )
         if path and (Path(path) / "demix_tasks.json").is_file():
             verify_tasks_dir(path)
     saved, bytecode = sys.argv, sys.dont_write_bytecode
     sys.argv = ["lm-eval"] + (argv if argv and argv[0] in ("run", "ls", "validate") else ["run"] + argv)
-    sys.dont_write_bytecode = True  # no __pycache__ left in a task folder (`verify_tasks_dir` would refuse it)
+    sys.dont_write_bytecode = (
+        True  # no __pycache__ left in a task folder (`verify_tasks_dir` would refuse it)
+    )
     try:
         setup_logging()
         cli = HarnessCLI()
@@ -939,20 +1205,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # everything after `run` is lm-eval's
         return run_lm_eval(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m launcher.evaluation.harness", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.evaluation.harness", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tasks", help="write local lm-eval tasks (YAML + JSONL) from a prepared split")
     t.add_argument("--data", required=True, help="prepared tokens root, e.g. artifacts/demo/tokens")
-    t.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"),
-                   help="tokenizer of the stored n_tokens (the models' tokenizer)")
+    t.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        choices=("gpt2", "sentencepiece"),
+        help="tokenizer of the stored n_tokens (the models' tokenizer)",
+    )
     t.add_argument("--out", required=True, help="task folder (pass it to lm-eval as --include_path)")
     t.add_argument("--split", default="test", choices=("train", "valid", "test"))
     t.add_argument("--max-docs", type=positive_int, default=None, help="first N documents of each domain")
     t.add_argument("--domains", help="comma-separated subset of the domains (default: all)")
     t.add_argument("--seed", type=random_seed, default=0, help="distractors of the multiple-choice task")
-    t.add_argument("--docs-from", choices=("gpt2", "sentencepiece"),
-                   help="prepared dataset whose corpus and split give the documents (default: --tokenizer's)")
-    sub.add_parser("run", help="lm-eval's CLI with model demix registered: run ARGS... (lm-eval run's arguments)")
+    t.add_argument(
+        "--docs-from",
+        choices=("gpt2", "sentencepiece"),
+        help="prepared dataset whose corpus and split give the documents (default: --tokenizer's)",
+    )
+    sub.add_parser(
+        "run", help="lm-eval's CLI with model demix registered: run ARGS... (lm-eval run's arguments)"
+    )
     c = sub.add_parser("check", help="harness token perplexity vs evaluate_documents (and an hf export)")
     c.add_argument("checkpoint")
     c.add_argument("--tasks-dir", required=True)
@@ -962,12 +1239,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--hf-domain", help="also export this expert and run the stock hf model on its task")
     c.add_argument("--batch-size", type=positive_int, default=8)
     c.add_argument("--model-args", default="", help="extra demix model_args, e.g. posterior=previous_token")
-    c.add_argument("--tolerance", type=nonneg_float, default=1e-4, help="largest relative difference accepted")
+    c.add_argument(
+        "--tolerance", type=nonneg_float, default=1e-4, help="largest relative difference accepted"
+    )
     c.add_argument("--json", help="also write the result here")
     a = p.parse_args(argv)
     if a.command == "tasks":
-        rec = write_tasks(a.data, a.tokenizer, a.out, a.split, a.max_docs,
-                          [d.strip() for d in a.domains.split(",")] if a.domains else None, a.seed, a.docs_from)
+        rec = write_tasks(
+            a.data,
+            a.tokenizer,
+            a.out,
+            a.split,
+            a.max_docs,
+            [d.strip() for d in a.domains.split(",")] if a.domains else None,
+            a.seed,
+            a.docs_from,
+        )
         for d, r in rec["domains"].items():
             print(f"{r['task']}: {r['documents']} documents, {r['tokens']} tokens")
         print(f"{MC_TASK}: {rec['continuation']['documents']} documents")
@@ -977,15 +1264,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"--modes {bad}: choose from {', '.join(MODES)}")
-    res = check(a.checkpoint, a.tasks_dir, a.data, [d.strip() for d in a.domains.split(",")] if a.domains else None,
-                modes, a.hf_domain, a.batch_size, a.model_args)
+    res = check(
+        a.checkpoint,
+        a.tasks_dir,
+        a.data,
+        [d.strip() for d in a.domains.split(",")] if a.domains else None,
+        modes,
+        a.hf_domain,
+        a.batch_size,
+        a.model_args,
+    )
     _print_check(res)
     if a.json:
         write_json_atomic(Path(a.json), res)
     worst = max((r["rel_diff"] for r in res["rows"]), default=0.0)
     if worst > a.tolerance:
-        print(f"error: harness and evaluate_documents differ by {worst:.2e} relative (> {a.tolerance})",
-              file=sys.stderr)
+        print(
+            f"error: harness and evaluate_documents differ by {worst:.2e} relative (> {a.tolerance})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

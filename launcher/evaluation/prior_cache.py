@@ -32,7 +32,9 @@ from launcher.checkpoint import read_meta
 from model import mixture as mx
 
 PRIOR_CACHE_FORMAT = "demix-prior-cache/1"
-PRIOR_CACHE_DIR = "eval_prior_cache"  # inside the checkpoint directory (the evaluation's default --out is too)
+PRIOR_CACHE_DIR = (
+    "eval_prior_cache"  # inside the checkpoint directory (the evaluation's default --out is too)
+)
 
 # domain -> {"prior": CachedPrior | None (no development block), "variants": {"<estimator>/<posterior>": {e: p}}}
 PriorEntries = dict[str, dict[str, Any]]
@@ -52,9 +54,14 @@ def checkpoint_fingerprint(ckpt_dir: Union[str, Path], excluded: Sequence[str] =
         shards = meta.get("shards", {})
         files = [shards.get("shared", "model.pt"), *shards.get("experts", {}).values()]
         sums = {rel: sha256_file(root / rel) for rel in files if (root / rel).is_file()}
-    return {"format": meta.get("format"), "step": meta.get("step"), "domains": list(meta["domains"]),
-            "shards_sha256": dict(sums), "config_sha256": _digest(meta["config"]),
-            "excluded_experts": sorted(excluded)}
+    return {
+        "format": meta.get("format"),
+        "step": meta.get("step"),
+        "domains": list(meta["domains"]),
+        "shards_sha256": dict(sums),
+        "config_sha256": _digest(meta["config"]),
+        "excluded_experts": sorted(excluded),
+    }
 
 
 def data_fingerprint(data_root: Union[str, Path], tokenizer: str, dev_split: str) -> dict[str, Any]:
@@ -81,11 +88,18 @@ class PriorCache:
     excluded: tuple[str, ...] = ()
 
     @classmethod
-    def beside(cls, ckpt_dir: Union[str, Path], excluded: Sequence[str] = (),
-               directory: Optional[Union[str, Path]] = None) -> "PriorCache":
+    def beside(
+        cls,
+        ckpt_dir: Union[str, Path],
+        excluded: Sequence[str] = (),
+        directory: Optional[Union[str, Path]] = None,
+    ) -> "PriorCache":
         """The cache of checkpoint `ckpt_dir`: `directory`, default `CKPT_DIR/eval_prior_cache`."""
-        return cls(Path(directory) if directory is not None else Path(ckpt_dir) / PRIOR_CACHE_DIR, Path(ckpt_dir),
-                   tuple(excluded))
+        return cls(
+            Path(directory) if directory is not None else Path(ckpt_dir) / PRIOR_CACHE_DIR,
+            Path(ckpt_dir),
+            tuple(excluded),
+        )
 
     @functools.cached_property
     def checkpoint(self) -> dict[str, Any]:
@@ -94,7 +108,12 @@ class PriorCache:
 
     def fingerprint(self, data: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
         """The whole key: checkpoint, data (`data_fingerprint`) and the prior's settings."""
-        return {"format": PRIOR_CACHE_FORMAT, "checkpoint": self.checkpoint, "data": data, "settings": settings}
+        return {
+            "format": PRIOR_CACHE_FORMAT,
+            "checkpoint": self.checkpoint,
+            "data": data,
+            "settings": settings,
+        }
 
     def file(self, fingerprint: dict[str, Any]) -> Path:
         """The cache file of `fingerprint`."""
@@ -106,8 +125,12 @@ class PriorCache:
         if not path.is_file():
             return {}, None
         try:
-            data = read_json_object(path, {"format": str, "fingerprint": dict, "domains": dict}, what="prior cache")
-            if data["format"] != PRIOR_CACHE_FORMAT or data["fingerprint"] != json.loads(json.dumps(fingerprint)):
+            data = read_json_object(
+                path, {"format": str, "fingerprint": dict, "domains": dict}, what="prior cache"
+            )
+            if data["format"] != PRIOR_CACHE_FORMAT or data["fingerprint"] != json.loads(
+                json.dumps(fingerprint)
+            ):
                 return {}, f"{path} is for another checkpoint, data or settings"
             return {d: _entry_from_json(e) for d, e in data["domains"].items()}, None
         except (InputFileError, KeyError, TypeError, ValueError) as e:
@@ -119,9 +142,16 @@ class PriorCache:
         old.update(entries)
         path = self.file(fingerprint)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"format": PRIOR_CACHE_FORMAT, "created_unix": int(time.time()),
-                                 "scoring_seconds": round(seconds, 3), "fingerprint": fingerprint,
-                                 "domains": {d: _entry_to_json(e) for d, e in old.items()}})
+        write_json_atomic(
+            path,
+            {
+                "format": PRIOR_CACHE_FORMAT,
+                "created_unix": int(time.time()),
+                "scoring_seconds": round(seconds, 3),
+                "fingerprint": fingerprint,
+                "domains": {d: _entry_to_json(e) for d, e in old.items()},
+            },
+        )
         return path
 
 
@@ -133,6 +163,16 @@ def _entry_to_json(entry: dict[str, Any]) -> dict[str, Any]:
 def _entry_from_json(data: dict[str, Any]) -> dict[str, Any]:
     """A cached entry back; the probabilities exactly as estimated (JSON keeps every double), not renormalised."""
     p = data["prior"]
-    prior = None if p is None else mx.CachedPrior(list(p["domains"]), [float(x) for x in p["probs"]], int(p["blocks"]),
-                                                  float(p["decay"]), str(p["estimator"]), str(p["posterior"]))
+    prior = (
+        None
+        if p is None
+        else mx.CachedPrior(
+            list(p["domains"]),
+            [float(x) for x in p["probs"]],
+            int(p["blocks"]),
+            float(p["decay"]),
+            str(p["estimator"]),
+            str(p["posterior"]),
+        )
+    )
     return {"prior": prior, "variants": dict(data.get("variants", {}))}

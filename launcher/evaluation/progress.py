@@ -31,9 +31,20 @@ def _per_domain(blocks: dict[str, int], unit: str) -> str:
     return f"{len(blocks)} domains ({', '.join(f'{d} {n}' for d, n in blocks.items())} {unit} blocks)"
 
 
-def plan_line(test_blocks: dict[str, int], split: str, seq_len: int, experts: int, modes: Sequence[str],
-              passes_per_block: int, prior_blocks: dict[str, int], dev_split: str, prior_note: str,
-              seconds_per_pass: Optional[float], timed_blocks: int, world: int = 1) -> str:
+def plan_line(
+    test_blocks: dict[str, int],
+    split: str,
+    seq_len: int,
+    experts: int,
+    modes: Sequence[str],
+    passes_per_block: int,
+    prior_blocks: dict[str, int],
+    dev_split: str,
+    prior_note: str,
+    seconds_per_pass: Optional[float],
+    timed_blocks: int,
+    world: int = 1,
+) -> str:
     """The line printed before any work: what will run (domains x blocks, experts, modes, block passes and
     block-expert evaluations), the cached prior's fixed cost (`prior_note`, e.g. "prior: scoring 100 valid blocks
     per domain"), an estimated time where `seconds_per_pass` was measured, and which options bound the work."""
@@ -45,8 +56,10 @@ def plan_line(test_blocks: dict[str, int], split: str, seq_len: int, experts: in
         what.append(f"{experts} experts")
     if passes_per_block > 1:
         what.append(f"{passes_per_block} domain tokens (one pass each)")
-    what.append(f"{len(modes)} modes ({','.join(modes)})" + (" mixed from one all-experts pass per block"
-                                                              if experts and len(modes) > 1 else ""))
+    what.append(
+        f"{len(modes)} modes ({','.join(modes)})"
+        + (" mixed from one all-experts pass per block" if experts and len(modes) > 1 else "")
+    )
     line = f"[eval] plan: {', '.join(what)} = {n_test} block passes"
     if experts:
         line += f" ({n_test * experts} block-expert evaluations)"
@@ -56,8 +69,10 @@ def plan_line(test_blocks: dict[str, int], split: str, seq_len: int, experts: in
             line += f" = {n_prior} block passes, {100 * n_prior / max(total, 1):.0f}% of the work"
     line += f"; total {total} block passes" + (f" over {world} ranks" if world > 1 else "")
     if seconds_per_pass is not None:
-        line += (f"; estimated {fmt_seconds(total * seconds_per_pass / world)} (an estimate: "
-                 f"{seconds_per_pass:.3f} s per block pass from one timed batch of {timed_blocks})")
+        line += (
+            f"; estimated {fmt_seconds(total * seconds_per_pass / world)} (an estimate: "
+            f"{seconds_per_pass:.3f} s per block pass from one timed batch of {timed_blocks})"
+        )
     hint = "--max-blocks N bounds the test blocks per domain, --modes a subset"
     if experts:
         hint += f" (without cached,topk no prior is scored), --cached-blocks N the prior's {dev_split} blocks"
@@ -102,6 +117,9 @@ class Progress:
         """`[eval] 48/1296 block passes (4%) - prior biomed (valid) - 21s elapsed, ETA 9m05s`."""
         self.last, self.said = time.perf_counter(), self.done
         eta = self.eta()
-        return (f"[eval] {self.done}/{self.total} block passes ({100 * self.done / self.total:.0f}%) - {self.stage}"
-                + (f" {note}" if note else "") + f" - {fmt_seconds(self.last - self.t0)} elapsed, ETA "
-                + (fmt_seconds(eta) if eta is not None else "?"))
+        return (
+            f"[eval] {self.done}/{self.total} block passes ({100 * self.done / self.total:.0f}%) - {self.stage}"
+            + (f" {note}" if note else "")
+            + f" - {fmt_seconds(self.last - self.t0)} elapsed, ETA "
+            + (fmt_seconds(eta) if eta is not None else "?")
+        )

@@ -27,7 +27,9 @@ BOOTSTRAP_SEED = 0
 LEVEL = 0.95
 
 
-def block_sums(log_probs_BT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> tuple[list[float], list[int]]:
+def block_sums(
+    log_probs_BT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None
+) -> tuple[list[float], list[int]]:
     """Per-block NLL sums (nats, float64) and scored-token counts of B x T token log-probabilities."""
     lp = log_probs_BT.to(torch.float64)
     m = torch.ones_like(lp) if mask_BT is None else mask_BT.to(torch.float64)
@@ -53,8 +55,13 @@ def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def bootstrap_ppl(nll: Sequence[float], tokens: Sequence[int], replicates: int = BOOTSTRAP_REPLICATES,
-                  seed: int = BOOTSTRAP_SEED, level: float = LEVEL) -> tuple[float, float, float]:
+def bootstrap_ppl(
+    nll: Sequence[float],
+    tokens: Sequence[int],
+    replicates: int = BOOTSTRAP_REPLICATES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = LEVEL,
+) -> tuple[float, float, float]:
     """(perplexity, low, high): the percentile bootstrap interval over blocks."""
     n, c = _check(nll, tokens)
     idx = _replicate_indices(len(n), replicates, seed)
@@ -62,8 +69,12 @@ def bootstrap_ppl(nll: Sequence[float], tokens: Sequence[int], replicates: int =
     return (math.exp(n.sum() / c.sum()), *_interval(samples, level))
 
 
-def bootstrap_mean_ppl(domains: Sequence[tuple[Sequence[float], Sequence[int]]], replicates: int = BOOTSTRAP_REPLICATES,
-                       seed: int = BOOTSTRAP_SEED, level: float = LEVEL) -> tuple[float, float, float]:
+def bootstrap_mean_ppl(
+    domains: Sequence[tuple[Sequence[float], Sequence[int]]],
+    replicates: int = BOOTSTRAP_REPLICATES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = LEVEL,
+) -> tuple[float, float, float]:
     """(mean of per-domain perplexities, low, high): each domain's blocks resampled independently per replicate."""
     if not domains:
         raise ValueError("no domains to average")
@@ -76,9 +87,14 @@ def bootstrap_mean_ppl(domains: Sequence[tuple[Sequence[float], Sequence[int]]],
     return (float(np.mean(point)), *_interval(samples / len(domains), level))
 
 
-def paired_ratio(nll_a: Sequence[float], nll_b: Sequence[float], tokens: Sequence[int],
-                 replicates: int = BOOTSTRAP_REPLICATES, seed: int = BOOTSTRAP_SEED,
-                 level: float = LEVEL) -> tuple[float, float, float]:
+def paired_ratio(
+    nll_a: Sequence[float],
+    nll_b: Sequence[float],
+    tokens: Sequence[int],
+    replicates: int = BOOTSTRAP_REPLICATES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = LEVEL,
+) -> tuple[float, float, float]:
     """(ppl_A / ppl_B, low, high) of two models scored on the same blocks (same token counts), paired bootstrap."""
     a, c = _check(nll_a, tokens)
     b, _ = _check(nll_b, tokens)
@@ -92,5 +108,10 @@ def seed_spread(values: Sequence[float]) -> dict[str, float]:
     v = np.asarray(values, dtype=np.float64)
     if not len(v):
         raise ValueError("no values")
-    return {"mean": float(v.mean()), "sd": float(v.std(ddof=1)) if len(v) > 1 else 0.0, "min": float(v.min()),
-            "max": float(v.max()), "n": int(len(v))}
+    return {
+        "mean": float(v.mean()),
+        "sd": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "n": int(len(v)),
+    }

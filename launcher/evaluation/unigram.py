@@ -51,8 +51,9 @@ def _nll_counts(counts_V: np.ndarray, k: float, dev_counts_V: np.ndarray) -> flo
     return float(-(dev_counts_V @ logp) / dev_counts_V.sum())
 
 
-def fit_unigram_counts(train_counts_V: np.ndarray, vocab_size: int, dev_counts_V: Optional[np.ndarray] = None
-                       ) -> tuple[np.ndarray, float]:
+def fit_unigram_counts(
+    train_counts_V: np.ndarray, vocab_size: int, dev_counts_V: Optional[np.ndarray] = None
+) -> tuple[np.ndarray, float]:
     """(log p over the vocabulary, k) from per-token-id counts of the training targets (and of the development
     targets: k from ADD_K_GRID by their NLL; the middle of the grid, 0.1, without any). Counts may be shorter than
     `vocab_size` (zero-padded); a nonzero count at an id >= `vocab_size` is a ValueError."""
@@ -70,8 +71,9 @@ def _bincount_ids(targets: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.bincount(t, minlength=vocab_size)
 
 
-def fit_unigram(train_targets: np.ndarray, vocab_size: int, dev_targets: Optional[np.ndarray] = None
-                ) -> tuple[np.ndarray, float]:
+def fit_unigram(
+    train_targets: np.ndarray, vocab_size: int, dev_targets: Optional[np.ndarray] = None
+) -> tuple[np.ndarray, float]:
     """(log p over the vocabulary, k): counts of the training targets, k from ADD_K_GRID by development NLL (the
     middle of the grid, 0.1, without development tokens). `fit_unigram_counts` on the tokens' bincounts."""
     dev = None if dev_targets is None else _bincount_ids(dev_targets, vocab_size)
@@ -83,20 +85,31 @@ def unigram_log_probs(log_p_V: np.ndarray, targets_BT: torch.Tensor) -> torch.Te
     return torch.from_numpy(log_p_V[targets_BT.numpy()])
 
 
-def domain_unigram(data_root: Union[str, Path], tokenizer: str, domain: str, seq_len: int, vocab_size: int,
-                   test_targets_BT: torch.Tensor, mask_BT: torch.Tensor, dev_split: str = "valid") -> dict[str, Any]:
+def domain_unigram(
+    data_root: Union[str, Path],
+    tokenizer: str,
+    domain: str,
+    seq_len: int,
+    vocab_size: int,
+    test_targets_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    dev_split: str = "valid",
+) -> dict[str, Any]:
     """The domain's unigram perplexity on the given test targets, fitted on its train split (k by `dev_split`):
     {"ppl", "k", "train_tokens", "block_nll"} (block_nll: per-block NLL sums, as the models' in eval.json)."""
     from launcher.evaluation.stats import block_sums
 
-    log_p, k, n_train = _fitted(str(Path(data_root).resolve()), tokenizer, domain, seq_len, vocab_size, dev_split)
+    log_p, k, n_train = _fitted(
+        str(Path(data_root).resolve()), tokenizer, domain, seq_len, vocab_size, dev_split
+    )
     lp_BT = unigram_log_probs(log_p, test_targets_BT)
     nll, tokens = block_sums(lp_BT, mask_BT)
     return {"ppl": math.exp(sum(nll) / sum(tokens)), "k": k, "train_tokens": n_train, "block_nll": nll}
 
 
-def bin_token_counts(path: Union[str, Path], dtype: Union[str, np.dtype], vocab_size: int,
-                     block_tokens: Optional[int] = None) -> np.ndarray:
+def bin_token_counts(
+    path: Union[str, Path], dtype: Union[str, np.dtype], vocab_size: int, block_tokens: Optional[int] = None
+) -> np.ndarray:
     """Occurrences of each token id in a token file (a megatron-core .bin: the tokens back to back), int64 of
     length `vocab_size`, read `block_tokens` (default `_BLOCK_TOKENS`) at a time; ValueError naming the file for
     ids outside [0, vocab_size)."""
@@ -114,8 +127,9 @@ def bin_token_counts(path: Union[str, Path], dtype: Union[str, np.dtype], vocab_
 
 
 @functools.lru_cache(maxsize=64)
-def _fitted(data_root: str, tokenizer: str, domain: str, seq_len: int, vocab_size: int,
-            dev_split: str) -> tuple[np.ndarray, float, int]:
+def _fitted(
+    data_root: str, tokenizer: str, domain: str, seq_len: int, vocab_size: int, dev_split: str
+) -> tuple[np.ndarray, float, int]:
     """The fitted unigram of one domain, once per process (several models are evaluated on the same data), from
     the counts of every token of its train and `dev_split` token files (the documents' tokens, [bos] included,
     back to back: every token a cross-document block can have as a target); see the module docstring for where
@@ -127,7 +141,9 @@ def _fitted(data_root: str, tokenizer: str, domain: str, seq_len: int, vocab_siz
     entries = manifest.get("counts", {}).get(domain, {})
     rel = manifest["token_counts"].get(domain) if isinstance(manifest.get("token_counts"), dict) else None
     stored = _stored_counts(tok_dir, rel, entries) if rel is not None else None
-    train, dev = (_split_counts(tok_dir, manifest, entries, s, vocab_size, stored) for s in ("train", dev_split))
+    train, dev = (
+        _split_counts(tok_dir, manifest, entries, s, vocab_size, stored) for s in ("train", dev_split)
+    )
     n_train = int(train.sum())
     if not n_train:
         raise ValueError(f"{domain}: no training tokens to fit a unigram on")
@@ -141,7 +157,9 @@ def _stored_counts(tok_dir: Path, rel: Any, entries: dict) -> np.ndarray:
     from data.blocks import SPLITS
 
     if not isinstance(rel, str) or not rel:
-        raise ValueError(f"{tok_dir / 'manifest.json'}: token_counts must be a path relative to {tok_dir}, not {rel!r}")
+        raise ValueError(
+            f"{tok_dir / 'manifest.json'}: token_counts must be a path relative to {tok_dir}, not {rel!r}"
+        )
     path = tok_dir / rel
     try:
         arr = np.load(path, allow_pickle=False)
@@ -150,22 +168,32 @@ def _stored_counts(tok_dir: Path, rel: Any, entries: dict) -> np.ndarray:
         raise ValueError(f"{path}: not a readable token counts file ({why}); re-run data.prepare") from None
     if not isinstance(arr, np.ndarray):
         getattr(arr, "close", lambda: None)()  # an .npz archive
-    if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[0] != len(SPLITS) or not np.issubdtype(arr.dtype, np.integer):
+    if (
+        not isinstance(arr, np.ndarray)
+        or arr.ndim != 2
+        or arr.shape[0] != len(SPLITS)
+        or not np.issubdtype(arr.dtype, np.integer)
+    ):
         what = f"shape {arr.shape}, dtype {arr.dtype}" if isinstance(arr, np.ndarray) else type(arr).__name__
-        raise ValueError(f"{path}: token counts must be an int64 array of shape ({len(SPLITS)}, V) (one row per split "
-                         f"{', '.join(SPLITS)}), not {what}; re-run data.prepare")
+        raise ValueError(
+            f"{path}: token counts must be an int64 array of shape ({len(SPLITS)}, V) (one row per split "
+            f"{', '.join(SPLITS)}), not {what}; re-run data.prepare"
+        )
     if arr.size and arr.min() < 0:
         raise ValueError(f"{path}: negative token counts; re-run data.prepare")
     for s, row in zip(SPLITS, arr):
         recorded = entries.get(s, {}).get("tokens") if isinstance(entries.get(s), dict) else None
         if recorded is not None and int(row.sum()) != int(recorded):
-            raise ValueError(f"{path}: {int(row.sum())} {s} tokens counted, the manifest records {recorded}; "
-                             "re-run data.prepare")
+            raise ValueError(
+                f"{path}: {int(row.sum())} {s} tokens counted, the manifest records {recorded}; "
+                "re-run data.prepare"
+            )
     return arr.astype(np.int64, copy=False)
 
 
-def _split_counts(tok_dir: Path, manifest: dict, entries: dict, split: str, vocab_size: int,
-                  stored: Optional[np.ndarray]) -> np.ndarray:
+def _split_counts(
+    tok_dir: Path, manifest: dict, entries: dict, split: str, vocab_size: int, stored: Optional[np.ndarray]
+) -> np.ndarray:
     """Counts per token id of one prepared split (all zeros when the split has no tokens): the stored row when
     there is one, else counted from the .bin."""
     from data.blocks import SPLITS

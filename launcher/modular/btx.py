@@ -98,11 +98,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from data.catalog import DataError, load_catalog, read_token_manifest
 from data.argtypes import open_unit, positive_int
+from data.catalog import DataError, load_catalog, read_token_manifest
 from data.cli import cli_main, exit_process
-from launcher.checkpoint import (CheckpointError, Consolidated, check_checkpoint_out, read_meta,
-                                 save_consolidated)
+from launcher.checkpoint import (
+    CheckpointError,
+    Consolidated,
+    check_checkpoint_out,
+    read_meta,
+    save_consolidated,
+)
 from launcher.config import ConfigError, RunConfig
 from launcher.evaluation.evaluate import block_inputs, check_checkpoint_data, load_blocks
 from launcher.ffn_kinds import ffn_kind
@@ -111,8 +116,23 @@ from launcher.typed import from_dict
 
 LAYERS: dict[str, int] = {"every_other": 2, "all": 1}  # --layers -> model.ffn.gshard.moe_every
 ROUTER_INITS: tuple[str, ...] = ("data", "zero")
-_META_OWN = ("format", "step", "domains", "experts", "shards", "config")  # written by save_consolidated itself
-_SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "ffn_mult", "make_vocab_size_divisible_by")
+_META_OWN = (
+    "format",
+    "step",
+    "domains",
+    "experts",
+    "shards",
+    "config",
+)  # written by save_consolidated itself
+_SHAPE_KEYS = (
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "seq_len",
+    "vocab_size",
+    "ffn_mult",
+    "make_vocab_size_divisible_by",
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,9 +148,13 @@ def btx_config(cfg: RunConfig, layers: str = "every_other", experts_per_rank: in
     ffn = cfg.model.ffn
     gshard = replace(ffn.gshard, moe_every=LAYERS[layers], experts_per_rank=experts_per_rank)
     model = replace(cfg.model, ffn=replace(ffn, kind="gshard", gshard=gshard))
-    return replace(cfg, model=model, data=replace(cfg.data, mixture="natural"),
-                   parallel=replace(cfg.parallel, allocation=None),
-                   train=replace(cfg.train, init_from=None, trainable="all"))
+    return replace(
+        cfg,
+        model=model,
+        data=replace(cfg.data, mixture="natural"),
+        parallel=replace(cfg.parallel, allocation=None),
+        train=replace(cfg.train, init_from=None, trainable="all"),
+    )
 
 
 def layout_problems(num_experts: int, experts_per_rank: int, world_size: Optional[int] = None) -> list[str]:
@@ -139,25 +163,36 @@ def layout_problems(num_experts: int, experts_per_rank: int, world_size: Optiona
         return [f"--experts-per-rank={experts_per_rank}: must be >= 1"]
     if num_experts % experts_per_rank:
         divisors = [k for k in range(1, num_experts + 1) if num_experts % k == 0]
-        return [f"{num_experts} experts (one per DEMix domain) are not divisible by --experts-per-rank="
-                f"{experts_per_rank}: every rank holds the same number of experts; choose one of {divisors}"]
+        return [
+            f"{num_experts} experts (one per DEMix domain) are not divisible by --experts-per-rank="
+            f"{experts_per_rank}: every rank holds the same number of experts; choose one of {divisors}"
+        ]
     ep = num_experts // experts_per_rank
     if world_size is not None and (world_size < 1 or world_size % ep):
-        return [f"{num_experts} experts / {experts_per_rank} per rank = {ep} expert-parallel ranks, which does not "
-                f"divide --world-size={world_size}: choose experts_per_rank so that {num_experts} / experts_per_rank "
-                f"divides {world_size}"]
+        return [
+            f"{num_experts} experts / {experts_per_rank} per rank = {ep} expert-parallel ranks, which does not "
+            f"divide --world-size={world_size}: choose experts_per_rank so that {num_experts} / experts_per_rank "
+            f"divides {world_size}"
+        ]
     return []
 
 
 def average_coherence(state: dict[str, torch.Tensor], num_experts: int, layer: int) -> float:
     """||mean_j W_j|| / mean_j ||W_j|| over the fc1 weights of a layer's experts: 1 when the experts are equal (BTX's
     branches of one seed model early on), about 1/sqrt(E) when they are independent (uncorrelated) matrices."""
-    W_EFD = torch.stack([state[f"blocks.{layer}.ffn.experts.{j}.fc1.weight"].double() for j in range(num_experts)])
+    W_EFD = torch.stack(
+        [state[f"blocks.{layer}.ffn.experts.{j}.fc1.weight"].double() for j in range(num_experts)]
+    )
     return float(W_EFD.mean(0).norm() / W_EFD.flatten(1).norm(dim=1).mean())
 
 
-def upcycle_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int, moe_layers: Sequence[int],
-                  gates: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+def upcycle_state(
+    state: dict[str, torch.Tensor],
+    num_experts: int,
+    n_layers: int,
+    moe_layers: Sequence[int],
+    gates: dict[int, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """The GShard state dict from a DEMix one: MoE layers keep every expert under its name and get `gates[l]`
     (E x D) as `blocks.<l>.ffn.gate.weight`; other layers get the experts' mean as `blocks.<l>.ffn.mlp.*`; every
     other tensor is the same object (bit-identical)."""
@@ -168,9 +203,11 @@ def upcycle_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: in
             out[k] = v
     for l in range(n_layers):
         pre = f"blocks.{l}.ffn."
-        names = sorted({k[len(pre + "experts.0."):] for k in state if k.startswith(pre + "experts.0.")})
+        names = sorted({k[len(pre + "experts.0.") :] for k in state if k.startswith(pre + "experts.0.")})
         if not names:
-            raise CheckpointError(f"layer {l} has no DEMix expert 0 ({pre}experts.0.*): not a DEMix state dict")
+            raise CheckpointError(
+                f"layer {l} has no DEMix expert 0 ({pre}experts.0.*): not a DEMix state dict"
+            )
         for name in names:
             experts = [state[f"{pre}experts.{j}.{name}"] for j in range(num_experts)]
             if l in moe_layers:
@@ -188,9 +225,16 @@ def upcycle_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: in
 
 
 @torch.no_grad()
-def domain_ffn_inputs(c: Consolidated, data: str, tokenizer: str, layers: Sequence[int], blocks: int = 16,
-                      sample_tokens: int = 1024, batch_size: int = 4, seed: int = 0
-                      ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def domain_ffn_inputs(
+    c: Consolidated,
+    data: str,
+    tokenizer: str,
+    layers: Sequence[int],
+    blocks: int = 16,
+    sample_tokens: int = 1024,
+    batch_size: int = 4,
+    seed: int = 0,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """FFN inputs (the `ln2` outputs the gate reads) of the DEMix model routed to expert g on domain g's first
     `blocks` training blocks, for every g: ({layer: mean_GD}, {layer: x_GND}), the mean over all their tokens
     (float64) and N token rows sampled uniformly (the same N for every domain, at most `sample_tokens`)."""
@@ -198,13 +242,18 @@ def domain_ffn_inputs(c: Consolidated, data: str, tokenizer: str, layers: Sequen
     available = read_token_manifest(Path(data) / tokenizer / "manifest.json")["domains"]
     missing = [d for d in c.domains if d not in available]
     if missing:
-        raise CheckpointError(f"--router-init data needs every expert's domain in {data}/{tokenizer}; missing "
-                              f"{missing} (domains there: {', '.join(available)}); use --router-init zero or "
-                              "other data")
+        raise CheckpointError(
+            f"--router-init data needs every expert's domain in {data}/{tokenizer}; missing "
+            f"{missing} (domains there: {', '.join(available)}); use --router-init zero or "
+            "other data"
+        )
     captured: dict[int, list[torch.Tensor]] = {}
-    hooks = [model.blocks[l].ln2.register_forward_hook(
-        lambda _m, _i, out, l=l: captured.setdefault(l, []).append(out.reshape(-1, out.shape[-1]).float()))
-        for l in layers]
+    hooks = [
+        model.blocks[l].ln2.register_forward_hook(
+            lambda _m, _i, out, l=l: captured.setdefault(l, []).append(out.reshape(-1, out.shape[-1]).float())
+        )
+        for l in layers
+    ]
     means: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
     rows: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
     gen = torch.Generator().manual_seed(seed)
@@ -212,12 +261,13 @@ def domain_ffn_inputs(c: Consolidated, data: str, tokenizer: str, layers: Sequen
         for g, dom in enumerate(c.domains):
             arr = load_blocks(data, tokenizer, dom, "train", c.cfg.model.seq_len, blocks)
             if not len(arr):
-                raise CheckpointError(f"{dom}/train in {data}/{tokenizer} has no block of "
-                                      f"{c.cfg.model.seq_len}+1 tokens")
+                raise CheckpointError(
+                    f"{dom}/train in {data}/{tokenizer} has no block of {c.cfg.model.seq_len}+1 tokens"
+                )
             tokens_NT = block_inputs(arr)[0]
             captured.clear()
             for s in range(0, len(tokens_NT), batch_size):
-                x_BT = tokens_NT[s:s + batch_size]
+                x_BT = tokens_NT[s : s + batch_size]
                 model(x_BT, torch.full((x_BT.shape[0],), g, dtype=torch.long), return_logits=False)
             for l in layers:
                 x_SD = torch.cat(captured[l])
@@ -228,7 +278,10 @@ def domain_ffn_inputs(c: Consolidated, data: str, tokenizer: str, layers: Sequen
         for h in hooks:
             h.remove()
     n = min(r.shape[0] for r in rows[layers[0]]) if layers else 0
-    return ({l: torch.stack(means[l]) for l in layers}, {l: torch.stack([r[:n] for r in rows[l]]) for l in layers})
+    return (
+        {l: torch.stack(means[l]) for l in layers},
+        {l: torch.stack([r[:n] for r in rows[l]]) for l in layers},
+    )
 
 
 def _mean_entropy(z_SE: torch.Tensor, scale: float) -> float:
@@ -236,8 +289,9 @@ def _mean_entropy(z_SE: torch.Tensor, scale: float) -> float:
     return float(-(logp_SE.exp() * logp_SE).sum(1).mean())
 
 
-def fit_router(mean_GD: torch.Tensor, x_GND: torch.Tensor, router_entropy: float = 0.5
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+def fit_router(
+    mean_GD: torch.Tensor, x_GND: torch.Tensor, router_entropy: float = 0.5
+) -> tuple[torch.Tensor, dict[str, float]]:
     """W_ED = s u with u_j the centred, normalised domain mean (module docstring) and s such that the mean routing
     entropy of the sampled tokens is `router_entropy` x log E. Returns (W float32, statistics on those tokens:
     scale, entropy fraction, how often domain j's tokens pick expert j first / among the top 2, mean p_own)."""
@@ -259,10 +313,13 @@ def fit_router(mean_GD: torch.Tensor, x_GND: torch.Tensor, router_entropy: float
     p_SE = torch.softmax(scale * z_SE, dim=1)
     own_S = torch.arange(G).repeat_interleave(N)
     top2_S2 = p_SE.topk(min(2, G), dim=1).indices
-    stats = {"scale": scale, "entropy_fraction": _mean_entropy(z_SE, scale) / math.log(G),
-             "own_top1": float((top2_S2[:, 0] == own_S).double().mean()),
-             "own_top2": float((top2_S2 == own_S[:, None]).any(1).double().mean()),
-             "own_prob": float(p_SE.gather(1, own_S[:, None]).mean())}
+    stats = {
+        "scale": scale,
+        "entropy_fraction": _mean_entropy(z_SE, scale) / math.log(G),
+        "own_top1": float((top2_S2[:, 0] == own_S).double().mean()),
+        "own_top2": float((top2_S2 == own_S[:, None]).any(1).double().mean()),
+        "own_prob": float(p_SE.gather(1, own_S[:, None]).mean()),
+    }
     return (scale * u_GD).float(), stats
 
 
@@ -271,10 +328,20 @@ def fit_router(mean_GD: torch.Tensor, x_GND: torch.Tensor, router_entropy: float
 # ----------------------------------------------------------------------------------------------------
 
 
-def upcycle(ckpt: CkptLike, out: Union[str, Path], *, layers: str = "every_other", router_init: str = "data",
-            data: Optional[str] = None, tokenizer: Optional[str] = None, blocks: int = 16,
-            router_entropy: float = 0.5, experts_per_rank: int = 1, world_size: Optional[int] = None,
-            overwrite: bool = False) -> dict[str, Any]:
+def upcycle(
+    ckpt: CkptLike,
+    out: Union[str, Path],
+    *,
+    layers: str = "every_other",
+    router_init: str = "data",
+    data: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    blocks: int = 16,
+    router_entropy: float = 0.5,
+    experts_per_rank: int = 1,
+    world_size: Optional[int] = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Write the BTX-upcycled GShard checkpoint of DEMix checkpoint `ckpt` to `out` (module docstring); returns a
     record of what was done: the MoE and averaged layers, the expert -> domain map, per-layer router statistics
     (`data`), the expert layout, and the `--set` overrides that start a finetune run from it."""
@@ -294,8 +361,10 @@ def upcycle(ckpt: CkptLike, out: Union[str, Path], *, layers: str = "every_other
         check_checkpoint_out(out, [ckpt], overwrite)
     c = _load(ckpt)
     if not ffn_kind(c.cfg).domain_experts:
-        raise CheckpointError(f"BTX upcycles a DEMix checkpoint (one expert per domain in every layer), not a "
-                              f"{c.cfg.model.ffn.kind!r} one")
+        raise CheckpointError(
+            f"BTX upcycles a DEMix checkpoint (one expert per domain in every layer), not a "
+            f"{c.cfg.model.ffn.kind!r} one"
+        )
     E = len(c.domains)
     bad = layout_problems(E, experts_per_rank, world_size)
     if bad:
@@ -303,8 +372,13 @@ def upcycle(ckpt: CkptLike, out: Union[str, Path], *, layers: str = "every_other
     cfg = btx_config(c.cfg, layers, experts_per_rank)
     moe_layers = cfg.model.moe_layer_ids()
     if not moe_layers:
-        raise ConfigError([f"--layers={layers} puts no MoE layer in a {c.cfg.model.n_layers}-layer model: use "
-                           "--layers all"], "btx")
+        raise ConfigError(
+            [
+                f"--layers={layers} puts no MoE layer in a {c.cfg.model.n_layers}-layer model: use "
+                "--layers all"
+            ],
+            "btx",
+        )
     D = c.cfg.model.d_model
     router: dict[str, dict[str, float]] = {}
     if router_init == "zero":
@@ -319,19 +393,32 @@ def upcycle(ckpt: CkptLike, out: Union[str, Path], *, layers: str = "every_other
             gates[l], router[str(l)] = fit_router(means[l], xs[l], router_entropy)
     state = upcycle_state(c.state_dict, E, c.cfg.model.n_layers, moe_layers, gates)
     averaged = [l for l in range(c.cfg.model.n_layers) if l not in moe_layers]
-    btx = {"source": str(ckpt) if not isinstance(ckpt, Consolidated) else None, "source_step": c.step,
-           "layers": layers, "moe_layers": moe_layers,
-           "averaged_layers": averaged,
-           "average_coherence": {str(l): average_coherence(c.state_dict, E, l) for l in averaged},
-           "router_init": router_init, "router_entropy": router_entropy if router_init == "data" else None,
-           "router_data": ({"path": str(data), "tokenizer": tokenizer, "blocks": blocks}
-                           if router_init == "data" else None),
-           "router": router, "expert_domains": {str(j): d for j, d in enumerate(c.domains)}}
+    btx = {
+        "source": str(ckpt) if not isinstance(ckpt, Consolidated) else None,
+        "source_step": c.step,
+        "layers": layers,
+        "moe_layers": moe_layers,
+        "averaged_layers": averaged,
+        "average_coherence": {str(l): average_coherence(c.state_dict, E, l) for l in averaged},
+        "router_init": router_init,
+        "router_entropy": router_entropy if router_init == "data" else None,
+        "router_data": (
+            {"path": str(data), "tokenizer": tokenizer, "blocks": blocks} if router_init == "data" else None
+        ),
+        "router": router,
+        "expert_domains": {str(j): d for j, d in enumerate(c.domains)},
+    }
     extra = {k: v for k, v in c.meta.items() if k not in _META_OWN and k != "btx"}
     save_consolidated(out, state, cfg, list(c.domains), c.step, extra={**extra, "btx": btx})
-    return {"out": str(out), **btx, "num_experts": E, "experts_per_rank": experts_per_rank,
-            "ep_size": E // experts_per_rank, "finetune_sets": finetune_overrides(out),
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "out": str(out),
+        **btx,
+        "num_experts": E,
+        "experts_per_rank": experts_per_rank,
+        "ep_size": E // experts_per_rank,
+        "finetune_sets": finetune_overrides(out),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
@@ -340,24 +427,39 @@ def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
     (`model.ffn.gshard.experts_per_rank`) is left to the run: it depends on the number of ranks."""
     meta = read_meta(ckpt)
     m = meta["config"]["model"]
-    return _start_from_sets(ckpt, meta, [f"model.ffn.kind={m['ffn']['kind']}",
-                                         f"model.ffn.num_experts={m['ffn']['num_experts']}",
-                                         f"model.ffn.gshard.moe_every={m['ffn']['gshard']['moe_every']}"])
+    return _start_from_sets(
+        ckpt,
+        meta,
+        [
+            f"model.ffn.kind={m['ffn']['kind']}",
+            f"model.ffn.num_experts={m['ffn']['num_experts']}",
+            f"model.ffn.gshard.moe_every={m['ffn']['gshard']['moe_every']}",
+        ],
+    )
 
 
 def _start_from_sets(ckpt: Union[str, Path], meta: dict[str, Any], ffn_sets: list[str]) -> list[str]:
     """`--set` values for a run starting from `ckpt` (meta `meta`): its model shape, then `ffn_sets`, then its data
     and `train.init_from`."""
     m, d = meta["config"]["model"], meta["config"]["data"]
-    return ([f"model.{k}={m[k]}" for k in _SHAPE_KEYS] + ffn_sets
-            + [f"data.path={d['path']}", f"data.tokenizer={d['tokenizer']}", f"train.init_from={Path(ckpt).resolve()}"])
+    return (
+        [f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
+        + ffn_sets
+        + [
+            f"data.path={d['path']}",
+            f"data.tokenizer={d['tokenizer']}",
+            f"train.init_from={Path(ckpt).resolve()}",
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
 # Branching a dense seed model (BTX §2.1)
 # ----------------------------------------------------------------------------------------------------
 
-_DENSE_FFN_KEY = re.compile(r"^(blocks\.(\d+)\.ffn\.)mlp\.(.+)$")  # blocks.<l>.ffn.mlp.<name> (model/mlp.py DenseFFN)
+_DENSE_FFN_KEY = re.compile(
+    r"^(blocks\.(\d+)\.ffn\.)mlp\.(.+)$"
+)  # blocks.<l>.ffn.mlp.<name> (model/mlp.py DenseFFN)
 
 
 def branch_source_problems(cfg: RunConfig) -> list[str]:
@@ -365,30 +467,42 @@ def branch_source_problems(cfg: RunConfig) -> list[str]:
     kind, no domain tokens in its inputs)."""
     name = cfg.model.ffn.kind
     if ffn_kind(cfg).domain_experts:
-        return [f"it is a {name!r} checkpoint: its experts are branches already; upcycle it directly "
-                "(`python -m launcher.modular.btx CKPT --out DIR`)"]
+        return [
+            f"it is a {name!r} checkpoint: its experts are branches already; upcycle it directly "
+            "(`python -m launcher.modular.btx CKPT --out DIR`)"
+        ]
     if ffn_kind(cfg).has_experts:
-        return [f"it is a {name!r} checkpoint (experts of its own, not one FFN per layer): branch the dense "
-                "checkpoint of a `model.ffn.kind=dense` run"]
+        return [
+            f"it is a {name!r} checkpoint (experts of its own, not one FFN per layer): branch the dense "
+            "checkpoint of a `model.ffn.kind=dense` run"
+        ]
     if cfg.data.mixture == "domain_token":
-        return ["it is a +Domain-Token model (data.mixture=domain_token: a domain token before every block, rows for "
-                "them in its embedding), which a DEMix run never feeds: branch a dense model trained with the "
-                "natural or balanced mixture"]
+        return [
+            "it is a +Domain-Token model (data.mixture=domain_token: a domain token before every block, rows for "
+            "them in its embedding), which a DEMix run never feeds: branch a dense model trained with the "
+            "natural or balanced mixture"
+        ]
     return []
 
 
-def branch_domains(cfg: RunConfig, trained: Sequence[str], domains: Optional[Sequence[str]] = None) -> list[str]:
+def branch_domains(
+    cfg: RunConfig, trained: Sequence[str], domains: Optional[Sequence[str]] = None
+) -> list[str]:
     """The experts' domains in expert-id order: `domains` as given (each must be a domain of the dense run's data,
     `data.path`/`data.tokenizer`), else the dense run's training domains `trained` (its meta's order, the catalog's)."""
     if domains is None:
         if not trained:
-            raise CheckpointError("the dense checkpoint's meta.json lists no training domains: name the experts' "
-                                  "domains with --domains")
+            raise CheckpointError(
+                "the dense checkpoint's meta.json lists no training domains: name the experts' "
+                "domains with --domains"
+            )
         return list(trained)
     domains = list(domains)
     if not domains:
-        raise CheckpointError("--domains is empty: name at least one domain, or leave it out for the dense run's "
-                              f"training domains ({', '.join(trained)})")
+        raise CheckpointError(
+            "--domains is empty: name at least one domain, or leave it out for the dense run's "
+            f"training domains ({', '.join(trained)})"
+        )
     dup = sorted({d for d in domains if domains.count(d) > 1})
     if dup:
         raise CheckpointError(f"--domains names {dup} more than once: one expert per domain")
@@ -399,8 +513,10 @@ def branch_domains(cfg: RunConfig, trained: Sequence[str], domains: Optional[Seq
         known, where = list(trained), f"the dense run's training domains ({manifest} is unreadable)"
     unknown = [d for d in domains if d not in known]
     if unknown:
-        raise CheckpointError(f"--domains {unknown}: not a domain of {where}; known: {', '.join(known)}. Prepare "
-                              "data for it first (python -m data.prepare), or choose among these")
+        raise CheckpointError(
+            f"--domains {unknown}: not a domain of {where}; known: {', '.join(known)}. Prepare "
+            "data for it first (python -m data.prepare), or choose among these"
+        )
     return domains
 
 
@@ -420,10 +536,13 @@ def branch_config(cfg: RunConfig, domains: Sequence[str], trained: Sequence[str]
     this config numbers its domains as the experts are numbered (`domains[j]` is expert j)."""
     ffn = replace(cfg.model.ffn, kind="demix", num_experts=len(domains))
     listed = cfg.data.domains if catalog_domains(cfg, trained) == list(domains) else list(domains)
-    return replace(cfg, model=replace(cfg.model, ffn=ffn),
-                   data=replace(cfg.data, mixture="by_domain", domains=listed),
-                   parallel=replace(cfg.parallel, allocation=None),
-                   train=replace(cfg.train, init_from=None, trainable="all"))
+    return replace(
+        cfg,
+        model=replace(cfg.model, ffn=ffn),
+        data=replace(cfg.data, mixture="by_domain", domains=listed),
+        parallel=replace(cfg.parallel, allocation=None),
+        train=replace(cfg.train, init_from=None, trainable="all"),
+    )
 
 
 def branch_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int) -> dict[str, torch.Tensor]:
@@ -431,7 +550,9 @@ def branch_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int
     `blocks.<l>.ffn.experts.<j>.<name>` (surgery.EXPERT_KEY) for every j, each the same tensor object; every other
     tensor is kept (the same object: bit-identical)."""
     if any(EXPERT_KEY.match(k) for k in state):
-        raise CheckpointError("the state dict already has expert tensors (blocks.<l>.ffn.experts.<j>.*): not dense")
+        raise CheckpointError(
+            "the state dict already has expert tensors (blocks.<l>.ffn.experts.<j>.*): not dense"
+        )
     out: dict[str, torch.Tensor] = {}
     layers = set()
     for k, v in state.items():
@@ -443,12 +564,19 @@ def branch_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int
         out.update({f"{m.group(1)}experts.{j}.{m.group(3)}": v for j in range(num_experts)})
     missing = sorted(set(range(n_layers)) - layers)
     if missing:
-        raise CheckpointError(f"layers {missing} have no dense FFN (blocks.<l>.ffn.mlp.*): not a dense state dict")
+        raise CheckpointError(
+            f"layers {missing} have no dense FFN (blocks.<l>.ffn.mlp.*): not a dense state dict"
+        )
     return out
 
 
-def branch(dense_ckpt: CkptLike, out: Union[str, Path], domains: Optional[Sequence[str]] = None, *,
-           overwrite: bool = False) -> dict[str, Any]:
+def branch(
+    dense_ckpt: CkptLike,
+    out: Union[str, Path],
+    domains: Optional[Sequence[str]] = None,
+    *,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Write the DEMix checkpoint whose every expert, in every layer, is dense checkpoint `dense_ckpt`'s FFN of that
     layer (BTX's branch step; module docstring) to `out`; returns a record: source, domains, the `--set` values that
     start a DEMix run from it (`demix_sets`). `domains` (default: the dense run's training domains) orders the
@@ -463,18 +591,32 @@ def branch(dense_ckpt: CkptLike, out: Union[str, Path], domains: Optional[Sequen
         cfg = from_dict(RunConfig, meta["config"], source=f"{dense_ckpt}/meta.json")
     bad = branch_source_problems(cfg)
     if bad:
-        raise CheckpointError(f"branching needs a dense checkpoint (one FFN per layer) to copy into every expert; "
-                              f"{source or 'the checkpoint'}: {bad[0]}")
+        raise CheckpointError(
+            f"branching needs a dense checkpoint (one FFN per layer) to copy into every expert; "
+            f"{source or 'the checkpoint'}: {bad[0]}"
+        )
     names = branch_domains(cfg, meta["domains"], domains)
     c = _load(dense_ckpt)
     state = branch_state(c.state_dict, len(names), c.cfg.model.n_layers)
-    rec = {"source": source, "source_step": c.step, "method": "branched from dense: every expert of every layer is "
-           "a copy of the dense model's FFN of that layer (BTX branch)", "expert_domains":
-           {str(j): d for j, d in enumerate(names)}}
+    rec = {
+        "source": source,
+        "source_step": c.step,
+        "method": "branched from dense: every expert of every layer is "
+        "a copy of the dense model's FFN of that layer (BTX branch)",
+        "expert_domains": {str(j): d for j, d in enumerate(names)},
+    }
     extra = {k: v for k, v in c.meta.items() if k not in _META_OWN and k not in ("btx", "branch")}
-    save_consolidated(out, state, branch_config(c.cfg, names, c.domains), names, c.step, extra={**extra, "branch": rec})
-    return {"out": str(out), **rec, "domains": names, "num_experts": len(names),
-            "demix_sets": demix_overrides(out), "seconds": round(time.perf_counter() - t0, 2)}
+    save_consolidated(
+        out, state, branch_config(c.cfg, names, c.domains), names, c.step, extra={**extra, "branch": rec}
+    )
+    return {
+        "out": str(out),
+        **rec,
+        "domains": names,
+        "num_experts": len(names),
+        "demix_sets": demix_overrides(out),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
@@ -485,13 +627,22 @@ def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
     meta = read_meta(ckpt)
     m, d = meta["config"]["model"], meta["config"]["data"]
     if not ffn_kind(m["ffn"]["kind"]).domain_experts:
-        raise CheckpointError(f"{ckpt} is a {m['ffn']['kind']!r} checkpoint; a DEMix run starts from a DEMix one "
-                              "(branch a dense checkpoint first: python -m launcher.modular.btx branch DENSE "
-                              "--out DIR)")
+        raise CheckpointError(
+            f"{ckpt} is a {m['ffn']['kind']!r} checkpoint; a DEMix run starts from a DEMix one "
+            "(branch a dense checkpoint first: python -m launcher.modular.btx branch DENSE "
+            "--out DIR)"
+        )
     listed = "null" if d.get("domains") is None else json.dumps(list(d["domains"]))
-    return _start_from_sets(ckpt, meta, [f"model.ffn.kind={m['ffn']['kind']}",
-                                         f"model.ffn.num_experts={len(meta['domains'])}",
-                                         "data.mixture=by_domain", f"data.domains={listed}"])
+    return _start_from_sets(
+        ckpt,
+        meta,
+        [
+            f"model.ffn.kind={m['ffn']['kind']}",
+            f"model.ffn.num_experts={len(meta['domains'])}",
+            "data.mixture=by_domain",
+            f"data.domains={listed}",
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -501,35 +652,66 @@ def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The upcycle command's arguments (`[upcycle] CKPT --out DIR ...`)."""
-    p = argparse.ArgumentParser(prog="python -m launcher.modular.btx [upcycle]", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.modular.btx [upcycle]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", help="a consolidated DEMix checkpoint (RUN_DIR/model)")
     p.add_argument("--out", required=True, help="where to write the GShard checkpoint (must not exist)")
-    p.add_argument("--layers", choices=tuple(LAYERS), default="every_other",
-                   help="MoE layers: every_other (GShard's moe_every=2, the rest averaged) or all (BTX)")
-    p.add_argument("--router-init", choices=ROUTER_INITS, default="data",
-                   help="data: rows from each domain's mean FFN input; zero: uniform routing probabilities")
-    p.add_argument("--data", help="prepared tokens root for --router-init data (default: the checkpoint's data.path)")
+    p.add_argument(
+        "--layers",
+        choices=tuple(LAYERS),
+        default="every_other",
+        help="MoE layers: every_other (GShard's moe_every=2, the rest averaged) or all (BTX)",
+    )
+    p.add_argument(
+        "--router-init",
+        choices=ROUTER_INITS,
+        default="data",
+        help="data: rows from each domain's mean FFN input; zero: uniform routing probabilities",
+    )
+    p.add_argument(
+        "--data", help="prepared tokens root for --router-init data (default: the checkpoint's data.path)"
+    )
     p.add_argument("--tokenizer", help="tokenizer directory name (default: the checkpoint's)")
-    p.add_argument("--blocks", type=positive_int, default=16, help="training blocks per domain for --router-init data")
-    p.add_argument("--router-entropy", type=open_unit, default=0.5,
-                   help="target mean routing entropy, as a fraction of log E (--router-init data)")
-    p.add_argument("--experts-per-rank", type=positive_int, default=1,
-                   help="default expert placement written into the config (E / this = expert-parallel ranks)")
-    p.add_argument("--world-size", type=positive_int, help="also check that the expert layout fits this many ranks")
+    p.add_argument(
+        "--blocks", type=positive_int, default=16, help="training blocks per domain for --router-init data"
+    )
+    p.add_argument(
+        "--router-entropy",
+        type=open_unit,
+        default=0.5,
+        help="target mean routing entropy, as a fraction of log E (--router-init data)",
+    )
+    p.add_argument(
+        "--experts-per-rank",
+        type=positive_int,
+        default=1,
+        help="default expert placement written into the config (E / this = expert-parallel ranks)",
+    )
+    p.add_argument(
+        "--world-size", type=positive_int, help="also check that the expert layout fits this many ranks"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     return p.parse_args(argv)
 
 
 def parse_branch_args(argv: Sequence[str]) -> argparse.Namespace:
     """The branch command's arguments (`branch DENSE --out DIR [--domains a,b]`)."""
-    p = argparse.ArgumentParser(prog="python -m launcher.modular.btx branch",
-                                description="Branch a dense checkpoint into a DEMix one whose every expert is a copy "
-                                            "of the dense FFN of its layer (BTX's branch step).")
-    p.add_argument("checkpoint", help="a consolidated dense checkpoint (RUN_DIR/model of a model.ffn.kind=dense run)")
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.modular.btx branch",
+        description="Branch a dense checkpoint into a DEMix one whose every expert is a copy "
+        "of the dense FFN of its layer (BTX's branch step).",
+    )
+    p.add_argument(
+        "checkpoint", help="a consolidated dense checkpoint (RUN_DIR/model of a model.ffn.kind=dense run)"
+    )
     p.add_argument("--out", required=True, help="where to write the DEMix checkpoint (must not exist)")
-    p.add_argument("--domains", help="comma-separated expert domains, in expert-id order (default: the dense run's "
-                                     "training domains)")
+    p.add_argument(
+        "--domains",
+        help="comma-separated expert domains, in expert-id order (default: the dense run's training domains)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     return p.parse_args(argv)
 
@@ -544,8 +726,10 @@ def _branch_main(argv: Sequence[str]) -> int:
         return 2
     print(json.dumps(rec, indent=1))
     sets = " ".join(f"--set {shlex.quote(s)}" for s in rec["demix_sets"])
-    print(f"train the branches (DEMix): python -m launcher.launch --config configs/demo/demix.yaml --nproc N {sets}",
-          file=sys.stderr)
+    print(
+        f"train the branches (DEMix): python -m launcher.launch --config configs/demo/demix.yaml --nproc N {sets}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -556,23 +740,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _branch_main(argv[1:])
     args = parse_args(argv[1:] if argv[:1] == ["upcycle"] else argv)
     try:
-        rec = upcycle(args.checkpoint, args.out, layers=args.layers, router_init=args.router_init, data=args.data,
-                      tokenizer=args.tokenizer, blocks=args.blocks, router_entropy=args.router_entropy,
-                      experts_per_rank=args.experts_per_rank, world_size=args.world_size, overwrite=args.overwrite)
+        rec = upcycle(
+            args.checkpoint,
+            args.out,
+            layers=args.layers,
+            router_init=args.router_init,
+            data=args.data,
+            tokenizer=args.tokenizer,
+            blocks=args.blocks,
+            router_entropy=args.router_entropy,
+            experts_per_rank=args.experts_per_rank,
+            world_size=args.world_size,
+            overwrite=args.overwrite,
+        )
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(rec, indent=1))
-    low = {l: round(r, 3) for l, r in rec["average_coherence"].items() if r < (1 + rec["num_experts"] ** -0.5) / 2}
+    low = {
+        l: round(r, 3)
+        for l, r in rec["average_coherence"].items()
+        if r < (1 + rec["num_experts"] ** -0.5) / 2
+    }
     if low:
-        print(f"note: the experts of averaged layers {low} (||mean|| / mean ||expert||; 1 = equal, "
-              f"{rec['num_experts'] ** -0.5:.3f} = unrelated) look independently initialised: their average keeps "
-              "little of any of them; --layers all averages nothing, and `branch` gives experts of one seed",
-              file=sys.stderr)
+        print(
+            f"note: the experts of averaged layers {low} (||mean|| / mean ||expert||; 1 = equal, "
+            f"{rec['num_experts'] ** -0.5:.3f} = unrelated) look independently initialised: their average keeps "
+            "little of any of them; --layers all averages nothing, and `branch` gives experts of one seed",
+            file=sys.stderr,
+        )
     sets = " ".join(f"--set {shlex.quote(s)}" for s in rec["finetune_sets"])
-    print(f"finetune (MiX): python -m launcher.launch --config configs/btx/finetune.yaml --nproc N "
-          f"--set model.ffn.gshard.experts_per_rank=K {sets}   # {rec['num_experts']} / K must divide N",
-          file=sys.stderr)
+    print(
+        f"finetune (MiX): python -m launcher.launch --config configs/btx/finetune.yaml --nproc N "
+        f"--set model.ffn.gshard.experts_per_rank=K {sets}   # {rec['num_experts']} / K must divide N",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -48,20 +48,22 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from data.argtypes import nonneg_float, positive_int
+from data.atomic import staged_dir
+from data.cli import check_output_dir, cli_main, exit_process
+from data.readers import read_json_object
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, read_meta, write_json_atomic
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
-from data.atomic import staged_dir
-from data.argtypes import nonneg_float, positive_int
-from data.cli import check_output_dir, cli_main, exit_process
-from data.readers import read_json_object
 
 HF_EXPORT_FORMAT = "demix-hf-export/2"
 _READ_FORMATS = ("demix-hf-export/1", HF_EXPORT_FORMAT)  # an older export folder may be replaced
 _EXPERT_PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
-def expert_weights(c: Consolidated, domain: Optional[str] = None, weights: Optional[dict[str, float]] = None) -> list[float]:
+def expert_weights(
+    c: Consolidated, domain: Optional[str] = None, weights: Optional[dict[str, float]] = None
+) -> list[float]:
     """Weights over the checkpoint's experts: one-hot on `domain`, or `weights` by name (normalised to sum 1)."""
     if (domain is None) == (weights is None):
         raise CheckpointError("give exactly one of a domain or merge weights")
@@ -77,9 +79,13 @@ def merge_weights_over(domains: Sequence[str], weights: dict[str, float]) -> lis
     CheckpointError for a name that is not an expert or weights that are not a mixture."""
     unknown = [d for d in weights if d not in domains]
     if unknown:
-        raise CheckpointError(f"merge weights {weights}: {unknown} are not experts of the checkpoint ({list(domains)})")
+        raise CheckpointError(
+            f"merge weights {weights}: {unknown} are not experts of the checkpoint ({list(domains)})"
+        )
     try:
-        return mx.mixture_weights([weights.get(d, 0.0) for d in domains], f"merge weights over {list(domains)}")
+        return mx.mixture_weights(
+            [weights.get(d, 0.0) for d in domains], f"merge weights over {list(domains)}"
+        )
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
@@ -97,7 +103,11 @@ def dense_state_dict(c: Consolidated, weights_E: Optional[Sequence[float]] = Non
     out = {k: v for k, v in c.state_dict.items() if ".ffn.experts." not in k}
     for layer in range(c.cfg.model.n_layers):
         for name in _EXPERT_PARAMS:
-            parts = [(w, c.state_dict[f"blocks.{layer}.ffn.experts.{j}.{name}"]) for j, w in enumerate(weights_E) if w]
+            parts = [
+                (w, c.state_dict[f"blocks.{layer}.ffn.experts.{j}.{name}"])
+                for j, w in enumerate(weights_E)
+                if w
+            ]
             if len(parts) == 1 and parts[0][0] == 1.0:
                 merged = parts[0][1].clone()
             else:
@@ -128,16 +138,35 @@ def gpt2_config(c: Consolidated, vocab_rows: int, ids: Optional[dict[str, Option
     from transformers import GPT2Config
 
     m = c.cfg.model
-    return GPT2Config(vocab_size=vocab_rows, n_positions=m.seq_len, n_embd=m.d_model, n_layer=m.n_layers,
-                      n_head=m.n_heads, n_inner=m.d_ffn, activation_function="gelu", resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, initializer_range=m.init_std,
-                      scale_attn_weights=True, tie_word_embeddings=True, **(ids or special_ids(c)))
+    return GPT2Config(
+        vocab_size=vocab_rows,
+        n_positions=m.seq_len,
+        n_embd=m.d_model,
+        n_layer=m.n_layers,
+        n_head=m.n_heads,
+        n_inner=m.d_ffn,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        initializer_range=m.init_std,
+        scale_attn_weights=True,
+        tie_word_embeddings=True,
+        **(ids or special_ids(c)),
+    )
 
 
-def to_gpt2_state_dict(dense: dict[str, torch.Tensor], n_layers: int, n_heads: int) -> dict[str, torch.Tensor]:
+def to_gpt2_state_dict(
+    dense: dict[str, torch.Tensor], n_layers: int, n_heads: int
+) -> dict[str, torch.Tensor]:
     """Our dense names/layouts -> GPT2LMHeadModel's (see the module docstring)."""
-    out = {"transformer.wte.weight": dense["wte.weight"], "transformer.wpe.weight": dense["wpe.weight"],
-           "transformer.ln_f.weight": dense["ln_f.weight"], "transformer.ln_f.bias": dense["ln_f.bias"]}
+    out = {
+        "transformer.wte.weight": dense["wte.weight"],
+        "transformer.wpe.weight": dense["wpe.weight"],
+        "transformer.ln_f.weight": dense["ln_f.weight"],
+        "transformer.ln_f.bias": dense["ln_f.bias"],
+    }
     for i in range(n_layers):
         src, dst = f"blocks.{i}.", f"transformer.h.{i}."
         w_3DD, b_3D = dense[src + "attn.qkv.weight"], dense[src + "attn.qkv.bias"]
@@ -166,22 +195,30 @@ def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None,
     rows = c.state_dict["wte.weight"].shape[0]
     paddings = sorted({c.cfg.model.padded_vocab_size(t) for t in (1, c.cfg.parallel.tensor_parallel)})
     if rows not in paddings:
-        raise CheckpointError(f"{rows} embedding rows match none of the config's padded vocabularies {paddings}")
+        raise CheckpointError(
+            f"{rows} embedding rows match none of the config's padded vocabularies {paddings}"
+        )
     dense = dense_state_dict(c, weights_E)
     if tok is not None:
         if c.cfg.data.mixture == "domain_token":
-            raise CheckpointError("a +Domain-Token model reads its domain's token before every document, which a "
-                                  "Hugging Face tokenizer cannot add per domain: export it with --no-tokenizer")
+            raise CheckpointError(
+                "a +Domain-Token model reads its domain's token before every document, which a "
+                "Hugging Face tokenizer cannot add per domain: export it with --no-tokenizer"
+            )
         if tok.vocab_size > rows:
-            raise CheckpointError(f"the tokenizer has {tok.vocab_size} tokens but the model only {rows} embedding "
-                                  "rows: this is not the tokenizer the model was trained with")
+            raise CheckpointError(
+                f"the tokenizer has {tok.vocab_size} tokens but the model only {rows} embedding "
+                "rows: this is not the tokenizer the model was trained with"
+            )
         dense["wte.weight"] = dense["wte.weight"][: tok.vocab_size]
     ids = special_ids(c, tok)
     model = GPT2LMHeadModel(gpt2_config(c, dense["wte.weight"].shape[0], ids))
     model.generation_config = GenerationConfig(**ids)
     sd = to_gpt2_state_dict(dense, c.cfg.model.n_layers, c.cfg.model.n_heads)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    missing = [
+        k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
+    ]
     if missing or unexpected:
         raise CheckpointError(f"GPT-2 mapping incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()
@@ -191,8 +228,13 @@ def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None,
 
 
 @torch.no_grad()
-def max_logit_diff(c: Consolidated, hf_model: Any, weights_E: Optional[Sequence[float]] = None,
-                   tokens_BT: Optional[torch.Tensor] = None, seed: int = 0) -> float:
+def max_logit_diff(
+    c: Consolidated,
+    hf_model: Any,
+    weights_E: Optional[Sequence[float]] = None,
+    tokens_BT: Optional[torch.Tensor] = None,
+    seed: int = 0,
+) -> float:
     """max |logits_ours - logits_hf| on `tokens_BT` (default: 2 random sequences of the full context)."""
     ours = dense_model(c, weights_E)
     if tokens_BT is None:
@@ -204,8 +246,9 @@ def max_logit_diff(c: Consolidated, hf_model: Any, weights_E: Optional[Sequence[
     return float((a - b).abs().max())
 
 
-def merge_weights_from_data(c: Consolidated, domain: str, data: Optional[str], tokenizer: Optional[str],
-                            dev_blocks: int) -> mx.CachedPrior:
+def merge_weights_from_data(
+    c: Consolidated, domain: str, data: Optional[str], tokenizer: Optional[str], dev_blocks: int
+) -> mx.CachedPrior:
     """The target domain's cached prior over the experts, estimated on its development blocks (§5.1)."""
     from launcher.modular.experts import estimate_domain_prior
 
@@ -223,8 +266,10 @@ def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = No
     if not (root / name / "manifest.json").is_file():
         if name == "gpt2":
             return load_tokenizer("gpt2")
-        raise CheckpointError(f"the {name} tokenizer of this checkpoint is not under {root / name}: pass --data DIR, "
-                              "the prepared tokens root the model was trained on (or --no-tokenizer)")
+        raise CheckpointError(
+            f"the {name} tokenizer of this checkpoint is not under {root / name}: pass --data DIR, "
+            "the prepared tokens root the model was trained on (or --no-tokenizer)"
+        )
     check_checkpoint_data(c, root, name)
     return load_prepared_tokenizer(root, name)
 
@@ -248,37 +293,66 @@ def _blocks_phrase(res: dict[str, Any]) -> str:
     """'N blocks of T tokens per domain' from the domains' own block counts (evaluate records `blocks` per domain;
     `max_blocks` is only the cap, None without --max-blocks); without either, the count is left out."""
     counts = sorted({r["blocks"] for r in res["domains"].values() if isinstance(r.get("blocks"), int)})
-    n = (f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,} to {counts[-1]:,}" if counts
-         else f"at most {res['max_blocks']:,}" if isinstance(res.get("max_blocks"), int) else None)
+    n = (
+        f"{counts[0]:,}"
+        if len(counts) == 1
+        else f"{counts[0]:,} to {counts[-1]:,}"
+        if counts
+        else f"at most {res['max_blocks']:,}"
+        if isinstance(res.get("max_blocks"), int)
+        else None
+    )
     seq = f" of {res['seq_len']} tokens" if isinstance(res.get("seq_len"), int) else ""
-    return (f"{n} blocks{seq} per domain; " if n else
-            f"{res['seq_len']}-token blocks; " if isinstance(res.get("seq_len"), int) else "")
+    return (
+        f"{n} blocks{seq} per domain; "
+        if n
+        else f"{res['seq_len']}-token blocks; "
+        if isinstance(res.get("seq_len"), int)
+        else ""
+    )
 
 
 def _eval_table(eval_json: Optional[Path], domain: Optional[str], looked: Sequence[Path] = ()) -> list[str]:
     """Markdown rows of the source model's test perplexities (launcher.evaluation.evaluate's eval.json); `looked`:
     where the default search looked, named when nothing was found."""
     if eval_json is None or not eval_json.is_file():
-        where = ", ".join(f"`{p}`" for p in looked) if looked else "eval/eval.json in the checkpoint directory"
-        return [f"No evaluation of the source checkpoint was found (looked for {where}; run `python -m "
-                "launcher.evaluation.evaluate CKPT`, which writes CKPT/eval/eval.json, or pass --eval-json)."]
+        where = (
+            ", ".join(f"`{p}`" for p in looked) if looked else "eval/eval.json in the checkpoint directory"
+        )
+        return [
+            f"No evaluation of the source checkpoint was found (looked for {where}; run `python -m "
+            "launcher.evaluation.evaluate CKPT`, which writes CKPT/eval/eval.json, or pass --eval-json)."
+        ]
     res = read_json_object(eval_json, {"domains": dict}, what="the source's evaluation")
     try:
-        modes = [m for m in ("ppl", "naive", "cached") if any(m in r.get("ppl", {}) for r in res["domains"].values())]
+        modes = [
+            m
+            for m in ("ppl", "naive", "cached")
+            if any(m in r.get("ppl", {}) for r in res["domains"].values())
+        ]
         split = res.get("split") if isinstance(res.get("split"), str) else "test"
-        lines = [f"{split.capitalize()} perplexity of the source checkpoint ({_blocks_phrase(res)}`naive` = each "
-                 "domain's own expert, `cached` = the expert mixture with the cached prior, DEMix §5; unigram = the "
-                 f"domain's own unigram model; from `{eval_json}`):", "",
-                 "| domain | role | " + " | ".join(modes) + " | unigram |", "|---|---|" + "---|" * (len(modes) + 1)]
+        lines = [
+            f"{split.capitalize()} perplexity of the source checkpoint ({_blocks_phrase(res)}`naive` = each "
+            "domain's own expert, `cached` = the expert mixture with the cached prior, DEMix §5; unigram = the "
+            f"domain's own unigram model; from `{eval_json}`):",
+            "",
+            "| domain | role | " + " | ".join(modes) + " | unigram |",
+            "|---|---|" + "---|" * (len(modes) + 1),
+        ]
         for d, r in sorted(res["domains"].items()):
             mark = " (this export)" if d == domain else ""
             vals = " | ".join(f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes)
             uni = r.get("unigram", {}).get("ppl")
-            lines.append(f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |" if uni else
-                         f"| {d}{mark} | {r['role']} | {vals} | – |")
+            lines.append(
+                f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |"
+                if uni
+                else f"| {d}{mark} | {r['role']} | {vals} | – |"
+            )
     except (LookupError, TypeError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{eval_json} (the source's evaluation): an entry of the wrong shape "
-                              f"({type(e).__name__}: {e}); pass another --eval-json") from None
+        raise CheckpointError(
+            f"{eval_json} (the source's evaluation): an entry of the wrong shape "
+            f"({type(e).__name__}: {e}); pass another --eval-json"
+        ) from None
     return lines
 
 
@@ -298,13 +372,21 @@ def training_tokens_line(c: Consolidated, domain: Optional[str]) -> str:
     `train.trainable=experts` (DEMix-DAPT) those are the tokens of the experts of data.domains, and any other
     expert is the starting checkpoint's."""
     tokens = c.meta.get("train_tokens")
-    added = next((r for r in c.meta.get("added_experts", []) if isinstance(r, dict) and r.get("domain") == domain
-                  and domain is not None), None)
+    added = next(
+        (
+            r
+            for r in c.meta.get("added_experts", [])
+            if isinstance(r, dict) and r.get("domain") == domain and domain is not None
+        ),
+        None,
+    )
     if added is not None:
         base = f"; the model it was added to: {tokens:,} tokens" if isinstance(tokens, int) else ""
-        return (f"- training tokens: none of its own (the {domain} expert was added by `launcher.modular.experts add` "
-                f"as a copy of the {added.get('source')} expert and not trained since: adapt it with `experts dapt`)"
-                + base)
+        return (
+            f"- training tokens: none of its own (the {domain} expert was added by `launcher.modular.experts add` "
+            f"as a copy of the {added.get('source')} expert and not trained since: adapt it with `experts dapt`)"
+            + base
+        )
     if not isinstance(tokens, int) or not tokens:
         return "- training tokens: not recorded by this checkpoint"
     t = c.cfg.train
@@ -315,19 +397,27 @@ def training_tokens_line(c: Consolidated, domain: Optional[str]) -> str:
     trained = list(c.cfg.data.domains or c.domains)
     if t.trainable == "experts" and domain is not None:
         if domain not in trained:
-            return (f"- training tokens: this expert was not trained by this run (DEMix-DAPT of {', '.join(trained)}): "
-                    f"it is `{t.init_from}`'s, trained on {base}")
-        own = (f"{tokens:,} of {domain}, this expert's own" if trained == [domain] else
-               f"{tokens:,} over {', '.join(trained)} (this expert's share of them by the run's allocation)")
-        return (f"- training tokens: {own} (DEMix-DAPT from `{t.init_from}`: only the experts of "
-                f"{', '.join(trained)} trained; the shared weights and the other experts are that checkpoint's, "
-                f"trained on {base})")
+            return (
+                f"- training tokens: this expert was not trained by this run (DEMix-DAPT of {', '.join(trained)}): "
+                f"it is `{t.init_from}`'s, trained on {base}"
+            )
+        own = (
+            f"{tokens:,} of {domain}, this expert's own"
+            if trained == [domain]
+            else f"{tokens:,} over {', '.join(trained)} (this expert's share of them by the run's allocation)"
+        )
+        return (
+            f"- training tokens: {own} (DEMix-DAPT from `{t.init_from}`: only the experts of "
+            f"{', '.join(trained)} trained; the shared weights and the other experts are that checkpoint's, "
+            f"trained on {base})"
+        )
     what = "DEMix-DAPT of the experts of" if t.trainable == "experts" else "continued training on"
     return f"- training tokens: {tokens:,} ({what} {', '.join(trained)}) after `{t.init_from}`'s {base}"
 
 
-def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None,
-               looked: Sequence[Path] = ()) -> str:
+def model_card(
+    c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None, looked: Sequence[Path] = ()
+) -> str:
     """README.md of the export: what the model is, how to load it, what it was trained on, how well it does
     (`looked`: where the evaluation was searched for, named when none was found)."""
     m = c.cfg.model
@@ -335,35 +425,58 @@ def model_card(c: Consolidated, record: dict[str, Any], eval_json: Optional[Path
         what = f"the **{record['domain']}** expert of a DEMix model (its expert FFNs with the shared weights)"
     elif record["merge_weights"]:
         w = ", ".join(f"{d} {x:.3f}" for d, x in record["merge_weights"].items() if x)
-        what = (f"a DEMix model with its experts' parameters averaged by the weights {w} ({record['merge_source']}): "
-                "an approximation of the output mixture (DEMix eq. 6), exact only where the experts agree")
+        what = (
+            f"a DEMix model with its experts' parameters averaged by the weights {w} ({record['merge_source']}): "
+            "an approximation of the output mixture (DEMix eq. 6), exact only where the experts agree"
+        )
     else:
         what = f"a {record['kind']} GPT"
-    lines = [f"# {Path(record['out']).name}", "", f"Exported from `{record['source']}` (step {c.step}): {what}.", "",
-             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
-             "tok = AutoTokenizer.from_pretrained(DIR)         # prepends the beginning-of-document token",
-             "model = AutoModelForCausalLM.from_pretrained(DIR)",
-             'print(pipeline("text-generation", model=DIR)("The patient", max_new_tokens=20, do_sample=False))', "```", "",
-             f"- architecture: GPT-2 layout, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, FFN {m.d_ffn}, "
-             f"exact-erf GELU, context {m.seq_len} tokens (the model has no positions past it: keep prompt + new tokens "
-             f"<= {m.seq_len})",
-             f"- tokenizer: {record['tokenizer']} ({record['tokenizer_vocab_size']} tokens; vocabulary "
-             f"{'trimmed to them' if record['trimmed'] else 'padded to ' + str(record['padded_vocab_size'])})",
-             f"- training domains: {', '.join(c.domains)}"
-             + (f"; experts opted out (not in this model; their weights were never read): "
-                f"{', '.join(record['excluded_experts'])}" if record["excluded_experts"] else ""),
-             training_tokens_line(c, record["domain"]),
-             f"- logits vs the project's model: max |diff| {record['max_abs_logit_diff']}" if
-             record.get("max_abs_logit_diff") is not None else "- logits vs the project's model: not compared (--no-check)",
-             "",
-             *_eval_table(eval_json, record["domain"], looked), ""]
+    lines = [
+        f"# {Path(record['out']).name}",
+        "",
+        f"Exported from `{record['source']}` (step {c.step}): {what}.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        "tok = AutoTokenizer.from_pretrained(DIR)         # prepends the beginning-of-document token",
+        "model = AutoModelForCausalLM.from_pretrained(DIR)",
+        'print(pipeline("text-generation", model=DIR)("The patient", max_new_tokens=20, do_sample=False))',
+        "```",
+        "",
+        f"- architecture: GPT-2 layout, {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, FFN {m.d_ffn}, "
+        f"exact-erf GELU, context {m.seq_len} tokens (the model has no positions past it: keep prompt + new tokens "
+        f"<= {m.seq_len})",
+        f"- tokenizer: {record['tokenizer']} ({record['tokenizer_vocab_size']} tokens; vocabulary "
+        f"{'trimmed to them' if record['trimmed'] else 'padded to ' + str(record['padded_vocab_size'])})",
+        f"- training domains: {', '.join(c.domains)}"
+        + (
+            f"; experts opted out (not in this model; their weights were never read): "
+            f"{', '.join(record['excluded_experts'])}"
+            if record["excluded_experts"]
+            else ""
+        ),
+        training_tokens_line(c, record["domain"]),
+        f"- logits vs the project's model: max |diff| {record['max_abs_logit_diff']}"
+        if record.get("max_abs_logit_diff") is not None
+        else "- logits vs the project's model: not compared (--no-check)",
+        "",
+        *_eval_table(eval_json, record["domain"], looked),
+        "",
+    ]
     return "\n".join(lines)
 
 
-def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: Optional[str] = None,
-           merge: Optional[dict[str, float]] = None, check: bool = True, merge_source: Optional[str] = None,
-           tokenizer: Any = None, eval_json: Optional[Union[str, Path]] = None, source: Optional[str] = None
-           ) -> dict[str, Any]:
+def export(
+    ckpt: Union[str, Path, Consolidated],
+    out: Union[str, Path],
+    domain: Optional[str] = None,
+    merge: Optional[dict[str, float]] = None,
+    check: bool = True,
+    merge_source: Optional[str] = None,
+    tokenizer: Any = None,
+    eval_json: Optional[Union[str, Path]] = None,
+    source: Optional[str] = None,
+) -> dict[str, Any]:
     """Write `out` (config.json, generation_config.json, model.safetensors via save_pretrained; with the project's
     `tokenizer`, the fast tokenizer files and a trimmed vocabulary; README.md; demix_export.json). Returns the record
     (source, domain or merge weights, logit check). `eval_json`: the source's evaluation for the model card
@@ -372,15 +485,23 @@ def export(ckpt: Union[str, Path, Consolidated], out: Union[str, Path], domain: 
     c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
     weights = expert_weights(c, domain, merge) if ffn_kind(c.cfg).has_experts else None
     model = build_hf_model(c, weights, tokenizer)
-    record = {"format": HF_EXPORT_FORMAT, "source": source if isinstance(ckpt, Consolidated) else str(ckpt),
-              "out": str(out), "kind": c.cfg.model.ffn.kind, "domain": domain,
-              "merge_weights": dict(zip(c.domains, weights)) if merge is not None else None,
-              "merge_source": merge_source, "tokenizer": c.meta.get("tokenizer", c.cfg.data.tokenizer),
-              "tokenizer_vocab_size": tokenizer.vocab_size if tokenizer is not None else c.meta.get("vocab_size"),
-              "padded_vocab_size": c.state_dict["wte.weight"].shape[0], "trimmed": tokenizer is not None,
-              "vocab_size": model.config.vocab_size, **special_ids(c, tokenizer),
-              "excluded_experts": list(c.meta.get("removed_experts", [])),
-              "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)"}
+    record = {
+        "format": HF_EXPORT_FORMAT,
+        "source": source if isinstance(ckpt, Consolidated) else str(ckpt),
+        "out": str(out),
+        "kind": c.cfg.model.ffn.kind,
+        "domain": domain,
+        "merge_weights": dict(zip(c.domains, weights)) if merge is not None else None,
+        "merge_source": merge_source,
+        "tokenizer": c.meta.get("tokenizer", c.cfg.data.tokenizer),
+        "tokenizer_vocab_size": tokenizer.vocab_size if tokenizer is not None else c.meta.get("vocab_size"),
+        "padded_vocab_size": c.state_dict["wte.weight"].shape[0],
+        "trimmed": tokenizer is not None,
+        "vocab_size": model.config.vocab_size,
+        **special_ids(c, tokenizer),
+        "excluded_experts": list(c.meta.get("removed_experts", [])),
+        "activation_function": "gelu (exact erf, as torch.nn.functional.gelu)",
+    }
     if check:
         record["max_abs_logit_diff"] = max_logit_diff(c, model, weights)
     looked: list[Path] = []
@@ -407,7 +528,9 @@ def _parse_weights(s: str) -> dict[str, float]:
         try:
             out[name.strip()] = nonneg_float(w)
         except argparse.ArgumentTypeError as e:
-            raise CheckpointError(f"--merge-weights {s!r}: {part!r} is not NAME=WEIGHT with a weight {e}") from None
+            raise CheckpointError(
+                f"--merge-weights {s!r}: {part!r} is not NAME=WEIGHT with a weight {e}"
+            ) from None
     return out
 
 
@@ -417,20 +540,39 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--domain", help="export this domain's expert with the shared weights")
-    g.add_argument("--merge-prior", metavar="FILE", help="merge experts weighted by a cached prior (CachedPrior JSON)")
-    g.add_argument("--merge-domain-data", metavar="DOMAIN", help="merge weighted by DOMAIN's posterior on its dev data")
+    g.add_argument(
+        "--merge-prior", metavar="FILE", help="merge experts weighted by a cached prior (CachedPrior JSON)"
+    )
+    g.add_argument(
+        "--merge-domain-data", metavar="DOMAIN", help="merge weighted by DOMAIN's posterior on its dev data"
+    )
     g.add_argument("--merge-weights", metavar="A=W,...", help="merge with these weights")
-    p.add_argument("--data", help="prepared tokens root: the tokenizer, and --merge-domain-data's dev blocks "
-                                  "(default: the checkpoint's data.path)")
+    p.add_argument(
+        "--data",
+        help="prepared tokens root: the tokenizer, and --merge-domain-data's dev blocks "
+        "(default: the checkpoint's data.path)",
+    )
     p.add_argument("--tokenizer", help="tokenizer directory name (default: the checkpoint's)")
     p.add_argument("--dev-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS)
-    p.add_argument("--no-check", action="store_true", help="skip the logit comparison with the project's model")
-    p.add_argument("--no-tokenizer", action="store_true",
-                   help="export the weights only (padded vocabulary, no tokenizer files): not usable on its own")
-    p.add_argument("--exclude-experts", default="", help="comma-separated DEMix experts to opt out: never read, "
-                   "no part in the export (merges renormalise over the rest)")
-    p.add_argument("--eval-json", help="the source's eval.json for the model card (default: where "
-                   "launcher.evaluation.evaluate writes it, CKPT/eval/eval.json, else the run's CKPT/../eval/eval.json)")
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the logit comparison with the project's model"
+    )
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="export the weights only (padded vocabulary, no tokenizer files): not usable on its own",
+    )
+    p.add_argument(
+        "--exclude-experts",
+        default="",
+        help="comma-separated DEMix experts to opt out: never read, "
+        "no part in the export (merges renormalise over the rest)",
+    )
+    p.add_argument(
+        "--eval-json",
+        help="the source's eval.json for the model card (default: where "
+        "launcher.evaluation.evaluate writes it, CKPT/eval/eval.json, else the run's CKPT/../eval/eval.json)",
+    )
     return p.parse_args(argv)
 
 
@@ -438,13 +580,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        check_output_dir(Path(args.out), _READ_FORMATS, ["config.json", "model.safetensors", "demix_export.json",
-                                                          "tokenizer.json", "README.md", "generation_config.json"],
-                         inputs=[Path(args.checkpoint)], manifest="demix_export.json")
+        check_output_dir(
+            Path(args.out),
+            _READ_FORMATS,
+            [
+                "config.json",
+                "model.safetensors",
+                "demix_export.json",
+                "tokenizer.json",
+                "README.md",
+                "generation_config.json",
+            ],
+            inputs=[Path(args.checkpoint)],
+            manifest="demix_export.json",
+        )
         exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
         eval_json = Path(args.eval_json) if args.eval_json else find_eval_json(args.checkpoint, exclude)
         if args.eval_json and not eval_json.is_file():
-            raise CheckpointError(f"--eval-json {args.eval_json}: no such file (evaluate writes CKPT/eval/eval.json)")
+            raise CheckpointError(
+                f"--eval-json {args.eval_json}: no such file (evaluate writes CKPT/eval/eval.json)"
+            )
         _eval_table(eval_json, args.domain)  # the model card's input, checked before any tensor is read
         merge, source = None, None
         if args.merge_prior:
@@ -455,8 +610,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         meta = read_meta(args.checkpoint)
         if merge is not None and ffn_kind(meta["config"]["model"]["ffn"]["kind"]).domain_experts:
             # names and weights against the checkpoint's experts, before a tensor is read
-            merge_weights_over([d for d in meta["domains"] if d not in exclude],
-                               {d: w for d, w in merge.items() if d not in exclude})
+            merge_weights_over(
+                [d for d in meta["domains"] if d not in exclude],
+                {d: w for d, w in merge.items() if d not in exclude},
+            )
         if exclude:  # opt-out: those experts' weights are never read (launcher/modular/surgery.py)
             from launcher.modular.surgery import load_without
 
@@ -465,15 +622,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             c = load_consolidated(args.checkpoint)
         tok = None if args.no_tokenizer else load_export_tokenizer(c, args.data)
         if args.merge_domain_data:
-            prior = merge_weights_from_data(c, args.merge_domain_data, args.data, args.tokenizer, args.dev_blocks)
-            merge, source = dict(zip(prior.domains, prior.probs)), f"posterior on {args.merge_domain_data} dev data"
+            prior = merge_weights_from_data(
+                c, args.merge_domain_data, args.data, args.tokenizer, args.dev_blocks
+            )
+            merge, source = (
+                dict(zip(prior.domains, prior.probs)),
+                f"posterior on {args.merge_domain_data} dev data",
+            )
         if ffn_kind(c.cfg).domain_experts and args.domain is None and merge is None:
             raise CheckpointError("a DEMix checkpoint needs --domain or one of the --merge-* options")
         if merge is not None and exclude:
             merge = {d: w for d, w in merge.items() if d not in exclude}  # renormalised by expert_weights
-        rec = export(c, args.out, args.domain, merge, check=not args.no_check, merge_source=source, tokenizer=tok,
-                     eval_json=eval_json,
-                     source=args.checkpoint)
+        rec = export(
+            c,
+            args.out,
+            args.domain,
+            merge,
+            check=not args.no_check,
+            merge_source=source,
+            tokenizer=tok,
+            eval_json=eval_json,
+            source=args.checkpoint,
+        )
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

