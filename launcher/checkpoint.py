@@ -5,8 +5,8 @@ Two kinds, both directories written atomically (written to `<dir>.tmp-*`, then r
 * **Consolidated** (`save_consolidated` / `load_consolidated`): what evaluation on one process, adding and
   removing experts, and export read: the plain (TP=1) GPT with *all* experts, in shards. `model.pt` holds
   every tensor that is not an expert's; `experts/expert_<id>.pt` holds expert `<id>`'s tensors (DEMix and
-  GShard; same names as in the plain model's state dict); `meta.json` holds the run config, the domain names in expert-id
-  order (`domains[i]` is expert `i`'s domain), the step, the tokenizer description and the shard index.
+  GShard; same names as in the plain model's state dict); `meta.json` holds the run config, the domain names in
+  expert-id order (`domains[i]` is expert `i`'s domain), the step, the tokenizer description and the shard index.
   Shards let a distributed export write each expert from the rank that holds it, so no rank ever gathers
   the experts of other domains (at 128 GPUs that would be tens of GB per GPU), and let a run that starts
   from a checkpoint read only the experts it trains. Format 1 (one `model.pt` with everything) still loads.

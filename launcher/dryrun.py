@@ -351,7 +351,8 @@ def _print_memory(mem: dict) -> None:
         )
         print(
             f"  {row['zero_stage']:>4} | {row['params'] / GIB:6.2f} | {row['grads'] / GIB:5.2f} | "
-            f"{row['optimizer'] / GIB:5.2f} | {row['buffers'] / GIB:7.2f} | {row['activations_no_recompute'] / GIB:6.2f}"
+            f"{row['optimizer'] / GIB:5.2f} | {row['buffers'] / GIB:7.2f} | "
+            f"{row['activations_no_recompute'] / GIB:6.2f}"
             f" | {row['activations_recompute'] / GIB:16.2f} | {row['total_no_recompute'] / GIB:5.2f} | "
             f"{row['total_recompute'] / GIB:15.2f} | {verdict}"
         )

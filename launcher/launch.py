@@ -366,7 +366,10 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     run_dir.mkdir(parents=True, exist_ok=True)
     mark_run_dir(run_dir)
-    script = f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\ncd {shlex.quote(str(REPO_ROOT))}\n{line}\n"
+    script = (
+        f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\n"
+        f"cd {shlex.quote(str(REPO_ROOT))}\n{line}\n"
+    )
     if args.no_ssh and args.node_rank != 0:
         write_text_atomic(run_dir / f"command.node{args.node_rank}.sh", script)
         return run_dir, cmd, env

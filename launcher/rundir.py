@@ -4,8 +4,8 @@
 metrics.jsonl, checkpoints/ and model/. `check_run_dir` applies the project's one output rule
 (data/cli.py `check_output_dir`) to it before any work: DIR is new or empty, or carries the marker
 `demix_run.json` that `mark_run_dir` writes, or is a run directory of a version before the marker (a training
-state in checkpoints/, or a metrics.jsonl that starts with the trainer's start record); otherwise any of those names already there is someone
-else's file, and the launch is refused. The tokens it reads are never inside it.
+state in checkpoints/, or a metrics.jsonl that starts with the trainer's start record); otherwise any of those
+names already there is someone else's file, and the launch is refused. The tokens it reads are never inside it.
 
 Also here, for the launcher and the trainer alike: what a run says when it is interrupted (`interrupted_line`:
 where its last checkpoint is and how to resume) and the machine-local cache of DeepSpeed's JIT-built ops that its
