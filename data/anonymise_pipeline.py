@@ -56,6 +56,7 @@ from data.anonymise_prescreen import (
     _phone_starts,
     _profile_matches,
     _screenable,
+    _Shape,
 )
 
 
@@ -70,32 +71,25 @@ def _anonymise(text: str, track: bool) -> _Pass:
 
     The steps, their order and their word gates are `_anonymise_reference`'s; here each step runs only when the
     current text can hold a match it accepts, and only where (the pre-screens), so a text without candidates
-    costs a few substring tests. The word gates test the input (`low`: the input's shape), as the reference's
-    do; a gate that every match implies (a phone label word, a profile host) is left to the step's finder."""
+    costs a few substring tests. The word gates test the input, as the reference's do; a gate that every match
+    implies (a phone label word, a profile host) is left to the step's finder. Inline but for the numbers: one
+    call fewer per step on a hot path."""
     if not _screenable(text):
         return _anonymise_reference(text, track)
     p = _Pass(text, track)
-    low = p.shape().low
-    _email_steps(p, text)
-    _tracker_steps(p, text, low)
-    _number_steps(p, text, low)
-    _user_steps(p, text, low)
-    return p
-
-
-def _email_steps(p: _Pass, text: str) -> None:
-    """Fediverse handles (before e-mails, which would take their user@instance part), e-mails, obfuscated ones."""
-    if "@" in text:
+    sh = (
+        p.shape()
+    )  # the current text's shape: taken again after each step that ran (a replacement splices it)
+    low = sh.low  # the input's, for the word gates
+    has_at = "@" in text
+    if has_at:
         if text.count("@") > 1:
-            p.run("USER", _FEDI_HANDLE)
+            p.run("USER", _FEDI_HANDLE)  # before EMAIL, which would take its user@instance part
         p.replace("EMAIL", _email_spans(p.shape()))  # = p.run("EMAIL", _EMAIL, _email_ok)
-    if _obfuscated_possible(p.shape()) and ("%40" in text or _OBFUSCATION_HINT.search(text)):
+        sh = p.shape()
+    if _obfuscated_possible(sh) and ("%40" in text or _OBFUSCATION_HINT.search(text)):
         p.run("EMAIL", _EMAIL_OBFUSCATED, _obfuscated_ok)
-
-
-def _tracker_steps(p: _Pass, text: str, low: bytes) -> None:
-    """DoubleClick ids and URLs, Facebook user ids and profile names."""
-    sh = p.shape()
+        sh = p.shape()
     if _DART_KEY.search(sh.low) and any(k in low for k in _DART_HINTS):
         p.run("DART", _DART)
         sh = p.shape()
@@ -107,11 +101,29 @@ def _tracker_steps(p: _Pass, text: str, low: bytes) -> None:
         sh = p.shape()
         if "/" in text and sh.slashes["fb_host"]:
             p.run("FB_USERID", _FB_VANITY)
+            sh = p.shape()
+    sh = _number_steps(p, text, low, sh)
+    if "/" in text:
+        slashes = sh.slashes
+        if anchors := sorted(slashes["com"] + slashes["t_me"]):
+            p.run("USER", _PROFILE_URL, _profile_ok, _profile_matches(sh, anchors))
+            sh = p.shape()
+        if has_at and "/@" in text:
+            p.run("USER", _AT_URL, _at_url_ok)
+            sh = p.shape()
+        if starts := [s for q in sh.slashes["u"] for s in (q - 1, q) if s >= 0]:  # u/name, /u/name
+            p.run("USER", _REDDIT_USER, _reddit_ok, _matches_at(_REDDIT_USER, p.text, starts))
+            sh = p.shape()
+    if "#" in text and b"#0000" in sh.b and b"discord" in low:
+        p.run("USER", _DISCORD)
+    if "@" in p.text:
+        p.run("USER", _HANDLE, _handle_ok(p.text))
+    return p
 
 
-def _number_steps(p: _Pass, text: str, low: bytes) -> None:
-    """Card numbers, SSNs and national insurance numbers, phone numbers."""
-    sh = p.shape()
+def _number_steps(p: _Pass, text: str, low: bytes, sh: _Shape) -> _Shape:
+    """The steps of `_anonymise` for card numbers, SSNs and national insurance numbers, and phone numbers, from
+    the current shape `sh`; returns the shape after them."""
     if sh.anchors:  # a 7-digit number: cards, SSNs, phone numbers
         if starts := sh.kind("card"):
             p.run("CREDIT_CARD_NUMBER", _CARD, _is_card, _matches_at(_CARD, p.text, starts))
@@ -123,7 +135,7 @@ def _number_steps(p: _Pass, text: str, low: bytes) -> None:
             p.run("SSN", _SSN, _is_ssn, _matches_at(_SSN, p.text, starts))
             sh = p.shape()
     if b"0" not in sh.b:
-        return
+        return sh
     if starts := [q - 2 for q in _occurrences(sh.b, b" 00 00 00 ") if q >= 2]:  # AB 12 34 56 C
         p.run("SSN", _NINO, matches=_matches_at(_NINO, p.text, starts))
         sh = p.shape()
@@ -148,26 +160,8 @@ def _number_steps(p: _Pass, text: str, low: bytes) -> None:
             sh = p.shape()
     if sh.slashes["wa_me"] and b"00000000" in sh.b:
         p.run("PHONE_NUMBER", _WHATSAPP)
-
-
-def _user_steps(p: _Pass, text: str, low: bytes) -> None:
-    """User names: profile URLs, `HOST/@name`, Reddit `u/name`, Discord tags, and last `@handle`."""
-    sh = p.shape()
-    if "/" in text:
-        slashes = sh.slashes
-        if anchors := sorted(slashes["com"] + slashes["t_me"]):
-            p.run("USER", _PROFILE_URL, _profile_ok, _profile_matches(sh, anchors))
-            sh = p.shape()
-        if "/@" in text:
-            p.run("USER", _AT_URL, _at_url_ok)
-            sh = p.shape()
-        if starts := [s for q in sh.slashes["u"] for s in (q - 1, q) if s >= 0]:  # u/name, /u/name
-            p.run("USER", _REDDIT_USER, _reddit_ok, _matches_at(_REDDIT_USER, p.text, starts))
-            sh = p.shape()
-    if "#" in text and b"#0000" in sh.b and b"discord" in low:
-        p.run("USER", _DISCORD)
-    if "@" in p.text:
-        p.run("USER", _HANDLE, _handle_ok(p.text))
+        sh = p.shape()
+    return sh
 
 
 def _anonymise_reference(text: str, track: bool) -> _Pass:
