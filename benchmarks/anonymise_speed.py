@@ -123,7 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     a = ap.parse_args(argv)
 
     from benchmarks.machine import OtherLoad
-    from data.anonymise import _screenable, anonymise
+    from data.anonymise import anonymise
+    from data.anonymise_prescreen import _screenable
     from data.tokenizer import load_tokenizer
 
     load_before = loadavg()

@@ -31,16 +31,8 @@ from typing import Iterable, Optional
 from data.argtypes import nonneg_float, positive_int
 from data.atomic import atomic_path, write_json_atomic
 from data.cli import cli_main, exit_process
-from data.sources import (
-    SOURCES,
-    SOURCES_BY_DOMAIN,
-    Artefacts,
-    Fetcher,
-    FetchError,
-    Package,
-    Source,
-    package_version,
-)
+from data.fetch import Fetcher, FetchError, Package, package_version
+from data.sources import SOURCES, SOURCES_BY_DOMAIN, Artefacts, Source
 from data.tokenizer import sha256_file
 
 MIN_TRAIN_DOMAINS = 6

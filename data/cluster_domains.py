@@ -404,9 +404,7 @@ def relabel_prepared(
     the decoded training documents and every split is labelled by nearest centre. Returns the agreement report."""
     import shutil
 
-    from data.blocks import open_indexed, split_prefix
     from data.catalog import load_catalog
-    from data.indexed import write_indexed as _write_indexed
     from data.tokenizer import load_prepared_tokenizer
 
     cat = load_catalog(tokens_root, tokenizer, domains)
@@ -416,14 +414,7 @@ def relabel_prepared(
     check_output_dir(dst, (m["format"],), ["manifest.json", "clusterer", "cluster_report.json"], inputs=[src])
     tok = load_prepared_tokenizer(tokens_root, tokenizer)
     dtype = np.dtype(m["dtype"]).type
-    docs: dict[str, list[tuple[str, np.ndarray]]] = {s: [] for s in splits}
-    for d in cat.train_domains:
-        for s in splits:
-            if m["counts"][d][s]["documents"]:
-                ds = open_indexed(split_prefix(tokens_root, tokenizer, d, s))
-                docs[s] += [
-                    (d, np.array(ds.get(i), copy=True)) for i in range(len(ds))
-                ]  # copies: the mmap closes
+    docs = _prepared_documents(tokens_root, tokenizer, cat.train_domains, m["counts"], splits)
     text = {s: [tok.decode(a[1:].tolist()) for _, a in docs[s]] for s in splits}  # [bos] + ids
     clusterer = fit_clusterer(text["train"], k, **fit_kwargs)
     names = clusterer.names()
@@ -443,19 +434,7 @@ def relabel_prepared(
                 **(agreement(truth, labels) if len(truth) else {}),
                 "composition": composition(truth, labels, names),
             }
-            for j, n in enumerate(names):
-                chosen = [a for (_, a), lab in zip(docs[s], labels) if lab == j]
-                info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
-                if chosen:
-                    nd, nt = _write_indexed(work / n / s, chosen, dtype)
-                    info = {
-                        "documents": nd,
-                        "tokens": nt,
-                        "bin": f"{n}/{s}.bin",
-                        "idx": f"{n}/{s}.idx",
-                        "bin_bytes": (work / n / f"{s}.bin").stat().st_size,
-                        "idx_bytes": (work / n / f"{s}.idx").stat().st_size,
-                    }
+            for n, info in _write_clusters(work, s, docs[s], labels, names, dtype).items():
                 counts[n][s] = info
         manifest = {
             "format": m["format"],
@@ -478,6 +457,53 @@ def relabel_prepared(
         clusterer.save(work / "clusterer")
         (work / "cluster_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _prepared_documents(
+    tokens_root: Union[str, Path], tokenizer: str, domains: Sequence[str], counts: dict, splits: Iterable[str]
+) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Per split, every document of `domains` in a prepared dataset with its domain: ([bos] + token ids)."""
+    from data.blocks import open_indexed, split_prefix
+
+    docs: dict[str, list[tuple[str, np.ndarray]]] = {s: [] for s in splits}
+    for d in domains:
+        for s in splits:
+            if counts[d][s]["documents"]:
+                ds = open_indexed(split_prefix(tokens_root, tokenizer, d, s))
+                docs[s] += [
+                    (d, np.array(ds.get(i), copy=True)) for i in range(len(ds))
+                ]  # copies: the mmap closes
+    return docs
+
+
+def _write_clusters(
+    work: Path,
+    split: str,
+    docs: list[tuple[str, np.ndarray]],
+    labels: np.ndarray,
+    names: list[str],
+    dtype: type,
+) -> dict[str, dict]:
+    """Write the documents of `split` labelled `j` into `<work>/<names[j]>/<split>.bin/.idx`; each cluster's manifest
+    counts (no files for a cluster without documents)."""
+    from data.indexed import write_indexed as _write_indexed
+
+    out = {}
+    for j, n in enumerate(names):
+        chosen = [a for (_, a), lab in zip(docs, labels) if lab == j]
+        info = {"documents": 0, "tokens": 0, "bin": None, "idx": None}
+        if chosen:
+            nd, nt = _write_indexed(work / n / split, chosen, dtype)
+            info = {
+                "documents": nd,
+                "tokens": nt,
+                "bin": f"{n}/{split}.bin",
+                "idx": f"{n}/{split}.idx",
+                "bin_bytes": (work / n / f"{split}.bin").stat().st_size,
+                "idx_bytes": (work / n / f"{split}.idx").stat().st_size,
+            }
+        out[n] = info
+    return out
 
 
 @cli_main

