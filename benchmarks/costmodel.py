@@ -855,7 +855,7 @@ def exposed_allreduce_seconds(
 def trainer_bucket_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions) -> float:
     """The trainer's gradient bucket in bytes: parallel/engine.py's `bucket_elements` for the parameters a GPU holds
     (or `opts.bucket_elements`), in the gradient dtype."""
-    from parallel.engine import bucket_elements
+    from parallel.grad_reduce import bucket_elements
 
     return (
         bucket_elements(params_per_gpu(cfg, gpus), gpus, opts.bucket_elements) * DTYPE_BYTES[opts.grad_dtype]

@@ -22,7 +22,7 @@ from data.readers import InputFileError, load_yaml, read_yaml
 from launcher.typed import ConfigError, build_lenient, deep_merge, set_path
 from model.config import CONFIG, ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
-from parallel.engine import extra_deepspeed_problems
+from parallel.ds_config import extra_deepspeed_problems
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODEL_PRESET_DIR = CONFIG_DIR / "model"
@@ -57,7 +57,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Merged into the generated DeepSpeed config (comms_logger, flops_profiler, offload, ...); keys the framework
-    # sets itself are refused with the setting to use instead (parallel.engine.OWNED_DEEPSPEED_KEYS).
+    # sets itself are refused with the setting to use instead (parallel.ds_config.OWNED_DEEPSPEED_KEYS).
     extra_deepspeed: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:

@@ -35,7 +35,8 @@ from launcher.config import ConfigError, RunConfig, load_run_config, parse_overr
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Layout, make_plan, plan_layout
 from model.gpt import GPT
-from parallel.topology import Topology, deepspeed_equivalent
+from parallel.ds_expert_groups import deepspeed_equivalent
+from parallel.topology import Topology
 
 DEFAULT_DOMAINS = 8
 DEFAULT_OUT = "runs/dryrun/summary.json"

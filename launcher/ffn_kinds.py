@@ -30,7 +30,8 @@ import torch.nn as nn
 from launcher.config import RunConfig
 from model.gpt import expert_of_key, split_by_expert
 from parallel.cse import CSEController
-from parallel.engine import build_engine, distribute_demix_experts
+from parallel.engine import build_engine
+from parallel.expert_grads import distribute_demix_experts
 from parallel.gshard import (
     apply_gshard,
     gshard_export_parts,

@@ -55,7 +55,7 @@ from launcher.rundir import (
 )
 from launcher.state import check_resumable, latest_checkpoint, layout_changes
 from launcher.typed import to_dict
-from parallel.engine import deepspeed_config
+from parallel.ds_config import deepspeed_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -151,7 +151,7 @@ def target_log_probs(
     if type(head) is not TiedLMHead:  # e.g. a vocab-parallel head: its own logits, whole rows at a time
         return _target_log_probs_rows(head, h_ND, targets_N, budget, model.vocab_size)
     W_VD = head.embedding[0].weight
-    (N, D), V = h_ND.shape, W_VD.shape[0]
+    (N, _), V = h_ND.shape, W_VD.shape[0]
     R = max(1, min(N, rows, budget))
     C = max(1, min(V, budget // R))
     n_blocks = -(-V // C)

@@ -1,4 +1,5 @@
-"""Activation recompute (a.k.a. activation checkpointing) applied from outside: each transformer block recomputes its forward in backward."""
+"""Activation recompute (a.k.a. activation checkpointing) applied from outside: each transformer block recomputes
+its forward in backward."""
 
 from __future__ import annotations
 

@@ -29,10 +29,11 @@ class ParallelConfig:
     expert_grad_scaling: "domain_mean" averages an expert's gradient over its domain group (default);
     "global" divides by the whole data-parallel world, as the reference fairseq code does.
     grad_reduce: "overlap" (default) reduces the gradients bucket by bucket while the backward of the
-    accumulation boundary still runs (ZeRO 0: parallel/engine.py `OverlappedGradReduce`; ZeRO 1/2: DeepSpeed's
-    `overlap_comm`); "after_backward" reduces them all once the backward has finished (DeepSpeed's own ZeRO-0 path).
-    bucket_elements: gradient elements per bucket; None = parallel/engine.py `bucket_elements`' rule (Megatron-core's
-    max(4e7, 1e6 x data-parallel ranks), bounded by the rank's trainable parameters).
+    accumulation boundary still runs (ZeRO 0: parallel/grad_reduce.py `OverlappedGradReduce`; ZeRO 1/2:
+    DeepSpeed's `overlap_comm`); "after_backward" reduces them all once the backward has finished (DeepSpeed's own
+    ZeRO-0 path).
+    bucket_elements: gradient elements per bucket; None = parallel/grad_reduce.py `bucket_elements`' rule
+    (Megatron-core's max(4e7, 1e6 x data-parallel ranks), bounded by the rank's trainable parameters).
     """
 
     tensor_parallel: StrictInt = 1
@@ -52,7 +53,8 @@ class ParallelConfig:
             out.append(f"{prefix}.allocation={self.allocation}: every domain needs at least one rank")
         if self.expert_grad_scaling not in EXPERT_GRAD_SCALINGS:
             out.append(
-                f"{prefix}.expert_grad_scaling={self.expert_grad_scaling!r}: choose one of {', '.join(EXPERT_GRAD_SCALINGS)}"
+                f"{prefix}.expert_grad_scaling={self.expert_grad_scaling!r}: "
+                f"choose one of {', '.join(EXPERT_GRAD_SCALINGS)}"
             )
         if self.grad_reduce not in GRAD_REDUCES:
             out.append(f"{prefix}.grad_reduce={self.grad_reduce!r}: choose one of {', '.join(GRAD_REDUCES)}")
@@ -93,7 +95,7 @@ class TrainConfig:
     # are refused). Off until a GPU measurement shows the gain.
     compile: StrictBool = False
     # bf16 only: the dtype ZeRO 1/2 reduce the gradients in (None: bf16, DeepSpeed's default). "fp32": DeepSpeed's
-    # communication_data_type fp32, and at ZeRO 2 also data_types.grad_accum_dtype fp32 (parallel/engine.py
+    # communication_data_type fp32, and at ZeRO 2 also data_types.grad_accum_dtype fp32 (parallel/ds_config.py
     # `deepspeed_config`). Recommended when grad_accum x data-parallel ranks >= 32 (the sum's bf16 rounding grows
     # with the number of terms); costs twice the gradient bytes on the wire.
     grad_reduce_dtype: Optional[str] = None

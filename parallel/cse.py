@@ -5,8 +5,9 @@ Shape legend: N sampled sequences (all ranks), L CSE layers, P projection dim, E
 
 The trainer calls one object (`CSEController`) twice per step-loop iteration at most:
 
+    # after build_engine:
     cse = CSEController(bundle.engine.module, cfg.model.ffn.cse, cfg.train.steps, bundle.groups,
-                        optimizer=bundle.engine.optimizer, domain_names=plan.catalog.train_domains)  # after build_engine
+                        optimizer=bundle.engine.optimizer, domain_names=plan.catalog.train_domains)
     ...
     rec = cse.after_step(done, lambda i: to_model_batch(sampler.batch(done + i // ga, i % ga), device, plan))
     if rec is not None and rank == 0: log.log({"kind": "cse", "step": done, **rec})

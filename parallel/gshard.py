@@ -14,10 +14,10 @@ N / ep_size ranks (its expert-data-parallel group), whose gradients DeepSpeed al
 parallelism N is the data-parallel size dp.)
 
 Groups: DeepSpeed builds them itself, in `deepspeed.initialize`, from ep_size and the config key
-`use_data_before_expert_parallelism` (parallel/engine.deepspeed_config; default False = DeepSpeed's E+D:
+`use_data_before_expert_parallelism` (parallel/ds_config.deepspeed_config; default False = DeepSpeed's E+D:
 expert-parallel groups are consecutive ranks, so the all-to-all stays inside a node when ep_size <= GPUs per
 node, and expert-data-parallel groups are strided). `gshard_layout` reproduces them with the pure
-`parallel.topology.deepspeed_moe_groups`, which decides which experts this rank copies from the plain layer;
+`parallel.ds_expert_groups.deepspeed_moe_groups`, which decides which experts this rank copies from the plain layer;
 the first forward checks that DeepSpeed made the same groups. A rank's expert-parallel position p (its index in
 its sorted group) holds global experts [p n_local, (p + 1) n_local).
 
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
 from model.mlp import MLP, FFNOutput
-from parallel.topology import deepspeed_moe_groups
+from parallel.ds_expert_groups import deepspeed_moe_groups
 
 
 def resolve_num_experts(model: ModelConfig, world_size: int) -> int:
@@ -138,7 +138,7 @@ def gshard_layout(
 
 def gshard_layout_for(model: ModelConfig, topo: Any, rank: int) -> GShardLayout:
     """`gshard_layout` on a parallel.topology.Topology, in DeepSpeed's default group order (E+D: the DeepSpeed
-    config from parallel.engine.deepspeed_config leaves `use_data_before_expert_parallelism` unset;
+    config from parallel.ds_config.deepspeed_config leaves `use_data_before_expert_parallelism` unset;
     DistributedGShardFFN checks the groups DeepSpeed built against this layout)."""
     return gshard_layout(model, topo.world_size, rank, False, topo.tensor_parallel)
 

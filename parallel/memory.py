@@ -20,9 +20,10 @@ group.
 Activations, traced (the default, `estimate_activations`): this rank's GPT as training runs it (its experts, FFN
 kind with GShard's layers swapped for DeepSpeed's MoE layer as parallel/gshard.py does, recompute, the precision's
 parameter dtype or autocast, micro-batch, sequence length, the chunked loss) is built on the meta device, its
-parameters become tensors of torch's FakeTensorMode, and one forward+backward runs under `PeakBytes` (the accounting
-of torch's MemTracker, which benchmarks/memory_estimate.py measures against): every tensor's storage is counted as
-a device would hold it, nothing is allocated. Gradients are preallocated (as after the first micro-batch), so
+parameters become tensors of torch's FakeTensorMode, and one forward+backward runs under `PeakBytes`
+(parallel/peak_memory.py; the accounting of torch's MemTracker, which benchmarks/memory_estimate.py measures
+against): every tensor's storage is counted as a device would hold it, nothing is allocated. Gradients are
+preallocated (as after the first micro-batch), so
 
     activations = peak(total) - params - grads       (MemTracker's ACT + TEMP + OTH + BUFFER at the peak)
 
@@ -31,8 +32,8 @@ DeepSpeed's GShard layer pads every expert's buffer to its capacity C whatever t
 GShard layouts whose rank does not hold every expert (DeepSpeed's all-to-all needs the expert-parallel process
 group) and any trace that fails fall back to the formula below, and the result says which was used and why.
 
-Activations by formula (the fallback), per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
-Recomputation", §4.1 and Table 2; 16-bit activations, 1-byte dropout masks; s sequence, b micro-batch,
+Activations by formula (the fallback), per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
+Activation Recomputation", §4.1 and Table 2; 16-bit activations, 1-byte dropout masks; s sequence, b micro-batch,
 h hidden, a heads, t tensor parallel):
 
     no recompute:     s·b·h·(10 + 24/t + 5·a·s/(h·t))                                            (eq. A1)
@@ -42,23 +43,21 @@ fp32 activations are counted at twice eq. A1/A2. A GShard MoE layer sends each t
 MLP part (19·s·b·h of the 34 in eq. A1 at t = 1: fc1 input 2, GeLU input 8, GeLU output 8, dropout mask 1)
 counts top_k times. The output layer adds the logits, 16-bit and the fp32 copy the loss reads:
 6·s·b·V/t bytes (V the padded vocabulary). Gradient reduction adds its buckets (`buffer_bytes`: sized by
-parallel/engine.py's `bucket_elements`, one or two of them, 16-bit or fp32 as the gradients).
+parallel/grad_reduce.py's `bucket_elements`, one or two of them, 16-bit or fp32 as the gradients).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from model.config import ModelConfig
+from parallel.peak_memory import PlannedRouting, count_peak, measure_peak, routing_share
 
 GIB = 1024**3
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce_bucket_size and allgather_bucket_size defaults
@@ -85,7 +84,7 @@ def model_state_bytes(
 ) -> dict[str, float]:
     """Params, grads and optimizer states on this rank, bytes (eq. Z on each part). bf16 at ZeRO 2 with
     `train.grad_reduce_dtype: fp32` keeps its gradient partition in fp32 (DeepSpeed's `grad_accum_dtype`, set by
-    parallel/engine.py `deepspeed_config`): 4 bytes per partitioned gradient instead of 2."""
+    parallel/ds_config.py `deepspeed_config`): 4 bytes per partitioned gradient instead of 2."""
     P, G, O = state_bytes_per_param(precision, zero_stage)
     if precision == "bf16" and zero_stage == 2 and grad_reduce_dtype == "fp32":
         G = 4
@@ -118,7 +117,7 @@ def activation_bytes(
 
 
 def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional[torch.dtype]]:
-    """(parameter dtype, autocast dtype) of training as parallel/engine.py's DeepSpeed config runs it: bf16 at
+    """(parameter dtype, autocast dtype) of training as parallel/ds_config.py's DeepSpeed config runs it: bf16 at
     ZeRO 0 is torch autocast over fp32 weights; otherwise DeepSpeed casts the parameters themselves."""
     from parallel.precision import AUTOCAST_DTYPES
 
@@ -126,154 +125,6 @@ def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional
     if half is torch.bfloat16 and zero_stage == 0:
         return torch.float32, torch.bfloat16
     return half or torch.float32, None
-
-
-_DEVICE = torch.ops.prim.device.default  # asked of every tensor by autograd: most operators a mode sees
-
-
-class _PlannedRouting(TorchDispatchMode):
-    """Under FakeTensorMode: ops whose tensors are all real (the host-side domain ids the trainer passes, and
-    what the layer computes from them: `tolist`, checks) run for real; `nonzero` of a fake mask, whose row count
-    depends on values a fake tensor lacks, returns a planned count (`share` of the mask's elements: the balanced
-    case, e.g. K S / E routes per GShard expert)."""
-
-    def __init__(self, share: float) -> None:
-        super().__init__()
-        self.share = share
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        kwargs = kwargs or {}
-        if func is _DEVICE:  # makes no tensor
-            return func(*args, **kwargs)
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-            with _disable_current_modes():
-                return func(*args, **kwargs)
-        if func is torch.ops.aten.nonzero.default:
-            x = args[0]
-            return torch.zeros(
-                (max(1, round(x.numel() * self.share)), x.dim()), dtype=torch.long, device=x.device
-            )
-        return func(*args, **kwargs)
-
-
-def routing_share(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> float:
-    """The planned share of a routing mask's elements that select one expert (see _PlannedRouting)."""
-    if m.ffn.kind == "gshard":
-        return 1.0 / max(1, m.ffn.num_experts)
-    return 1.0 / max(1, len(expert_ids or [0]))
-
-
-class PeakBytes(TorchDispatchMode):
-    """A lean peak-memory counter: every storage an op returns is counted once, from its creation until Python
-    drops it (a weakref finalizer), and the running total's maximum is kept. The same accounting as torch's
-    MemTracker without its per-operator walk over every live tensor (~20 s for a gpt3-small step on a busy core,
-    against a few seconds here); `tests/test_memory_estimate.py` checks the two agree."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen = WeakIdKeyDictionary()
-
-    def track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st in self._seen:
-            return
-        n = st.nbytes()
-        self._seen[st] = n
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, n)
-
-    def _free(self, n: int) -> None:
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is _DEVICE:
-            return out
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        return out
-
-
-def _forward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
-    ctx = (
-        torch.autocast("cpu", dtype=autocast)
-        if autocast is not None
-        else torch.autocast("cpu", enabled=False)
-    )
-    with ctx:
-        out = model(**batch, return_logits=False)
-    return out.loss if out.aux_loss is None else out.loss + out.aux_loss
-
-
-def _forward_backward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> None:
-    _forward(model, batch, autocast).backward()
-
-
-def _preallocate_grads(model: torch.nn.Module) -> None:
-    """As after the first micro-batch: gradients live, backward accumulates into them."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-
-
-def count_peak(
-    model: torch.nn.Module,
-    batch: dict,
-    autocast: Optional[torch.dtype] = None,
-    preallocate_grads: bool = True,
-) -> dict[str, int]:
-    """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads),
-    and the activations at the peak of each phase, `forward` and `backward` (their maximum is `activations`)."""
-    if preallocate_grads:
-        _preallocate_grads(model)
-    tracker = PeakBytes()
-    with tracker:
-        for p in model.parameters():
-            tracker.track(p)
-            if p.grad is not None:
-                tracker.track(p.grad)
-        states = tracker.live
-        loss = _forward(model, batch, autocast)
-        forward, tracker.peak = tracker.peak, tracker.live
-        loss.backward()
-        del loss
-    total = max(forward, tracker.peak)
-    return {
-        "total": total,
-        "activations": total - states,
-        "forward": forward - states,
-        "backward": tracker.peak - states,
-    }
-
-
-def measure_peak(
-    model: torch.nn.Module,
-    batch: dict,
-    autocast: Optional[torch.dtype] = None,
-    preallocate_grads: bool = True,
-) -> dict[str, int]:
-    """Peak bytes of one forward+backward of `model(**batch, return_logits=False)` by torch's MemTracker kind
-    (PARAM, GRAD, ACT, TEMP, ...) plus `total` and `activations` (total - PARAM - GRAD - OPT), at the moment of
-    the total peak. Works on fake tensors (nothing allocated) and on real ones (the measurement the tests trust)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    if preallocate_grads:
-        _preallocate_grads(model)
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        _forward_backward(model, batch, autocast)
-    per_device = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    kinds = {str(k).split(".")[-1]: v for k, v in per_device.items()}
-    total = kinds.pop("Total")
-    states = kinds.get("PARAM", 0) + kinds.get("GRAD", 0) + kinds.get("OPT", 0)
-    return {"total": total, "activations": total - states, **kinds}
 
 
 def rank_batch(m: ModelConfig, micro_batch: int) -> dict:
@@ -348,7 +199,7 @@ def trace_peaks(
     try:
         model, fake = training_model_on_meta(m, expert_ids), FakeTensorMode(allow_non_fake_inputs=True)
         _materialise(model, fake)
-        with fake, _PlannedRouting(routing_share(m, expert_ids)):
+        with fake, PlannedRouting(routing_share(m, expert_ids)):
             if loss_chunk_logits is not None:
                 model.loss_chunk_logits = loss_chunk_logits
             for mode in sorted(set(recompute)):
@@ -403,7 +254,7 @@ def with_training_layers(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Mod
 
 
 def _materialise(model: torch.nn.Module, fake: TorchDispatchMode) -> None:
-    """Meta parameters become `fake`'s tensors (nothing allocated; outside _PlannedRouting, which would run an op on
+    """Meta parameters become `fake`'s tensors (nothing allocated; outside PlannedRouting, which would run an op on
     all-meta inputs for real); buffers become real zeros, as a fresh model's: they are small and some are read on
     the host (CSE's cluster count)."""
     done: dict[int, torch.nn.Parameter] = {}
@@ -541,7 +392,7 @@ def buffer_bytes(
     bucket_override: Optional[int] = None,
     grad_reduce_dtype: Optional[str] = None,
 ) -> float:
-    """The gradient-reduction buffers the engine allocates on this rank, bytes, for n = parallel/engine.py's
+    """The gradient-reduction buffers the engine allocates on this rank, bytes, for n = parallel/grad_reduce.py's
     `bucket_elements(P, N_dp)` (P = `params`' shared + expert parameters) and G bytes per gradient:
 
         ZeRO 1/2   n·G, twice with overlap_comm (DeepSpeed double-buffers its contiguous reduce bucket; the engine
@@ -553,11 +404,11 @@ def buffer_bytes(
 
     Without `params` DeepSpeed's default buckets (2 x 5e8 elements at ZeRO 1/2, ZeRO 0 not counted). Assumes every
     rank holds parameters of the same shapes; DEMix with unequal domains per rank gets one bucket of P at ZeRO 1/2
-    (parallel/engine.py `plan_grad_reduce`)."""
+    (parallel/grad_reduce.py `plan_grad_reduce`)."""
     G = state_bytes_per_param(precision, zero_stage)[1]
     if params is None:
         return 0.0 if zero_stage == 0 else 2 * DEEPSPEED_BUCKET_ELEMENTS * G
-    from parallel.engine import bucket_elements
+    from parallel.grad_reduce import bucket_elements
 
     total = params.shared + params.expert
     n = bucket_elements(total, params.dp_size, bucket_override)

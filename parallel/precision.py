@@ -86,7 +86,7 @@ def forward_precision(
     """The context a forward pass of `module` in `precision` runs under: the training step's regime, so that every
     evaluation scores the model as it was trained.
 
-    DeepSpeed, configured by parallel/engine.py's `deepspeed_config`, trains bf16 at ZeRO 0 by torch autocast over
+    DeepSpeed, configured by parallel/ds_config.py's `deepspeed_config`, trains bf16 at ZeRO 0 by torch autocast over
     fp32 weights (`torch_autocast`: engine.forward enters `torch.autocast(device, bfloat16)`), and otherwise casts
     the module itself (bf16 at ZeRO >= 1, fp16 at every stage). Hence one rule:
 

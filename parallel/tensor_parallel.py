@@ -3,75 +3,15 @@
 Shape legend: B batch, T tokens, D model dim, F ffn dim, H heads, K head dim, V vocabulary;
 a trailing `l` marks the local shard of a tensor-parallel rank (Vl = V / tp, Fl = F / tp, Hl = H / tp).
 
-`apply_tensor_parallel(model, tp_group)` takes a GPT built normally (full weights, the same seed on every
-rank of the group) and swaps, in place, each layer for megatron-core's tensor-parallel one, initialised by
-copying this rank's shard of the full weight, so that a TP=tp model computes what the TP=1 model computes:
+`apply_tensor_parallel(model, tp_group)` takes a GPT built normally (full weights, the same seed on every rank
+of the group) and swaps, in place, each layer for megatron-core's tensor-parallel one (qkv/fc1 column-parallel,
+proj/fc2 row-parallel, the embedding, tied head and loss vocab-parallel), initialised by copying this rank's shard,
+so that a TP=tp model computes what the TP=1 model computes. Every layer gets its `tp_group` explicitly:
+megatron-core's `parallel_state` is never initialised or read. Every rank of a TP group must see the same batch
+and call forward/backward the same number of times (the layers communicate inside them).
 
-    attention   qkv  -> ColumnParallelLinear  W_qkv [3D, D] split by rows; the qkv output is laid out
-                                              head-major [H, 3, K], so a contiguous split gives whole heads
-                proj -> RowParallelLinear     W_o [D, D] split by columns (input_is_parallel)
-    every MLP   fc1  -> ColumnParallelLinear  W_1 [F, D] split by rows, with its bias
-    (dense and  fc2  -> RowParallelLinear     W_2 [D, F] split by columns
-     DEMix      (GShard experts stay whole: parallel/gshard.py gives each TP rank its own experts and
-     experts)    splits every expert's capacity slots over the TP group instead)
-    wte              -> VocabParallelEmbedding      rows [V, D] split: rank r holds ids [r Vl, (r+1) Vl)
-    lm_head          -> VocabParallelTiedLMHead     logits_BTVl = copy_to_tp_region(h_BTD) @ W_emb_local^T
-    loss_fn          -> VocabParallelTokenCrossEntropy (per-token loss B T, like TokenCrossEntropy)
-
-The GPT calls lm_head and loss_fn together a chunk of tokens at a time when no logits are returned (the
-trainer's path; model/gpt.py: chunked_token_loss), so no B x T x Vl tensor exists here either: each chunk's
-local logits and fp32 softmax live only inside that chunk, its three all-reduces run per chunk in forward and
-again when backward recomputes the chunk, and copy_to_tensor_model_parallel_region all-reduces each chunk's
-dL/dh (the same bytes in total as one all-reduce of B T D). Every rank chunks identically (same B T, same Vl).
-
-The attention and the MLP are the f/g conjugate pairs of the Megatron paper: a column-parallel layer
-(identity forward, all-reduce of dX backward) then a row-parallel one (all-reduce forward, identity
-backward), so each block costs one all-reduce forward and one backward per sub-layer. The row-parallel
-bias is added once, after the all-reduce (megatron-core does this when skip_bias_add=False).
-
-Vocab-parallel cross-entropy (one rank's logits z_Vl, target y, softmax over the whole V):
-
-    m = max_allreduce(max_v z_v);   S = sum_allreduce(sum_v exp(z_v - m));   z_y = sum_allreduce(z_y if y local)
-    loss = log S - (z_y - m);       dloss/dz_v = softmax_v - 1[v = y]   (local columns only)
-
-Parameters, and what each TP rank holds:
-  * sharded (`tensor_model_parallel=True`, `partition_dim` 0 or 1): qkv/fc1 weight and bias, proj/fc2
-    weight, wte weight (hence also the tied head);
-  * replicated (`tensor_model_parallel=False`): every LayerNorm (ln1, ln2, ln_f), the position embedding
-    wpe, and the row-parallel biases (proj.bias, fc2.bias). Their inputs and output gradients are identical
-    on every TP rank, so their gradients are too (tests check this); a gradient-norm computation must count
-    them once per TP group (DeepSpeed / megatron skip params without `tensor_model_parallel` on TP ranks
-    other than 0). Every parameter gets the megatron defaults for these attributes.
-
-megatron-core global state (`parallel_state`) and RNG:
-  * Every megatron layer gets `tp_group=` explicitly; nothing here initialises or reads `parallel_state`,
-    so a rank may hold several unrelated TP groups and the layout (which ranks form a group) is decided
-    by parallel/ alone.
-  * megatron-core 0.16's `tensor_parallel.vocab_parallel_cross_entropy` reads the group, rank and size
-    from `parallel_state` (its fused variant takes a group but casts the gradient to bf16). Rather than
-    initialising the globals, `_VocabParallelCrossEntropy` below is megatron's own autograd function
-    re-assembled from its public `VocabParallelCrossEntropy` building blocks with the group passed in
-    (label smoothing left out); the tests check it against `vocab_parallel_cross_entropy` with
-    `parallel_state` initialised to the same layout.
-  * Layers are built with `use_cpu_initialization=True, perform_initialization=False`: the weights are
-    copied from the full model, so no RNG is consumed and megatron's CUDA RNG tracker is never touched
-    (`model_parallel_cuda_manual_seed` needs CUDA; none of the layers used here needs a tracker in forward
-    or backward).
-  * Dropout: dropout on replicated activations (embeddings, after row-parallel layers) must draw the same
-    mask on every TP rank; it does, because every TP rank consumes the default generator identically (same
-    seed, same ops). Attention-probability dropout inside SDPA acts on each rank's local heads with the
-    same generator state, so head h on rank 0 and head h + H/tp on rank 1 get the same mask: correct in
-    expectation but correlated. Megatron forks a per-TP-rank RNG stream there; the plain model would need
-    an RNG seam in its attention for that. Parity with TP=1 holds exactly only with dropout 0.
-
-Other things a caller should know:
-  * CPU bf16 autocast (DeepSpeed `torch_autocast` on CPU) needs the operand cast in
-    `_cpu_autocast_operands`: megatron's linear autograd function only honours CUDA autocast.
-  * Modules hold their ProcessGroup, which cannot be pickled or deep-copied (megatron's layers are the
-    same): copy a TP model with `copy.deepcopy(model, {id(tp_group): tp_group})`, save it through
-    `state_dict()` (its megatron layers add `..._extra_state: None` entries) or `gather_full_state_dict`.
-  * Every rank of a TP group must see the same batch and call forward/backward the same number of times:
-    the layers communicate inside forward and backward. `gather_*` are collectives over the group too.
+The design (layer map, communication, vocab-parallel cross-entropy, which parameters are sharded or replicated,
+RNG and dropout, copying and saving a TP model): docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def _worker(
 def _reference(kind: str, domains: int, world_dp: int, dp_domains: list, scaling: str, tp: int = 1):
     """Single process, all experts: the gradient means and the global clip, applied by hand."""
     from model.gpt import GPT
-    from parallel.engine import lr_lambda
+    from parallel.ds_config import lr_lambda
 
     cfg = _cfg(kind, domains, 0, 1, scaling)
     torch.manual_seed(0)
@@ -353,7 +353,7 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
 def test_expert_groups_split_and_merge_keep_order_and_threshold():
     """The helpers behind equal optimizer-group counts: refining splits the largest chunk (sizes only shrink),
     merging joins the smallest neighbours; both keep parameter order and make exactly the count asked for."""
-    from parallel.engine import _exactly, _greedy_chunks
+    from parallel.optim_groups import _exactly, _greedy_chunks
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 1, 4, 4, 1)]
     greedy = _greedy_chunks(params, 8)

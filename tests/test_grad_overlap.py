@@ -50,7 +50,7 @@ def _train(
     from launcher.ffn_kinds import ffn_kind
     from launcher.train import train_step
     from model.gpt import GPT
-    from parallel.engine import is_expert_param
+    from parallel.expert_grads import is_expert_param
     from parallel.groups import ProcessGroups
     from parallel.memory import RankParams, buffer_bytes
     from parallel.topology import build_topology
@@ -269,7 +269,7 @@ def test_bf16_zero_1_and_2_reduce_gradients_in_fp32_and_train():
 
 
 def test_bucket_rule_bounds_small_models_and_keeps_large_buckets_bandwidth_bound():
-    from parallel.engine import DEEPSPEED_BUCKET_ELEMENTS, bucket_elements
+    from parallel.grad_reduce import DEEPSPEED_BUCKET_ELEMENTS, bucket_elements
 
     assert bucket_elements(1_000_001, 4) == 1_000_002  # a tiny model: one bucket of its own size (even)
     assert bucket_elements(125_000_000, 8) == 40_000_000  # gpt3-small on 8 ranks: Megatron-core's floor
@@ -280,7 +280,8 @@ def test_bucket_rule_bounds_small_models_and_keeps_large_buckets_bandwidth_bound
 
 def test_generated_config_overlap_buckets_and_reduce_dtype():
     from launcher.config import load_run_config
-    from parallel.engine import GradReducePlan, deepspeed_config, extra_deepspeed_problems
+    from parallel.ds_config import deepspeed_config, extra_deepspeed_problems
+    from parallel.grad_reduce import GradReducePlan
 
     def ds(*sets, plan=None):
         cfg = load_run_config(None, list(sets))
@@ -352,7 +353,7 @@ def test_cost_model_overlap_follows_the_trainers_reduction():
     hides nothing; the paper fit's fixed fraction is unchanged."""
     from benchmarks import costmodel as cm
     from launcher.config import load_run_config
-    from parallel.engine import bucket_elements
+    from parallel.grad_reduce import bucket_elements
 
     cluster = cm.load_cluster("v100-dgx1")
     eff = cm.Efficiency(0.4, 0.0)

@@ -148,7 +148,7 @@ def _reference(experts: int, world: int, tp: int = 1) -> tuple[dict[str, torch.T
     """One process, all experts: mean over ranks of (loss + aux loss) on each rank's own tokens (so each rank's
     capacity applies to its own tokens, as in the distributed run), one global clip, the same AdamW."""
     from model.gpt import GPT
-    from parallel.engine import lr_lambda
+    from parallel.ds_config import lr_lambda
 
     cfg = _cfg(experts, 0, tp=tp)
     model = GPT(cfg.model, init_seed=0, tensor_parallel=tp)

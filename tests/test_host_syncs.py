@@ -298,7 +298,7 @@ def test_the_generated_config_turns_deepspeeds_synchronising_timers_off():
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from launcher.config import load_run_config
-    from parallel.engine import deepspeed_config, extra_deepspeed_problems
+    from parallel.ds_config import deepspeed_config, extra_deepspeed_problems
 
     for zero in (0, 1, 2):
         for precision in ("fp32", "bf16", "fp16"):

@@ -11,12 +11,12 @@ from model.gpt import GPT
 from parallel.activation_recompute import apply_activation_recompute
 from parallel.memory import (
     estimate_activations,
-    measure_peak,
     rank_batch,
     rank_domain_ids,
     trace_peak,
     with_training_layers,
 )
+from parallel.peak_memory import measure_peak
 
 KINDS = {
     "dense": ({"kind": "dense"}, None),

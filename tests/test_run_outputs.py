@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.config import ConfigError, load_run_config
-from parallel.engine import deepspeed_config
+from parallel.ds_config import deepspeed_config
 
 
 def test_extra_deepspeed_keys_are_merged_into_the_generated_config():

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from parallel.ds_expert_groups import (
+    deepspeed_equivalent,
+    deepspeed_mismatches,
+    deepspeed_moe_groups,
+    ds_create_expert_and_data_parallel,
+    ds_get_expert_parallel_ranks,
+)
 from parallel.topology import (
     DOMAINS_PER_RANK,
     RANKS_PER_DOMAIN,
     Topology,
     TopologyError,
     build_topology,
-    deepspeed_equivalent,
-    deepspeed_mismatches,
-    deepspeed_moe_groups,
-    ds_create_expert_and_data_parallel,
-    ds_get_expert_parallel_ranks,
     model_sharding_problems,
 )
 
