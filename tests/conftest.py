@@ -118,9 +118,9 @@ def random_checkpoint(tiny_tokens):
 
 
 def pytest_configure(config):
-    """Start the forkserver that multi-rank tests fork their ranks from (tests/multirank.py): it imports torch and
-    DeepSpeed once, in the background, while the tests are collected."""
-    from tests.multirank import start_rank_server
+    """Start the forkserver that multi-rank tests fork their ranks from (tests/harness/multirank.py): it imports torch
+    and DeepSpeed once, in the background, while the tests are collected."""
+    from tests.harness.multirank import start_rank_server
 
     start_rank_server()
 

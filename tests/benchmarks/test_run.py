@@ -20,7 +20,7 @@ import pytest
 from benchmarks import costmodel, report, run, sweep
 from launcher.distributed import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = {
     "name": "t",
     "base_config": "configs/demo/dense.yaml",

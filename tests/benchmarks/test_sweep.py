@@ -13,7 +13,7 @@ import yaml
 from benchmarks import report, sweep
 from launcher.typed import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"name": "t", "base_config": "configs/demo/dense.yaml", "sizes": [{"name": "tiny", "preset": "tiny"}]}
 
 

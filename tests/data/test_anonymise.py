@@ -1,5 +1,5 @@
 """Anonymisation (DEMix Table 8): every category replaced, look-alikes kept, per-domain policy, and the span
-evaluation on the labelled set tests/data/anonymise_labelled.jsonl (issue 16)."""
+evaluation on the labelled set tests/fixtures/anonymise_labelled.jsonl (issue 16)."""
 
 import random
 import shutil
@@ -25,8 +25,8 @@ from data.anonymise import (
     spans_from_output,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-LABELLED = ROOT / "tests" / "data" / "anonymise_labelled.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+LABELLED = ROOT / "tests" / "fixtures" / "anonymise_labelled.jsonl"
 
 POSITIVES = [
     ("write to jane.doe+news@example.co.uk today", "write to <EMAIL> today", "EMAIL"),

@@ -18,7 +18,7 @@ from data.prepare import prepare_corpus, split_texts
 from data.tokenizer import load_tokenizer
 
 CHUNK = 6000  # bytes: the big domains have 10+ chunks, "small" has one (split exactly)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _text(domain: str, i: int) -> str:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from data.blocks import BlockDataset, InMemoryDocuments
 from data.config import DataConfig
 from data.sampler import build_sampler
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 T = 8
 

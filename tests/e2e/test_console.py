@@ -25,9 +25,9 @@ from launcher.rundir import (
     op_build_notice,
     use_extensions_dir,
 )
-from tests.test_train import _launch, _overrides
+from tests.e2e.test_train import _launch, _overrides
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:

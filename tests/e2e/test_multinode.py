@@ -19,9 +19,9 @@ from launcher.config import ConfigError
 from launcher.distributed import free_port
 from launcher.launch import build_command, node_resources, parse_args, prepare_run, world_size
 from launcher.metrics import read_metrics
-from tests.test_train import reference_run
+from tests.e2e.test_train import reference_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _sets(tokens: Path, steps: int = 4) -> list[str]:
@@ -62,7 +62,8 @@ def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     hosts = tmp_path / "hostfile"
     hosts.write_text("node0 slots=2\nnode1 slots=2\n")
-    reference_run(_sets(tiny_tokens), 4, one)  # the trainer on 4 ranks of one machine (tests/test_train.py)
+    # the trainer on 4 ranks of one machine (tests/e2e/test_train.py)
+    reference_run(_sets(tiny_tokens), 4, one)
     port = free_port()
     nodes = [
         subprocess.Popen(
@@ -322,7 +323,7 @@ def _shared_dir_worker(rank: int, world: int, dirs: list[str]) -> str:
 def test_a_rank_without_the_shared_run_directory_stops_the_run_at_start(tmp_path):
     """3 gloo ranks; rank 2 looks at another directory (a node without the shared filesystem): every rank gets
     the same error naming rank 2, before any training; with one directory for all, nothing is raised."""
-    from tests.multirank import run_ranks
+    from tests.harness.multirank import run_ranks
 
     shared, other = tmp_path / "shared", tmp_path / "elsewhere"
     assert run_ranks(_shared_dir_worker, 3, args=([str(shared)] * 3,), device_strict=True) == ["ok"] * 3

@@ -14,7 +14,7 @@ import numpy as np
 
 from data.blocks import SPLITS, open_indexed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PROSE = [
     "The river rose after three days of rain and the ferry stopped running.",

@@ -14,7 +14,7 @@ import pytest
 
 from launcher.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _overrides(tokens: Path, kind: str = "demix", steps: int = 6, zero: int = 1) -> list[str]:
@@ -60,9 +60,9 @@ def _launch(
 
 
 def _train_ranks(rank: int, world: int, args: list[str], run_dir: str) -> None:
-    """The trainer on `world` ranks forked by tests/multirank.py, with overrides as the launcher takes them (`--set`
-    pairs) or plain: the uninterrupted reference a launched run is compared with (the same `train`, without the
-    launcher's start-up)."""
+    """The trainer on `world` ranks forked by tests/harness/multirank.py, with overrides as the launcher takes them
+    (`--set` pairs) or plain: the uninterrupted reference a launched run is compared with (the same `train`, without
+    the launcher's start-up)."""
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import train
@@ -73,7 +73,7 @@ def _train_ranks(rank: int, world: int, args: list[str], run_dir: str) -> None:
 
 def reference_run(args: list[str], world: int, run_dir: Path) -> Path:
     """`_train_ranks` on `world` ranks into `run_dir`; returns it."""
-    from tests.multirank import run_ranks
+    from tests.harness.multirank import run_ranks
 
     run_ranks(_train_ranks, world, args=(args, str(run_dir)))
     return run_dir
@@ -352,7 +352,7 @@ def _fp16_on_this_cpu():
             marks=pytest.mark.skipif(
                 not _fp16_on_this_cpu(),
                 reason="this CPU has no fp16 kernels in oneDNN (needs avx512_fp16 or AMX-FP16): "
-                "DeepSpeed refuses fp16 (tests/test_device_placement.py runs fp16 with its guard lifted)",
+                "DeepSpeed refuses fp16 (tests/multirank/test_device_placement.py runs fp16 with its guard lifted)",
             ),
         ),
     ],

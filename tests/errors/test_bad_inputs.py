@@ -25,7 +25,7 @@ import torch
 
 from tests.conftest import write_corpus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- the world the cases run against -------------

@@ -1,7 +1,7 @@
 """The second catalogue of bad inputs (issue 30): code execution through host names and task folders, silent
 nonsense from numeric options, tracebacks and hangs from config text and wrongly shaped JSON.
 
-Each case runs the CLI's real `main(argv)` in this process, as tests/test_bad_inputs.py does, and must end in one
+Each case runs the CLI's real `main(argv)` in this process, as tests/errors/test_bad_inputs.py does, and must end in one
 clear error (the expected text, exit status 2, "error" and no traceback on stderr) with nothing in the case's
 folder or the shared inputs created or changed, and no code run: payloads create the file PWNED in the case's
 folder, which must never appear. Each class is fixed at one shared rule, and the mutation tests disable that rule
@@ -53,9 +53,9 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from tests.conftest import write_corpus
-from tests.test_bad_inputs import _config, _fake_state, _ingest, _run_overrides, _snapshot
+from tests.errors.test_bad_inputs import _config, _fake_state, _ingest, _run_overrides, _snapshot
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PWNED = "PWNED"  # what every payload would create in the case's folder
 
 Argv = Callable[[SimpleNamespace, Path], list[str]]

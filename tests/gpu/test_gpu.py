@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.metrics import read_metrics
-from tests.test_train import _launch, _launch_and_kill_after_step, _losses, _overrides
+from tests.e2e.test_train import _launch, _launch_and_kill_after_step, _losses, _overrides
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

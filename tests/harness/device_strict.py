@@ -14,7 +14,7 @@ apart again by *provenance*:
 
 Every collective (all_reduce, all_gather, broadcast, reduce_scatter, all_to_all, send/recv, ...) then rejects
 a host tensor, or a tensor on another device than the one the trainer trains on, naming the call. Enter it
-with `enable(device)` in each rank process (`tests/multirank.run_ranks(..., device_strict=True)` does).
+with `enable(device)` in each rank process (`tests/harness/multirank.run_ranks(..., device_strict=True)` does).
 Code under test that follows the rule "every tensor that meets a collective lives on the training device"
 runs unchanged; code that would crash on NCCL fails here with the caller's traceback.
 """
@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 _REPO_PREFIX = (
-    str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+    str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
 )  # frames shown repo-relative
 
 _HOST = "_device_strict_host"

@@ -37,7 +37,7 @@ PRELOAD = [
     "launcher.evaluation.evaluate",
     "model.gpt",
     "parallel.engine",
-    "tests.multirank",
+    "tests.harness.multirank",
     # what a rank imports once it trains (2,200 modules, ~4 s of CPU per rank when each child imports them):
     # DeepSpeed's engine, ZeRO and MoE (which import torch._dynamo and torch._inductor, hence sympy and
     # networkx), megatron-core's token reader and tensor-parallel layers, wandb, and the tests' own modules
@@ -52,7 +52,7 @@ PRELOAD = [
     "parallel.tensor_parallel",
     "wandb",
     "pytest",
-    "tests.test_train",
+    "tests.e2e.test_train",
 ]
 # The environment the preloading server imports under: DeepSpeed picks its accelerator at import time.
 SERVER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -136,7 +136,7 @@ def _child(
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         if device_strict:
-            from tests import device_strict as strict
+            from tests.harness import device_strict as strict
 
             strict.enable("cpu")
         result = fn(rank, world_size, *args)
@@ -168,7 +168,7 @@ def run_ranks(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned processes; return results by rank.
 
-    `device_strict=True` runs each rank under tests/device_strict.py: collectives reject tensors that would be
+    `device_strict=True` runs each rank under tests/harness/device_strict.py: collectives reject tensors that would be
     on the host on a GPU cluster (the NCCL rule), so device-placement bugs fail here on CPU."""
     ctx = _context()
     queue = ctx.Queue()

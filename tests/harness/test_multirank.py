@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 
 def _allreduce(rank: int, world: int) -> float:

@@ -8,7 +8,8 @@ from launcher.config import CONFIG_DIR, ConfigError, load_run_config, model_pres
 from model.config import FFN_KINDS
 
 # Run configs: every YAML under configs/ except model presets (tested below), cluster descriptions and
-# sweeps (tests/test_costmodel.py and tests/test_sweep.py load those), reproduce budgets (tests/test_reproduce.py).
+# sweeps (tests/benchmarks/test_costmodel.py and tests/benchmarks/test_sweep.py load those), reproduce budgets
+# (tests/benchmarks/test_reproduce.py).
 NOT_RUN_CONFIGS = ("model", "clusters", "sweeps", "reproduce")
 RUN_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name not in NOT_RUN_CONFIGS)
 

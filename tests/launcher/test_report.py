@@ -17,7 +17,7 @@ import pytest
 
 from launcher import report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOMAINS = ("cooking", "sailing", "finance")  # conftest.py's tiny corpus
 # (FFN kind, world size, global tokens/s per log interval: the first is the warm-up interval, left out)
 RUNS = {

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multirank import run_ranks
-from tests.test_reshape import _sets, _train
+from tests.harness.multirank import run_ranks
+from tests.multirank.test_reshape import _sets, _train
 
 pytestmark = pytest.mark.slow
 

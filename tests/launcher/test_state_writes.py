@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parallel.universal import assign_writers
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 
 def _loads(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 RTOL = 1e-5
 _CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

@@ -2,13 +2,13 @@
 until a log interval (`step_record`) brings it to the host.
 
 On a GPU each read of a device tensor on the host (`.item()`, `float()`, `bool()`, `.tolist()`, `.cpu()`,
-`.to("cpu")`) waits for every queued kernel. The device-strict harness (tests/device_strict.py) tells host and
-device tensors apart by provenance on a CPU-only machine, and `record_host_reads` lists such reads with where
+`.to("cpu")`) waits for every queued kernel. The device-strict harness (tests/harness/device_strict.py) tells host
+and device tensors apart by provenance on a CPU-only machine, and `record_host_reads` lists such reads with where
 they happen. Two real ranks over gloo run non-logging steps of every FFN kind (dense, DEMix with one domain per rank
 and with a rank holding two, GShard, CSE clustered) at ZeRO 0, 1 and 2, and fp16 at ZeRO 0 (DeepSpeed's CPU
-accelerator refuses fp16 unless oneDNN has it; its guard is lifted as in tests/test_device_placement.py, torch's CPU
-fp16 kernels work on any x86 CPU). Every read is an error unless named in ALLOWED with its reason; the two the
-project's own code keeps are also counted exactly (`expected_reads`).
+accelerator refuses fp16 unless oneDNN has it; its guard is lifted as in tests/multirank/test_device_placement.py,
+torch's CPU fp16 kernels work on any x86 CPU). Every read is an error unless named in ALLOWED with its reason; the
+two the project's own code keeps are also counted exactly (`expected_reads`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 _REPO_PREFIX = (
-    str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+    str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
 )  # frames shown repo-relative
 
 # (file, function) of the reads allowed inside a step, each with why it stays; the project's own two are also counted
@@ -88,7 +88,7 @@ def _steps(
     from launcher.plan import make_plan
     from launcher.train import Trainer, train_step
     from model.cse import cse_layers
-    from tests.device_strict import record_host_reads
+    from tests.harness.device_strict import record_host_reads
 
     if precision == "fp16":
         from deepspeed.accelerator import get_accelerator
@@ -256,7 +256,7 @@ def test_the_check_fails_on_planted_reads():
 def _probe(rank: int, world: int) -> list:
     import torch
 
-    from tests.device_strict import record_host_reads
+    from tests.harness.device_strict import record_host_reads
 
     x = torch.ones(3, device=torch.device("cpu"))  # a device tensor (device named)
     with record_host_reads() as reads:
@@ -289,7 +289,7 @@ def test_the_counter_sees_a_planted_synchronize():
     n, restored, where = run_ranks(_planted, 1, init_pg=False)[0]
     assert n == 2
     assert restored.endswith("CPU_Accelerator.synchronize")
-    assert "tests/test_host_syncs.py" in where and "_planted" in where
+    assert "tests/launcher/test_train_host_syncs.py" in where and "_planted" in where
 
 
 def test_the_generated_config_turns_deepspeeds_synchronising_timers_off():

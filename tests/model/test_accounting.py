@@ -22,7 +22,7 @@ from model import accounting as acc
 from model.config import GShardConfig, ModelConfig
 from model.gpt import GPT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def preset(name: str, kind: str = "dense", num_experts: int = 0) -> ModelConfig:

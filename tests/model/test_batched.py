@@ -15,7 +15,7 @@ from model.batched import expert_log_likelihoods, sequential_log_likelihoods, ta
 from model.gpt import GPT
 from model.mlp import DenseFFN
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(kind="demix", experts=3, d=32, seq=32):

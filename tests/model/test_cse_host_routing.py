@@ -4,7 +4,7 @@ host int kept in step with its buffer, and the routing reads only the per-cluste
 `forward_before` is CSEFFN.forward as it was before (K read back with `int(num_active)` twice per forward, the counts
 with `bincount(...).tolist()`): the new forward must give the same outputs, gradients, statistics and centre
 accumulators (rtol 1e-6; the arithmetic is the same, so they are in fact equal). The read counts are taken in a
-device-strict process (tests/device_strict.py), where the old forward's reads are seen too (the control).
+device-strict process (tests/harness/device_strict.py), where the old forward's reads are seen too (the control).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from model.cse import CSEFFN, cse_layers, dispatch
 from model.demix import run_grouped
 from model.mlp import FFNOutput
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 RTOL = 1e-6
 SLOTS = 4
@@ -143,7 +143,7 @@ def test_active_count_follows_set_clusters_and_state_dict_loads() -> None:
 
 def _reads(rank: int, world: int) -> dict:
     """Host reads of forward + backward (new and old forward) and of the centre update, per cluster layout."""
-    from tests.device_strict import record_host_reads
+    from tests.harness.device_strict import record_host_reads
 
     device = torch.device("cpu")
     out = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 NORM_BYTES = 8  # global_grad_norm: one float64 all-reduced over the world (costmodel.NORM_BYTES)
 

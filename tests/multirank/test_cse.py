@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 STEPS, MB, SEQ, VOCAB, SLOTS = 5, 4, 16, 128, 4
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 STEPS, GAS, MB, SEQ, VOCAB = 3, 2, 2, 16, 256
 

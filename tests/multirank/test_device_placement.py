@@ -1,4 +1,5 @@
-"""The GPU path's device rules, checked on CPU: the whole trainer under device-strict mode (tests/device_strict.py).
+"""The GPU path's device rules, checked on CPU: the whole trainer under device-strict mode
+(tests/harness/device_strict.py).
 
 On NCCL every tensor that enters a collective must live on the training device. These tests run the real
 trainer (training steps, per-domain loss sums, peak memory, the ZeRO 0 global norm, evaluation, checkpoints and
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.device_strict import DevicePlacementError
-from tests.multirank import run_ranks
-from tests.test_train import _overrides
+from tests.e2e.test_train import _overrides
+from tests.harness.device_strict import DevicePlacementError
+from tests.harness.multirank import run_ranks
 
 
 def _train(rank: int, world: int, sets: list[str], run_dir: str) -> dict:

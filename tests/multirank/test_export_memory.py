@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 WORLD = DOMAINS = 8
 NAMES = [f"d{i}" for i in range(DOMAINS)]

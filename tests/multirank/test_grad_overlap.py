@@ -4,9 +4,10 @@ ZeRO 0 issues its all-reduces from gradient hooks while the accumulation boundar
 (parallel/engine.py `OverlappedGradReduce`), ZeRO 1/2 through DeepSpeed's `overlap_comm`; `parallel.grad_reduce:
 after_backward` keeps DeepSpeed's reduce-after-backward. On two ranks (a sum of two is the same in either order) the
 two give bitwise the same training, for DEMix with unequal experts per rank, fp16 (DeepSpeed's CPU guard lifted as in
-tests/test_device_placement.py) and GShard; a recorder of the collectives against the backward's progress shows the
-all-reduces are issued during the backward, and that the same check fails on the after-backward run (its control).
-The parity of both with a single-process reference is tests/test_demix_sync.py's (small buckets at 4 ranks).
+tests/multirank/test_device_placement.py) and GShard; a recorder of the collectives against the backward's progress
+shows the all-reduces are issued during the backward, and that the same check fails on the after-backward run (its
+control). The parity of both with a single-process reference is tests/multirank/test_demix_sync.py's (small buckets
+at 4 ranks).
 Also: the bucket rule, the generated DeepSpeed keys, and bf16 at ZeRO 1/2 reducing in fp32.
 """
 
@@ -17,8 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.multirank import run_ranks
-from tests.test_demix_sync import _batch, _cfg
+from tests.harness.multirank import run_ranks
+from tests.multirank.test_demix_sync import _batch, _cfg
 
 STEPS, GAS = 2, 2
 BUCKET = 20_000  # a few of the tiny model's matrices per bucket

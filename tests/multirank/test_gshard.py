@@ -21,7 +21,7 @@ import copy
 import pytest
 import torch
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 STEPS, GAS, MB, SEQ, VOCAB = 2, 2, 2, 16, 256
 # Adam normalises each element's update to about lr (1e-2) whatever its gradient's size, so float noise in tiny

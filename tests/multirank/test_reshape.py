@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from launcher.metrics import read_metrics
-from tests.multirank import run_ranks
-from tests.test_train import _launch, _overrides, _train_ranks, reference_run
+from tests.e2e.test_train import _launch, _overrides, _train_ranks, reference_run
+from tests.harness.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,8 @@ def _sets(tokens: Path, kind: str = "demix", zero: int = 1, steps: int = 2, *ext
 
 def _lift_fp16_guard() -> None:
     """DeepSpeed's CPU accelerator refuses fp16 where oneDNN lacks it; torch computes it in software on any x86 CPU,
-    so lifting the guard runs DeepSpeed's real fp16 optimizer and loss scaler (as tests/test_device_placement.py)."""
+    so lifting the guard runs DeepSpeed's real fp16 optimizer and loss scaler (as
+    tests/multirank/test_device_placement.py)."""
     from deepspeed.accelerator import get_accelerator
 
     type(get_accelerator()).is_fp16_supported = lambda self: True

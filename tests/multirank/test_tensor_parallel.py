@@ -16,7 +16,7 @@ import torch
 from launcher.config import load_run_config
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 TOL = 1e-5  # relative, float32
 VOCAB = 512

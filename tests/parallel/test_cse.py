@@ -4,8 +4,8 @@ a step with lr 0 leaves the two experts equal and a step with lr > 0 and identic
 
 fp16 at ZeRO 0 is DeepSpeed's FP16_UnfusedOptimizer around our AdamW: it keeps fp32 masters (`fp32_groups`) and
 writes them back into the fp16 module at every step, so a copy of the module weights alone is undone by the next
-step. DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has it; as in tests/test_device_placement.py the guard
-is lifted (torch's CPU fp16 kernels work everywhere) to run the real fp16 optimizer.
+step. DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has it; as in tests/multirank/test_device_placement.py the
+guard is lifted (torch's CPU fp16 kernels work everywhere) to run the real fp16 optimizer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from tests.conftest import random_lm_batch
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 MB, SEQ, VOCAB = 4, 8, 64
 COMBOS = [(precision, zero) for precision in ("fp32", "bf16", "fp16") for zero in (0, 1, 2)]
@@ -192,7 +192,7 @@ def _fused_fp16_case() -> dict[str, Any]:
 def _worker(rank: int, world: int) -> dict[Any, Any]:
     from deepspeed.accelerator import get_accelerator
 
-    # As tests/test_device_placement.py: run DeepSpeed's real fp16 optimizer on a CPU without oneDNN fp16.
+    # As tests/multirank/test_device_placement.py: run DeepSpeed's real fp16 optimizer on a CPU without oneDNN fp16.
     type(get_accelerator()).is_fp16_supported = lambda self: True
     out: dict[Any, Any] = {}
     for combo in COMBOS:

@@ -5,7 +5,7 @@ Two engines from the same seed train on the same batches through `launcher.train
 step, one with `step_with_norm`; a step with a planted overflow (a loss scale of 2^40 makes the fp16 gradients inf)
 is skipped by both. After every step the fp16 weights, fp32 masters, Adam moments, loss scale, skipped-step count
 and learning rate must be bitwise equal. DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has it; as in
-tests/test_device_placement.py its guard is lifted (torch's CPU fp16 kernels work on any x86 CPU).
+tests/multirank/test_device_placement.py its guard is lifted (torch's CPU fp16 kernels work on any x86 CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tests.conftest import random_lm_batch
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 MB, SEQ, VOCAB = 4, 8, 64
 
@@ -85,7 +85,7 @@ def _train(rank: int, world: int) -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
     from launcher.train import train_step
-    from tests.device_strict import record_host_reads
+    from tests.harness.device_strict import record_host_reads
 
     type(get_accelerator()).is_fp16_supported = lambda self: True
     cfg = _cfg()

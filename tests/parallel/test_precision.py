@@ -108,7 +108,7 @@ def test_paper_configs_use_fp16_for_v100():
 
     from launcher.config import load_run_config
 
-    for path in sorted(Path(__file__).resolve().parents[1].glob("configs/gpt3-small-*.yaml")):
+    for path in sorted(Path(__file__).resolve().parents[2].glob("configs/gpt3-small-*.yaml")):
         cfg = load_run_config(str(path), [], check=False)
         assert cfg.train.precision == "fp16", path
         assert device_precision_problems(cfg.train.precision, lookup_device("v100")) == []

@@ -267,7 +267,7 @@ def _eval_worker(rank, world, ckpt, data_root):
 @pytest.mark.slow
 def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, data_root):
     from launcher.evaluation.evaluate import evaluate_checkpoint
-    from tests.multirank import run_ranks
+    from tests.harness.multirank import run_ranks
 
     single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
     ranks = run_ranks(

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from tests.multirank import run_ranks
+from tests.harness.multirank import run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from launcher.config import ConfigError
 from launcher.modular.btx import finetune_overrides, fit_router, layout_problems, main, upcycle
 from model.gshard import GShardFFN, Routing
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -300,9 +300,9 @@ def _four_domain_demix(root: Path) -> tuple[Path, Path]:
 
 def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[float]]:
     """(loss over every rank's first micro-batch, rank 0's aux loss: None without one, e.g. DEMix) of checkpoint
-    `btx` (upcycled, or branched: tests/test_btx_branch.py) evaluated directly on the batches the trainer's samplers
-    give each rank at step 0, in training mode with the run's routing settings (the deterministic `all` policy, the
-    training capacity factor)."""
+    `btx` (upcycled, or branched: tests/launcher/modular/test_btx_branch.py) evaluated directly on the batches the
+    trainer's samplers give each rank at step 0, in training mode with the run's routing settings (the deterministic
+    `all` policy, the training capacity factor)."""
     from launcher.config import load_run_config
     from launcher.plan import make_plan
     from launcher.train import build_rank_sampler, to_model_batch

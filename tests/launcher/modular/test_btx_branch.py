@@ -19,9 +19,9 @@ import torch
 
 from launcher.checkpoint import CheckpointError, load_consolidated, save_consolidated
 from launcher.modular.btx import branch, demix_overrides, main, upcycle
-from tests.test_btx import _first_step_loss
+from tests.launcher.modular.test_btx import _first_step_loss
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 FFN_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
