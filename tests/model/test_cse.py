@@ -187,8 +187,8 @@ def test_config_and_seam():
 
 def test_eps_from_the_data_knee_and_target_cluster_counts():
     """Six blobs of unequal spread: 'target' scans eps and picks the one giving the most clusters (>= min, counted
-    up to max), then the least noise (every candidate recorded); 'knee' reads the k-distance curve; purity is 1.0 for a perfect clustering and the
-    largest domain's share for one cluster of everything."""
+    up to max), then the least noise (every candidate recorded); 'knee' reads the k-distance curve; purity is 1.0 for
+    a perfect clustering and the largest domain's share for one cluster of everything."""
     from parallel.cse import cluster_embeddings, cluster_record, knee_eps, purity
 
     g = torch.Generator().manual_seed(3)

@@ -3,8 +3,8 @@
 One spawn per world size runs several layouts in turn (process start-up dominates on CPU). For each layout:
 the freshly built distributed model computes what the plain model computes on the same tokens (forward parity,
 all experts gathered back equal the plain weights); after a few optimizer steps through
-launcher.ffn_kinds (build_engine) + launcher.train.train_step, non-expert parameters are identical on every rank, each expert is
-identical within its expert-data-parallel group and differs across experts, the gathered state dict loads into
+launcher.ffn_kinds (build_engine) + launcher.train.train_step, non-expert parameters are identical on every rank, each
+expert is identical within its expert-data-parallel group and differs across experts, the gathered state dict loads into
 a plain GPT that computes what the distributed model computes, and every parameter equals a single-process
 reference (mean over ranks of loss + aux loss, one global clip norm, the same AdamW).
 

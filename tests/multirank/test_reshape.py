@@ -238,9 +238,10 @@ def _launch_args(tokens: Path, run: Path, ranks: int, steps: int, zero: int) -> 
 @pytest.fixture(scope="module")
 def moved(tiny_tokens, tmp_path_factory) -> dict[str, Path]:
     """DEMix, 2 domains, the same global batch (16) and a constant learning rate on every layout, three launches:
-    `a` trains steps 1-6 on 2 ranks (ZeRO 1; the trainer on forked ranks); `b` resumes a's step-3 state on 4 ranks (ZeRO 2) for steps 4-9;
-    `c` resumes b's step-6 state on 2 ranks (ZeRO 2) for steps 7-9. Each move is checked against the run that did
-    not move (b against a for steps 4-6, c against b for 7-9), and c is the fp32 ZeRO-2 run zero_to_fp32 reads."""
+    `a` trains steps 1-6 on 2 ranks (ZeRO 1; the trainer on forked ranks); `b` resumes a's step-3 state on 4 ranks
+    (ZeRO 2) for steps 4-9; `c` resumes b's step-6 state on 2 ranks (ZeRO 2) for steps 7-9. Each move is checked
+    against the run that did not move (b against a for steps 4-6, c against b for 7-9), and c is the fp32 ZeRO-2 run
+    zero_to_fp32 reads."""
     root = tmp_path_factory.mktemp("moved")
     runs = {name: root / name for name in "abc"}
     reference_run(

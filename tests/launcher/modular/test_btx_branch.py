@@ -25,19 +25,6 @@ REPO = Path(__file__).resolve().parents[3]
 FFN_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
-@pytest.fixture(scope="module")
-def dense(random_checkpoint, tmp_path_factory) -> Path:
-    """A random 2-layer dense checkpoint over `tiny_tokens` (domains cooking, sailing, finance)."""
-    return random_checkpoint(tmp_path_factory.mktemp("branch") / "dense", "dense")
-
-
-@pytest.fixture(scope="module")
-def branched(dense, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("branched") / "demix"
-    branch(dense, out)
-    return out
-
-
 def _tokens(seed: int = 0, batch: int = 3, length: int = 32) -> torch.Tensor:
     return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed))
 
