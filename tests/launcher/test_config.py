@@ -38,8 +38,91 @@ def test_paper_shapes():
     ]
 
 
+# Every shipped run config by name, with the fields that make it the run it is named for; its output folder is
+# runs/<the config's path without .yaml>.
+_DEMO = {  # the demo's tiny CPU runs on the demo corpus
+    "preset": "tiny",
+    "vocab_size": 8200,
+    "tokenizer": "sentencepiece",
+    "path": "artifacts/demo/tokens",
+    "num_experts": 0,  # derived from the domains (DEMix) or the layout (GShard)
+    "steps": 60,
+    "micro_batch": 4,
+    "grad_accum": 1,
+    "lr": 2e-3,
+    "precision": "fp32",
+    "zero_stage": 0,
+}
+_PAPER = {  # GPT-3 Small (DEMix 125M) with the paper's recipe
+    **_DEMO,
+    "preset": "gpt3-small",
+    "vocab_size": 50264,
+    "tokenizer": "gpt2",
+    "steps": 10000,
+    "micro_batch": 2,
+    "grad_accum": 8,
+    "lr": 5e-4,
+    "precision": "fp16",
+    "zero_stage": 1,
+}
+SHIPPED_RUN_CONFIGS = {
+    "demo/dense.yaml": {**_DEMO, "kind": "dense", "mixture": "natural"},
+    "demo/dense-balanced.yaml": {**_DEMO, "kind": "dense", "mixture": "balanced"},
+    "demo/domain-token.yaml": {**_DEMO, "kind": "dense", "mixture": "domain_token"},
+    "demo/demix.yaml": {**_DEMO, "kind": "demix", "mixture": "by_domain"},
+    "demo/gshard.yaml": {**_DEMO, "kind": "gshard", "mixture": "natural"},
+    "cse/cse.yaml": {**_DEMO, "kind": "cse", "mixture": "natural", "num_experts": 8},
+    "cse/dense.yaml": {**_DEMO, "kind": "dense", "mixture": "natural"},
+    "cse/demix-true.yaml": {**_DEMO, "kind": "demix", "mixture": "by_domain"},
+    "cse/demix-clustered.yaml": {
+        **_DEMO,
+        "kind": "demix",
+        "mixture": "by_domain",
+        "path": "artifacts/cse/clustered",
+    },
+    "btx/finetune.yaml": {
+        **_DEMO,
+        "kind": "gshard",
+        "mixture": "natural",
+        "num_experts": 8,
+        "steps": 200,
+        "lr": 6e-4,
+    },
+    "gpt3-small-dense.yaml": {**_PAPER, "kind": "dense", "mixture": "natural"},
+    "gpt3-small-demix.yaml": {**_PAPER, "kind": "demix", "mixture": "by_domain"},
+    "gpt3-small-gshard.yaml": {**_PAPER, "kind": "gshard", "mixture": "natural"},
+}
+
+
 def test_run_configs_are_shipped():
-    assert len(RUN_CONFIGS) >= 4
+    """Exactly the run configs listed above are shipped: a new one is added to the table, a removed one taken out."""
+    assert sorted(str(p.relative_to(CONFIG_DIR)) for p in RUN_CONFIGS) == sorted(SHIPPED_RUN_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_RUN_CONFIGS))
+def test_each_shipped_run_config_is_the_run_it_is_named_for(name: str):
+    """The config loads and validates (`load_run_config` raises on any problem) and holds its run's key fields."""
+    cfg = load_run_config(CONFIG_DIR / name)
+    m, d, t = cfg.model, cfg.data, cfg.train
+    assert {
+        "preset": m.name,
+        "vocab_size": m.vocab_size,
+        "kind": m.ffn.kind,
+        "num_experts": m.ffn.num_experts,
+        "mixture": d.mixture,
+        "tokenizer": d.tokenizer,
+        "path": d.path,
+        "steps": t.steps,
+        "micro_batch": t.micro_batch,
+        "grad_accum": t.grad_accum,
+        "lr": t.lr,
+        "precision": t.precision,
+        "zero_stage": cfg.parallel.zero_stage,
+    } == SHIPPED_RUN_CONFIGS[name]
+    assert cfg.logging.out_dir == "runs/" + name.removesuffix(".yaml")
+    assert cfg.problems() == []
+    # DEMix trains each expert on its own domain; every other kind reads the domains mixed
+    assert (m.ffn.kind == "demix") == (d.mixture == "by_domain")
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
