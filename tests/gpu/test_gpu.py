@@ -7,6 +7,8 @@ collective); with two or more, two ranks holding unequal numbers of experts (3 d
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from launcher.metrics import read_metrics
@@ -48,18 +50,50 @@ def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_pa
 
 @pytest.mark.parametrize("kind", ["gshard", "dense"])
 def test_nccl_baselines_train(tiny_tokens, tmp_path, kind):
+    """8 steps over NCCL: a record per step whose numbers are finite and agree with each other (the overall loss
+    between the domains' losses, tokens/s x seconds = the global batch's tokens, an aux loss exactly for GShard),
+    a first loss at ln(vocabulary) (the initial model predicts nearly uniformly), and a loss that falls over the
+    run, not once: the mean of the last three steps below the first three's, every late step below the first."""
+    steps, nproc = 8, _nproc()
     run = tmp_path / kind
     _launch(
         [
             "--nproc",
-            str(_nproc()),
+            str(nproc),
             "--run-dir",
             str(run),
-            *_overrides(tiny_tokens, kind=kind, steps=4, zero=1),
+            *_overrides(tiny_tokens, kind=kind, steps=steps, zero=1),
         ]
     )
-    losses = _losses(run)
-    assert len(losses) == 4 and losses[4] < losses[1]
+    start = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "start")
+    assert start["device"] != "cpu" and start["world_size"] == nproc
+    recs = _train_records(run)
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    tokens_per_update = 2 * 2 * nproc * 32  # micro_batch x grad_accum x data-parallel ranks x seq_len
+    for r in recs:
+        values = [r["loss"], r["grad_norm"], r["lr"], r["tokens_per_s"], r["step_time_s"]]
+        assert all(math.isfinite(v) for v in values), r
+        domains = [v for k, v in r.items() if k.startswith("loss/")]  # the domains this step's batches held
+        assert domains and all(math.isfinite(v) for v in domains), r
+        assert min(domains) - 1e-6 <= r["loss"] <= max(domains) + 1e-6, r
+        assert r["grad_norm"] > 0 and 0 <= r["lr"] <= 3e-3 and r["peak_mem_gb"] > 0
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(tokens_per_update, rel=1e-6)
+        assert ("aux_loss" in r) == (kind == "gshard")
+        if kind == "gshard":
+            assert math.isfinite(r["aux_loss"]) and r["aux_loss"] >= 0
+    lrs = [r["lr"] for r in recs]
+    peak = lrs.index(max(lrs))  # linear warm-up, then decay to min_lr (0)
+    assert lrs[peak:] == sorted(lrs[peak:], reverse=True) and lrs[-1] < lrs[peak]
+    losses = [r["loss"] for r in recs]
+    assert losses[0] == pytest.approx(math.log(50304), rel=0.05)  # GPT-2's vocabulary padded to 50,304
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    assert all(loss < losses[0] for loss in losses[steps // 2 :]), losses
+    final = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "eval"][-1]
+    assert final["step"] == steps
+    val = [
+        v for k, v in final.items() if k.startswith("val_loss/")
+    ]  # the domains its validation batches held
+    assert val and all(math.isfinite(v) for v in val), final
 
 
 @pytest.mark.parametrize("zero", [0, 1])
