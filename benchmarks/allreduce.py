@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from benchmarks.machine import machine_info
-    from tests.multirank import run_ranks
+    from tests.harness.multirank import run_ranks
 
     rows = {}
     for kind in ("dense", "demix"):

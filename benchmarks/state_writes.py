@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, sets: list[str], run_dir: str, rounds: int) -
 def run(
     world: int, kind: str, zero: int, rounds: int, d_model: int, layers: int, tokens: Path
 ) -> dict[str, Any]:
-    from tests.multirank import run_ranks
+    from tests.harness.multirank import run_ranks
 
     sets = [
         "model.preset=tiny",

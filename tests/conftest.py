@@ -117,10 +117,26 @@ def random_checkpoint(tiny_tokens):
     return lambda out, kind, seed=3: save_random_checkpoint(Path(out), tiny_tokens, kind, seed)
 
 
+@pytest.fixture(scope="module")
+def dense(random_checkpoint, tmp_path_factory) -> Path:
+    """A random 2-layer dense checkpoint over `tiny_tokens` (domains cooking, sailing, finance)."""
+    return random_checkpoint(tmp_path_factory.mktemp("branch") / "dense", "dense")
+
+
+@pytest.fixture(scope="module")
+def branched(dense, tmp_path_factory) -> Path:
+    """`dense` branched into a DEMix checkpoint (launcher/modular/btx.py `branch`): every expert is the dense FFN."""
+    from launcher.modular.btx import branch
+
+    out = tmp_path_factory.mktemp("branched") / "demix"
+    branch(dense, out)
+    return out
+
+
 def pytest_configure(config):
-    """Start the forkserver that multi-rank tests fork their ranks from (tests/multirank.py): it imports torch and
-    DeepSpeed once, in the background, while the tests are collected."""
-    from tests.multirank import start_rank_server
+    """Start the forkserver that multi-rank tests fork their ranks from (tests/harness/multirank.py): it imports torch
+    and DeepSpeed once, in the background, while the tests are collected."""
+    from tests.harness.multirank import start_rank_server
 
     start_rank_server()
 
