@@ -20,7 +20,6 @@ Every import counts, including those inside functions: a lazy import hides a cyc
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,18 +129,99 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path: Path) -> None:
     assert _imports(lazy) == {"launcher.config", "launcher.config.RunConfig", "deepspeed"}
 
 
+def _kind_literals(node: ast.AST, kinds: frozenset[str]) -> set[str]:
+    """The FFN-kind names `node` spells: a string literal, or a tuple/list/set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & kinds
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in kinds}
+    return set()
+
+
+def _names_a_kind(node: ast.AST) -> bool:
+    """`kind`, `x.ffn_kind`, `meta["kind"]`, `d.get("kind")`: an expression named like an FFN kind."""
+    if isinstance(node, ast.Name):
+        return node.id.endswith("kind")
+    if isinstance(node, ast.Attribute):
+        return node.attr.endswith("kind")
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("kind")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        key = node.args[0] if node.args else None
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("kind")
+    return False
+
+
+def _kind_branches(source: str, kinds: frozenset[str]) -> list[int]:
+    """Lines where a kind-named expression is compared (==, !=, in, not in) or matched (match/case) with an
+    FFN-kind name literal."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, operands, operands[1:]):
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
+                    continue
+                if (_kind_literals(b, kinds) and _names_a_kind(a)) or (
+                    _kind_literals(a, kinds) and _names_a_kind(b)
+                ):
+                    lines.append(node.lineno)
+        elif isinstance(node, ast.Match) and _names_a_kind(node.subject):
+            lines += [
+                c.pattern.lineno
+                for c in node.cases
+                for v in ast.walk(c.pattern)
+                if isinstance(v, ast.MatchValue) and _kind_literals(v.value, kinds)
+            ]
+    return sorted(set(lines))
+
+
+def _ffn_kind_names() -> frozenset[str]:
+    from launcher.ffn_kinds import KINDS
+
+    return frozenset(KINDS)
+
+
+# Files allowed to branch on the FFN kind, with the reason. Only ever shrink.
+KIND_BRANCH_EXCEPTIONS: dict[str, str] = {
+    "parallel/memory.py": "below launcher/: it cannot ask launcher/ffn_kinds.py (its memory model per kind needs "
+    "a registry at its own level or below)",
+}
+
+
 def test_only_the_strategy_registry_branches_on_the_ffn_kind() -> None:
     """launcher/ and parallel/ ask launcher/ffn_kinds.py; a new FFN kind touches one file there."""
-    pattern = re.compile(r"kind (==|!=|in)\b|kind not in\b")
+    kinds = _ffn_kind_names()
     hits = [
-        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        f"{p.relative_to(ROOT)}:{i}: {p.read_text().splitlines()[i - 1].strip()}"
         for folder in ("launcher", "parallel")
         for p in sorted((ROOT / folder).rglob("*.py"))
-        if p.name != "ffn_kinds.py"
-        for i, line in enumerate(p.read_text().splitlines(), 1)
-        if pattern.search(line)
+        if p.relative_to(ROOT).as_posix() not in ("launcher/ffn_kinds.py", *KIND_BRANCH_EXCEPTIONS)
+        for i in _kind_branches(p.read_text(), kinds)
     ]
     assert not hits, "branches on the FFN kind outside launcher/ffn_kinds.py:\n" + "\n".join(hits)
+
+
+def test_the_ffn_kind_check_sees_a_branch() -> None:
+    """The guard can fail: comparisons and a match on a kind are flagged; other strings and names pass."""
+    kinds = _ffn_kind_names()
+    assert {"dense", "demix", "gshard", "cse"} <= kinds
+    planted = (
+        'if kind == "demix":\n    pass\n'  # 1
+        'x = cfg.model.ffn_kind != "gshard"\n'  # 3
+        'y = meta["config"]["model"]["ffn"]["kind"] in ("cse", "dense")\n'  # 4
+        'z = "demix" == c.cfg.model.ffn.kind\n'  # 5
+        'match cfg.model.ffn.kind:\n    case "dense":\n        pass\n'  # 6-8: case on line 7
+    )
+    assert _kind_branches(planted, kinds) == [1, 3, 4, 5, 7]
+    control = (
+        'if kind == "ewm":\n    pass\n'  # not an FFN kind
+        'a = arch == "demix"\n'  # not named like a kind
+        "b = ffn_kind(cfg).domain_experts\n"  # the registry's answer
+        'c = kind is None or "demix" in text\n'
+    )
+    assert _kind_branches(control, kinds) == []
 
 
 # launcher/'s own layers, lowest first: a module may import its own layer and those below, never one above.

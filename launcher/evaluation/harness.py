@@ -109,6 +109,7 @@ from launcher.evaluation.evaluate import (
     stream_log_likelihoods,
 )
 from launcher.evaluation.generate import generate
+from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_hidden_states
 
@@ -268,7 +269,7 @@ class DemixLM(LM):
         meta = read_meta(checkpoint)  # everything below is checked before a tensor is read
         kind = meta["config"]["model"]["ffn"]["kind"]
         domains = list(meta["domains"])
-        is_demix = kind == "demix"
+        is_demix = ffn_kind(kind).domain_experts
         if meta["config"].get("data", {}).get("mixture") == "domain_token":
             raise ValueError(
                 f"{checkpoint}: a +Domain-Token model reads a domain token before every document; "
@@ -1018,7 +1019,7 @@ def check(
     docs = read_task_documents(tasks_dir, domains)
     tasks = [PPL_PREFIX + d for d in docs]
     meta = read_meta(ckpt)
-    is_demix = meta["config"]["model"]["ffn"]["kind"] == "demix"
+    is_demix = ffn_kind(meta["config"]["model"]["ffn"]["kind"]).domain_experts
     extra = simple_parse_args_string(extra_args)
     same = {
         k: extra[k]
