@@ -56,10 +56,8 @@ from launcher.checkpoint import (
 )
 from launcher.checkpoint_data import block_inputs, check_checkpoint_data, data_source, load_blocks
 from launcher.config import ConfigError
-from launcher.evaluation.evaluate import (
-    evaluate_checkpoint,  # noqa: F401
-    stream_log_likelihoods,
-)
+from launcher.evaluation.evaluate import evaluate_checkpoint  # noqa: F401
+from launcher.evaluation.scoring import stream_log_likelihoods
 from launcher.expert_surgery import (
     EXPERT_KEY,
     CkptLike,
@@ -411,7 +409,7 @@ def adaptation_report(
             domains=doms,
             cached_blocks=cached_blocks,
             progress=False,
-        )
+        ).to_dict()
     rows: dict[str, dict[str, float]] = {}
     for name in cks:
         mode = "cached" if ffn_kind(cks[name].cfg).domain_experts else "ppl"

@@ -9,8 +9,9 @@ from typing import Any, Mapping, Sequence, Union
 
 from launcher.checkpoint import Consolidated, load_consolidated
 from launcher.checkpoint_data import check_checkpoint_data, load_blocks, load_export_tokenizer
-from launcher.evaluation.evaluate import DEMIX_MODES, _cached_prior, _demix_domain, stream_log_likelihoods
 from launcher.evaluation.harness.windows import document_windows, pack_windows
+from launcher.evaluation.results import DEMIX_MODES
+from launcher.evaluation.scoring import _cached_prior, _demix_domain, stream_log_likelihoods
 from launcher.expert_surgery import load_without
 from model import mixture as mx
 from model.batched import demix_expert_ids
