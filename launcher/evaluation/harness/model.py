@@ -127,7 +127,7 @@ class DemixLM(LM):
         return f"{self.prepared_tokenizer}-{self.tok.vocab_size}"
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """log p(every token of tok.encode(text) | bos, preceding tokens), per request (module docstring)."""
+        """log p(every token of tok.encode(text) | bos, preceding tokens), per request (docs/harness.md)."""
         out = [0.0] * len(requests)
         for (_, domain), idxs in self._streams(requests).items():
             wins, owner = [], []
@@ -148,7 +148,7 @@ class DemixLM(LM):
         return out
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """(sum log p(continuation tokens | bos, context), is_greedy) per request (module docstring)."""
+        """(sum log p(continuation tokens | bos, context), is_greedy) per request (docs/harness.md)."""
         out: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
         for (_, domain), idxs in self._streams(requests).items():
             wins, conts = [], []
@@ -276,7 +276,7 @@ class DemixLM(LM):
         self, ll: torch.Tensor, W: Windows, domain: Optional[str], rolling: bool
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(log p of every target, N x T, from model/mixture.py; the log mixing weights E x N x T, None for a
-        single model) under this model's mode for a stream of `domain` (module docstring)."""
+        single model) under this model's mode for a stream of `domain` (docs/harness.md)."""
         E = ll.shape[0]
         if self.mode in ("dense", "expert"):
             return ll[0].double(), None
