@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional, Sequence
 
+import lm_eval.models  # noqa: F401  (lm-eval's stock models, e.g. hf, registered lazily: as its CLI has them)
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
