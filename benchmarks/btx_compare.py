@@ -249,7 +249,7 @@ def evaluate(
         out_dir=out_dir,
         progress=False,
         **settings,
-    )
+    ).to_dict()
 
 
 def _row(

@@ -223,7 +223,7 @@ def evaluate_arm(run_dir: Path, domains: Sequence[str], max_blocks: int) -> dict
         modes=("naive", "updating", "cached"),
         out_dir=run_dir / "eval_true_domains",
         progress=False,
-    )
+    ).to_dict()
     return {d: e["ppl"] for d, e in res["domains"].items()}
 
 

@@ -88,7 +88,7 @@ def evaluate(arch: str, run_dir: Path, args: argparse.Namespace) -> dict[str, An
     if arch == "demix":
         kwargs.update(modes=modes, cached_blocks=args.cached_blocks)
     print(f"[demo] evaluating {arch} ...", flush=True)
-    result = evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs)
+    result = evaluate_checkpoint(run_dir / "model", "artifacts/demo/tokens", **kwargs).to_dict()
     if arch == "gshard":  # the paper's evidence that token routing does not specialise by domain
         from launcher.evaluation.gating import main as gating
 

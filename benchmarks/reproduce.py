@@ -173,7 +173,7 @@ def evaluate_arm(run_dir: Path, budget: Budget, data: str) -> dict[str, Any]:
     print(f"[reproduce] evaluating {run_dir.name}", flush=True)
     return evaluate_checkpoint(
         run_dir / "model", data, modes=DEMIX_MODES, out_dir=run_dir / "eval", progress=False, **want
-    )
+    ).to_dict()
 
 
 def _cached_json(path: Path, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -217,7 +217,7 @@ def modularity(runs: dict[str, dict[int, Path]], budget: Budget, data: str, out:
     for arch in ("demix", "dense"):
         res[f"{arch}_dapt_eval"] = _cached_json(
             mod / f"{arch}-dapt-eval.json",
-            lambda a=arch: evaluate_checkpoint(after[a], data, progress=False, **settings),
+            lambda a=arch: evaluate_checkpoint(after[a], data, progress=False, **settings).to_dict(),
         )
     res["dapt_domain"], res["dapt_steps"] = dom, budget.dapt_steps
     return res

@@ -27,6 +27,7 @@ import torch
 from data.cli import check_output_dir, cli_main, exit_process
 from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
 from launcher.config import RunConfig
+from launcher.ffn_kinds import ffn_kind
 from launcher.state import checksum_damage, latest_checkpoint, read_state_meta, state_damage
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
@@ -70,7 +71,7 @@ def convert(src: Path, out: Path) -> Path:
     layout = meta["layout"]
     domains = list(layout.get("expert_domains") or layout["domains"])
     present = {expert_of_key(k) for k in state} - {None}
-    untrained = sorted(set(range(len(domains))) - present) if cfg.model.ffn.kind == "demix" else []
+    untrained = sorted(set(range(len(domains))) - present) if ffn_kind(cfg).domain_experts else []
     if untrained:  # DEMix-DAPT trains only the new expert: the others are its init checkpoint's
         if not cfg.train.init_from:
             raise CheckpointError(

@@ -7,13 +7,19 @@
     launcher/  config, plan, FFN-kind strategies, trainer, CLIs       (anything but benchmarks/)
     benchmarks/ experiments and reports                                (anything)
 
+Inside launcher/, lowest first (`LAUNCHER_ORDER`):
+
+    launcher/checkpoint_data.py, launcher/expert_surgery.py   the data a checkpoint reads, expert surgery
+    launcher/evaluation/   measures checkpoints: perplexity tables, the lm-eval harness, generation, figures
+    launcher/modular/      edits checkpoints (add/remove experts, BTX, merges, the HF export) and reports on them
+                           with the evaluation (DEMix Tables 6, 7, 13), so it sits above launcher/evaluation/
+
 Every import counts, including those inside functions: a lazy import hides a cycle, it does not remove it.
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +43,13 @@ def _modules() -> dict[str, Path]:
 
 def _imports(path: Path) -> set[str]:
     """Every name imported anywhere in the file (module and module.attr for `from m import attr`)."""
+    return _imports_of(path.read_text(), str(path))
+
+
+def _imports_of(source: str, filename: str = "<source>") -> set[str]:
+    """`_imports` of a source text."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -118,15 +129,176 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path: Path) -> None:
     assert _imports(lazy) == {"launcher.config", "launcher.config.RunConfig", "deepspeed"}
 
 
+def _kind_literals(node: ast.AST, kinds: frozenset[str]) -> set[str]:
+    """The FFN-kind names `node` spells: a string literal, or a tuple/list/set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & kinds
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in kinds}
+    return set()
+
+
+def _names_a_kind(node: ast.AST) -> bool:
+    """`kind`, `x.ffn_kind`, `meta["kind"]`, `d.get("kind")`: an expression named like an FFN kind."""
+    if isinstance(node, ast.Name):
+        return node.id.endswith("kind")
+    if isinstance(node, ast.Attribute):
+        return node.attr.endswith("kind")
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("kind")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        key = node.args[0] if node.args else None
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("kind")
+    return False
+
+
+def _kind_branches(source: str, kinds: frozenset[str]) -> list[int]:
+    """Lines where a kind-named expression is compared (==, !=, in, not in) or matched (match/case) with an
+    FFN-kind name literal."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, operands, operands[1:]):
+                if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
+                    continue
+                if (_kind_literals(b, kinds) and _names_a_kind(a)) or (
+                    _kind_literals(a, kinds) and _names_a_kind(b)
+                ):
+                    lines.append(node.lineno)
+        elif isinstance(node, ast.Match) and _names_a_kind(node.subject):
+            lines += [
+                c.pattern.lineno
+                for c in node.cases
+                for v in ast.walk(c.pattern)
+                if isinstance(v, ast.MatchValue) and _kind_literals(v.value, kinds)
+            ]
+    return sorted(set(lines))
+
+
+def _ffn_kind_names() -> frozenset[str]:
+    from launcher.ffn_kinds import KINDS
+
+    return frozenset(KINDS)
+
+
+# Files allowed to branch on the FFN kind, with the reason. Only ever shrink.
+KIND_BRANCH_EXCEPTIONS: dict[str, str] = {
+    "parallel/memory.py": "below launcher/: it cannot ask launcher/ffn_kinds.py (its memory model per kind needs "
+    "a registry at its own level or below)",
+}
+
+
 def test_only_the_strategy_registry_branches_on_the_ffn_kind() -> None:
     """launcher/ and parallel/ ask launcher/ffn_kinds.py; a new FFN kind touches one file there."""
-    pattern = re.compile(r"kind (==|!=|in)\b|kind not in\b")
+    kinds = _ffn_kind_names()
     hits = [
-        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        f"{p.relative_to(ROOT)}:{i}: {p.read_text().splitlines()[i - 1].strip()}"
         for folder in ("launcher", "parallel")
         for p in sorted((ROOT / folder).rglob("*.py"))
-        if p.name != "ffn_kinds.py"
-        for i, line in enumerate(p.read_text().splitlines(), 1)
-        if pattern.search(line)
+        if p.relative_to(ROOT).as_posix() not in ("launcher/ffn_kinds.py", *KIND_BRANCH_EXCEPTIONS)
+        for i in _kind_branches(p.read_text(), kinds)
     ]
     assert not hits, "branches on the FFN kind outside launcher/ffn_kinds.py:\n" + "\n".join(hits)
+
+
+def test_the_ffn_kind_check_sees_a_branch() -> None:
+    """The guard can fail: comparisons and a match on a kind are flagged; other strings and names pass."""
+    kinds = _ffn_kind_names()
+    assert {"dense", "demix", "gshard", "cse"} <= kinds
+    planted = (
+        'if kind == "demix":\n    pass\n'  # 1
+        'x = cfg.model.ffn_kind != "gshard"\n'  # 3
+        'y = meta["config"]["model"]["ffn"]["kind"] in ("cse", "dense")\n'  # 4
+        'z = "demix" == c.cfg.model.ffn.kind\n'  # 5
+        'match cfg.model.ffn.kind:\n    case "dense":\n        pass\n'  # 6-8: case on line 7
+    )
+    assert _kind_branches(planted, kinds) == [1, 3, 4, 5, 7]
+    control = (
+        'if kind == "ewm":\n    pass\n'  # not an FFN kind
+        'a = arch == "demix"\n'  # not named like a kind
+        "b = ffn_kind(cfg).domain_experts\n"  # the registry's answer
+        'c = kind is None or "demix" in text\n'
+    )
+    assert _kind_branches(control, kinds) == []
+
+
+# launcher/'s own layers, lowest first: a module may import its own layer and those below, never one above.
+LAUNCHER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("launcher.checkpoint_data", "launcher.expert_surgery"),
+    ("launcher.evaluation",),
+    ("launcher.modular",),
+)
+# (importing module, imported module) pairs allowed against LAUNCHER_ORDER, each with its reason. Only ever shrink.
+LAUNCHER_ORDER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("launcher.evaluation.harness.hf_parity", "launcher.modular.hf_export"): (
+        "`harness check --hf-domain` exports the checkpoint to a Hugging Face folder to compare lm-eval's stock hf "
+        "model with ours (the export is modular's; the CLI flag is the harness's)"
+    ),
+}
+
+
+def _layer(name: str, order: tuple[tuple[str, ...], ...]) -> int | None:
+    """The index in `order` of the layer holding module `name` (or `name`'s module for `module.attr`)."""
+    for i, prefixes in enumerate(order):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def _order_violations(
+    imports: dict[str, set[str]],
+    order: tuple[tuple[str, ...], ...] = LAUNCHER_ORDER,
+    exceptions: dict[tuple[str, str], str] = LAUNCHER_ORDER_EXCEPTIONS,
+) -> list[str]:
+    """'<module> imports <name>' for every import of a higher layer of `order` than the importing module's own."""
+    bad = []
+    for mod, names in sorted(imports.items()):
+        here = _layer(mod, order)
+        if here is None:
+            continue
+        for name in sorted(names):
+            there = _layer(name, order)
+            excused = any(mod == m and (name == n or name.startswith(n + ".")) for m, n in exceptions)
+            if there is not None and there > here and not excused:
+                bad.append(f"{mod} imports {name}")
+    return bad
+
+
+def test_launcher_layers_import_only_downwards() -> None:
+    """launcher/evaluation/ never imports launcher/modular/; the shared modules below import neither."""
+    imports = {m: _imports(p) for m, p in _modules().items() if m.startswith("launcher.")}
+    bad = _order_violations(imports)
+    assert not bad, "imports against LAUNCHER_ORDER (move the shared piece below both):\n" + "\n".join(bad)
+
+
+def test_the_launcher_order_check_sees_an_upward_import() -> None:
+    """A planted upward import is flagged, a lazy one included; downward and same-layer imports and the listed
+    exceptions pass."""
+    planted = {
+        "launcher.evaluation.fake": _imports_of(
+            "from launcher.checkpoint_data import load_blocks\n"
+            "def f():\n    from launcher.modular.experts import add_expert\n"
+        ),
+        "launcher.checkpoint_data": _imports_of("import launcher.evaluation.evaluate\n"),
+        "launcher.modular.fake": _imports_of(
+            "from launcher.evaluation.evaluate import evaluate_checkpoint\nimport launcher.modular.btx\n"
+        ),
+    }
+    assert _order_violations(planted) == [
+        "launcher.checkpoint_data imports launcher.evaluation.evaluate",
+        "launcher.evaluation.fake imports launcher.modular.experts",
+        "launcher.evaluation.fake imports launcher.modular.experts.add_expert",
+    ]
+    excused = {
+        "launcher.evaluation.harness.hf_parity": {
+            "launcher.modular.hf_export",
+            "launcher.modular.hf_export.export",
+        }
+    }
+    assert _order_violations(excused) == []
+    assert _order_violations(excused, exceptions={}) == [
+        "launcher.evaluation.harness.hf_parity imports launcher.modular.hf_export",
+        "launcher.evaluation.harness.hf_parity imports launcher.modular.hf_export.export",
+    ]

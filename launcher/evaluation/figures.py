@@ -1,5 +1,5 @@
-"""Heatmaps of an evaluation (launcher/evaluation/evaluate.py): domain posteriors (DEMix Figure 4) and expert specialisation
-(DEMix Figure 2). matplotlib with the Agg backend: no display needed.
+"""Heatmaps of an evaluation (launcher/evaluation/evaluate.py): domain posteriors (DEMix Figure 4) and expert
+specialisation (DEMix Figure 2). matplotlib with the Agg backend: no display needed.
 
     python -m launcher.evaluation.figures runs/eval/eval.json [--out DIR]
 
@@ -169,7 +169,8 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
                 out_dir / "specialisation.png",
                 cbar="ppl(expert) / ppl(own expert)",
                 cmap="Reds",
-                title="Expert specialisation: ppl of expert j on domain i / ppl of domain i's expert (cf. DEMix Fig. 2)",
+                title="Expert specialisation: ppl of expert j on domain i / ppl of domain i's expert "
+                "(cf. DEMix Fig. 2)",
             )
         )
     return written

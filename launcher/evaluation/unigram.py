@@ -9,10 +9,11 @@ models are scored on (the test blocks), as exp(mean NLL). A language model whose
 has learnt little beyond the domain's token frequencies; `make reproduce` asks for at most half of it.
 
 Only token counts are needed, never the tokens themselves. They come from the domain's token counts file when the
-token manifest names one (`manifest["token_counts"][domain]`: a path relative to `<data_root>/<tokenizer>/` of an .npy int64 array of shape (3, V'), one row per split in the order
-of `data.blocks.SPLITS`, every token of the split's .bin counted, written by data/prepare.py), else they are counted
-from the split's .bin in blocks of `_BLOCK_TOKENS` tokens (data prepared before that file existed, or by
-data/cluster_domains.py): memory O(V + block) either way, never O(tokens).
+token manifest names one (`manifest["token_counts"][domain]`: a path relative to `<data_root>/<tokenizer>/` of an
+.npy int64 array of shape (3, V'), one row per split in the order of `data.blocks.SPLITS`, every token of the
+split's .bin counted, written by data/prepare.py), else they are counted from the split's .bin in blocks of
+`_BLOCK_TOKENS` tokens (data prepared before that file existed, or by data/cluster_domains.py): memory O(V + block)
+either way, never O(tokens).
 """
 
 from __future__ import annotations

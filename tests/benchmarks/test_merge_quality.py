@@ -23,7 +23,7 @@ def test_equal_experts_merge_exactly(branched, dense, tiny_tokens):
     res = merge_quality(branched, tiny_tokens, max_blocks=BLOCKS, cached_blocks=DEV_BLOCKS, progress=False)
     assert set(res["domains"]) == {"cooking", "sailing", "finance"}
     assert all(v == pytest.approx(1.0, abs=1e-9) for v in res["coherence"].values())
-    ref = evaluate_checkpoint(dense, tiny_tokens, max_blocks=BLOCKS, unigram=False, progress=False)
+    ref = evaluate_checkpoint(dense, tiny_tokens, max_blocks=BLOCKS, unigram=False, progress=False).to_dict()
     for dom, r in res["domains"].items():
         p = r["ppl"]
         assert r["role"] == "train" and r["blocks"] == BLOCKS
@@ -68,7 +68,7 @@ def test_independent_experts_end_to_end(random_checkpoint, tiny_tokens, tmp_path
         modes=["cached"],
         unigram=False,
         progress=False,
-    )
+    ).to_dict()
     for dom, r in res["domains"].items():
         assert r["ppl"]["mixture"] == pytest.approx(ev["domains"][dom]["ppl"]["cached"], rel=1e-12)
         prior = merge_weights_from_data(c, dom, str(tiny_tokens), "gpt2", DEV_BLOCKS)

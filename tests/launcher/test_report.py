@@ -217,7 +217,7 @@ def test_report_numbers_tables_figure_and_commands(runs, tmp_path, capsys):
 
 def test_eval_override_novel_domain_and_comparability_notes(runs, tmp_path, capsys):
     """--eval per run in order (a file; auto); a novel domain gets its own table; differing roles are noted."""
-    from launcher.evaluation.evaluate import summary_tables
+    from launcher.evaluation.report import summary_tables
 
     ev = json.loads((runs["dense"] / "model" / "eval" / "eval.json").read_text())
     ev["domains"]["finance"]["role"] = "novel"

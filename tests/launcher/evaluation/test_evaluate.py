@@ -103,12 +103,13 @@ def test_batched_dense_is_one_expert():
 
 
 def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix_ckpt, tmp_path):
-    from launcher.evaluation.evaluate import DEMIX_MODES, evaluate_checkpoint
+    from launcher.evaluation.evaluate import evaluate_checkpoint
+    from launcher.evaluation.results import DEMIX_MODES
 
     out = tmp_path / "eval"
     res = evaluate_checkpoint(
         demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False
-    )
+    ).to_dict()
     assert res["experts"] == ["news", "code"] and res["step"] == 7 and res["modes"] == list(DEMIX_MODES)
     doms = res["domains"]
     assert {d: r["role"] for d, r in doms.items()} == {"code": "train", "legal": "novel", "news": "train"}
@@ -167,7 +168,7 @@ def test_posterior_mode_and_cached_estimator_are_applied_and_recorded(data_root,
     from model import mixture as mx
 
     kw = dict(max_blocks=3, cached_blocks=3, modes=["uniform", "cached"], domains=["legal"], progress=False)
-    default = evaluate_checkpoint(demix_ckpt, data_root, **kw)
+    default = evaluate_checkpoint(demix_ckpt, data_root, **kw).to_dict()
     ref = evaluate_checkpoint(
         demix_ckpt,
         data_root,
@@ -175,7 +176,7 @@ def test_posterior_mode_and_cached_estimator_are_applied_and_recorded(data_root,
         cached_estimator="ewm",
         out_dir=tmp_path / "ref",
         **kw,
-    )
+    ).to_dict()
     assert (default["posterior"], default["cached_estimator"]) == ("prefix", "mean")
     assert (ref["posterior"], ref["cached_estimator"]) == ("previous_token", "ewm")
     legal = ref["domains"]["legal"]
@@ -202,7 +203,7 @@ def test_evaluate_dense_and_domain_token_checkpoints(data_root, tmp_path):
         )
         res = evaluate_checkpoint(
             path, data_root, max_blocks=2, out_dir=tmp_path / f"out-{mixture}", progress=False
-        )
+        ).to_dict()
         assert res["modes"] == ["ppl"] and res["experts"] == []
         assert set(res["domains"]) == {"news", "code", "legal"}
         assert res["tables"]["novel_average"]["ppl"] > 1.0
@@ -260,7 +261,7 @@ def test_generate_command(demix_ckpt, capsys):
 def _eval_worker(rank, world, ckpt, data_root):
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
-    res = evaluate_checkpoint(ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
+    res = evaluate_checkpoint(ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False).to_dict()
     return {d: r["ppl"] for d, r in res["domains"].items()}
 
 
@@ -269,7 +270,9 @@ def test_evaluation_sharded_over_two_gloo_ranks_equals_one_process(demix_ckpt, d
     from launcher.evaluation.evaluate import evaluate_checkpoint
     from tests.harness.multirank import run_ranks
 
-    single = evaluate_checkpoint(demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False)
+    single = evaluate_checkpoint(
+        demix_ckpt, data_root, max_blocks=5, cached_blocks=3, progress=False
+    ).to_dict()
     ranks = run_ranks(
         _eval_worker, 2, args=(str(demix_ckpt), str(data_root)), timeout=300, device_strict=True
     )

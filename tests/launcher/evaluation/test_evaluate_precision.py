@@ -60,8 +60,8 @@ def test_forward_precision_is_autocast_over_fp32_weights_only():
 def test_standalone_bf16_evaluation_is_autocast_and_within_bf16_tolerance_of_fp32(demix_ckpt, tiny_tokens):
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
-    fp32 = evaluate_checkpoint(demix_ckpt, tiny_tokens, device="cpu", precision="fp32", **EVAL_KW)
-    bf16 = evaluate_checkpoint(demix_ckpt, tiny_tokens, device="cpu", precision="bf16", **EVAL_KW)
+    fp32 = evaluate_checkpoint(demix_ckpt, tiny_tokens, device="cpu", precision="fp32", **EVAL_KW).to_dict()
+    bf16 = evaluate_checkpoint(demix_ckpt, tiny_tokens, device="cpu", precision="bf16", **EVAL_KW).to_dict()
     assert (fp32["device"], fp32["precision"]) == ("cpu", "fp32")
     assert (bf16["device"], bf16["precision"]) == ("cpu", "bf16")
     a, b = _ppl(fp32), _ppl(bf16)
@@ -78,13 +78,15 @@ def test_default_on_a_cpu_machine_is_cpu_fp32_bit_for_bit(demix_ckpt, tiny_token
     from launcher.evaluation.evaluate import evaluate_checkpoint
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    default = evaluate_checkpoint(demix_ckpt, tiny_tokens, **EVAL_KW)
-    explicit = evaluate_checkpoint(demix_ckpt, tiny_tokens, device="cpu", precision="fp32", **EVAL_KW)
+    default = evaluate_checkpoint(demix_ckpt, tiny_tokens, **EVAL_KW).to_dict()
+    explicit = evaluate_checkpoint(
+        demix_ckpt, tiny_tokens, device="cpu", precision="fp32", **EVAL_KW
+    ).to_dict()
     assert (default["device"], default["precision"]) == ("cpu", "fp32")
     assert _ppl(default) == _ppl(explicit)
     # auto = the checkpoint's train.precision, but only on CUDA: a bf16-trained checkpoint is still fp32 on CPU
     from launcher.checkpoint import load_consolidated
-    from launcher.evaluation.evaluate import resolve_eval_precision
+    from launcher.evaluation.device import resolve_eval_precision
 
     c = load_consolidated(demix_ckpt)
     assert resolve_eval_precision("auto", "bf16", torch.device("cpu")) == "fp32"
@@ -92,7 +94,7 @@ def test_default_on_a_cpu_machine_is_cpu_fp32_bit_for_bit(demix_ckpt, tiny_token
 
 
 def test_auto_on_cuda_is_the_checkpoints_precision_where_the_gpu_has_it(monkeypatch):
-    import launcher.evaluation.evaluate as ev
+    import launcher.evaluation.device as ev
 
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(ev, "local_precision_problems", lambda p: [])

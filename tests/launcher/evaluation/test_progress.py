@@ -20,7 +20,7 @@ def ckpt(random_checkpoint, tmp_path_factory):
 def _plan_counts(data, ckpt_path, max_blocks, cached_blocks):
     """(test block passes, prior block passes) the evaluation of `ckpt_path` on `data` should do."""
     from launcher.checkpoint import read_meta
-    from launcher.evaluation.evaluate import count_blocks
+    from launcher.checkpoint_data import count_blocks
 
     seq = read_meta(ckpt_path)["config"]["model"]["seq_len"]
     doms = json.loads((data / "gpt2" / "manifest.json").read_text())["domains"]
@@ -89,22 +89,23 @@ def test_every_mode_is_mixed_from_one_all_experts_pass_per_block(ckpt, tiny_toke
     """Six modes cost the forward passes of one: each test block goes through the model once (all experts
     batched), and the numbers of a mode do not depend on which other modes are asked for."""
     import launcher.evaluation.evaluate as ev
+    import launcher.evaluation.scoring as scoring
     from launcher.checkpoint import load_consolidated
     from model import mixture as mx
 
     calls = []
-    real = ev.expert_log_likelihoods
+    real = scoring.expert_log_likelihoods
     monkeypatch.setattr(
-        ev,
+        scoring,
         "expert_log_likelihoods",
         lambda m, x, y, ids=None, **k: calls.append((x.shape[0], ids)) or real(m, x, y, ids, **k),
     )
     names = load_consolidated(ckpt).domains
     given = {d: mx.CachedPrior(names, [1 / len(names)] * len(names)) for d in names}  # no development pass
     kw = dict(max_blocks=3, batch_size=2, progress=False, cached_priors=given)
-    every = ev.evaluate_checkpoint(ckpt, tiny_tokens, **kw)
+    every = ev.evaluate_checkpoint(ckpt, tiny_tokens, **kw).to_dict()
     n_every, calls[:] = list(calls), []
-    naive = ev.evaluate_checkpoint(ckpt, tiny_tokens, modes=["naive"], **kw)
+    naive = ev.evaluate_checkpoint(ckpt, tiny_tokens, modes=["naive"], **kw).to_dict()
     test, _ = _plan_counts(tiny_tokens, ckpt, 3, 0)
     assert n_every == calls and sum(b for b, _ in calls) == test and all(ids is None for _, ids in calls)
     for d, r in naive["domains"].items():
@@ -113,7 +114,7 @@ def test_every_mode_is_mixed_from_one_all_experts_pass_per_block(ckpt, tiny_toke
 
 
 def _counting(monkeypatch):
-    import launcher.evaluation.evaluate as ev
+    import launcher.evaluation.scoring as ev
 
     blocks = []
     real = ev.expert_log_likelihoods
@@ -140,7 +141,7 @@ def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(
 
     test, prior = _plan_counts(tiny_tokens, ckpt, **KW)
     blocks = _counting(monkeypatch)
-    first = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, out_dir=tmp_path / "a", **KW)
+    first = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, out_dir=tmp_path / "a", **KW).to_dict()
     err = capsys.readouterr().err
     assert "prior: scoring 2 valid blocks per domain (3 domains), once per checkpoint: cached in " in err
     files = list((ckpt / PRIOR_CACHE_DIR).glob("*.json"))
@@ -151,7 +152,7 @@ def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(
     }
     assert sum(blocks) == test + prior + min(4, 3)  # + the plan's one timed batch
     blocks[:] = []
-    second = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, out_dir=tmp_path / "b", **KW)
+    second = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, out_dir=tmp_path / "b", **KW).to_dict()
     err = capsys.readouterr().err
     plan = next(x for x in err.splitlines() if x.startswith("[eval] plan:"))
     assert f"prior: cached from {files[0]} (its 2 valid blocks per domain are not scored again)" in plan
@@ -162,11 +163,13 @@ def test_prior_cache_hit_reuses_the_prior_and_changes_no_number(
     ).read_text()
     other = evaluate_checkpoint(
         ckpt, tiny_tokens, prior_cache=True, progress=False, max_blocks=3, cached_blocks=1
-    )
+    ).to_dict()
     assert (
         other["prior_cache"]["from_cache"] == [] and len(list((ckpt / PRIOR_CACHE_DIR).glob("*.json"))) == 2
     )
-    only = evaluate_checkpoint(ckpt, tiny_tokens, prior_cache=True, progress=False, domains=["sailing"], **KW)
+    only = evaluate_checkpoint(
+        ckpt, tiny_tokens, prior_cache=True, progress=False, domains=["sailing"], **KW
+    ).to_dict()
     assert only["prior_cache"]["from_cache"] == ["sailing"]  # a subset of the domains is served too
 
 
@@ -178,29 +181,29 @@ def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(
     cache = tmp_path / "cache"  # outside the checkpoint: replacing the checkpoint leaves it there
     path = random_checkpoint(tmp_path / "ckpt", "demix", seed=3)
     kw = dict(prior_cache=cache, progress=False, **KW)
-    a = evaluate_checkpoint(path, tiny_tokens, **kw)
-    assert evaluate_checkpoint(path, tiny_tokens, **kw)["prior_cache"]["scored"] == []
+    a = evaluate_checkpoint(path, tiny_tokens, **kw).to_dict()
+    assert evaluate_checkpoint(path, tiny_tokens, **kw).to_dict()["prior_cache"]["scored"] == []
     shutil.rmtree(path)
     random_checkpoint(tmp_path / "ckpt", "demix", seed=4)  # other weights at the same path
-    b = evaluate_checkpoint(path, tiny_tokens, **kw)
+    b = evaluate_checkpoint(path, tiny_tokens, **kw).to_dict()
     assert b["prior_cache"]["from_cache"] == [] and len(b["prior_cache"]["scored"]) == 3
     assert b["domains"]["sailing"]["cached_prior"] != a["domains"]["sailing"]["cached_prior"]
     data = tmp_path / "data"
     shutil.copytree(tiny_tokens, data)
     assert (
-        evaluate_checkpoint(path, data, **kw)["prior_cache"]["scored"] == []
+        evaluate_checkpoint(path, data, **kw).to_dict()["prior_cache"]["scored"] == []
     )  # a copy of the same data: served
     dev = data / "gpt2" / "sailing" / "valid.bin"
     dtype = json.loads((data / "gpt2" / "manifest.json").read_text())["dtype"]
     tokens = np.fromfile(dev, dtype=dtype)
     tokens[1:-1] = tokens[1:-1][::-1].copy()  # other development text, same size
     tokens.tofile(dev)
-    changed = evaluate_checkpoint(path, data, **kw)
+    changed = evaluate_checkpoint(path, data, **kw).to_dict()
     assert changed["prior_cache"]["from_cache"] == [] and len(changed["prior_cache"]["scored"]) == 3
     (cache_file,) = [f for f in cache.glob("*.json") if f.name in changed["prior_cache"]["file"]]
     cache_file.write_text("{not json")  # a damaged cache file is said and scored again, never trusted
     capsys.readouterr()
-    again = evaluate_checkpoint(path, data, prior_cache=cache, progress=True, **KW)
+    again = evaluate_checkpoint(path, data, prior_cache=cache, progress=True, **KW).to_dict()
     assert "prior cache not used" in capsys.readouterr().err and len(again["prior_cache"]["scored"]) == 3
     assert _numbers(again) == _numbers(changed)
 

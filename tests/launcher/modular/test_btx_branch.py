@@ -69,8 +69,8 @@ def test_every_expert_and_every_mixture_computes_the_dense_logits(dense, branche
             assert (got - want).abs().max() <= 1e-6, (ids, (got - want).abs().max())
     # the evaluator's mixtures (posterior-weighted sums of the experts' probabilities) are the dense model's too
     kw = dict(max_blocks=2, cached_blocks=2, progress=False, unigram=False)
-    d = evaluate_checkpoint(dense, tiny_tokens, modes=("ppl",), **kw)
-    m = evaluate_checkpoint(branched, tiny_tokens, modes=("naive", "uniform", "cached"), **kw)
+    d = evaluate_checkpoint(dense, tiny_tokens, modes=("ppl",), **kw).to_dict()
+    m = evaluate_checkpoint(branched, tiny_tokens, modes=("naive", "uniform", "cached"), **kw).to_dict()
     for dom, r in d["domains"].items():
         for mode in ("naive", "uniform", "cached"):
             assert m["domains"][dom]["ppl"][mode] == pytest.approx(r["ppl"]["ppl"], rel=1e-6), (dom, mode)

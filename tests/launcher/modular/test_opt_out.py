@@ -13,8 +13,8 @@ import torch
 from launcher.checkpoint import CheckpointError, load_consolidated
 from launcher.evaluation.evaluate import evaluate_checkpoint
 from launcher.evaluation.evaluate import main as evaluate_main
+from launcher.expert_surgery import load_without
 from launcher.modular.experts import remove_experts
-from launcher.modular.surgery import load_without
 
 SETTINGS = dict(max_blocks=2, cached_blocks=2, progress=False, unigram=False, batch_size=2)
 
@@ -38,8 +38,8 @@ def opted_out(tmp_path, random_checkpoint):
 
 def test_evaluation_without_an_expert_is_bit_identical_to_a_model_built_without_it(opted_out, tiny_tokens):
     path, without = opted_out
-    a = evaluate_checkpoint(path, tiny_tokens, exclude_experts=["sailing"], **SETTINGS)
-    b = evaluate_checkpoint(without, tiny_tokens, **SETTINGS)
+    a = evaluate_checkpoint(path, tiny_tokens, exclude_experts=["sailing"], **SETTINGS).to_dict()
+    b = evaluate_checkpoint(without, tiny_tokens, **SETTINGS).to_dict()
     assert a["experts"] == b["experts"] == ["cooking", "finance"] and a["excluded_experts"] == ["sailing"]
     assert (
         a["domains"]["sailing"]["role"] == "novel"
