@@ -659,7 +659,8 @@ def costmodel_figure(cm: dict) -> Figure:
 
 def _machine_line(m: dict) -> str:
     return (
-        f"Machine: {m.get('cores')} usable cores (os.cpu_count() = {m.get('cpu_count')}), {m.get('cpu') or 'unknown CPU'}, "
+        f"Machine: {m.get('cores')} usable cores (os.cpu_count() = {m.get('cpu_count')}), "
+        f"{m.get('cpu') or 'unknown CPU'}, "
         f"GPU {m.get('gpu') or 'none'}, {m.get('platform')}, Python {m.get('python')}, torch {m.get('torch')}, "
         f"DeepSpeed {m.get('deepspeed')}, OMP_NUM_THREADS={m.get('omp_num_threads')}; 1-minute load average "
         f"{m.get('loadavg_1m')} at the start and {m.get('loadavg_1m_end', '?')} at the end."

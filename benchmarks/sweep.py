@@ -670,7 +670,8 @@ def run_sweep(
         f" ({len(results['reused'])} reused from earlier runs, not re-timed)" if results["reused"] else ""
     )
     print(
-        f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}",
+        f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; "
+        f"wrote {sweep_dir / 'results.json'}",
         flush=True,
     )
     return results

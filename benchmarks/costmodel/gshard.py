@@ -61,6 +61,8 @@ def _roofline_excess(
 
 
 def state_kind(cfg: ModelConfig, opts: CostOptions) -> str:
+    """The optimizer's state layout, a key of STATE_BYTES and OPTIMIZER_STEP_BYTES: GShard under fairseq's --fp16
+    keeps fp32 master weights; everything else is memory-efficient fp16."""
     return (
         "fp32_master" if cfg.ffn.kind == "gshard" and opts.gshard_optimizer == "fp16" else "memory_efficient"
     )
