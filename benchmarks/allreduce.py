@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{out['command']}` on {os.cpu_count()} CPU cores (all ranks on one machine: times are gloo over "
         "shared memory, bytes are what a cluster would move).",
         "",
-        "| model | params on a rank | payload over all ranks (MB) | payload over domain groups (MB) | ring bytes sent per rank (MB) | all-reduce s/step | step s |",
+        "| model | params on a rank | payload over all ranks (MB) | payload over domain groups (MB) "
+        "| ring bytes sent per rank (MB) | all-reduce s/step | step s |",
         "|---|---|---|---|---|---|---|",
     ]
     for kind, r in rows.items():
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         domain = sum(v for k, v in pay.items() if k != str(args.ranks))
         lines.append(
             f"| {kind} | {r['params_on_rank']:,} | {world / 1e6:.2f} | {domain / 1e6:.2f} | "
-            f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f} | {r['allreduce_seconds_per_step']:.4f} | {r['step_seconds']:.3f} |"
+            f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f} | {r['allreduce_seconds_per_step']:.4f} | "
+            f"{r['step_seconds']:.3f} |"
         )
     lines += [
         "",

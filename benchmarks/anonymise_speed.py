@@ -32,6 +32,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Optional, Sequence
 
 from data.argtypes import positive_float, positive_int, random_seed
@@ -103,8 +104,7 @@ def loadavg() -> str:
         return f"{os.getloadavg()[0]:.2f} (os.getloadavg)"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """Time the rows, print a summary and write the Markdown report; returns the figures."""
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=positive_float, default=10.0, help="megabytes of UTF-8 text (default 10)")
     ap.add_argument("--doc-kb", type=positive_float, default=4.0, help="document size in KB (default 4)")
@@ -120,65 +120,47 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "--baseline", metavar="OLD.py", help="also time (and compare with) another copy of it"
     )
     ap.add_argument("--out", default=str(RESULTS / "anonymise_speed.md"), help="the Markdown report")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    from benchmarks.machine import OtherLoad
-    from data.anonymise import anonymise
-    from data.anonymise_prescreen import _screenable
-    from data.tokenizer import load_tokenizer
 
-    load_before = loadavg()
-    docs, n_files = build_documents(a.mb, int(a.doc_kb * 1000), a.seed)
-    mb = sum(len(d.encode()) for d in docs) / 1e6
-    tok = load_tokenizer("gpt2")
+def _baseline(a: argparse.Namespace) -> tuple[Optional[ModuleType], str, str]:
+    """(the baseline module or None, its sha256 prefix, its name in the report) from --baseline-rev / --baseline."""
     base_path = baseline_from_git(a.baseline_rev) if a.baseline_rev else a.baseline
     base = load_module(base_path) if base_path else None
     digest = hashlib.sha256(Path(base_path).read_bytes()).hexdigest()[:12] if base_path else ""
     if a.baseline_rev:
         os.unlink(base_path)
     base_name = f"at {a.baseline_rev}" if a.baseline_rev else f"baseline {a.baseline}"
-    rows: dict[str, Callable[[], object]] = {
-        "tiktoken GPT-2 `encode_ordinary`": lambda: [tok.encode(d) for d in docs],
-        "`anonymise` (this data/anonymise.py)": lambda: [anonymise(d) for d in docs],
-    }
-    if base is not None:
-        rows[f"`anonymise` ({base_name})"] = lambda: [base.anonymise(d) for d in docs]
+    return base, digest, base_name
+
+
+def _time_rows(
+    rows: dict[str, Callable[[], object]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, object], dict]:
+    """Every row once per round, in order: (wall seconds, CPU seconds, first output) per row, and other load."""
+    from benchmarks.machine import OtherLoad
+
     times: dict[str, list[float]] = {k: [] for k in rows}
     cpu: dict[str, list[float]] = {k: [] for k in rows}
     outputs: dict[str, object] = {}
     with OtherLoad() as others:
-        for _ in range(a.rounds):
+        for _ in range(rounds):
             for name, run in rows.items():
                 t0, c0 = time.perf_counter(), time.process_time()
                 out = run()
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
                 outputs.setdefault(name, out)
-    load_after = loadavg()
-    names = list(rows)
-    enc = names[0]
-    tokens = sum(len(ids) for ids in outputs[enc])
-    result = {
-        "mb": mb,
-        "docs": len(docs),
-        "files": n_files,
-        "tokens": tokens,
-        "times": times,
-        "cpu": cpu,
-        "load_before": load_before,
-        "load_after": load_after,
-        "others": others.result(),
-    }
-    if base is not None:
-        ours, theirs = outputs[names[1]], outputs[names[2]]
-        result["identical"] = sum((x.text, x.counts) == (y.text, y.counts) for x, y in zip(ours, theirs))
-    counts: dict[str, int] = {}
-    for r in outputs[names[1]]:
-        for k, v in r.counts.items():
-            counts[k] = counts.get(k, 0) + v
-    result["counts"] = counts
-    result["unscreened_docs"] = sum(not _screenable(d) for d in docs)
+    return times, cpu, outputs, others.result()
 
+
+def _markdown(
+    a: argparse.Namespace, argv: Optional[Sequence[str]], result: dict, base_name: str, digest: str
+) -> list[str]:
+    """The report's lines: machine, text, the table of rows, the baseline comparison and the two notes."""
+    times, cpu, counts, mb = result["times"], result["cpu"], result["counts"], result["mb"]
+    names = list(times)
+    enc = names[0]
     best = {k: min(v) for k, v in times.items()}
     best_cpu = {k: min(v) for k, v in cpu.items()}
     args = list(argv if argv is not None else sys.argv[1:])
@@ -189,12 +171,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"Command: `{command}`",
         "",
         f"Machine: {os.cpu_count()} cores, {_cpu()}, {platform.platform()}, Python {platform.python_version()}. "
-        f"`/proc/loadavg` before: `{load_before}`; after: `{load_after}`. Other processes used "
-        f"{_fmt(others.result().get('others_cores'))} cores on average during the timed rounds (the machine is "
+        f"`/proc/loadavg` before: `{result['load_before']}`; after: `{result['load_after']}`. Other processes used "
+        f"{_fmt(result['others'].get('others_cores'))} cores on average during the timed rounds (the machine is "
         "shared: only ratios taken in the same run compare).",
         "",
-        f"Text: {len(docs)} documents of up to {a.doc_kb:g} KB, {mb:.2f} MB of UTF-8 ({tokens:,} GPT-2 tokens), "
-        f"cut from {n_files} files in a seeded order (seed {a.seed}, at most 200 KB from each): README, "
+        f"Text: {result['docs']} documents of up to {a.doc_kb:g} KB, {mb:.2f} MB of UTF-8 "
+        f"({result['tokens']:,} GPT-2 tokens), "
+        f"cut from {result['files']} files in a seeded order (seed {a.seed}, at most 200 KB from each): README, "
         "changelog, NEWS and copyright files of /usr/share/doc (.gz decompressed), /usr/share/common-licenses, "
         f"the Python standard library's .py files. {result['unscreened_docs']} documents hold a character the "
         "byte shape cannot stand for (a non-ASCII digit, İ ı ſ K) and take the unscreened path. Replacements: "
@@ -215,14 +198,62 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             f"{per_round} | {best_cpu[name]:.3f} | {mb / best_cpu[name]:.2f} | "
             f"{best_cpu[enc] / best_cpu[name]:.2f}x |"
         )
-    if base is not None:
+    if "identical" in result:
         lines += [
             "",
             f"Baseline: data/anonymise.py {base_name} (sha256 {digest}...). Output: {result['identical']} "
-            f"of {len(docs)} documents give the same text and counts with both copies; this copy is "
+            f"of {result['docs']} documents give the same text and counts with both copies; this copy is "
             f"{best[names[2]] / best[names[1]]:.1f}x as fast as the baseline.",
         ]
     lines += ["", "## Where the time went before", "", _BEFORE, "", "## How `anonymise` keeps up", "", _HOW]
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Time the rows, print a summary and write the Markdown report; returns the figures."""
+    a = _parse(argv)
+
+    from data.anonymise import anonymise
+    from data.anonymise_prescreen import _screenable
+    from data.tokenizer import load_tokenizer
+
+    load_before = loadavg()
+    docs, n_files = build_documents(a.mb, int(a.doc_kb * 1000), a.seed)
+    mb = sum(len(d.encode()) for d in docs) / 1e6
+    tok = load_tokenizer("gpt2")
+    base, digest, base_name = _baseline(a)
+    rows: dict[str, Callable[[], object]] = {
+        "tiktoken GPT-2 `encode_ordinary`": lambda: [tok.encode(d) for d in docs],
+        "`anonymise` (this data/anonymise.py)": lambda: [anonymise(d) for d in docs],
+    }
+    if base is not None:
+        rows[f"`anonymise` ({base_name})"] = lambda: [base.anonymise(d) for d in docs]
+    times, cpu, outputs, others = _time_rows(rows, a.rounds)
+    load_after = loadavg()
+    names = list(rows)
+    tokens = sum(len(ids) for ids in outputs[names[0]])
+    result = {
+        "mb": mb,
+        "docs": len(docs),
+        "files": n_files,
+        "tokens": tokens,
+        "times": times,
+        "cpu": cpu,
+        "load_before": load_before,
+        "load_after": load_after,
+        "others": others,
+    }
+    if base is not None:
+        ours, theirs = outputs[names[1]], outputs[names[2]]
+        result["identical"] = sum((x.text, x.counts) == (y.text, y.counts) for x, y in zip(ours, theirs))
+    counts: dict[str, int] = {}
+    for r in outputs[names[1]]:
+        for k, v in r.counts.items():
+            counts[k] = counts.get(k, 0) + v
+    result["counts"] = counts
+    result["unscreened_docs"] = sum(not _screenable(d) for d in docs)
+
+    lines = _markdown(a, argv, result, base_name, digest)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[: len(lines) - 7]))

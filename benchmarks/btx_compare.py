@@ -466,33 +466,10 @@ def _start(argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    rep = _start(argv)
-    demix = Path(args.demix) if args.demix else default_checkpoint("demix-s1")
-    gshard = Path(args.gshard) if args.gshard else default_checkpoint("gshard-s1")
-    if demix is None or gshard is None:
-        raise SystemExit(
-            "error: no DEMix / GShard checkpoint: run `make reproduce` or pass --demix / --gshard"
-        )
-    out, stages, notes = Path(args.out), Stages(), list(args.note)
-    settings = {"max_blocks": args.max_blocks, "cached_blocks": args.cached_blocks, "split": "test"}
-    res: dict[str, Any] = {}
-    recs, runs = upcycle_arms(demix, args.layers, args.router_init, out, args.steps, args.nproc, stages)
-    runs["gshard"] = (gshard, finetune(gshard, out / "gshard-ft", args.steps, args.nproc))
-    stages.done("finetune gshard")
-    # the reproduce run's own evaluation (read only), when made with these settings
-    res["demix"] = evaluate(
-        demix, out / "eval-demix", settings, demix=True, also_read=[demix.parent / "eval" / "eval.json"]
-    )
-    stages.done("eval demix")
-    evaluate_moe(runs, out, settings, res, read_own=["gshard-0"])  # gshard-0: the reproduce arm's own eval
-    stages.done("eval moe")
-    t = _meta(runs["gshard"][1])["config"]
-    extra = (
-        args.steps * args.nproc * t["train"]["micro_batch"] * t["train"]["grad_accum"] * t["model"]["seq_len"]
-    )
-    base_d, base_g = train_tokens(demix), train_tokens(gshard)
+def _upcycled_rows(
+    args: argparse.Namespace, res: dict[str, Any], extra: int, base_d: Optional[int], base_g: Optional[int]
+) -> list[dict[str, Any]]:
+    """The table's rows: (a) DEMix cached and naive, (b0)/(b) BTX per layout, (c0)/(c) GShard."""
     rows = [
         _row("(a) DEMix", res["demix"], "cached", 0, base_d),
         _row("(a) DEMix", res["demix"], "naive", 0, base_d),
@@ -527,6 +504,38 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             res["gshard/nocap"],
         ),
     ]
+    return rows
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """(a), (b0), (b), (c0), (c) from the reproduce run's DEMix and GShard checkpoints (module docstring)."""
+    t0 = time.perf_counter()
+    rep = _start(argv)
+    demix = Path(args.demix) if args.demix else default_checkpoint("demix-s1")
+    gshard = Path(args.gshard) if args.gshard else default_checkpoint("gshard-s1")
+    if demix is None or gshard is None:
+        raise SystemExit(
+            "error: no DEMix / GShard checkpoint: run `make reproduce` or pass --demix / --gshard"
+        )
+    out, stages, notes = Path(args.out), Stages(), list(args.note)
+    settings = {"max_blocks": args.max_blocks, "cached_blocks": args.cached_blocks, "split": "test"}
+    res: dict[str, Any] = {}
+    recs, runs = upcycle_arms(demix, args.layers, args.router_init, out, args.steps, args.nproc, stages)
+    runs["gshard"] = (gshard, finetune(gshard, out / "gshard-ft", args.steps, args.nproc))
+    stages.done("finetune gshard")
+    # the reproduce run's own evaluation (read only), when made with these settings
+    res["demix"] = evaluate(
+        demix, out / "eval-demix", settings, demix=True, also_read=[demix.parent / "eval" / "eval.json"]
+    )
+    stages.done("eval demix")
+    evaluate_moe(runs, out, settings, res, read_own=["gshard-0"])  # gshard-0: the reproduce arm's own eval
+    stages.done("eval moe")
+    t = _meta(runs["gshard"][1])["config"]
+    extra = (
+        args.steps * args.nproc * t["train"]["micro_batch"] * t["train"]["grad_accum"] * t["model"]["seq_len"]
+    )
+    base_d, base_g = train_tokens(demix), train_tokens(gshard)
+    rows = _upcycled_rows(args, res, extra, base_d, base_g)
     if base_d != base_g:
         notes.append(
             f"the DEMix and GShard checkpoints were trained on different token counts ({base_d} vs {base_g})"
@@ -655,28 +664,12 @@ def branched_seed(seed: Path, out: Path) -> Path:
     return path
 
 
-def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """(seed), (s), (d), (b0), (b) from the dense seed `args.seed_dense` (module docstring)."""
+def _seeded_plan(
+    args: argparse.Namespace, seed: Path, branched: Path, recipes: dict[str, dict[str, Any]], out: Path
+) -> tuple[list[str], list[str], dict[str, int], int]:
+    """The overrides of (d) and (s), tokens per step of each run, and the dense steps that read (d) + (b)'s tokens."""
     from launcher.modular.btx import demix_overrides
 
-    t0 = time.perf_counter()
-    rep = _start(argv)
-    seed = Path(args.seed_dense)
-    if not (seed / "meta.json").is_file():
-        raise SystemExit(
-            f"error: --seed-dense {seed}: no consolidated checkpoint there (RUN_DIR/model of a dense run)"
-        )
-    out, stages, notes = Path(args.out), Stages(), list(args.note)
-    settings = {"max_blocks": args.max_blocks, "cached_blocks": args.cached_blocks, "split": "test"}
-    run_name = seed.resolve().parent.name.rpartition("-s")[
-        0
-    ]  # the seed's own reproduce arm: dense or balanced
-    recipes = {
-        "dense": seed_recipe(seed, run_name if run_name in ("dense", "dense-balanced") else "dense"),
-        "demix": seed_recipe(seed, "demix"),
-    }
-    branched = branched_seed(seed, out)
-    stages.done("branch")
     seq = _meta(seed)["config"]["model"]["seq_len"]
     d_sets = recipe_sets(
         recipes["demix"], args.branch_steps, args.data_seed, out / "demix-branched", demix_overrides(branched)
@@ -689,41 +682,19 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     }
     dense_steps = equal_token_steps(args.branch_steps, args.steps, tps)
     s_sets = recipe_sets(recipes["dense"], dense_steps, args.data_seed, out / "dense-continued", s_base)
-    ident = {"seed": str(seed.resolve()), "seed_step": _meta(seed)["step"]}
-    d = launch_run(
-        ROOT / recipes["demix"]["config"],
-        d_sets,
-        out / "demix-branched",
-        args.branch_steps,
-        args.nproc,
-        {**ident, "config": recipes["demix"]["config"], "sets": d_sets},
-    )
-    stages.done(f"train branched demix {args.branch_steps} steps")
-    recs, runs = upcycle_arms(
-        d, args.layers, args.router_init, out, args.steps, args.nproc, stages, [f"data.seed={args.data_seed}"]
-    )
-    s = launch_run(
-        ROOT / recipes["dense"]["config"],
-        s_sets,
-        out / "dense-continued",
-        dense_steps,
-        args.nproc,
-        {**ident, "config": recipes["dense"]["config"], "sets": s_sets},
-    )
-    stages.done(f"train dense {dense_steps} steps")
-    res = {
-        "seed": evaluate(seed, out / "eval-seed", settings, also_read=[seed.parent / "eval" / "eval.json"]),
-        "dense": evaluate(s, out / "eval-dense", settings),
-        "demix": evaluate(d, out / "eval-demix", settings, demix=True),
-    }
-    evaluate_moe(runs, out, settings, res)
-    stages.done("eval")
-    base = train_tokens(seed)
-    extra = {
-        "dense": train_tokens(s),
-        "demix": train_tokens(d),
-        **{name: train_tokens(end) for name, (_, end) in runs.items()},
-    }
+    return d_sets, s_sets, tps, dense_steps
+
+
+def _seeded_rows(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    base: Optional[int],
+    extra: dict[str, int],
+    dense_steps: int,
+    notes: list[str],
+) -> list[dict[str, Any]]:
+    """The table's rows: (seed), (s), (d) cached and naive, (b0)/(b) per layout; a note where (s) and (d) + (b)
+    read different token counts."""
     rows = [
         _row("(seed) Dense seed", res["seed"], "ppl", 0, base),
         _row(
@@ -770,6 +741,82 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         ]
         if mixed != extra["dense"]:
             notes.append(f"(s) read {extra['dense']:,} extra tokens, (d) + (b) {layout} {mixed:,}: not equal")
+    return rows
+
+
+def _train_seeded(
+    args: argparse.Namespace,
+    recipes: dict[str, dict[str, Any]],
+    sets: tuple[list[str], list[str]],
+    dense_steps: int,
+    ident: dict[str, Any],
+    out: Path,
+    stages: Stages,
+) -> tuple[Path, dict[str, Any], dict[str, tuple[Path, Path]], Path]:
+    """Train (d) the branched DEMix, then (b0)/(b) the upcycled arms from it, then (s) the dense continuation:
+    (d's checkpoint, upcycle records, upcycled runs, s's checkpoint)."""
+    d_sets, s_sets = sets
+    d = launch_run(
+        ROOT / recipes["demix"]["config"],
+        d_sets,
+        out / "demix-branched",
+        args.branch_steps,
+        args.nproc,
+        {**ident, "config": recipes["demix"]["config"], "sets": d_sets},
+    )
+    stages.done(f"train branched demix {args.branch_steps} steps")
+    recs, runs = upcycle_arms(
+        d, args.layers, args.router_init, out, args.steps, args.nproc, stages, [f"data.seed={args.data_seed}"]
+    )
+    s = launch_run(
+        ROOT / recipes["dense"]["config"],
+        s_sets,
+        out / "dense-continued",
+        dense_steps,
+        args.nproc,
+        {**ident, "config": recipes["dense"]["config"], "sets": s_sets},
+    )
+    stages.done(f"train dense {dense_steps} steps")
+    return d, recs, runs, s
+
+
+def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """(seed), (s), (d), (b0), (b) from the dense seed `args.seed_dense` (module docstring)."""
+    t0 = time.perf_counter()
+    rep = _start(argv)
+    seed = Path(args.seed_dense)
+    if not (seed / "meta.json").is_file():
+        raise SystemExit(
+            f"error: --seed-dense {seed}: no consolidated checkpoint there (RUN_DIR/model of a dense run)"
+        )
+    out, stages, notes = Path(args.out), Stages(), list(args.note)
+    settings = {"max_blocks": args.max_blocks, "cached_blocks": args.cached_blocks, "split": "test"}
+    run_name = seed.resolve().parent.name.rpartition("-s")[
+        0
+    ]  # the seed's own reproduce arm: dense or balanced
+    recipes = {
+        "dense": seed_recipe(seed, run_name if run_name in ("dense", "dense-balanced") else "dense"),
+        "demix": seed_recipe(seed, "demix"),
+    }
+    branched = branched_seed(seed, out)
+    stages.done("branch")
+    d_sets, s_sets, tps, dense_steps = _seeded_plan(args, seed, branched, recipes, out)
+    ident = {"seed": str(seed.resolve()), "seed_step": _meta(seed)["step"]}
+    d, recs, runs, s = _train_seeded(args, recipes, (d_sets, s_sets), dense_steps, ident, out, stages)
+    res = {
+        "seed": evaluate(seed, out / "eval-seed", settings, also_read=[seed.parent / "eval" / "eval.json"]),
+        "dense": evaluate(s, out / "eval-dense", settings),
+        "demix": evaluate(d, out / "eval-demix", settings, demix=True),
+    }
+    evaluate_moe(runs, out, settings, res)
+    stages.done("eval")
+    base = train_tokens(seed)
+    extra = {
+        "dense": train_tokens(s),
+        "demix": train_tokens(d),
+        **{name: train_tokens(end) for name, (_, end) in runs.items()},
+    }
+    rows = _seeded_rows(args, res, base, extra, dense_steps, notes)
     rep.update(
         {
             "seed": str(seed),

@@ -12,9 +12,9 @@ but the last, compared by per-domain test perplexity on the *true* domains, plus
    fails (e.g. CSE before the trainer calls parallel.cse.CSEController) is recorded as failed, the rest go on.
    `--reuse-demo` takes Dense and DEMix-true from runs/demo/{dense,demix} when they were trained for the same steps
    (the configs are identical to configs/demo/{dense,demix}.yaml).
-3. Evaluation: launcher.evaluation.evaluate on artifacts/demo/tokens (the true domains' test blocks). DEMix-clustered sees the
-   true domains as novel: `updating` (posterior mixture, no labels) is its fair number; `cached` estimates the prior
-   on the domain's valid blocks; `naive` there is the best single cluster expert (an oracle choice).
+3. Evaluation: launcher.evaluation.evaluate on artifacts/demo/tokens (the true domains' test blocks). DEMix-clustered
+   sees the true domains as novel: `updating` (posterior mixture, no labels) is its fair number; `cached` estimates
+   the prior on the domain's valid blocks; `naive` there is the best single cluster expert (an oracle choice).
 4. Outputs under --out: report.json, report.md, and per run plots (`cse_plots`): cluster loads over training,
    inter-centre distances, domain share per cluster (CSE), cluster composition (clustered domains).
 """

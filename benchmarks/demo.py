@@ -195,7 +195,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {a} | {t['params_total']:,} | {t['params_active']:,} | {_f(t['tokens_per_s'], '.0f')} | "
             f"{_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
-            f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | {_f(t['final_train_loss'], '.3f')} |"
+            f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | "
+            f"{_f(t['final_train_loss'], '.3f')} |"
         )
     lines += ["", "Commands:", ""] + [f"- {a}: `{c}`" for a, c in report["commands"].items()]
     lines += ["", f"Total demo time: {report['seconds']} s."]

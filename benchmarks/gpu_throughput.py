@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import shlex
@@ -411,6 +412,11 @@ def describe_cell(size: str, arm: Arm, cfg) -> dict[str, Any]:
     }
 
 
+def _framework_on_copy(plan, template, batches, warmup: int, device: torch.device) -> dict[str, Any]:
+    """The framework phase on a deep copy of the template (the bare phase then moves the template itself)."""
+    return framework_phase(plan, copy.deepcopy(template), batches, warmup, device)
+
+
 def run_cell(
     size: str,
     arm: Arm,
@@ -438,11 +444,10 @@ def run_cell(
                 f"{memory_gib:.1f} GiB of device memory",
             }
             continue
-        if phase == "framework":
-            fn = lambda: framework_phase(plan, copy.deepcopy(template), batches, a.warmup, device)  # noqa: E731
-        else:
-            fn = lambda: bare_phase(plan, template, batches, a.warmup, device)  # noqa: E731
+        phase_fn = _framework_on_copy if phase == "framework" else bare_phase
+        fn = functools.partial(phase_fn, plan, template, batches, a.warmup, device)
         row[phase] = guarded(fn, device)
+        del fn  # it holds the template and the batches, freed below
         throughput(plan.cfg, row[phase], device_label)
     del template, batches
     _reset_memory(device)

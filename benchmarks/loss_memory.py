@@ -3,8 +3,8 @@ loss (model/gpt.py: chunked_token_loss), measured without allocating anything.
 
 The model is built under torch's FakeTensorMode with bf16 as the default dtype (DeepSpeed's bf16 mode: bf16
 parameters and activations) and forward+backward run inside `torch.distributed._tools.mem_tracker.MemTracker`
-(parallel/memory.py `trace_peak`, as the dry run measures): every tensor's storage is accounted as it would be on a device, but
-none is allocated, so gpt3-xl at micro-batch 8 x 2048 measures in seconds on a CPU. Nothing is timed.
+(parallel/memory.py `trace_peak`, as the dry run measures): every tensor's storage is accounted as it would be on a
+device, but none is allocated, so gpt3-xl at micro-batch 8 x 2048 measures in seconds on a CPU. Nothing is timed.
 
     whole    the loss as it was before chunking: logits B x T x V (bf16), their fp32 copy, log-softmax saved for
              backward, then the fp32 gradient and its bf16 cast (the trainer's path, return_logits=False, with
@@ -99,7 +99,8 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
         w, c = r["whole"], r["chunked"]
         act = lambda m: m.get("ACT", 0) + m.get("TEMP", 0)  # noqa: E731
         lines.append(
-            f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | {w['total'] / GiB:.2f} | {c['total'] / GiB:.2f} "
+            f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | {w['total'] / GiB:.2f} "
+            f"| {c['total'] / GiB:.2f} "
             f"| {(w['total'] - c['total']) / GiB:.2f} | {c['total'] / w['total']:.2f} | {c['rows']} "
             f"| {act(w) / GiB:.2f} -> {act(c) / GiB:.2f} |"
         )

@@ -287,7 +287,8 @@ def run(
                     new = compare(layout, preset, dry, model_cfg, micro_batch, ids, zero, measured)
                     rows += new
                     print(
-                        f"{preset} {layout.label} ZeRO {zero}: dry run {dry['wall_s']:.1f} s wall / {dry['cpu_s']:.1f} s "
+                        f"{preset} {layout.label} ZeRO {zero}: dry run {dry['wall_s']:.1f} s wall / "
+                        f"{dry['cpu_s']:.1f} s "
                         f"CPU; MemTracker {time.perf_counter() - t0:.1f} s; ratios "
                         + ", ".join(f"{r['est_total'] / r['mt_total']:.3f}" for r in new),
                         file=sys.stderr,
@@ -310,27 +311,23 @@ def run(
     return rows, states, fresh
 
 
-def report(
-    rows: Sequence[dict[str, Any]],
-    states: Sequence[dict[str, Any]],
-    micro_batch: int,
-    seq: int,
-    argv: Sequence[str],
-    tiny: bool,
-    fresh: Sequence[dict[str, Any]] = (),
-) -> str:
+def _size(nbytes: float, scale: float) -> str:
+    return f"{nbytes / scale:.2f}"
+
+
+def _header_lines(micro_batch: int, seq: int, argv: Sequence[str], tiny: bool, unit: str) -> list[str]:
+    """The title, the command, what is compared with what, and the machine."""
     from benchmarks.machine import machine_info
 
     info = machine_info()
-    unit, scale = ("MiB", MIB) if tiny else ("GiB", GIB)
-    g = lambda b: f"{b / scale:.2f}"  # noqa: E731
     model = "a tiny GPT (2 x 64, vocab 512)" if tiny else "gpt3-small and gpt3-xl"
-    lines = [
+    return [
         "# Dry-run memory estimate vs MemTracker",
         "",
         f"Command: `{shlex.join(['python', '-m', 'benchmarks.memory_estimate', *argv])}` (OMP_NUM_THREADS=1)",
         "",
-        f"{model}, bf16, micro-batch {micro_batch}, seq {seq}. Per layout, the dry run (`python -m launcher.dryrun`, the "
+        f"{model}, bf16, micro-batch {micro_batch}, seq {seq}. Per layout, the dry run "
+        "(`python -m launcher.dryrun`, the "
         "commands below) estimates this rank's memory: activations traced from the rank's model under FakeTensorMode "
         "with the lean PeakBytes counter, plus model states by ZeRO stage. MemTracker measures one forward+backward of "
         "the same rank's model separately under FakeTensorMode (nothing allocated). Like with like: **estimate** = the "
@@ -343,6 +340,12 @@ def report(
         f"Machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, Python {info['python']}, "
         f"torch {info['torch']}, DeepSpeed {info['deepspeed']}, GPU {info['gpu']}.",
         "",
+    ]
+
+
+def _comparison_table(rows: Sequence[dict[str, Any]], scale: float) -> list[str]:
+    """Estimate vs MemTracker per layout, ZeRO stage and recompute mode, with the pass verdict."""
+    lines = [
         "| layout | model | ZeRO | recompute | formula activ. | dry-run activ. | MemTracker activ. | activ. ratio | "
         "estimate | MemTracker | ratio | pass | dry-run total | estimate s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -350,13 +353,22 @@ def report(
     for r in rows:
         ok = not check([r])
         lines.append(
-            f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} | {g(r['formula_act'])} "
-            f"| {g(r['est_act'])} | {g(r['mt_act'])} | {r['est_act'] / r['mt_act']:.3f} | {g(r['est_total'])} "
-            f"| {g(r['mt_total'])} | {r['est_total'] / r['mt_total']:.3f} | {'yes' if ok else '**NO**'} "
-            f"| {g(r['dry_run_total'])} | {r['estimate_s']:.1f} |"
+            f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} "
+            f"| {_size(r['formula_act'], scale)} "
+            f"| {_size(r['est_act'], scale)} | {_size(r['mt_act'], scale)} | {r['est_act'] / r['mt_act']:.3f} "
+            f"| {_size(r['est_total'], scale)} "
+            f"| {_size(r['mt_total'], scale)} | {r['est_total'] / r['mt_total']:.3f} | {'yes' if ok else '**NO**'} "
+            f"| {_size(r['dry_run_total'], scale)} | {r['estimate_s']:.1f} |"
         )
+    return lines
+
+
+def _states_table(
+    rows: Sequence[dict[str, Any]], states: Sequence[dict[str, Any]], scale: float
+) -> list[str]:
+    """The dry runs' cost and their ZeRO-2 model states against DeepSpeed's estimate."""
     methods = sorted({r["method"] for r in rows})
-    lines += [
+    lines = [
         "",
         f"Activations method in every dry run: {', '.join(methods)}. `estimate s` is the wall time of the "
         "dry run's activation estimate (every ZeRO stage and recompute mode: two traces of two passes each), "
@@ -375,30 +387,41 @@ def report(
         diff = "-" if ds is None else f"{(s['ours'] - ds) / ds:+.1%}"
         lines.append(
             f"| {s['layout']} | {s['preset']} | `{cmd}` | {s['wall_s']:.1f} | {s['cpu_s']:.1f} | {others} "
-            f"| {g(s['ours'])} | {'-' if ds is None else g(ds)} | {diff} |"
+            f"| {_size(s['ours'], scale)} | {'-' if ds is None else _size(ds, scale)} | {diff} |"
         )
-    if fresh:
+    return lines
+
+
+def _fresh_lines(fresh: Sequence[dict[str, Any]]) -> list[str]:
+    """The dry run as a user starts it (a fresh process), with what it printed."""
+    if not fresh:
+        return []
+    lines = [
+        "",
+        "The dry run as a user starts it, a fresh process (imports included), against an H100's 80 GiB:",
+        "",
+    ]
+    for f in fresh:
+        others = "?" if f["others_cores"] is None else f"{f['others_cores']:.1f}"
+        cmd = shlex.join(["python", "-m", "launcher.dryrun", *f["argv"]]).replace(
+            f" --out {shlex.quote(f['argv'][f['argv'].index('--out') + 1])}", ""
+        )
         lines += [
+            f"`{cmd}`: {f['wall_s']:.1f} s wall, {f['cpu_s']:.1f} s CPU (activation estimate "
+            f"{f['estimate_s']:.1f} s wall; other processes {others} cores, load average {f['loadavg']:.1f})",
             "",
-            "The dry run as a user starts it, a fresh process (imports included), against an H100's 80 GiB:",
+            "```",
+            *f["printed"],
+            "```",
             "",
         ]
-        for f in fresh:
-            others = "?" if f["others_cores"] is None else f"{f['others_cores']:.1f}"
-            cmd = shlex.join(["python", "-m", "launcher.dryrun", *f["argv"]]).replace(
-                f" --out {shlex.quote(f['argv'][f['argv'].index('--out') + 1])}", ""
-            )
-            lines += [
-                f"`{cmd}`: {f['wall_s']:.1f} s wall, {f['cpu_s']:.1f} s CPU (activation estimate "
-                f"{f['estimate_s']:.1f} s wall; other processes {others} cores, load average {f['loadavg']:.1f})",
-                "",
-                "```",
-                *f["printed"],
-                "```",
-                "",
-            ]
+    return lines
+
+
+def _kinds_table(rows: Sequence[dict[str, Any]], unit: str, scale: float) -> list[str]:
+    """MemTracker's peak by kind, then the rows outside the tolerance."""
     kinds = sorted({k for r in rows for k in r["mt_kinds"]})
-    lines += [
+    lines = [
         "",
         f"MemTracker's peak by kind ({unit}):",
         "",
@@ -408,11 +431,32 @@ def report(
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} | "
-            + " | ".join(g(r["mt_kinds"].get(k, 0)) for k in kinds)
+            + " | ".join(_size(r["mt_kinds"].get(k, 0), scale) for k in kinds)
             + " |"
         )
     bad = check(rows)
     lines += ["", f"Rows outside {TOLERANCE:.0%}: " + ("none." if not bad else "; ".join(bad))]
+    return lines
+
+
+def report(
+    rows: Sequence[dict[str, Any]],
+    states: Sequence[dict[str, Any]],
+    micro_batch: int,
+    seq: int,
+    argv: Sequence[str],
+    tiny: bool,
+    fresh: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The Markdown report (benchmarks/results/memory_estimate.md)."""
+    unit, scale = ("MiB", MIB) if tiny else ("GiB", GIB)
+    lines = [
+        *_header_lines(micro_batch, seq, argv, tiny, unit),
+        *_comparison_table(rows, scale),
+        *_states_table(rows, states, scale),
+        *_fresh_lines(fresh),
+        *_kinds_table(rows, unit, scale),
+    ]
     return "\n".join(lines) + "\n"
 
 

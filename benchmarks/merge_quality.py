@@ -59,7 +59,8 @@ MERGE_QUALITY_FORMAT = "demix-merge-quality/1"
 
 
 def expert_coherence(c: Consolidated) -> dict[int, float]:
-    """{layer: ||mean_j W_j|| / mean_j ||W_j||} over the fc1 weights of every layer's experts (btx.average_coherence)."""
+    """{layer: ||mean_j W_j|| / mean_j ||W_j||} over the fc1 weights of every layer's experts
+    (btx.average_coherence)."""
     return {l: average_coherence(c.state_dict, len(c.domains), l) for l in range(c.cfg.model.n_layers)}
 
 

@@ -273,9 +273,56 @@ def head_floor(
     return {k: round(v, 5) for k, v in t.items()}
 
 
-def run(args: argparse.Namespace) -> dict:
+def _time_row(args: argparse.Namespace, model, tokens, targets, E: int, sync, gemm: dict) -> dict:
+    """One expert count: every path timed round-robin, parity against forward, the mixture maths, the rates."""
     from benchmarks.machine import OtherLoad
     from model import mixture as mx
+
+    BT = args.batch * args.seq_len
+    load0 = os.getloadavg()[0]
+    ids = list(range(E))
+    fns = _paths(model, tokens, targets, ids, args.fanout_tokens)
+    ref = fns["forward"]()
+    err = {k: float((fns[k]() - ref).abs().max()) for k in ("batched", "sequential")}
+    with OtherLoad() as others:
+        t = _round_robin(fns, args.repeats, sync)
+    ll = fns["batched"]().double().cpu()
+    t_m = _round_robin(
+        {"m": lambda: mx.posterior_mixture_log_probs(ll, mx.updating_priors(ll).log_prior_EB)},
+        args.repeats,
+        lambda: None,
+    )["wall"]["m"]
+    row = {"experts": E, "loadavg_1m_start": round(load0, 2), "others": others.result()}
+    for k in PATHS:
+        row[f"{k}_s"], row[f"{k}_cpu_s"] = round(t["wall"][k], 5), round(t["cpu"][k], 5)
+    row.update(
+        {
+            "speedup_vs_sequential": round(t["wall"]["sequential"] / t["wall"]["batched"], 3),
+            "speedup_vs_forward": round(t["wall"]["forward"] / t["wall"]["batched"], 3),
+            "cpu_speedup_vs_sequential": round(t["cpu"]["sequential"] / t["cpu"]["batched"], 3),
+            "cpu_speedup_vs_forward": round(t["cpu"]["forward"] / t["cpu"]["batched"], 3),
+            "batched_text_tok_s": round(BT / t["wall"]["batched"], 1),
+            "batched_expert_tok_s": round(E * BT / t["wall"]["batched"], 1),
+            "sequential_expert_tok_s": round(E * BT / t["wall"]["sequential"], 1),
+            "forward_expert_tok_s": round(E * BT / t["wall"]["forward"], 1),
+            "mixture_maths_s": round(t_m, 5),
+            "max_abs_diff_batched": err["batched"],
+            "max_abs_diff_sequential": err["sequential"],
+            "full_logits_mib": round(E * BT * model.vocab_size * 4 / 2**20, 1),
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        }
+    )
+    row["flops"] = flop_model(model.cfg, model.vocab_size, args.seq_len, E)
+    for k in PATHS:
+        rate = row[f"{k}_expert_tok_s"] * row["flops"]["per_expert_token_flops"] / 1e9
+        row[f"{k}_gflop_s"] = round(rate, 2)
+        row[f"{k}_gemm_fraction"] = round(rate / gemm["rate_gflop_s"], 3)
+    row["ceiling_vs_forward"] = round(gemm["rate_gflop_s"] / row["forward_gflop_s"], 3)
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One sweep over `--experts` at the current torch thread count: the reference GEMM rates, then a row per E."""
     from model.batched import DEFAULT_HEAD_ROWS, DEFAULT_LOGIT_BUDGET, DEFAULT_LOGIT_BUDGET_CUDA
 
     sweep = [int(e) for e in args.experts.split(",")]
@@ -298,47 +345,8 @@ def run(args: argparse.Namespace) -> dict:
     print(json.dumps({"gemm": gemm}), flush=True)
     rows = []
     for E in sweep:
-        load0 = os.getloadavg()[0]
-        ids = list(range(E))
-        fns = _paths(model, tokens, targets, ids, args.fanout_tokens)
-        ref = fns["forward"]()
-        err = {k: float((fns[k]() - ref).abs().max()) for k in ("batched", "sequential")}
-        with OtherLoad() as others:
-            t = _round_robin(fns, args.repeats, sync)
-        ll = fns["batched"]().double().cpu()
-        t_m = _round_robin(
-            {"m": lambda: mx.posterior_mixture_log_probs(ll, mx.updating_priors(ll).log_prior_EB)},
-            args.repeats,
-            lambda: None,
-        )["wall"]["m"]
-        row = {"experts": E, "loadavg_1m_start": round(load0, 2), "others": others.result()}
-        for k in PATHS:
-            row[f"{k}_s"], row[f"{k}_cpu_s"] = round(t["wall"][k], 5), round(t["cpu"][k], 5)
-        row.update(
-            {
-                "speedup_vs_sequential": round(t["wall"]["sequential"] / t["wall"]["batched"], 3),
-                "speedup_vs_forward": round(t["wall"]["forward"] / t["wall"]["batched"], 3),
-                "cpu_speedup_vs_sequential": round(t["cpu"]["sequential"] / t["cpu"]["batched"], 3),
-                "cpu_speedup_vs_forward": round(t["cpu"]["forward"] / t["cpu"]["batched"], 3),
-                "batched_text_tok_s": round(BT / t["wall"]["batched"], 1),
-                "batched_expert_tok_s": round(E * BT / t["wall"]["batched"], 1),
-                "sequential_expert_tok_s": round(E * BT / t["wall"]["sequential"], 1),
-                "forward_expert_tok_s": round(E * BT / t["wall"]["forward"], 1),
-                "mixture_maths_s": round(t_m, 5),
-                "max_abs_diff_batched": err["batched"],
-                "max_abs_diff_sequential": err["sequential"],
-                "full_logits_mib": round(E * BT * model.vocab_size * 4 / 2**20, 1),
-                "loadavg_1m_end": round(os.getloadavg()[0], 2),
-            }
-        )
-        row["flops"] = flop_model(model.cfg, model.vocab_size, args.seq_len, E)
-        for k in PATHS:
-            rate = row[f"{k}_expert_tok_s"] * row["flops"]["per_expert_token_flops"] / 1e9
-            row[f"{k}_gflop_s"] = round(rate, 2)
-            row[f"{k}_gemm_fraction"] = round(rate / gemm["rate_gflop_s"], 3)
-        row["ceiling_vs_forward"] = round(gemm["rate_gflop_s"] / row["forward_gflop_s"], 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(_time_row(args, model, tokens, targets, E, sync, gemm))
+        print(json.dumps(rows[-1]), flush=True)
     if args.memory and args.device == "cpu":
         for row in rows:
             row["peak_extra_mib"] = {k: _peak_memory(args, k, row["experts"]) for k in PATHS}
@@ -435,13 +443,8 @@ def write(result: dict, out: Path) -> None:
     (out / "mixing_throughput.md").write_text("\n".join(lines) + "\n")
 
 
-def _section(result: dict) -> list[str]:
-    """The tables and notes of one thread count's sweep."""
-    rows = result["rows"]
+def _wall_table(rows: list[dict]) -> list[str]:
     lines = [
-        "",
-        f"## {result['threads']} torch thread(s)",
-        "",
         "### Wall-clock time",
         "",
         "| experts E (= top-k k) | batched s | sequential s | forward s | speed-up vs sequential | speed-up vs forward "
@@ -452,12 +455,17 @@ def _section(result: dict) -> list[str]:
     for r in rows:
         lines.append(
             f"| {r['experts']} | {r['batched_s']:.4f} | {r['sequential_s']:.4f} | {r['forward_s']:.4f} | "
-            f"{r['speedup_vs_sequential']:.2f}x | {r['speedup_vs_forward']:.2f}x | {r['batched_text_tok_s']:,.0f} | "
+            f"{r['speedup_vs_sequential']:.2f}x | {r['speedup_vs_forward']:.2f}x | "
+            f"{r['batched_text_tok_s']:,.0f} | "
             f"{r['batched_expert_tok_s']:,.0f} | {r['sequential_expert_tok_s']:,.0f} | "
             f"{r['forward_expert_tok_s']:,.0f} | {_cores(r['others']['others_cores'])} | "
             f"{r['loadavg_1m_start']:.2f} -> {r['loadavg_1m_end']:.2f} |"
         )
-    lines += [
+    return lines
+
+
+def _cpu_table(rows: list[dict]) -> list[str]:
+    lines = [
         "",
         "### Process CPU time (less sensitive to other load)",
         "",
@@ -471,13 +479,17 @@ def _section(result: dict) -> list[str]:
             f"{r['forward_cpu_s']:.4f} | {r['cpu_speedup_vs_sequential']:.2f}x | "
             f"{r['cpu_speedup_vs_forward']:.2f}x |"
         )
-    gm = result["gemm"]
+    return lines
+
+
+def _rate_table(rows: list[dict], gm: dict) -> list[str]:
+    """Achieved GFLOP/s of each path against the GEMM rate measured in the same run."""
     shp = "; ".join(
         f"{k.replace('_', ' ')} {v['m']} x {v['k']} x {v['n']} (M x K x N"
         f"{', B transposed' if v['b_transposed'] else ''}): {v['gflop_s']:.1f} GFLOP/s"
         for k, v in gm["shapes"].items()
     )
-    lines += [
+    lines = [
         "",
         "### Achieved rate",
         "",
@@ -499,8 +511,15 @@ def _section(result: dict) -> list[str]:
             f"{r['sequential_gemm_fraction']:.0%} | {r['forward_gemm_fraction']:.0%} | "
             f"{r['ceiling_vs_forward']:.2f}x |"
         )
-    hb = result["head_block"]
-    lines += [
+    return lines
+
+
+def _mib(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def _memory_table(rows: list[dict]) -> list[str]:
+    lines = [
         "",
         "### Peak memory and parity",
         "",
@@ -512,17 +531,22 @@ def _section(result: dict) -> list[str]:
         "max abs diff batched | max abs diff sequential | mixture maths s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    fmt = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         pk = r.get("peak_extra_mib") or {}
         lines.append(
-            f"| {r['experts']} | {fmt(pk.get('batched'))} | {fmt(pk.get('sequential'))} | "
-            f"{fmt(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
+            f"| {r['experts']} | {_mib(pk.get('batched'))} | {_mib(pk.get('sequential'))} | "
+            f"{_mib(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
             f"{r['max_abs_diff_sequential']:.1e} | {r['mixture_maths_s']:.4f} |"
         )
+    return lines
+
+
+def _notes(result: dict) -> list[str]:
+    """The LM head's blocks, cost growth with E, the mixture maths, and where the time goes."""
+    rows, hb, gm = result["rows"], result["head_block"], result["gemm"]
     fl, last = rows[-1]["flops"], rows[-1]
     base = rows[0]
-    lines += [
+    return [
         "",
         f"The LM head works on blocks of at most {hb['logits']:,} logits ({hb['rows']} rows x "
         f"{hb['logits'] // hb['rows']} vocabulary entries, {hb['mib']:.0f} MiB of float32: an L2 cache) whatever "
@@ -556,22 +580,42 @@ def _section(result: dict) -> list[str]:
         f"can be more than {last['ceiling_vs_forward']:.2f}x faster than *forward* (GEMM rate / forward's achieved "
         f"rate), against the {last['speedup_vs_forward']:.2f}x the batched pass gets.",
     ]
-    hf = gm.get("head_floor_s")
-    if hf:
-        e1 = rows[0]
-        rest = e1["batched_s"] / e1["experts"] - hf["head"]
-        best = rest + hf["gemm_exp"]
-        lines += [
-            "",
-            f"The head's floor, one expert over the batch: the blocked GEMM over the whole vocabulary alone "
-            f"takes {hf['gemm']:.4f} s, with torch's in-place exp of every logit {hf['gemm_exp']:.4f} s "
-            f"({hf['gemm_exp'] / hf['gemm'] - 1:.0%} more: the exp of B·T·V values cannot be skipped for an "
-            f"exact log-partition), and the whole head (`target_log_probs`) {hf['head']:.4f} s. With the rest "
-            f"of the pass ({rest:.4f} s per expert at E = {e1['experts']}) a pass built from these torch ops "
-            f"takes at least {best:.4f} s per expert, which is "
-            f"{e1['forward_s'] / e1['experts'] / best:.2f}x *forward*.",
-        ]
-    return lines
+
+
+def _head_floor_note(result: dict) -> list[str]:
+    """What a pass built from these torch ops costs at least (when the head floor was measured)."""
+    hf = result["gemm"].get("head_floor_s")
+    if not hf:
+        return []
+    e1 = result["rows"][0]
+    rest = e1["batched_s"] / e1["experts"] - hf["head"]
+    best = rest + hf["gemm_exp"]
+    return [
+        "",
+        f"The head's floor, one expert over the batch: the blocked GEMM over the whole vocabulary alone "
+        f"takes {hf['gemm']:.4f} s, with torch's in-place exp of every logit {hf['gemm_exp']:.4f} s "
+        f"({hf['gemm_exp'] / hf['gemm'] - 1:.0%} more: the exp of B·T·V values cannot be skipped for an "
+        f"exact log-partition), and the whole head (`target_log_probs`) {hf['head']:.4f} s. With the rest "
+        f"of the pass ({rest:.4f} s per expert at E = {e1['experts']}) a pass built from these torch ops "
+        f"takes at least {best:.4f} s per expert, which is "
+        f"{e1['forward_s'] / e1['experts'] / best:.2f}x *forward*.",
+    ]
+
+
+def _section(result: dict) -> list[str]:
+    """The tables and notes of one thread count's sweep."""
+    rows = result["rows"]
+    return [
+        "",
+        f"## {result['threads']} torch thread(s)",
+        "",
+        *_wall_table(rows),
+        *_cpu_table(rows),
+        *_rate_table(rows, result["gemm"]),
+        *_memory_table(rows),
+        *_notes(result),
+        *_head_floor_note(result),
+    ]
 
 
 def _cores(v: Optional[float]) -> str:

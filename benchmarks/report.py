@@ -357,7 +357,8 @@ def load_costmodel(path: Path) -> dict:
     """The cost model's paper report: the regenerated JSON if present, else computed now (v100-dgx1)."""
     if path.is_file():
         return json.loads(path.read_text())
-    from benchmarks.costmodel import load_cluster, paper_report
+    from benchmarks.costmodel.cluster import load_cluster
+    from benchmarks.costmodel.paper import paper_report
 
     return {
         "command": "benchmarks.costmodel.paper_report(load_cluster('v100-dgx1')) (computed by the report)",
@@ -407,7 +408,7 @@ def costmodel_table(cm: dict) -> Table:
 
 def _point_options(r: dict) -> Any:
     """The cost model's options for a sweep point as it ran (its precision, micro-batch, accumulation)."""
-    from benchmarks.costmodel import DTYPE_BYTES, CostOptions
+    from benchmarks.costmodel.options import DTYPE_BYTES, CostOptions
 
     dtype = r.get("precision") if r.get("precision") in DTYPE_BYTES else "fp16"
     return CostOptions(
@@ -433,7 +434,7 @@ def _point_model(r: dict, padded: bool = False) -> Any:
 
 def comm_table(rows: list[dict]) -> Optional[Table]:
     """Measured bytes per update and group (rank 0, the trainer's counters) beside the cost model's formulas."""
-    from benchmarks.costmodel import comm_bytes_per_update
+    from benchmarks.costmodel.layout import comm_bytes_per_update
 
     ok = [r for r in rows if r["status"] == "ok" and r.get("model") and r.get("comm_bytes") is not None]
     if not ok:
@@ -487,7 +488,10 @@ def cluster_predictions(results: dict) -> Optional[Table]:
     ok = [r for r in results["points"] if r["status"] == "ok" and r.get("model")]
     if not cluster_name or not ok:
         return None
-    from benchmarks.costmodel import CostOptions, cluster_efficiency, load_cluster, predict
+    from benchmarks.costmodel.cluster import load_cluster
+    from benchmarks.costmodel.fit import cluster_efficiency
+    from benchmarks.costmodel.options import CostOptions
+    from benchmarks.costmodel.predict import predict
 
     cluster = load_cluster(cluster_name)
     body = []
@@ -655,7 +659,8 @@ def costmodel_figure(cm: dict) -> Figure:
 
 def _machine_line(m: dict) -> str:
     return (
-        f"Machine: {m.get('cores')} usable cores (os.cpu_count() = {m.get('cpu_count')}), {m.get('cpu') or 'unknown CPU'}, "
+        f"Machine: {m.get('cores')} usable cores (os.cpu_count() = {m.get('cpu_count')}), "
+        f"{m.get('cpu') or 'unknown CPU'}, "
         f"GPU {m.get('gpu') or 'none'}, {m.get('platform')}, Python {m.get('python')}, torch {m.get('torch')}, "
         f"DeepSpeed {m.get('deepspeed')}, OMP_NUM_THREADS={m.get('omp_num_threads')}; 1-minute load average "
         f"{m.get('loadavg_1m')} at the start and {m.get('loadavg_1m_end', '?')} at the end."

@@ -1,7 +1,8 @@
 """Which model size, sequence length and vocabulary learn most per CPU-second on the demo corpus: the evidence
 behind `make reproduce`'s budget (configs/reproduce/full.yaml).
 
-    python -m benchmarks.size_choice [--seconds 120] [--out runs/size_choice] [--record benchmarks/results/size_choice.md]
+    python -m benchmarks.size_choice [--seconds 120] [--out runs/size_choice]
+                                     [--record benchmarks/results/size_choice.md]
 
 1. Cost. Tokens/s of one training update (forward, backward, AdamW; one process, one thread, 4 x T random ids)
    for every candidate shape, with the demo's 8k sentencepiece vocabulary and with GPT-2's 50,257 ids; and the
@@ -170,7 +171,7 @@ def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> d
     }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.size_choice", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--seconds", type=positive_float, default=120.0, help="training wall clock per shape (part 2)"
@@ -180,11 +181,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--reuse", action="store_true", help="reuse finished runs under --out (part 2 not retrained)"
     )
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    m0 = machine_info()
-    tpb = tokens_per_byte()
-    rates = {(s.name, v): update_rate(s, n) for s in SHAPES for v, n in VOCABS.items()}
+    return p.parse_args(argv)
+
+
+def _cost_lines(
+    argv: Optional[Sequence[str]], m0: dict, tpb: dict[str, float], rates: dict[tuple[str, str], float]
+) -> list[str]:
+    """The heading and part 1: the update rate of every shape and vocabulary."""
     lines = [
         "# Model shape and vocabulary per CPU-second (make reproduce's budget)",
         "",
@@ -202,17 +205,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base = rates[(SHAPES[0].name, "sentencepiece 8k")] / tpb["sentencepiece 8k"]
     for (s, v), r in rates.items():
         lines.append(f"| {s} | {v} | {r:,.0f} | {r / tpb[v]:,.0f} | {r / tpb[v] / base:.2f}x |")
-    lines += [
-        "",
-        f"## 2. Learning: Dense, 2 ranks, about {a.seconds:.0f} s of training each, sentencepiece 8k",
-        "",
-        "Steps come from part 1's rate, so the training seconds differ under a changing load; the comparison "
-        "that counts is the training loss after the same seconds of training (T = the shortest run's step "
-        "time; mean of the last 3 logged intervals before T).",
-        "",
-        "| shape | steps | tokens | training s (steps) | final val loss (nats/token) | train loss at T | nats/byte at T |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    return lines
+
+
+def _learn(
+    a: argparse.Namespace, rates: dict[tuple[str, str], float]
+) -> tuple[dict[str, dict], float, dict[str, float]]:
+    """Part 2: train every shape for about `a.seconds`; (results, T the shortest training time, loss at T)."""
     out = Path(a.out)
     results = {}
     for s in SHAPES:
@@ -223,6 +222,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results[s.name] = train(s, steps, out, a.reuse)
     T = min(r["train_s"] for r in results.values())
     at = {k: loss_at(r["records"], T) for k, r in results.items()}
+    return results, T, at
+
+
+def _learning_lines(
+    a: argparse.Namespace, results: dict[str, dict], T: float, at: dict[str, float], tpb: dict[str, float]
+) -> list[str]:
+    """Part 2's table: steps, tokens, seconds, final validation loss and the training loss at T."""
+    lines = [
+        "",
+        f"## 2. Learning: Dense, 2 ranks, about {a.seconds:.0f} s of training each, sentencepiece 8k",
+        "",
+        "Steps come from part 1's rate, so the training seconds differ under a changing load; the comparison "
+        "that counts is the training loss after the same seconds of training (T = the shortest run's step "
+        "time; mean of the last 3 logged intervals before T).",
+        "",
+        "| shape | steps | tokens | training s (steps) | final val loss (nats/token) | train loss at T "
+        "| nats/byte at T |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in SHAPES:
         r = results[s.name]
         lines.append(
@@ -238,9 +256,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else ""
         ),
     ]
+    return lines
+
+
+def _verdict_lines(at: dict[str, float], m0: dict, m1: dict) -> list[str]:
     best = min(at, key=lambda k: at[k])
-    m1 = machine_info()
-    lines += [
+    return [
         "",
         f"Lowest training loss after the same seconds: **{best}**. 1-min load at the start {m0['loadavg_1m']}, "
         f"at the end {m1['loadavg_1m']}"
@@ -251,6 +272,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         + ".",
     ]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Part 1 (cost per update), part 2 (learning per second); print the markdown and write it with --record."""
+    a = _parse(argv)
+    torch.set_num_threads(1)
+    m0 = machine_info()
+    tpb = tokens_per_byte()
+    rates = {(s.name, v): update_rate(s, n) for s in SHAPES for v, n in VOCABS.items()}
+    lines = _cost_lines(argv, m0, tpb, rates)
+    results, T, at = _learn(a, rates)
+    lines += _learning_lines(a, results, T, at, tpb)
+    lines += _verdict_lines(at, m0, machine_info())
     text = "\n".join(lines) + "\n"
     print(text)
     if a.record:

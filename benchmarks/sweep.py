@@ -188,7 +188,7 @@ class SweepConfig:
         if self.launch.gpus_per_node < 1 or self.launch.timeout_s < 1:
             out.append("launch.gpus_per_node and launch.timeout_s must be >= 1")
         if self.cluster is not None:
-            from benchmarks.costmodel import cluster_presets
+            from benchmarks.costmodel.cluster import cluster_presets
 
             if self.cluster not in cluster_presets():
                 out.append(
@@ -670,7 +670,8 @@ def run_sweep(
         f" ({len(results['reused'])} reused from earlier runs, not re-timed)" if results["reused"] else ""
     )
     print(
-        f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; wrote {sweep_dir / 'results.json'}",
+        f"[sweep] {n_ok}/{len(rows)} points ok{reused} in {results['wall_s']:.0f} s; "
+        f"wrote {sweep_dir / 'results.json'}",
         flush=True,
     )
     return results

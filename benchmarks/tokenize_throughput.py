@@ -27,8 +27,9 @@ counted), in rounds alternating with the single-process baseline so that both se
 `total_seconds` (from reading the corpus to the manifest) and the wall time of the whole call (which adds the
 sha256 of the input files that decides whether there is anything to do). It then runs `--cold-runs` first calls,
 each in a fresh Python process after that process's own baseline, and reports their one-off set-up (the
-megatron-core import, starting the encoding threads) beside the end-to-end figure. `--with-anonymise` adds one more `prepare_corpus` run with anonymisation ON (the default policy), which
-is bounded by the pure-Python anonymiser, not by tokenisation. The best of `--repeats` is reported for each.
+megatron-core import, starting the encoding threads) beside the end-to-end figure. `--with-anonymise` adds one more
+`prepare_corpus` run with anonymisation ON (the default policy), which is bounded by the pure-Python anonymiser, not
+by tokenisation. The best of `--repeats` is reported for each.
 The CPU other processes used during the run (benchmarks/machine.py `OtherLoad`, in cores) and the 1-minute load
 average at the start and the end are recorded; when others used more than 0.25 cores or the load average was
 above 1.5 the report says it was taken under load. Results go to benchmarks/results/tokenize_throughput.{md,json}.
@@ -187,7 +188,7 @@ def _least_cpu(fn, repeats: int) -> float:
     return best
 
 
-def main(argv=None) -> dict:
+def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=positive_float, default=8.0)
     ap.add_argument("--workers", type=positive_int, default=2)
@@ -201,65 +202,95 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--with-anonymise", action="store_true", help="also prepare_corpus with anonymisation on")
     ap.add_argument("--out", default=str(RESULTS))
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    from benchmarks.encoders import ThreadEncoder, make_pool, tokenize_documents
-    from benchmarks.machine import OtherLoad, machine_info
-    from data.tokenizer import TokenizerSpec, load_tokenizer
 
-    machine = machine_info()  # loadavg_1m: the load when the run starts
-    others = OtherLoad().__enter__()  # the whole run; the end-to-end rounds get their own below
-    texts = stdlib_texts(a.mb)
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    tok = load_tokenizer("gpt2")
-    enc = tok._enc
+def _rate(seconds: float, tokens: int, n_bytes: int) -> dict:
+    return {
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds),
+        "mb_per_s": round(n_bytes / 1e6 / seconds, 2),
+    }
 
-    def rate(seconds: float, tokens: int) -> dict:
+
+def _ceiling(tok, texts: list[str], a: argparse.Namespace, single_tokens: int, n_bytes: int) -> dict:
+    """The no-I/O ceiling row: forked processes on char-balanced ranges, or why it was skipped."""
+    if "fork" not in mp.get_all_start_methods():
         return {
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds),
-            "mb_per_s": round(n_bytes / 1e6 / seconds, 2),
-        }
-
-    single_s, single_tokens = _best(lambda: sum(len(enc.encode_ordinary(t)) for t in texts), a.repeats)
-    numpy_s, numpy_tokens = _best(lambda: sum(len(tok.encode_array(t)) for t in texts), a.repeats)
-    # Forked before the thread and process-pool paths run, so the child inherits as little state as possible.
-    if "fork" in mp.get_all_start_methods():
-        ceil_s, ceil_tokens, ceil_ranges = ceiling_processes(tok, texts, a.workers, a.repeats)
-        ceiling: dict = {
-            "workers": a.workers,
-            "start_method": "fork",
-            "documents_per_process": [hi - lo for lo, hi in ceil_ranges],
-            "chars_per_process": [sum(len(t) for t in texts[lo:hi]) for lo, hi in ceil_ranges],
-            **rate(ceil_s, ceil_tokens),
-        }
-        assert ceil_tokens == single_tokens, (ceil_tokens, single_tokens)
-    else:
-        ceiling = {
             "skipped": "the 'fork' start method is unavailable on this platform "
             f"({', '.join(mp.get_all_start_methods())}), and the ceiling needs workers that inherit "
             "the texts without pickling them"
         }
+    ceil_s, ceil_tokens, ceil_ranges = ceiling_processes(tok, texts, a.workers, a.repeats)
+    ceiling: dict = {
+        "workers": a.workers,
+        "start_method": "fork",
+        "documents_per_process": [hi - lo for lo, hi in ceil_ranges],
+        "chars_per_process": [sum(len(t) for t in texts[lo:hi]) for lo, hi in ceil_ranges],
+        **_rate(ceil_s, ceil_tokens, n_bytes),
+    }
+    assert ceil_tokens == single_tokens, (ceil_tokens, single_tokens)
+    return ceiling
+
+
+def _pipeline_threads(tok, texts: list[str], workers: int) -> int:
+    """Tokens from `data.prepare.ThreadEncoder`'s kept threads, each with an encoding of its own."""
+    from benchmarks.encoders import ThreadEncoder
+
+    encoder = ThreadEncoder(tok, "uint16", workers)
+    try:
+        encoder.feed("code", texts)
+        return sum(len(flat) - len(lengths) for flat, lengths in encoder.results("code"))
+    finally:
+        encoder.close()
+
+
+def _shared_threads(tok, texts: list[str], workers: int) -> int:
+    """The same chunks on `--workers` new threads that share the process's encoding (ThreadEncoder before
+    the tokenizer's kept threads with encodings of their own): what sharing one tiktoken encoding costs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.encoders import THREAD_CHUNK_CHARS, _chunks, encode_concat
+
+    with ThreadPoolExecutor(workers) as ex:
+        parts = ex.map(lambda c: encode_concat(tok, c, "uint16"), _chunks(texts, THREAD_CHUNK_CHARS))
+        return sum(len(flat) - len(lengths) for flat, lengths in parts)
+
+
+def _process_pool(texts: list[str], workers: int, repeats: int) -> tuple[float, int]:
+    """Best seconds and tokens of `tokenize_documents` over a warmed-up process pool (the previous path)."""
+    from benchmarks.encoders import make_pool, tokenize_documents
+    from data.tokenizer import TokenizerSpec
+
+    pool = make_pool(workers, TokenizerSpec("gpt2"))
+    try:
+        if pool is not None:
+            pool.map(time.sleep, [0.3] * (2 * workers))  # let every worker finish loading the encoding
+        spec = TokenizerSpec("gpt2")
+        return _best(
+            lambda: sum(len(x) - 1 for x in tokenize_documents(texts, spec, "uint16", pool)), repeats
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
+def _encode_paths(a: argparse.Namespace, texts: list[str], tok, n_bytes: int) -> tuple[dict, int]:
+    """Time every encoding path on the same texts (all must give the same tokens): the result's rows, and the
+    tokens."""
+    enc = tok._enc
+    single_s, single_tokens = _best(lambda: sum(len(enc.encode_ordinary(t)) for t in texts), a.repeats)
+    numpy_s, numpy_tokens = _best(lambda: sum(len(tok.encode_array(t)) for t in texts), a.repeats)
+    # Forked before the thread and process-pool paths run, so the child inherits as little state as possible.
+    ceiling = _ceiling(tok, texts, a, single_tokens, n_bytes)
     assert numpy_tokens == single_tokens, (numpy_tokens, single_tokens)
 
     def threads() -> int:
-        encoder = ThreadEncoder(tok, "uint16", a.workers)
-        try:
-            encoder.feed("code", texts)
-            return sum(len(flat) - len(lengths) for flat, lengths in encoder.results("code"))
-        finally:
-            encoder.close()
+        return _pipeline_threads(tok, texts, a.workers)
 
     def shared_threads() -> int:
-        """The same chunks on `--workers` new threads that share the process's encoding (ThreadEncoder before
-        the tokenizer's kept threads with encodings of their own): what sharing one tiktoken encoding costs."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from benchmarks.encoders import THREAD_CHUNK_CHARS, _chunks, encode_concat
-
-        with ThreadPoolExecutor(a.workers) as ex:
-            parts = ex.map(lambda c: encode_concat(tok, c, "uint16"), _chunks(texts, THREAD_CHUNK_CHARS))
-            return sum(len(flat) - len(lengths) for flat, lengths in parts)
+        return _shared_threads(tok, texts, a.workers)
 
     thread_s, thread_tokens = _best(threads, a.repeats)
     shared_s, shared_tokens = _best(shared_threads, a.repeats)
@@ -269,41 +300,20 @@ def main(argv=None) -> dict:
         "pipeline_threads": _least_cpu(threads, a.repeats),
         "threads_sharing_one_encoding": _least_cpu(shared_threads, a.repeats),
     }
-    pool = make_pool(a.workers, TokenizerSpec("gpt2"))
-    try:
-        if pool is not None:
-            pool.map(time.sleep, [0.3] * (2 * a.workers))  # let every worker finish loading the encoding
-        spec = TokenizerSpec("gpt2")
-        proc_s, proc_tokens = _best(
-            lambda: sum(len(x) - 1 for x in tokenize_documents(texts, spec, "uint16", pool)), a.repeats
-        )
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    proc_s, proc_tokens = _process_pool(texts, a.workers, a.repeats)
     assert thread_tokens == proc_tokens == shared_tokens == single_tokens, (
         thread_tokens,
         proc_tokens,
         shared_tokens,
         single_tokens,
     )
-
-    result = {
-        "command": "python -m benchmarks.tokenize_throughput "
-        + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine,
-        "text": {
-            "source": "python stdlib .py files (sorted, tests excluded)",
-            "documents": len(texts),
-            "megabytes": round(n_bytes / 1e6, 2),
-            "gpt2_tokens": single_tokens,
-        },
-        "single_process_tiktoken": rate(single_s, single_tokens),
-        "single_thread_encode_array": rate(numpy_s, numpy_tokens),
+    rows = {
+        "single_process_tiktoken": _rate(single_s, single_tokens, n_bytes),
+        "single_thread_encode_array": _rate(numpy_s, numpy_tokens, n_bytes),
         "ceiling_processes_no_io": ceiling,
-        "pipeline_threads": {"workers": a.workers, **rate(thread_s, thread_tokens)},
-        "threads_sharing_one_encoding": {"workers": a.workers, **rate(shared_s, shared_tokens)},
-        "pipeline_processes": {"workers": a.workers, **rate(proc_s, proc_tokens)},
+        "pipeline_threads": {"workers": a.workers, **_rate(thread_s, thread_tokens, n_bytes)},
+        "threads_sharing_one_encoding": {"workers": a.workers, **_rate(shared_s, shared_tokens, n_bytes)},
+        "pipeline_processes": {"workers": a.workers, **_rate(proc_s, proc_tokens, n_bytes)},
         "speedup_threads_over_single": round(single_s / thread_s, 2),
         "speedup_shared_threads_over_single": round(single_s / shared_s, 2),
         "speedup_processes_over_single": round(single_s / proc_s, 2),
@@ -312,97 +322,86 @@ def main(argv=None) -> dict:
         if "seconds" in ceiling
         else None,
         "cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
-        "repeats": a.repeats,
     }
-    if a.with_prepare or a.with_anonymise:
-        from data.prepare import prepare_corpus
+    return rows, single_tokens
 
-        with tempfile.TemporaryDirectory() as tmp:
-            corpus = Path(tmp) / "corpus"
-            corpus.mkdir()
-            with open(corpus / "code.jsonl", "w") as f:
-                for i, t in enumerate(texts):
-                    f.write(json.dumps({"id": str(i), "domain": "code", "text": t}) + "\n")
 
-            def run(anonymise: bool, repeats: int) -> dict:
-                """Rounds of (single-process baseline, prepare_corpus), best of each and the per-round ratios."""
-                best, call_best, base_best, ratios = None, float("inf"), float("inf"), []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    sum(len(enc.encode_ordinary(t)) for t in texts)
-                    base = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    r = prepare_corpus(
-                        corpus,
-                        Path(tmp) / "tokens",
-                        workers=a.workers,
-                        anonymise=anonymise,
-                        progress=False,
-                        force=True,
-                    )
-                    call = time.perf_counter() - t0
-                    ratios.append(base / r.stats["total_seconds"])
-                    base_best, call_best = min(base_best, base), min(call_best, call)
-                    if best is None or r.stats["total_seconds"] < best["total_seconds"]:
-                        best = r.stats
-                out = {
-                    k: best[k]
-                    for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s", "tokens")
-                }
-                ratios.sort()
-                return {
-                    **out,
-                    "anonymise": anonymise,
-                    "encoder": best.get("encoder"),
-                    "call_seconds": round(call_best, 3),
-                    "single_in_rounds_seconds": round(base_best, 3),
-                    "speedup_end_to_end_over_single": round(base_best / best["total_seconds"], 2),
-                    "speedup_call_over_single": round(base_best / call_best, 2),
-                    "round_ratios_min_median_max": [
-                        round(ratios[0], 2),
-                        round(ratios[len(ratios) // 2], 2),
-                        round(ratios[-1], 2),
-                    ],
-                }
+def _prepare_rounds(
+    a: argparse.Namespace, texts: list[str], enc, corpus: Path, tmp: str, anonymise: bool, repeats: int
+) -> dict:
+    """Rounds of (single-process baseline, prepare_corpus), best of each and the per-round ratios."""
+    from data.prepare import prepare_corpus
 
-            if a.with_prepare:
-                with OtherLoad() as e2e_others:
-                    e2e = run(False, a.repeats)
-                result["prepare_corpus_end_to_end"] = e2e = {**e2e, "others": e2e_others.result()}
-                if result[
-                    "speedup_ceiling_over_single"
-                ]:  # end-to-end seconds as a share of the no-I/O ceiling's
-                    e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
-                with OtherLoad() as cold_others:
-                    cold = [first_call(corpus, Path(tmp) / "cold", a.workers) for _ in range(a.cold_runs)]
-                ratios = sorted(r["ratio"] for r in cold)
-                result["prepare_corpus_first_call"] = {
-                    "runs": cold,
-                    "median_ratio": ratios[len(ratios) // 2] if ratios else None,
-                    "others": cold_others.result(),
-                }
-            if a.with_anonymise:
-                result["prepare_corpus_anonymised"] = run(True, 1)
-    result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    others.__exit__(None, None, None)
-    result["machine"]["others"] = others.result()
-    load = max(result["machine"]["loadavg_1m"], result["machine"]["loadavg_1m_at_end"])
-    busy = result.get("prepare_corpus_end_to_end", {}).get("others", result["machine"]["others"])[
-        "others_cores"
-    ]
-    result["taken_under_load"] = load > 1.5 or (busy is not None and busy > 0.25)
+    best, call_best, base_best, ratios = None, float("inf"), float("inf"), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sum(len(enc.encode_ordinary(t)) for t in texts)
+        base = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        r = prepare_corpus(
+            corpus,
+            Path(tmp) / "tokens",
+            workers=a.workers,
+            anonymise=anonymise,
+            progress=False,
+            force=True,
+        )
+        call = time.perf_counter() - t0
+        ratios.append(base / r.stats["total_seconds"])
+        base_best, call_best = min(base_best, base), min(call_best, call)
+        if best is None or r.stats["total_seconds"] < best["total_seconds"]:
+            best = r.stats
+    out = {k: best[k] for k in ("total_seconds", "tokenise_seconds", "tokens_per_s", "mb_per_s", "tokens")}
+    ratios.sort()
+    return {
+        **out,
+        "anonymise": anonymise,
+        "encoder": best.get("encoder"),
+        "call_seconds": round(call_best, 3),
+        "single_in_rounds_seconds": round(base_best, 3),
+        "speedup_end_to_end_over_single": round(base_best / best["total_seconds"], 2),
+        "speedup_call_over_single": round(base_best / call_best, 2),
+        "round_ratios_min_median_max": [
+            round(ratios[0], 2),
+            round(ratios[len(ratios) // 2], 2),
+            round(ratios[-1], 2),
+        ],
+    }
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenize_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    m, s, t, p = (
-        result["machine"],
-        result["single_process_tiktoken"],
-        result["pipeline_threads"],
-        result["pipeline_processes"],
-    )
-    nu, c = result["single_thread_encode_array"], result["ceiling_processes_no_io"]
-    sh = result["threads_sharing_one_encoding"]
+
+def _prepare_corpus_runs(a: argparse.Namespace, texts: list[str], enc, result: dict) -> None:
+    """--with-prepare / --with-anonymise: `prepare_corpus` end to end, its first calls, anonymised; into `result`."""
+    from benchmarks.machine import OtherLoad
+
+    ceiling = result["ceiling_processes_no_io"]
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus"
+        corpus.mkdir()
+        with open(corpus / "code.jsonl", "w") as f:
+            for i, t in enumerate(texts):
+                f.write(json.dumps({"id": str(i), "domain": "code", "text": t}) + "\n")
+
+        if a.with_prepare:
+            with OtherLoad() as e2e_others:
+                e2e = _prepare_rounds(a, texts, enc, corpus, tmp, False, a.repeats)
+            result["prepare_corpus_end_to_end"] = e2e = {**e2e, "others": e2e_others.result()}
+            if result["speedup_ceiling_over_single"]:  # end-to-end seconds as a share of the no-I/O ceiling's
+                e2e["fraction_of_ceiling"] = round(ceiling["seconds"] / e2e["total_seconds"], 3)
+            with OtherLoad() as cold_others:
+                cold = [first_call(corpus, Path(tmp) / "cold", a.workers) for _ in range(a.cold_runs)]
+            ratios = sorted(r["ratio"] for r in cold)
+            result["prepare_corpus_first_call"] = {
+                "runs": cold,
+                "median_ratio": ratios[len(ratios) // 2] if ratios else None,
+                "others": cold_others.result(),
+            }
+        if a.with_anonymise:
+            result["prepare_corpus_anonymised"] = _prepare_rounds(a, texts, enc, corpus, tmp, True, 1)
+
+
+def _load_lines(result: dict, load: float) -> list[str]:
+    """The heading, the command and a warning or note when the machine was busy."""
+    m = result["machine"]
     lines = [
         "# Tokenisation throughput: pipeline (parallel) vs single-process tiktoken",
         "",
@@ -419,24 +418,40 @@ def main(argv=None) -> dict:
         ]
     elif load >= 0.5 and m["others"]["others_cores"] is None:
         lines += [
-            f"Note: 1-minute load average up to {load} on {m['cores']} cores: about {load:.1f} core(s) were busy with "
+            f"Note: 1-minute load average up to {load} on {m['cores']} cores: "
+            f"about {load:.1f} core(s) were busy with "
             "other work during the run, so the parallel paths had less than the cores listed; re-run on an idle "
             "machine for the idle-core ratios.",
             "",
         ]
-    lines += [
+    return lines
+
+
+def _table_lines(result: dict, a: argparse.Namespace) -> list[str]:
+    """The machine, the text and the table of encoding paths."""
+    m, s, t, p = (
+        result["machine"],
+        result["single_process_tiktoken"],
+        result["pipeline_threads"],
+        result["pipeline_processes"],
+    )
+    nu, c = result["single_thread_encode_array"], result["ceiling_processes_no_io"]
+    sh = result["threads_sharing_one_encoding"]
+    lines = [
         f"Machine: {m['cores']} usable cores (os.cpu_count() = {m['cpu_count']}), {m['cpu'] or 'unknown CPU'}, "
-        f"{m['platform']}, Python {m['python']}; other processes used {m['others']['others_cores']} cores on average "
+        f"{m['platform']}, Python {m['python']}; other processes used {m['others']['others_cores']} cores "
+        "on average "
         f"during the run (an upper bound: the process-pool row's workers are children of a fork server, so their CPU "
         f"counts as others'); 1-minute load average {m['loadavg_1m']} at the start, {m['loadavg_1m_at_end']} at the "
         "end (this benchmark's own processes count in it).",
         "",
         f"Text: {result['text']['documents']} stdlib .py files, {result['text']['megabytes']} MB, "
-        f"{single_tokens:,} GPT-2 tokens. Best of {a.repeats}.",
+        f"{result['text']['gpt2_tokens']:,} GPT-2 tokens. Best of {a.repeats}.",
         "",
         "| path | seconds | tokens/s | MB/s | ratio to single process |",
         "|---|---|---|---|---|",
-        f"| single-process tiktoken `encode_ordinary` | {s['seconds']} | {s['tokens_per_s']:,} | {s['mb_per_s']} | 1.0x |",
+        f"| single-process tiktoken `encode_ordinary` | {s['seconds']} | {s['tokens_per_s']:,} | "
+        f"{s['mb_per_s']} | 1.0x |",
         f"| single thread, `encode_array` (`encode_to_numpy`, no Python int lists) | {nu['seconds']} | "
         f"{nu['tokens_per_s']:,} | {nu['mb_per_s']} | {result['speedup_encode_array_over_single']}x |",
     ]
@@ -450,64 +465,78 @@ def main(argv=None) -> dict:
         lines.append(f"| {a.workers}-process ceiling (no I/O) | skipped: {c['skipped']} | | | |")
     lines += [
         f"| pipeline encode stage, {t['workers']} threads (`ThreadEncoder`, what `prepare_corpus` runs) | "
-        f"{t['seconds']} | {t['tokens_per_s']:,} | {t['mb_per_s']} | **{result['speedup_threads_over_single']}x** |",
-        f"| encode stage, {sh['workers']} new threads sharing the process's encoding (`ThreadEncoder` before it used "
+        f"{t['seconds']} | {t['tokens_per_s']:,} | {t['mb_per_s']} | "
+        f"**{result['speedup_threads_over_single']}x** |",
+        f"| encode stage, {sh['workers']} new threads sharing the process's encoding "
+        "(`ThreadEncoder` before it used "
         f"the tokenizer's kept threads) | {sh['seconds']} | {sh['tokens_per_s']:,} | {sh['mb_per_s']} | "
         f"{result['speedup_shared_threads_over_single']}x |",
-        f"| pipeline encode stage, {p['workers']} processes (`tokenize_documents`, previous path) | {p['seconds']} | "
+        f"| pipeline encode stage, {p['workers']} processes (`tokenize_documents`, previous path) | "
+        f"{p['seconds']} | "
         f"{p['tokens_per_s']:,} | {p['mb_per_s']} | {result['speedup_processes_over_single']}x |",
     ]
-    if "prepare_corpus_end_to_end" in result:
-        e = result["prepare_corpus_end_to_end"]
-        lo, med, hi = e["round_ratios_min_median_max"]
+    return lines
+
+
+def _end_to_end_lines(result: dict, a: argparse.Namespace) -> list[str]:
+    """`prepare_corpus` end to end, its first calls in fresh processes, and its share of the ceiling."""
+    c = result["ceiling_processes_no_io"]
+    e = result["prepare_corpus_end_to_end"]
+    lo, med, hi = e["round_ratios_min_median_max"]
+    lines = [
+        "",
+        f"`prepare_corpus` end to end on the same text, anonymisation **off** (read the JSONL, split, "
+        f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted), "
+        f"{a.repeats} rounds alternating with the single-process baseline (best "
+        f"{e['single_in_rounds_seconds']} s in those rounds): {e['total_seconds']} s from reading the "
+        f"corpus to the manifest, encoding (which starts while the corpus is read) to the last file "
+        f"{e['tokenise_seconds']} s ({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to "
+        f"single-process `encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end "
+        f"(per round: min {lo}x, median {med}x, max {hi}x). The whole call, which first hashes the input "
+        f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
+        f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
+        "during these rounds.",
+    ]
+    f = result["prepare_corpus_first_call"]
+    if f["runs"]:
+        runs = f["runs"]
         lines += [
             "",
-            f"`prepare_corpus` end to end on the same text, anonymisation **off** (read the JSONL, split, "
-            f"tokenise, write and hash .bin/.idx; the one-off megatron-core import not counted), "
-            f"{a.repeats} rounds alternating with the single-process baseline (best "
-            f"{e['single_in_rounds_seconds']} s in those rounds): {e['total_seconds']} s from reading the "
-            f"corpus to the manifest, encoding (which starts while the corpus is read) to the last file "
-            f"{e['tokenise_seconds']} s ({e['tokens_per_s']:,} tokens/s, {e['mb_per_s']} MB/s). Ratio to "
-            f"single-process `encode_ordinary`: **{e['speedup_end_to_end_over_single']}x** end to end "
-            f"(per round: min {lo}x, median {med}x, max {hi}x). The whole call, which first hashes the input "
-            f"files to decide whether there is anything to do, took {e['call_seconds']} s: "
-            f"{e['speedup_call_over_single']}x. Other processes used {e['others']['others_cores']} cores "
-            "during these rounds.",
+            f"First call of `prepare_corpus` in a fresh Python process ({len(runs)} processes; in each, the "
+            "single-process baseline just before it): end to end as above "
+            + ", ".join(f"{r['ratio']}x ({r['single_seconds']} s / {r['total_seconds']} s)" for r in runs)
+            + f", median **{f['median_ratio']}x**. Before that clock starts, the one-off set-up of a "
+            "process: the megatron-core import ("
+            + ", ".join(f"{r['megatron_import_seconds']} s" for r in runs)
+            + ") and starting the encoding threads, each building its own encoding (set-up in all "
+            + ", ".join(f"{r['setup_seconds']} s" for r in runs)
+            + "); the whole first call took "
+            + ", ".join(f"{r['call_seconds']} s" for r in runs)
+            + ".",
         ]
-        f = result["prepare_corpus_first_call"]
-        if f["runs"]:
-            runs = f["runs"]
-            lines += [
-                "",
-                f"First call of `prepare_corpus` in a fresh Python process ({len(runs)} processes; in each, the "
-                "single-process baseline just before it): end to end as above "
-                + ", ".join(f"{r['ratio']}x ({r['single_seconds']} s / {r['total_seconds']} s)" for r in runs)
-                + f", median **{f['median_ratio']}x**. Before that clock starts, the one-off set-up of a "
-                "process: the megatron-core import ("
-                + ", ".join(f"{r['megatron_import_seconds']} s" for r in runs)
-                + ") and starting the encoding threads, each building its own encoding (set-up in all "
-                + ", ".join(f"{r['setup_seconds']} s" for r in runs)
-                + "); the whole first call took "
-                + ", ".join(f"{r['call_seconds']} s" for r in runs)
-                + ".",
-            ]
-        if "fraction_of_ceiling" in e:
-            lines += [
-                "",
-                f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
-                f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
-                f"against it: end to end reaches **{e['fraction_of_ceiling']:.0%} of the ceiling** "
-                f"({e['speedup_end_to_end_over_single']}x of {result['speedup_ceiling_over_single']}x)."
-                + (
-                    " Above 100% means the ceiling row was slowed by other work on the machine (it does "
-                    "strictly less than `prepare_corpus`); re-run on an idle machine."
-                    if e["fraction_of_ceiling"] > 1
-                    else ""
-                ),
-            ]
+    if "fraction_of_ceiling" in e:
+        lines += [
+            "",
+            f"The ceiling row is the most {c['workers']} processes can do on this machine with no I/O at "
+            f"all ({result['speedup_ceiling_over_single']}x), so the end-to-end ratio is to be read "
+            f"against it: end to end reaches **{e['fraction_of_ceiling']:.0%} of the ceiling** "
+            f"({e['speedup_end_to_end_over_single']}x of {result['speedup_ceiling_over_single']}x)."
+            + (
+                " Above 100% means the ceiling row was slowed by other work on the machine (it does "
+                "strictly less than `prepare_corpus`); re-run on an idle machine."
+                if e["fraction_of_ceiling"] > 1
+                else ""
+            ),
+        ]
+    return lines
+
+
+def _cpu_lines(result: dict, a: argparse.Namespace) -> list[str]:
+    """CPU seconds of the same encoding on one thread and on threads, and the ceiling note without --with-prepare."""
+    t, c = result["pipeline_threads"], result["ceiling_processes_no_io"]
     cs = result["cpu_seconds"]
     one = cs["single_thread_encode_array"]
-    lines += [
+    lines = [
         "",
         f"CPU time of the same encoding (`encode_array` of every document), least of {a.repeats}: {one} s on "
         f"one thread; {cs['pipeline_threads']} s summed over the pipeline's {t['workers']} threads "
@@ -526,15 +555,72 @@ def main(argv=None) -> dict:
             "all, so the pipeline's ratios are to be read against it; `--with-prepare` adds the end-to-end "
             "ratio and its share of the ceiling.",
         ]
+    return lines
+
+
+def _anonymised_lines(result: dict, a: argparse.Namespace) -> list[str]:
+    e = result["prepare_corpus_anonymised"]
+    return [
+        "",
+        f"`prepare_corpus` with anonymisation **on** (default policy; anonymised in {a.workers} "
+        f"processes, then encoded on threads), one run: {e['total_seconds']} s total, "
+        f"{e['speedup_end_to_end_over_single']}x single-process `encode_ordinary`; the pure-Python "
+        "anonymiser, not tokenisation, bounds this figure.",
+    ]
+
+
+def markdown(result: dict, a: argparse.Namespace, load: float) -> list[str]:
+    """The report's lines (benchmarks/results/tokenize_throughput.md)."""
+    lines = _load_lines(result, load) + _table_lines(result, a)
+    if "prepare_corpus_end_to_end" in result:
+        lines += _end_to_end_lines(result, a)
+    lines += _cpu_lines(result, a)
     if "prepare_corpus_anonymised" in result:
-        e = result["prepare_corpus_anonymised"]
-        lines += [
-            "",
-            f"`prepare_corpus` with anonymisation **on** (default policy; anonymised in {a.workers} "
-            f"processes, then encoded on threads), one run: {e['total_seconds']} s total, "
-            f"{e['speedup_end_to_end_over_single']}x single-process `encode_ordinary`; the pure-Python "
-            "anonymiser, not tokenisation, bounds this figure.",
-        ]
+        lines += _anonymised_lines(result, a)
+    return lines
+
+
+def main(argv=None) -> dict:
+    """Time every path, write benchmarks/results/tokenize_throughput.{json,md} (or under --out), print the table."""
+    a = _parse(argv)
+
+    from benchmarks.machine import OtherLoad, machine_info
+    from data.tokenizer import load_tokenizer
+
+    machine = machine_info()  # loadavg_1m: the load when the run starts
+    others = OtherLoad().__enter__()  # the whole run; the end-to-end rounds get their own below
+    texts = stdlib_texts(a.mb)
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    tok = load_tokenizer("gpt2")
+    rows, tokens = _encode_paths(a, texts, tok, n_bytes)
+    result = {
+        "command": "python -m benchmarks.tokenize_throughput "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine,
+        "text": {
+            "source": "python stdlib .py files (sorted, tests excluded)",
+            "documents": len(texts),
+            "megabytes": round(n_bytes / 1e6, 2),
+            "gpt2_tokens": tokens,
+        },
+        **rows,
+        "repeats": a.repeats,
+    }
+    if a.with_prepare or a.with_anonymise:
+        _prepare_corpus_runs(a, texts, tok._enc, result)
+    result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    others.__exit__(None, None, None)
+    result["machine"]["others"] = others.result()
+    load = max(result["machine"]["loadavg_1m"], result["machine"]["loadavg_1m_at_end"])
+    busy = result.get("prepare_corpus_end_to_end", {}).get("others", result["machine"]["others"])[
+        "others_cores"
+    ]
+    result["taken_under_load"] = load > 1.5 or (busy is not None and busy > 0.25)
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenize_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = markdown(result, a, load)
     (out / "tokenize_throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -79,21 +79,11 @@ def _bare_step(
     opt.zero_grad(set_to_none=True)
 
 
-def run(
-    kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: int, micro_batch: int
-) -> dict[str, Any]:
-    from launcher.config import load_run_config
-    from launcher.plan import make_plan
-    from launcher.train import Trainer, train_step
-    from model.gpt import GPT
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
-    from launcher.distributed import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    root = Path(tempfile.mkdtemp(prefix="trainer_overhead-"))
-    tokens = _corpus(root)
-    sets = [
+def _run_sets(
+    kind: str, tokens: Path, d_model: int, layers: int, seq_len: int, micro_batch: int
+) -> list[str]:
+    """The trainer's run-config overrides: a small GPT of `kind` on the one-domain corpus, ZeRO 0, 2 micro-batches."""
+    return [
         f"model.n_layers={layers}",
         f"model.d_model={d_model}",
         "model.n_heads=4",
@@ -113,9 +103,12 @@ def run(
         "logging.wandb_mode=disabled",
         "logging.progress_bar=false",
     ]
-    plan = make_plan(load_run_config(None, sets, check=False), 1)
-    cfg = plan.cfg
-    trainer = Trainer.setup(plan, root / "run", resume="never")
+
+
+def _bare_copy(trainer: Any, cfg: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The trainer's model as a plain GPT with the same weights, and a plain AdamW with the same settings."""
+    from model.gpt import GPT
+
     model = GPT(cfg.model, expert_ids=list(trainer.bundle.engine.module.expert_ids), init_seed=cfg.train.seed)
     model.load_state_dict(trainer.bundle.engine.module.state_dict())
     model.train()
@@ -126,6 +119,41 @@ def run(
         eps=cfg.train.eps,
         weight_decay=cfg.train.weight_decay,
     )
+    return model, opt
+
+
+def _alternate(
+    time_trainer: Callable[[], float], time_bare: Callable[[], float], rounds: int
+) -> tuple[list[float], list[float]]:
+    """A warm-up of each, then `rounds` rounds alternating which goes first: (trainer times, bare times)."""
+    time_trainer(), time_bare()  # warm-up: lazy optimizer state, allocator
+    t_trainer, t_bare = [], []
+    for r in range(rounds):
+        order = (time_trainer, time_bare) if r % 2 == 0 else (time_bare, time_trainer)
+        for fn in order:
+            (t_trainer if fn is time_trainer else t_bare).append(fn())
+    return t_trainer, t_bare
+
+
+def run(
+    kind: str, rounds: int, steps: int, d_model: int, layers: int, seq_len: int, micro_batch: int
+) -> dict[str, Any]:
+    """Seconds per update of the trainer's `train_step` and of a bare loop on the same batches, alternated."""
+    from launcher.config import load_run_config
+    from launcher.plan import make_plan
+    from launcher.train import Trainer, train_step
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+    from launcher.distributed import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    root = Path(tempfile.mkdtemp(prefix="trainer_overhead-"))
+    tokens = _corpus(root)
+    sets = _run_sets(kind, tokens, d_model, layers, seq_len, micro_batch)
+    plan = make_plan(load_run_config(None, sets, check=False), 1)
+    cfg = plan.cfg
+    trainer = Trainer.setup(plan, root / "run", resume="never")
+    model, opt = _bare_copy(trainer, cfg)
     n = len(plan.catalog.train_domains)
     batches = [trainer.batches(s) for s in range(steps)]
     total = torch.zeros((), device=trainer.device)
@@ -143,12 +171,7 @@ def run(
         return (time.perf_counter() - t0) / steps
 
     load_before = os.getloadavg()[0]
-    time_trainer(), time_bare()  # warm-up: lazy optimizer state, allocator
-    t_trainer, t_bare = [], []
-    for r in range(rounds):
-        order = (time_trainer, time_bare) if r % 2 == 0 else (time_bare, time_trainer)
-        for fn in order:
-            (t_trainer if fn is time_trainer else t_bare).append(fn())
+    t_trainer, t_bare = _alternate(time_trainer, time_bare, rounds)
     load_after = os.getloadavg()[0]
     med_t, med_b = statistics.median(t_trainer), statistics.median(t_bare)
     return {

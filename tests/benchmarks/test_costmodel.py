@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import costmodel as cm
 from launcher.config import load_run_config
 from launcher.typed import ConfigError
+from model import accounting as acc
 from model.config import ModelConfig
 
 # A hand-sized cluster, independent of the shipped presets: B_nvl = 150 GB/s, B_node = 100 Gb/s.
@@ -93,7 +94,7 @@ def test_plans_per_architecture() -> None:
     assert (s_group, e_group) == (32, 4)
     assert shared + expert == d_bytes  # the paper's footnote: DEMix's bandwidth cost (bytes/rank) = Dense's
     # one expert per GPU: its expert-data-parallel group is the rank alone (an all-reduce that moves nothing)
-    g = cm.acc.param_counts(gshard)
+    g = acc.param_counts(gshard)
     assert cm.allreduce_plan(gshard, 32, 4) == [(g.shared * 4, 32), (g.expert // 32 * 4, 1)]
 
 
@@ -131,8 +132,8 @@ def test_comm_bytes_per_update_is_the_plan_under_the_trainers_group_names() -> N
     volume, count = cm.alltoall_volume(gshard, opts)
     got = cm.comm_bytes_per_update(gshard, 32, opts)
     assert got == {
-        "data_parallel/all_reduce": cm.acc.param_counts(gshard).shared * 2 + cm.NORM_BYTES,
-        "ranks_0_8_16_24/all_reduce": cm.acc.param_counts(gshard).expert // 8 * 2,
+        "data_parallel/all_reduce": acc.param_counts(gshard).shared * 2 + cm.NORM_BYTES,
+        "ranks_0_8_16_24/all_reduce": acc.param_counts(gshard).expert // 8 * 2,
         "ranks_0_1_2_3_4_5_6_7/all_to_all_single": volume * count,
     }
     one_per_gpu = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 32), 32, opts)
@@ -143,7 +144,7 @@ def test_comm_bytes_per_update_is_the_plan_under_the_trainers_group_names() -> N
     }
     alone = cm.comm_bytes_per_update(preset("gpt3-small", "gshard", 1), 1, opts)  # one rank: no all-to-all
     assert alone == {
-        "data_parallel/all_reduce": cm.acc.param_counts(preset("gpt3-small", "gshard", 1)).total * 2 + 8
+        "data_parallel/all_reduce": acc.param_counts(preset("gpt3-small", "gshard", 1)).total * 2 + 8
     }
 
 
@@ -151,7 +152,7 @@ def test_demix_with_more_domains_than_ranks() -> None:
     """8 domains on 2 ranks: 4 experts per rank, each domain's group that one rank (all-reduced over a group of
     one, as DeepSpeed does: bytes, no network time); on one rank every all-reduce is data_parallel's."""
     demix, opts = preset("gpt3-small", "demix", 8), cm.CostOptions(grad_dtype="fp32")
-    params = cm.acc.param_counts(demix)
+    params = acc.param_counts(demix)
     per_domain = params.expert // params.num_experts
     assert cm.allreduce_plan(demix, 2, 4) == [(params.shared * 4, 2), (per_domain * 4 * 4, 1)]
     assert cm.comm_bytes_per_update(demix, 2, opts) == {
