@@ -49,14 +49,12 @@ from launcher.state import (
     check_resumable,
     check_shared_run_dir,
     export_consolidated,
-    latest_checkpoint,
     layout_changes,
     load_init_weights,
     load_training_state,
-    resume_candidates,
     save_training_state,
-    verified_state,
 )
+from launcher.state_discovery import latest_checkpoint, resume_candidates, verified_state
 from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_gpu
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
