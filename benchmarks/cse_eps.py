@@ -33,7 +33,7 @@ def embeddings(
     """Projected sequence embeddings per layer (N x P), the true domain index of each sequence, the domains and the
     checkpoint's step."""
     from launcher.checkpoint import load_consolidated
-    from launcher.evaluation.evaluate import block_inputs, load_blocks
+    from launcher.checkpoint_data import block_inputs, load_blocks
     from model.cse import PROJECTION_SEED, gaussian_projection
 
     c = load_consolidated(model_dir)

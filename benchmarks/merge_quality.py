@@ -48,12 +48,10 @@ import torch
 from data.argtypes import positive_int
 from data.cli import cli_main
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
+from launcher.checkpoint_data import block_inputs, check_checkpoint_data, load_blocks
 from launcher.evaluation.evaluate import (
     _cached_prior,
     _demix_domain,
-    block_inputs,
-    check_checkpoint_data,
-    load_blocks,
     stream_log_likelihoods,
 )
 from launcher.ffn_kinds import ffn_kind

@@ -93,7 +93,7 @@ def update_rate(shape: Shape, vocab: int, steps: int = 5) -> float:
 def tokens_per_byte(max_docs: int = 20) -> dict[str, float]:
     """Tokens per UTF-8 byte of the demo's test documents for both tokenizers."""
     from data.tokenizer import load_prepared_tokenizer, load_tokenizer
-    from launcher.modular.hf_tokenizer import split_documents_text
+    from launcher.checkpoint_data import split_documents_text
 
     texts, _ = split_documents_text(DATA, "sentencepiece", "test", max_docs)
     docs = [t for ts in texts.values() for t in ts]
@@ -194,9 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "",
         "## 1. Cost: one update (forward, backward, AdamW), one thread, 1,024 tokens",
         "",
-        "Tokens per byte of the demo's test text: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in tpb.items())
-        + ".",
+        "Tokens per byte of the demo's test text: " + ", ".join(f"{k} {v:.3f}" for k, v in tpb.items()) + ".",
         "",
         "| shape | vocabulary | tokens/s | bytes of text/s | vs chosen |",
         "|---|---|---|---|---|",

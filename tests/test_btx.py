@@ -130,7 +130,7 @@ def _ffn_inputs(model, tokens_BT: torch.Tensor, expert: int) -> list[torch.Tenso
 
 
 def test_data_router_is_the_centred_domain_mean_at_the_calibrated_entropy(demix, tiny_tokens, tmp_path):
-    from launcher.evaluation.evaluate import block_inputs, load_blocks
+    from launcher.checkpoint_data import block_inputs, load_blocks
 
     rec = upcycle(demix, tmp_path / "btx", layers="all", router_init="data", data=str(tiny_tokens), blocks=4)
     a, b = load_consolidated(demix), load_consolidated(tmp_path / "btx")

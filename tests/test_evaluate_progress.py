@@ -20,7 +20,7 @@ def ckpt(random_checkpoint, tmp_path_factory):
 def _plan_counts(data, ckpt_path, max_blocks, cached_blocks):
     """(test block passes, prior block passes) the evaluation of `ckpt_path` on `data` should do."""
     from launcher.checkpoint import read_meta
-    from launcher.evaluation.evaluate import count_blocks
+    from launcher.checkpoint_data import count_blocks
 
     seq = read_meta(ckpt_path)["config"]["model"]["seq_len"]
     doms = json.loads((data / "gpt2" / "manifest.json").read_text())["domains"]

@@ -56,7 +56,7 @@ def tiny_cfg(tokens: Path, kind: str = "demix", domains: list[str] = OLD) -> Run
 
 def train_tiny(tokens: Path, kind: str, out: Path, steps: int = 16) -> Path:
     """A few plain-PyTorch steps on each old domain (its own expert for DEMix), saved as a consolidated checkpoint."""
-    from launcher.evaluation.evaluate import load_blocks
+    from launcher.checkpoint_data import load_blocks
 
     cfg = tiny_cfg(tokens, kind)
     torch.manual_seed(0)

@@ -72,7 +72,8 @@ def _ll_request(ctx: str, cont: str, domain: str, i: int = 0) -> Instance:
 
 
 def test_task_files_hold_the_prepared_split(env):
-    from launcher.modular.hf_tokenizer import split_documents_text, stored_equal
+    from launcher.checkpoint_data import split_documents_text
+    from launcher.modular.hf_tokenizer import stored_equal
 
     texts, _ = split_documents_text(env.data, "gpt2", "test", 3)
     names = set(env.tm.all_tasks)
@@ -114,7 +115,7 @@ def test_task_writer_refuses_a_foreign_directory(env, tmp_path, capsys):
 
 
 def test_windows_are_evaluates_blocks_for_a_one_document_stream(env):
-    from launcher.evaluation.evaluate import block_inputs, load_blocks
+    from launcher.checkpoint_data import block_inputs, load_blocks
 
     T = 32
     text = H.read_task_documents(env.tasks, ["sailing"])["sailing"][0]

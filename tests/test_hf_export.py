@@ -270,8 +270,8 @@ def test_card_gives_an_adapted_experts_own_training_tokens(tmp_path, tiny_tokens
     the adapted expert's, while the other experts are the base model's."""
     from dataclasses import replace
 
+    from launcher.expert_surgery import remove_experts_state
     from launcher.modular.experts import add_expert
-    from launcher.modular.surgery import remove_experts_state
 
     base = load_consolidated(random_checkpoint(tmp_path / "base" / "model", "demix"))
     two = remove_experts_state(base, ["finance"])

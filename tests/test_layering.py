@@ -7,6 +7,13 @@
     launcher/  config, plan, FFN-kind strategies, trainer, CLIs       (anything but benchmarks/)
     benchmarks/ experiments and reports                                (anything)
 
+Inside launcher/, lowest first (`LAUNCHER_ORDER`):
+
+    launcher/checkpoint_data.py, launcher/expert_surgery.py   the data a checkpoint reads, expert surgery
+    launcher/evaluation/   measures checkpoints: perplexity tables, the lm-eval harness, generation, figures
+    launcher/modular/      edits checkpoints (add/remove experts, BTX, merges, the HF export) and reports on them
+                           with the evaluation (DEMix Tables 6, 7, 13), so it sits above launcher/evaluation/
+
 Every import counts, including those inside functions: a lazy import hides a cycle, it does not remove it.
 """
 
@@ -37,8 +44,13 @@ def _modules() -> dict[str, Path]:
 
 def _imports(path: Path) -> set[str]:
     """Every name imported anywhere in the file (module and module.attr for `from m import attr`)."""
+    return _imports_of(path.read_text(), str(path))
+
+
+def _imports_of(source: str, filename: str = "<source>") -> set[str]:
+    """`_imports` of a source text."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -130,3 +142,80 @@ def test_only_the_strategy_registry_branches_on_the_ffn_kind() -> None:
         if pattern.search(line)
     ]
     assert not hits, "branches on the FFN kind outside launcher/ffn_kinds.py:\n" + "\n".join(hits)
+
+
+# launcher/'s own layers, lowest first: a module may import its own layer and those below, never one above.
+LAUNCHER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("launcher.checkpoint_data", "launcher.expert_surgery"),
+    ("launcher.evaluation",),
+    ("launcher.modular",),
+)
+# (importing module, imported module) pairs allowed against LAUNCHER_ORDER, each with its reason. Only ever shrink.
+LAUNCHER_ORDER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("launcher.evaluation.harness", "launcher.modular.hf_export"): (
+        "`harness check --hf-domain` exports the checkpoint to a Hugging Face folder to compare lm-eval's stock hf "
+        "model with ours (the export is modular's; the CLI flag is the harness's)"
+    ),
+}
+
+
+def _layer(name: str, order: tuple[tuple[str, ...], ...]) -> int | None:
+    """The index in `order` of the layer holding module `name` (or `name`'s module for `module.attr`)."""
+    for i, prefixes in enumerate(order):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def _order_violations(
+    imports: dict[str, set[str]],
+    order: tuple[tuple[str, ...], ...] = LAUNCHER_ORDER,
+    exceptions: dict[tuple[str, str], str] = LAUNCHER_ORDER_EXCEPTIONS,
+) -> list[str]:
+    """'<module> imports <name>' for every import of a higher layer of `order` than the importing module's own."""
+    bad = []
+    for mod, names in sorted(imports.items()):
+        here = _layer(mod, order)
+        if here is None:
+            continue
+        for name in sorted(names):
+            there = _layer(name, order)
+            excused = any(mod == m and (name == n or name.startswith(n + ".")) for m, n in exceptions)
+            if there is not None and there > here and not excused:
+                bad.append(f"{mod} imports {name}")
+    return bad
+
+
+def test_launcher_layers_import_only_downwards() -> None:
+    """launcher/evaluation/ never imports launcher/modular/; the shared modules below import neither."""
+    imports = {m: _imports(p) for m, p in _modules().items() if m.startswith("launcher.")}
+    bad = _order_violations(imports)
+    assert not bad, "imports against LAUNCHER_ORDER (move the shared piece below both):\n" + "\n".join(bad)
+
+
+def test_the_launcher_order_check_sees_an_upward_import() -> None:
+    """A planted upward import is flagged, a lazy one included; downward and same-layer imports and the listed
+    exceptions pass."""
+    planted = {
+        "launcher.evaluation.fake": _imports_of(
+            "from launcher.checkpoint_data import load_blocks\n"
+            "def f():\n    from launcher.modular.experts import add_expert\n"
+        ),
+        "launcher.checkpoint_data": _imports_of("import launcher.evaluation.evaluate\n"),
+        "launcher.modular.fake": _imports_of(
+            "from launcher.evaluation.evaluate import evaluate_checkpoint\nimport launcher.modular.btx\n"
+        ),
+    }
+    assert _order_violations(planted) == [
+        "launcher.checkpoint_data imports launcher.evaluation.evaluate",
+        "launcher.evaluation.fake imports launcher.modular.experts",
+        "launcher.evaluation.fake imports launcher.modular.experts.add_expert",
+    ]
+    excused = {
+        "launcher.evaluation.harness": {"launcher.modular.hf_export", "launcher.modular.hf_export.export"}
+    }
+    assert _order_violations(excused) == []
+    assert _order_violations(excused, exceptions={}) == [
+        "launcher.evaluation.harness imports launcher.modular.hf_export",
+        "launcher.evaluation.harness imports launcher.modular.hf_export.export",
+    ]

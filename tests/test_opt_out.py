@@ -13,7 +13,8 @@ import torch
 from launcher.checkpoint import CheckpointError, load_consolidated
 from launcher.evaluation.evaluate import evaluate_checkpoint
 from launcher.evaluation.evaluate import main as evaluate_main
-from launcher.modular.experts import load_without, remove_experts
+from launcher.expert_surgery import load_without
+from launcher.modular.experts import remove_experts
 
 SETTINGS = dict(max_blocks=2, cached_blocks=2, progress=False, unigram=False, batch_size=2)
 

@@ -65,17 +65,15 @@ import torch
 
 from data.argtypes import positive_int, unit_left_open
 from data.atomic import staged_dir
-from data.blocks import BlockDataset
-from data.catalog import DataError, check_tokenizer, read_token_manifest
+from data.catalog import read_token_manifest
 from data.cli import check_output_dir, cli_main, exit_process
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta, write_json_atomic
-from launcher.config import RunConfig
+from launcher.checkpoint_data import block_inputs, checkpoint_data, count_blocks, data_manifest, load_blocks
 from launcher.distributed import ensure_env, start_distributed, training_device
 from launcher.evaluation.prior_cache import PRIOR_CACHE_DIR, PriorCache, PriorEntries, data_fingerprint
 from launcher.evaluation.progress import Progress, plan_line
 from launcher.evaluation.stats import block_sums, bootstrap_mean_ppl, bootstrap_ppl
 from launcher.evaluation.unigram import domain_unigram
-from launcher.typed import from_dict
 from model import mixture as mx
 from model.accounting import normalise_precision
 from model.batched import demix_expert_ids, expert_log_likelihoods
@@ -166,106 +164,6 @@ def resolve_eval_precision(choice: str, trained: str, device: torch.device) -> s
     return p
 
 
-def data_manifest(
-    data_root: Union[str, Path],
-    tokenizer: str,
-    model_tokenizer_sha256: Optional[str] = None,
-    model_vocab: Optional[int] = None,
-) -> dict[str, Any]:
-    """The token manifest of `data_root/tokenizer`, refusing (DataError) tokens of another tokenizer than the
-    model's (its consolidated checkpoint records the fingerprint): perplexities on them would be meaningless."""
-    path = Path(data_root) / tokenizer / "manifest.json"
-    manifest = read_token_manifest(path)
-    check_tokenizer(manifest, model_tokenizer_sha256, model_vocab, str(path))
-    return manifest
-
-
-def check_checkpoint_data(
-    c: Union[Consolidated, str, Path], data_root: Union[str, Path], tokenizer: Optional[str] = None
-) -> dict[str, Any]:
-    """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size); a path reads only its
-    meta.json, so a CLI checks the data before loading any tensor. `tokenizer` defaults to the checkpoint's."""
-    meta = c.meta if isinstance(c, Consolidated) else read_meta(c)
-    tokenizer = tokenizer or meta["config"].get("data", {}).get("tokenizer", "gpt2")
-    return data_manifest(data_root, tokenizer, meta.get("tokenizer_sha256"), meta.get("vocab_size"))
-
-
-def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:
-    """Where the domain data lives: given, else the checkpoint's own training data; refused (DataError) when its
-    tokens come from another tokenizer than the checkpoint's."""
-    data, tokenizer = data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
-    check_checkpoint_data(c, data, tokenizer)
-    return data, tokenizer
-
-
-def checkpoint_data(
-    checkpoint: Union[Consolidated, str, Path],
-    data: Optional[Union[str, Path]] = None,
-    tokenizer: Optional[str] = None,
-) -> tuple[str, str]:
-    """(data root, tokenizer) to evaluate or generate with: the ones given, else the checkpoint's own - the data.path
-    and data.tokenizer its run config recorded, by `data_source` (the rule `launcher.modular.experts` uses too) -
-    checked against its tokenizer fingerprint. A path reads only meta.json, so a CLI checks the data
-    before loading any tensor. When the recorded data is not there, DataError names the recorded path and --data;
-    the demo's data is never a silent default."""
-    if isinstance(checkpoint, Consolidated):
-        c = checkpoint
-    else:  # meta.json only: no tensor is read
-        meta = read_meta(checkpoint)
-        c = Consolidated(
-            cfg=from_dict(RunConfig, meta["config"], source=str(Path(checkpoint) / "meta.json")),
-            domains=list(meta["domains"]),
-            state_dict={},
-            step=int(meta.get("step", 0)),
-            meta=meta,
-        )
-    if data is None:
-        recorded, name = Path(c.cfg.data.path), tokenizer or c.cfg.data.tokenizer
-        if not (recorded / name / "manifest.json").is_file():
-            raise DataError(
-                f"the checkpoint's recorded data is not there: its run config says data.path={recorded} "
-                f"(tokenizer {name}), and {recorded / name / 'manifest.json'} is missing"
-                + (f" (relative to {Path.cwd()})" if not recorded.is_absolute() else "")
-                + "; pass --data DIR, the prepared tokens root the model was trained on (the directory "
-                f"holding {name}/manifest.json, written by python -m data.prepare)"
-            )
-    root, name = data_source(c, None if data is None else str(data), tokenizer)
-    return str(root), name
-
-
-def load_blocks(
-    data_root: Union[str, Path],
-    tokenizer: str,
-    domain: str,
-    split: str,
-    seq_len: int,
-    max_blocks: Optional[int],
-) -> np.ndarray:
-    """The first `max_blocks` blocks (N x (T+1) tokens, in stream order) of a domain's split; N may be 0."""
-    try:
-        ds = BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len)
-    except (ValueError, FileNotFoundError):
-        return np.zeros((0, seq_len + 1), dtype=np.int64)
-    n = len(ds) if max_blocks is None else min(len(ds), max_blocks)
-    return np.stack([ds[i] for i in range(n)]) if n else np.zeros((0, seq_len + 1), dtype=np.int64)
-
-
-def count_blocks(
-    data_root: Union[str, Path],
-    tokenizer: str,
-    domain: str,
-    split: str,
-    seq_len: int,
-    max_blocks: Optional[int],
-) -> int:
-    """How many blocks `load_blocks` returns, without reading them."""
-    try:
-        n = len(BlockDataset.from_prepared(data_root, tokenizer, domain, split, seq_len))
-    except (ValueError, FileNotFoundError):
-        return 0
-    return n if max_blocks is None else min(n, max_blocks)
-
-
 def check_eval_request(
     checkpoint: Union[str, Path],
     data_root: Union[str, Path],
@@ -304,20 +202,6 @@ def check_eval_request(
             f"{empty} have no {split} block of {T}+1 tokens in {path.parent}: their rows would be missing "
             "from the tables; pass --allow-missing to evaluate the other domains, or a shorter --seq-len"
         )
-
-
-def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> tuple[torch.Tensor, ...]:
-    """(tokens_NT, targets_NT, mask_NT) as the sampler builds them (data/sampler.py)."""
-    x = torch.from_numpy(blocks_NT1.astype(np.int64))
-    if domain_token is None:
-        tokens, targets = x[:, :-1], x[:, 1:]
-    else:
-        T = x.shape[1] - 1
-        tokens = torch.cat(
-            [torch.full((x.shape[0], 1), domain_token, dtype=torch.long), x[:, : T - 1]], dim=1
-        )
-        targets = x[:, :T]
-    return tokens.contiguous(), targets.contiguous(), torch.ones(targets.shape, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -897,8 +781,8 @@ def evaluate_checkpoint(
                 "prior_cache needs the checkpoint's path (an in-memory checkpoint has no recorded sums)"
             )
         prior_cache = PriorCache.beside(ckpt, exclude_experts, None if prior_cache is True else prior_cache)
-    if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/modular/surgery.py)
-        from launcher.modular.surgery import load_without
+    if exclude_experts:  # opt-out: the excluded experts' weights are never read (launcher/expert_surgery.py)
+        from launcher.expert_surgery import load_without
 
         c = load_without(ckpt, exclude_experts)
     else:

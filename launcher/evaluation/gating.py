@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     context = read_meta(a.checkpoint)["config"]["model"]["seq_len"]  # checked before a tensor is read
     if a.seq_len is not None and a.seq_len > context:
         ap.error(f"--seq-len {a.seq_len} is beyond the model's context ({context} tokens)")
-    from launcher.evaluation.evaluate import check_checkpoint_data
+    from launcher.checkpoint_data import check_checkpoint_data
 
     check_checkpoint_data(a.checkpoint, a.data, a.tokenizer)
     ckpt = load_consolidated(a.checkpoint)

@@ -37,7 +37,7 @@ import torch
 from data.argtypes import nonneg_float, nonneg_int, positive_int, random_seed, unit_left_open
 from data.cli import cli_main, exit_process
 from launcher.checkpoint import load_consolidated, read_meta
-from launcher.evaluation.evaluate import checkpoint_data
+from launcher.checkpoint_data import checkpoint_data
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_log_likelihoods, next_token_log_probs
 

@@ -12,7 +12,7 @@
                             task_manager=lm_eval.tasks.TaskManager(include_path=DIR))
 
 `tasks` writes local task YAMLs and JSONL data (no network, no Hugging Face hub) from the raw text of a prepared
-split (`launcher.modular.hf_tokenizer.split_documents_text`: exactly the documents `data.prepare` tokenised):
+split (`launcher.checkpoint_data.split_documents_text`: exactly the documents `data.prepare` tokenised):
 
 * `demix_ppl_<domain>` (loglikelihood_rolling) per domain, with the harness's word_perplexity / byte_perplexity /
   bits_per_byte and `token_perplexity` = exp(- sum log p / sum n_tokens), n_tokens = len(tok.encode(text)) stored
@@ -96,12 +96,16 @@ from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import check_shape, read_json_object
 from launcher.checkpoint import Consolidated, load_consolidated, read_meta
+from launcher.checkpoint_data import (
+    check_checkpoint_data,
+    load_blocks,
+    load_export_tokenizer,
+    split_documents_text,
+)
 from launcher.evaluation.evaluate import (
     DEMIX_MODES,
     _cached_prior,
     _demix_domain,
-    check_checkpoint_data,
-    load_blocks,
     stream_log_likelihoods,
 )
 from launcher.evaluation.generate import generate
@@ -337,7 +341,7 @@ class DemixLM(LM):
         self.batch_size = _batch_size(batch_size)
         self._device = torch.device("cpu")
         if exclude:  # opt-out: those experts' shards are never read
-            from launcher.modular.surgery import load_without
+            from launcher.expert_surgery import load_without
 
             c = load_without(checkpoint, exclude)
         else:
@@ -345,8 +349,6 @@ class DemixLM(LM):
         self.consolidated = c
         self.model = c.build_model().eval()
         self.seq_len = int(c.cfg.model.seq_len)
-        from launcher.modular.hf_export import load_export_tokenizer
-
         self.tok = load_export_tokenizer(c, data)
         self.data = str(data if data is not None else c.cfg.data.path)
         self.prepared_tokenizer = str(c.meta.get("tokenizer", c.cfg.data.tokenizer))
@@ -613,13 +615,11 @@ def evaluate_documents(
 
     (dense: the one mode "ppl")."""
     if exclude_experts:
-        from launcher.modular.surgery import load_without
+        from launcher.expert_surgery import load_without
 
         c = load_without(ckpt, list(exclude_experts))
     else:
         c = ckpt if isinstance(ckpt, Consolidated) else load_consolidated(ckpt)
-    from launcher.modular.hf_export import load_export_tokenizer
-
     tok = load_export_tokenizer(c, data_root)
     tokenizer = str(c.meta.get("tokenizer", c.cfg.data.tokenizer))
     model = c.build_model().eval()
@@ -808,7 +808,6 @@ def write_tasks(
     (the record, returned). Documents: the first `max_docs` of each domain's `split`, with their token count under
     the prepared `tokenizer`."""
     from data.tokenizer import load_prepared_tokenizer
-    from launcher.modular.hf_tokenizer import split_documents_text
 
     out = Path(out).resolve()
     docs_from = docs_from or tokenizer
@@ -1056,7 +1055,7 @@ def check(
     if hf_domain:
         import tempfile
 
-        from launcher.modular.hf_export import export, load_export_tokenizer
+        from launcher.modular.hf_export import export
 
         if hf_domain not in docs:
             raise ValueError(f"--hf-domain {hf_domain}: not among the checked domains {', '.join(docs)}")
@@ -1114,8 +1113,6 @@ def padding_log_mass(
     """Mean over the scored tokens (lm_eval windows) of log Z_all - log Z_real: the log-probability mass our model
     gives the padding rows of its embedding (ids >= the tokenizer's vocabulary; never targets), which an export with
     a trimmed vocabulary leaves out of its softmax. The export's perplexity is ours times exp(-this)."""
-    from launcher.modular.hf_export import load_export_tokenizer
-
     tok = load_export_tokenizer(c, data)
     model = c.build_model().eval()
     ids = None if expert is None else [c.domains.index(expert)]

@@ -108,10 +108,10 @@ from launcher.checkpoint import (
     read_meta,
     save_consolidated,
 )
+from launcher.checkpoint_data import block_inputs, check_checkpoint_data, load_blocks
 from launcher.config import ConfigError, RunConfig
-from launcher.evaluation.evaluate import block_inputs, check_checkpoint_data, load_blocks
+from launcher.expert_surgery import EXPERT_KEY, CkptLike, _load
 from launcher.ffn_kinds import ffn_kind
-from launcher.modular.surgery import EXPERT_KEY, CkptLike, _load
 from launcher.typed import from_dict
 
 LAYERS: dict[str, int] = {"every_other": 2, "all": 1}  # --layers -> model.ffn.gshard.moe_every

@@ -54,17 +54,13 @@ from launcher.checkpoint import (
     save_consolidated,
     write_json_atomic,
 )
+from launcher.checkpoint_data import block_inputs, check_checkpoint_data, data_source, load_blocks
 from launcher.config import ConfigError
 from launcher.evaluation.evaluate import (
-    block_inputs,
-    check_checkpoint_data,
-    data_source,
     evaluate_checkpoint,  # noqa: F401
-    load_blocks,
     stream_log_likelihoods,
 )
-from launcher.ffn_kinds import ffn_kind
-from launcher.modular.surgery import (
+from launcher.expert_surgery import (
     EXPERT_KEY,
     CkptLike,
     _keep_indices,
@@ -73,6 +69,7 @@ from launcher.modular.surgery import (
     _with_experts,  # noqa: F401
     remove_experts_state,
 )
+from launcher.ffn_kinds import ffn_kind
 from launcher.typed import to_dict
 from model import mixture as mx
 

@@ -53,6 +53,7 @@ from data.atomic import staged_dir
 from data.cli import check_output_dir, cli_main, exit_process
 from data.readers import read_json_object
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, read_meta, write_json_atomic
+from launcher.checkpoint_data import load_export_tokenizer
 from launcher.ffn_kinds import ffn_kind
 from model import mixture as mx
 
@@ -253,25 +254,6 @@ def merge_weights_from_data(
     from launcher.modular.experts import estimate_domain_prior
 
     return estimate_domain_prior(c, domain, data, tokenizer, "valid", dev_blocks)
-
-
-def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = None) -> Any:
-    """The tokenizer `c` was trained with, from the prepared data root `data` (default: the checkpoint's
-    `data.path`), checked against the checkpoint's tokenizer fingerprint. GPT-2 needs no data (offline files)."""
-    from data.tokenizer import load_prepared_tokenizer, load_tokenizer
-    from launcher.evaluation.evaluate import check_checkpoint_data
-
-    name = c.meta.get("tokenizer", c.cfg.data.tokenizer)
-    root = Path(data if data is not None else c.cfg.data.path)
-    if not (root / name / "manifest.json").is_file():
-        if name == "gpt2":
-            return load_tokenizer("gpt2")
-        raise CheckpointError(
-            f"the {name} tokenizer of this checkpoint is not under {root / name}: pass --data DIR, "
-            "the prepared tokens root the model was trained on (or --no-tokenizer)"
-        )
-    check_checkpoint_data(c, root, name)
-    return load_prepared_tokenizer(root, name)
 
 
 def eval_json_candidates(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> list[Path]:
@@ -614,8 +596,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 [d for d in meta["domains"] if d not in exclude],
                 {d: w for d, w in merge.items() if d not in exclude},
             )
-        if exclude:  # opt-out: those experts' weights are never read (launcher/modular/surgery.py)
-            from launcher.modular.surgery import load_without
+        if exclude:  # opt-out: those experts' weights are never read (launcher/expert_surgery.py)
+            from launcher.expert_surgery import load_without
 
             c = load_without(args.checkpoint, exclude)
         else:

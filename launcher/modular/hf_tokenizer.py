@@ -65,6 +65,7 @@ from data.tokenizer import (
     gpt2_data_dir,
     load_prepared_tokenizer,
 )
+from launcher.checkpoint_data import split_documents_text
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _SP_NORMAL, _SP_USER_DEFINED, _SP_UNUSED = 1, 4, 5  # sentencepiece ModelProto.SentencePiece.Type
@@ -315,36 +316,6 @@ def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts:
 
 
 # ---------------------------------------------------------------- documents of a prepared split ---------------
-
-
-def split_documents_text(
-    data_root: Union[str, Path], prepared: str, split: str = "test", max_docs: Optional[int] = None
-) -> tuple[dict[str, list[str]], dict]:
-    """The texts of one split of every domain, exactly as `data.prepare` tokenised them: the corpus the token
-    manifest `<data_root>/<prepared>/manifest.json` names, read, validated and split by prepare's own code
-    (`data.prepare.split_texts`, with the recorded seed, fractions and chunk size), anonymised with the recorded
-    policy.
-    Returns {domain: texts} (the first `max_docs` of each) and notes: which corpus files no longer have the
-    sha256 the manifest recorded (then the split is not the tokenised one)."""
-    from data.blocks import SPLITS
-    from data.catalog import read_token_manifest
-    from data.prepare import split_texts
-    from data.tokenizer import sha256_file
-
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
-    m = read_token_manifest(Path(data_root) / prepared / "manifest.json")
-    corpus_dir = Path(m["corpus"]["dir"])
-    files = {d: corpus_dir / f"{d}.jsonl" for d in m["domains"]}
-    missing = [str(p) for p in files.values() if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"corpus files of {data_root}/{prepared} not found: {', '.join(missing)}")
-    recorded = m["corpus"].get("files", {})
-    changed = [p.name for p in files.values() if recorded.get(p.name) not in (None, sha256_file(p))]
-    out = split_texts(
-        files, m["split"], SPLITS.index(split), m.get("anonymise", {}).get("policy", {}), max_docs
-    )
-    return out, {"corpus_dir": str(corpus_dir), "changed_corpus_files": changed}
 
 
 def stored_equal(

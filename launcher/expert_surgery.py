@@ -1,6 +1,5 @@
-"""Expert surgery on consolidated checkpoints that evaluation and export need without the rest of
-launcher/modular/experts.py (which imports the evaluation): which experts to keep, a checkpoint without some of them,
-and the opt-out load that never reads their weights.
+"""Expert surgery on consolidated checkpoints, below launcher/evaluation/ and launcher/modular/ (both use it): which
+experts to keep, a checkpoint without some of them, and the opt-out load that never reads their weights.
 
     c = load_without("runs/demix/model", ["legal"])   # the model without the legal expert; its shard never read
     c = remove_experts_state(load_consolidated(path), ["legal"])                # the same, from a loaded checkpoint
