@@ -171,9 +171,8 @@ class StepResult:
     domain_sums: torch.Tensor  # [2, domains]: summed token loss and scored tokens per data domain (this rank)
     grad_norm: torch.Tensor  # the global gradient norm (unscaled)
     aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
-    stats: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # routing statistics, means over micro-batches
+    # routing statistics, means over micro-batches
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def build_rank_model(plan: Plan, rank: int) -> GPT:
@@ -202,9 +201,8 @@ def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
     if plan.cfg.train.activation_checkpointing == "full":
         apply_activation_recompute(model)
     bundle = ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
-    install_norm_overflow_check(
-        bundle.engine.optimizer
-    )  # fp16 at ZeRO 0: one host read per step, not one per tensor
+    # fp16 at ZeRO 0: one host read per step, not one per tensor
+    install_norm_overflow_check(bundle.engine.optimizer)
     if plan.cfg.train.compile:
         compile_model(bundle.engine.module)
     return bundle
@@ -251,9 +249,8 @@ class Trainer:
     start: int  # the first step to run (> 0 after a resume)
     resumed_from: Optional[Path] = None
     hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
-    comm: Optional[CommStats] = (
-        None  # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
-    )
+    # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
+    comm: Optional[CommStats] = None
 
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
@@ -264,17 +261,15 @@ class Trainer:
         )
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
         planned = plan
-        if (
-            ckpt is not None
-        ):  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+        # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+        if ckpt is not None:
             plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
-        if (
-            ckpt is not None
-        ):  # checksums, read by all ranks together; a damaged newest state falls back to an older one
+        # checksums, read by all ranks together; a damaged newest state falls back to an older one
+        if ckpt is not None:
             candidates = resume_candidates(run_dir) if resume == "auto" else [ckpt]
             verified = verified_state(candidates, rank, world, training_device())
             if verified is None:
@@ -347,8 +342,8 @@ class Trainer:
                         "kind": "train",
                         "step": done,
                         **step_record(out, self.bundle, plan, sums, window_t, window_steps),
-                        **self.comm.take(per=window_steps),
-                    }  # collectives per update
+                        **self.comm.take(per=window_steps),  # collectives per update
+                    }
                 self.log.log(rec)
                 self.log.progress(done, rec)
                 window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
@@ -438,9 +433,8 @@ def train_step(
         norm = global_grad_norm(engine.module, bundle.groups) / loss_scale(engine)
         if cfg.train.clip_grad > 0:
             clip_grads_(engine.module, cfg.train.clip_grad, norm)
-        set_step_norm(
-            engine.optimizer, norm
-        )  # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
+        # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
+        set_step_norm(engine.optimizer, norm)
     engine.step()
     if norm is None:
         gn = engine.get_global_grad_norm()
@@ -544,9 +538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
     try:
         try:
-            world = ensure_env(
-                args.master_addr, args.master_port
-            )  # MPI/SLURM ranks: their world, before planning
+            # MPI/SLURM ranks: their world, before planning
+            world = ensure_env(args.master_addr, args.master_port)
             cfg = load_run_config(
                 args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False
             )
