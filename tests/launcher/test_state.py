@@ -41,6 +41,7 @@ def _state(
 ) -> Path:
     """A training state `step_<step>` in `ckdir`: `files` written, meta.json recording their sizes (and sha256)."""
     d = ckdir / f"step_{step:08d}"
+    d.mkdir(parents=True, exist_ok=True)
     for rel, data in files.items():
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_bytes(data)
@@ -222,8 +223,10 @@ def test_read_state_meta_returns_meta_json_or_says_why_it_is_not_a_state(tmp_pat
         read_state_meta(tmp_path)
     with pytest.raises(CheckpointError, match="older format"):
         read_state_meta(_state(ck, 4, format="demix-training/1"))
+    six = _state(ck, 6)
+    (six / "meta.json").write_text(json.dumps({**read_state_meta(six), "step": "six"}))
     with pytest.raises(CheckpointError, match="step"):
-        read_state_meta(_state(ck, 6, step="six"))
+        read_state_meta(six)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,7 +271,9 @@ def test_check_resumable_returns_the_step_and_layout_changes_says_what_changed(t
     two = _plan(tiny_tokens, 2)  # twice the ranks: allowed, and announced
     assert check_resumable(ckpt, two) == 6
     changes = layout_changes(ckpt, two)
-    assert changes[0].startswith("resuming step_00000006 on another layout (world_size 1 -> 2)")
+    assert changes[0].startswith(
+        "resuming step_00000006 on another layout (world_size 1 -> 2, allocation [1] -> [2]): "
+    )
     assert changes[1].startswith("the global batch changes from 16 to 32 sequences per step")
     bigger = _plan(tiny_tokens, 1, **{"train.micro_batch": "4", "parallel.zero_stage": "1"})
     assert check_resumable(ckpt, bigger) == 6
