@@ -191,7 +191,7 @@ def random_batches(plan, updates: int, device: torch.device, seed: int = 0) -> l
     """`updates` x grad_accum micro-batches of uniform random tokens in the sampler's format, made model inputs by
     the trainer's own `to_model_batch`; domain of sample g of the run = g mod (domains), as the by-domain round
     robin (data/sampler.py) gives a rank holding several domains."""
-    from launcher.train import to_model_batch
+    from launcher.batches import to_model_batch
 
     cfg = plan.cfg
     B, ga, T, V = cfg.train.micro_batch, cfg.train.grad_accum, cfg.model.seq_len, cfg.model.vocab_size

@@ -53,7 +53,8 @@ from launcher.rundir import (
     out_dir_override,
     use_extensions_dir,
 )
-from launcher.state import check_resumable, latest_checkpoint, layout_changes
+from launcher.state import check_resumable, layout_changes
+from launcher.state_discovery import latest_checkpoint
 from launcher.typed import to_dict
 from parallel.ds_config import deepspeed_config
 

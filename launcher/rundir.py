@@ -89,7 +89,7 @@ def interrupted_line(run_dir: Optional[Path]) -> str:
     if run_dir is None:
         return "interrupted (before the run directory was known); nothing was written"
     from launcher.checkpoint import CheckpointError
-    from launcher.state import latest_checkpoint
+    from launcher.state_discovery import latest_checkpoint
 
     try:
         ckpt = latest_checkpoint(Path(run_dir))

@@ -1,4 +1,4 @@
-"""Training state: per-rank shards for exact resume, and the distributed consolidated export.
+"""Training state: per-parameter files for exact resume on any layout, and the distributed consolidated export.
 
 * `save_training_state` / `load_training_state`: every parameter's fp32 master weight and Adam moments, whole
   and by its name in the plain model (DeepSpeed's universal checkpoint layout, `zero/<name>/fp32.pt`, written
@@ -11,6 +11,9 @@
 * `export_consolidated`: the plain single-process model with all experts, in the consolidated format of
   launcher/checkpoint.py, written by the ranks that hold each part (no rank gathers another's experts).
 * `load_init_weights`: a new run's weights from a consolidated checkpoint (`train.init_from`).
+
+Which states a run directory holds, whether they are intact, which one a resume uses and pruning:
+launcher/state_discovery.py.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
-import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,6 @@ import numpy as np
 import torch
 
 from data.atomic import commit_dir, discard_on_failure, write_json_atomic, write_text_atomic
-from data.readers import InputFileError, check_shape, read_json_object
 from data.tokenizer import sha256_file
 from launcher.checkpoint import (
     CheckpointError,
@@ -47,6 +47,7 @@ from launcher.config import ConfigError, RunConfig
 from launcher.distributed import training_device
 from launcher.ffn_kinds import ffn_kind
 from launcher.plan import Plan
+from launcher.state_discovery import TRAINING_FORMAT, prune_checkpoints, read_state_meta, state_damage
 from launcher.typed import to_dict
 from parallel.universal import (
     FP32,
@@ -94,8 +95,6 @@ def check_shared_run_dir(run_dir: Path, rank: int, world_size: int, device: torc
         )
 
 
-TRAINING_FORMAT = "demix-training/2"
-
 # What a training state must share with the run that resumes it; everything else in `layout_identity` (world
 # size, allocation, ZeRO stage, batch shape, precision) may change, since the state is kept per parameter.
 MUST_MATCH = ("model", "tensor_parallel", "domains", "expert_domains", "tokenizer", "tokenizer_sha256")
@@ -105,9 +104,8 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
     """What a training state records about the run that wrote it (see MUST_MATCH for what must match)."""
     c = plan.cfg
     model = to_dict(c.model)
-    model["ffn"]["gshard"].pop(
-        "experts_per_rank", None
-    )  # placement, not the model: num_experts (resolved) is
+    # placement, not the model: num_experts (resolved) is
+    model["ffn"]["gshard"].pop("experts_per_rank", None)
     return {
         "world_size": plan.topo.world_size,
         "tensor_parallel": plan.topo.tensor_parallel,
@@ -125,150 +123,8 @@ def layout_identity(plan: Plan) -> dict[str, Any]:
     }
 
 
-STEP_DIR = re.compile(r"step_\d{8}")
 # Each rank's checksums while a state is written (`sha256/rank<r>.json`), gathered into meta.json, then removed.
 SUMS_DIR = "sha256"
-
-
-def complete_states(ckdir: Path) -> list[Path]:
-    """The complete training states in `ckdir` (well-formed `step_<8 digits>` names with meta.json), oldest first."""
-    return sorted(
-        p for p in ckdir.glob("step_*") if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file()
-    )
-
-
-def state_damage(ckpt: Path) -> Optional[str]:
-    """Why the training state `ckpt` cannot be resumed from (unreadable meta.json, another format, a file
-    missing or of another size than when it was written: a truncated copy, a full disk), or None when intact.
-    Cheap: sizes only (meta.json's `files`), no tensor is read."""
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"meta.json unreadable ({e})"
-    if not isinstance(meta, dict):
-        return "meta.json is not an object"
-    if meta.get("format") != TRAINING_FORMAT:
-        return None  # another format: not damaged; `read_state_meta` says how to continue from it
-    files = meta.get("files")
-    if not isinstance(files, dict) or not files:
-        return "meta.json lists no files"
-    for rel, size in files.items():
-        path = ckpt / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            return f"meta.json names a file outside the state: {rel[:80]!r}"
-        if not path.is_file():
-            return f"{rel} is missing"
-        if path.stat().st_size != size:
-            return f"{rel} has {path.stat().st_size} bytes, {size} when written"
-    return None
-
-
-def checksum_damage(ckpt: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
-    """Why `ckpt`'s files fail the sha256 checksums meta.json recorded when they were written (bytes changed in
-    place at the same size, which `state_damage` cannot see), or None. Reads the files: with `world_size` > 1 only
-    this rank's share of them (balanced by bytes, `assign_writers`), so that the ranks split the work
-    (`verified_state`). A state written before checksums were recorded passes. Call after `state_damage`."""
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-        files, sums = meta["files"], meta.get("sha256")
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        return f"meta.json unreadable ({e})"
-    if sums is None:
-        return None
-    if not isinstance(sums, dict) or not isinstance(files, dict):
-        return "meta.json's sha256 or files is not an object"
-    share = assign_writers({rel: int(size) for rel, size in files.items()}, range(world_size))
-    for rel in sorted(files):
-        if share[rel] != rank:
-            continue
-        if not isinstance(sums.get(rel), str):
-            return f"meta.json records no checksum for {rel}"
-        if sha256_file(ckpt / rel) != sums[rel]:
-            return f"{rel} does not match its checksum: its bytes changed after it was written"
-    return None
-
-
-def resume_candidates(run_dir: Path, checksums: bool = False) -> list[Path]:
-    """The training states a resume may use, preferred first: the one `checkpoints/latest` names, if that is a
-    well-formed name of an intact state in this directory; otherwise (a damaged pointer, or one naming a deleted,
-    incomplete or damaged state, see `state_damage`) the newest intact state, with a warning, so a resume never
-    restarts from step 0 over newer checkpoints; then the other intact states, newest first (the fall-backs when
-    the first fails its checksums, `verified_state`). `checksums=True` also reads every file (`checksum_damage`,
-    one process). If states exist but none is intact, a CheckpointError says so (nothing is overwritten). The
-    pointer's contents never become a path unless they match `step_<8 digits>`."""
-    ckdir = run_dir / "checkpoints"
-    ptr = ckdir / "latest"
-    complete = complete_states(ckdir)
-    damage = {p: state_damage(p) or (checksum_damage(p) if checksums else None) for p in complete}
-    for p, why in damage.items():
-        if why:
-            print(f"warning: training state {p} is damaged ({why}); skipped", file=sys.stderr)
-    intact = [p for p in complete if not damage[p]]
-    if complete and not intact:
-        raise CheckpointError(
-            f"no intact training state in {ckdir} (all {len(complete)} damaged, see the warnings); "
-            "restore them, or start a new run directory"
-        )
-    newest_first = intact[::-1]
-    if ptr.is_file():
-        name = ptr.read_text(errors="replace").strip()
-        if STEP_DIR.fullmatch(name) and (ckdir / name) in intact:
-            return [ckdir / name] + [p for p in newest_first if p != ckdir / name]
-        if intact:
-            print(
-                f"warning: {ptr} names {name[:80]!r}, not an intact training state here; resuming from the newest "
-                f"intact one, {intact[-1].name}",
-                file=sys.stderr,
-            )
-    return newest_first
-
-
-def latest_checkpoint(run_dir: Path, checksums: bool = False) -> Optional[Path]:
-    """The training state to resume from (the first of `resume_candidates`), or None when there is none."""
-    candidates = resume_candidates(run_dir, checksums)
-    return candidates[0] if candidates else None
-
-
-def verified_state(
-    candidates: list[Path], rank: int, world_size: int, device: torch.device
-) -> Optional[Path]:
-    """The first of `candidates` whose every file matches its recorded checksum, read by all ranks together (each
-    its share, `checksum_damage`), or None. A damaged one is skipped with a warning naming the file. Collective:
-    every rank calls it with the same candidates and gets the same answer (one all-reduce per candidate tried)."""
-    import torch.distributed as dist
-
-    for ckpt in candidates:
-        why = checksum_damage(ckpt, rank, world_size)
-        flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=device)
-        dist.all_reduce(flag)
-        if why is not None:
-            print(f"warning: training state {ckpt} is damaged ({why}); skipped", file=sys.stderr)
-        if int(flag.item()) == 0:  # setup, not the step: a host read is fine here
-            return ckpt
-    return None
-
-
-STATE_META_SHAPE = {"format": str, "step": int, "layout": dict, "params": list, "files": dict, "config": dict}
-
-
-def read_state_meta(ckpt: Path) -> dict[str, Any]:
-    """meta.json of a training state; CheckpointError when it is missing, unreadable or of another format."""
-    if not (ckpt / "meta.json").is_file():
-        raise CheckpointError(
-            f"{ckpt} is not a training state (no meta.json); give RUN/checkpoints/step_N or a run directory"
-        )
-    try:
-        meta = read_json_object(ckpt / "meta.json", what="training state metadata")
-        if meta.get("format") != TRAINING_FORMAT:
-            raise CheckpointError(
-                f"{ckpt} is a training state of an older format (one file per rank); resume it with "
-                "the version that wrote it, or start a new run directory from its exported model "
-                "(`--set train.init_from=RUN/model`)"
-            )
-        check_shape(meta, STATE_META_SHAPE, ckpt / "meta.json", "training state metadata")
-    except InputFileError as e:
-        raise CheckpointError(str(e)) from None
-    return meta
 
 
 def check_resumable(ckpt: Path, plan: Plan) -> int:
@@ -442,8 +298,8 @@ def _write_param_states(
     DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
     each `{"param": tensor, "cat_dim": tensor-parallel dimension}` (`step.pt` beside exp_avg). Each file is written
     by one of the ranks holding the parameter (`plan_state_writers`, balanced by bytes); returns what this rank
-    wrote (path -> bytes, path -> sha256). Collective: every rank walks its parameters in order (ZeRO 1/2's all-reduce and the TP
-    all-gather give every holder the whole tensor, so choosing the writer adds no traffic)."""
+    wrote (path -> bytes, path -> sha256). Collective: every rank walks its parameters in order (ZeRO 1/2's
+    all-reduce and the TP all-gather give every holder the whole tensor, so choosing the writer adds no traffic)."""
     model, tp = bundle.engine.module, plan.topo.tensor_parallel
     states = ParamStates(bundle.engine)
     names = ffn_kind(plan.cfg).state_names(model, plan.topo, rank)
@@ -584,19 +440,6 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
-
-
-def prune_checkpoints(ckdir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete training states (0: keep all); never the one `latest` names.
-    Returns what was deleted. Called by rank 0 after the `latest` pointer moved, so a crash here loses nothing."""
-    if keep <= 0:
-        return []
-    latest = (ckdir / "latest").read_text().strip() if (ckdir / "latest").is_file() else None
-    done = complete_states(ckdir)
-    old = [p for p in done[:-keep] if p.name != latest]
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
-    return old
 
 
 def _numpy_rng_state() -> tuple:

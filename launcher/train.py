@@ -28,9 +28,8 @@ import torch
 from data.argtypes import host
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic
-from data.blocks import BlockDataset
 from data.cli import exit_process
-from data.sampler import build_sampler
+from launcher.batches import build_rank_sampler, step_expert_tokens, to_model_batch
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
@@ -49,14 +48,12 @@ from launcher.state import (
     check_resumable,
     check_shared_run_dir,
     export_consolidated,
-    latest_checkpoint,
     layout_changes,
     load_init_weights,
     load_training_state,
-    resume_candidates,
     save_training_state,
-    verified_state,
 )
+from launcher.state_discovery import latest_checkpoint, resume_candidates, verified_state
 from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_gpu
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
@@ -64,84 +61,6 @@ from parallel.comm_stats import CommStats
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 from parallel.overflow import install_norm_overflow_check, set_step_norm
-
-# ----------------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------------
-
-
-def build_rank_sampler(plan: Plan, rank: int, split: str = "train"):
-    """This rank's sampler: its domains (DEMix) or every domain, sharded by data-parallel rank (baselines)."""
-    cfg, cat = plan.cfg, plan.catalog
-    domains, shard, shards = ffn_kind(cfg).rank_data(plan.topo, rank, len(cat.train_domains))
-    datasets = {
-        d: BlockDataset.from_prepared(
-            cfg.data.path, cfg.data.tokenizer, cat.train_domains[d], split, cfg.model.seq_len
-        )
-        for d in domains
-    }
-    return build_sampler(
-        cfg.data,
-        datasets,
-        domains,
-        shard,
-        shards,
-        cfg.train.micro_batch,
-        cfg.data.seed,
-        cfg.train.grad_accum,
-        domain_token_base=cat.vocab_size,
-    )
-
-
-def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan) -> dict[str, torch.Tensor]:
-    """Sampler batch -> model inputs. `domain_ids` index the data's domains (metrics); `expert_ids` what the
-    model routes by (the same unless the experts come from an init checkpoint with another order). The
-    routing ids stay on the host: a DEMix layer then finds each expert's rows without reading the device
-    (model/demix.py), so a training step has no device-to-host synchronisation."""
-    dom = b["domain_ids_B"]
-    experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
-    return {
-        "tokens": to_device(b["tokens_BT"], device),
-        "targets": to_device(b["targets_BT"], device),
-        "domain_ids": to_device(dom, device),
-        "expert_ids": experts,
-        "loss_mask": to_device(b["loss_mask_BT"], device),
-        "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"]),
-    }  # host numbers: no device sync
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch tensor on the training device without blocking the host where the device is CUDA.
-
-    A copy from pageable memory makes the host wait until the data is staged; from page-locked memory it is
-    queued on the current stream. `pin_memory()` makes a new page-locked copy (the sampler's array is never
-    the source, so it may be reused at once), and torch's caching host allocator keeps that block until the
-    queued copy has run even after the pinned tensor is freed. Kernels that read the result are queued on the
-    same stream, after the copy. Elsewhere (CPU) this is the plain `.to(device)` it always was."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def expert_token_counts(expert_ids_B: torch.Tensor, mask_BT: torch.Tensor) -> dict[int, float]:
-    """Scored tokens per expert id in a micro-batch (host tensors in, host numbers out)."""
-    out: dict[int, float] = {}
-    for e, n in zip(expert_ids_B.tolist(), mask_BT.sum(1).tolist()):
-        out[e] = out.get(e, 0.0) + n
-    return out
-
-
-def step_expert_tokens(micro: list[dict[str, Any]]) -> tuple[dict[int, float], float]:
-    """(scored tokens per expert id, all scored tokens) over a step's micro-batches on this rank."""
-    per: dict[int, float] = {}
-    for mb in micro:
-        counts = mb.get("expert_tokens")
-        if counts is None:  # a batch built by hand (tests): count from its tensors
-            counts = expert_token_counts(mb.get("expert_ids", mb["domain_ids"]).cpu(), mb["loss_mask"].cpu())
-        for e, n in counts.items():
-            per[e] = per.get(e, 0.0) + n
-    return per, sum(per.values())
-
 
 # ----------------------------------------------------------------------------------------------------
 # Metrics, evaluation, export
@@ -252,9 +171,8 @@ class StepResult:
     domain_sums: torch.Tensor  # [2, domains]: summed token loss and scored tokens per data domain (this rank)
     grad_norm: torch.Tensor  # the global gradient norm (unscaled)
     aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
-    stats: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # routing statistics, means over micro-batches
+    # routing statistics, means over micro-batches
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def build_rank_model(plan: Plan, rank: int) -> GPT:
@@ -283,9 +201,8 @@ def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
     if plan.cfg.train.activation_checkpointing == "full":
         apply_activation_recompute(model)
     bundle = ffn_kind(plan.cfg).build_engine(model, plan.cfg, groups)
-    install_norm_overflow_check(
-        bundle.engine.optimizer
-    )  # fp16 at ZeRO 0: one host read per step, not one per tensor
+    # fp16 at ZeRO 0: one host read per step, not one per tensor
+    install_norm_overflow_check(bundle.engine.optimizer)
     if plan.cfg.train.compile:
         compile_model(bundle.engine.module)
     return bundle
@@ -332,9 +249,8 @@ class Trainer:
     start: int  # the first step to run (> 0 after a resume)
     resumed_from: Optional[Path] = None
     hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
-    comm: Optional[CommStats] = (
-        None  # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
-    )
+    # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
+    comm: Optional[CommStats] = None
 
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
@@ -345,17 +261,15 @@ class Trainer:
         )
         start = check_resumable(ckpt, plan) if ckpt is not None else 0  # before any expensive work
         planned = plan
-        if (
-            ckpt is not None
-        ):  # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+        # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
+        if ckpt is not None:
             plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
         rank, world = start_distributed()
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
-        if (
-            ckpt is not None
-        ):  # checksums, read by all ranks together; a damaged newest state falls back to an older one
+        # checksums, read by all ranks together; a damaged newest state falls back to an older one
+        if ckpt is not None:
             candidates = resume_candidates(run_dir) if resume == "auto" else [ckpt]
             verified = verified_state(candidates, rank, world, training_device())
             if verified is None:
@@ -428,8 +342,8 @@ class Trainer:
                         "kind": "train",
                         "step": done,
                         **step_record(out, self.bundle, plan, sums, window_t, window_steps),
-                        **self.comm.take(per=window_steps),
-                    }  # collectives per update
+                        **self.comm.take(per=window_steps),  # collectives per update
+                    }
                 self.log.log(rec)
                 self.log.progress(done, rec)
                 window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
@@ -519,9 +433,8 @@ def train_step(
         norm = global_grad_norm(engine.module, bundle.groups) / loss_scale(engine)
         if cfg.train.clip_grad > 0:
             clip_grads_(engine.module, cfg.train.clip_grad, norm)
-        set_step_norm(
-            engine.optimizer, norm
-        )  # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
+        # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
+        set_step_norm(engine.optimizer, norm)
     engine.step()
     if norm is None:
         gn = engine.get_global_grad_norm()
@@ -625,9 +538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
     try:
         try:
-            world = ensure_env(
-                args.master_addr, args.master_port
-            )  # MPI/SLURM ranks: their world, before planning
+            # MPI/SLURM ranks: their world, before planning
+            world = ensure_env(args.master_addr, args.master_port)
             cfg = load_run_config(
                 args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False
             )

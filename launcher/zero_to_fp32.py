@@ -28,7 +28,7 @@ from data.cli import check_output_dir, cli_main, exit_process
 from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
-from launcher.state import checksum_damage, latest_checkpoint, read_state_meta, state_damage
+from launcher.state_discovery import checksum_damage, latest_checkpoint, read_state_meta, state_damage
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 from parallel.universal import FP32

@@ -38,7 +38,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _fake_state(run: Path, step: int) -> Path:
     """A training state as complete as `latest_checkpoint` checks one (meta.json listing a file of its size)."""
-    from launcher.state import TRAINING_FORMAT
+    from launcher.state_discovery import TRAINING_FORMAT
 
     d = run / "checkpoints" / f"step_{step:08d}"
     d.mkdir(parents=True)

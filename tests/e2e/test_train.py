@@ -180,7 +180,7 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
 
 
 def test_a_damaged_or_dangling_latest_pointer_resumes_from_the_newest_complete_state(tmp_path, capsys):
-    from launcher.state import TRAINING_FORMAT, latest_checkpoint
+    from launcher.state_discovery import TRAINING_FORMAT, latest_checkpoint
 
     ck = tmp_path / "checkpoints"
     assert latest_checkpoint(tmp_path) is None
@@ -216,7 +216,7 @@ def test_resume_drops_the_records_the_dead_run_wrote_after_its_checkpoint(tmp_pa
 
 
 def test_prune_keeps_the_newest_complete_states_and_the_latest(tmp_path):
-    from launcher.state import prune_checkpoints
+    from launcher.state_discovery import prune_checkpoints
 
     for step in (2, 4, 6, 8):
         (tmp_path / f"step_{step:08d}").mkdir()

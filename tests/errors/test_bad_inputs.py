@@ -62,7 +62,8 @@ def _config(tokens: Path, out: Path, **sets: str):
 def _fake_state(run: Path, step: int, plan, params: tuple[str, ...] = ("wte.weight",)) -> Path:
     """A training state as `save_training_state` lays it out (meta.json with the plan's layout and file sizes),
     with tiny tensors: enough for everything that checks a state before training (launch never reads tensors)."""
-    from launcher.state import TRAINING_FORMAT, layout_identity
+    from launcher.state import layout_identity
+    from launcher.state_discovery import TRAINING_FORMAT
 
     d = run / "checkpoints" / f"step_{step:08d}"
     for name in params:
@@ -1029,7 +1030,7 @@ def test_a_clusterer_with_pickled_arrays_is_refused(tmp_path):
 
 
 def test_a_malicious_latest_pointer_never_becomes_a_path(world, tmp_path, capsys):
-    from launcher.state import latest_checkpoint
+    from launcher.state_discovery import latest_checkpoint
 
     state = _fake_state(tmp_path / "run", 2, world.plan)
     for bad in ("../../../../etc/passwd", "/etc", "step_00000002/../../x", "step_2", "\x00"):

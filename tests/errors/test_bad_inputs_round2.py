@@ -409,7 +409,7 @@ def _training_state(w: SimpleNamespace, d: Path) -> None:
     import torch
 
     from launcher.checkpoint import load_consolidated
-    from launcher.state import TRAINING_FORMAT
+    from launcher.state_discovery import TRAINING_FORMAT
 
     c = load_consolidated(w.ckpt)
     model = c.build_model()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher import report
+from launcher.report import figures
 
 REPO = Path(__file__).resolve().parents[2]
 DOMAINS = ("cooking", "sailing", "finance")  # conftest.py's tiny corpus
@@ -277,7 +278,7 @@ def test_resumed_run_warmup_per_start_and_world_size_per_start():
 def test_without_matplotlib_the_report_says_so_and_has_no_png(runs, tmp_path, monkeypatch):
     report.write_report([runs["dense"]], tmp_path / "rep")
     assert (tmp_path / "rep" / "loss.png").is_file()
-    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(figures, "_pyplot", lambda: None)
     data = report.write_report([runs["dense"]], tmp_path / "rep")  # replaces the first report, PNGs and all
     assert not list((tmp_path / "rep").glob("*.png")) and data["files"] == []
     assert "matplotlib is not installed" in (tmp_path / "rep" / "report.md").read_text()

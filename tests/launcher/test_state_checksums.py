@@ -116,7 +116,7 @@ def test_every_state_damaged_is_an_error(two_states, tmp_path):
 
 def test_the_ranks_split_the_reading(two_states, tmp_path):
     """Each file is read by exactly one rank: damage in one file is reported by one rank of 2 (and of 3)."""
-    from launcher.state import checksum_damage
+    from launcher.state_discovery import checksum_damage
 
     run, _ = two_states
     ckpt = _copy(run, tmp_path) / "checkpoints" / "step_00000004"
@@ -145,7 +145,7 @@ def test_zero_to_fp32_refuses_a_damaged_state_and_picks_an_intact_one(two_states
 def test_mutation_without_recorded_checksums_the_damage_passes(two_states, tmp_path):
     """The rule disabled (a meta.json without `sha256`, as states written before it): the same damage goes
     unnoticed by every check, so the fall-back above rests on the checksums alone."""
-    from launcher.state import checksum_damage, latest_checkpoint, state_damage
+    from launcher.state_discovery import checksum_damage, latest_checkpoint, state_damage
 
     run = _copy(two_states[0], tmp_path)
     newest = run / "checkpoints" / "step_00000004"
@@ -161,7 +161,7 @@ def test_mutation_without_recorded_checksums_the_damage_passes(two_states, tmp_p
 
 
 def test_a_damaged_checksum_table_is_damage(two_states, tmp_path):
-    from launcher.state import checksum_damage
+    from launcher.state_discovery import checksum_damage
 
     run = _copy(two_states[0], tmp_path)
     newest = run / "checkpoints" / "step_00000004"

@@ -323,7 +323,7 @@ def test_batch_copies_on_cpu_are_the_plain_copies_they_were(monkeypatch):
     CUDA; a pinned, non-blocking copy is the CUDA path only)."""
     import torch
 
-    from launcher.train import to_device
+    from launcher.batches import to_device
 
     def no_pinning(self, *a, **k):
         raise AssertionError("pin_memory() on a CPU run")
@@ -346,7 +346,7 @@ def test_batch_copies_on_cpu_are_the_plain_copies_they_were(monkeypatch):
 def test_batch_copies_to_cuda_are_pinned_and_exact():
     import torch
 
-    from launcher.train import to_device
+    from launcher.batches import to_device
 
     t = torch.randint(0, 50257, (8, 1024))
     want = t.clone()

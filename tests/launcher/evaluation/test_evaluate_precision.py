@@ -176,10 +176,11 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_loaded(
 def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
     """For each ZeRO stage: the trainer's `evaluate` on a real DeepSpeed engine (bf16), whether each forward ran
     under autocast, and the same validation batches through the engine's own forward (the training regime)."""
+    from launcher.batches import build_rank_sampler, to_model_batch
     from launcher.config import load_run_config
     from launcher.ffn_kinds import ffn_kind
     from launcher.plan import make_plan
-    from launcher.train import build_rank_sampler, domain_loss_sums, evaluate, to_model_batch
+    from launcher.train import domain_loss_sums, evaluate
     from model.gpt import GPT
     from parallel.groups import ProcessGroups
 

@@ -303,9 +303,9 @@ def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[
     `btx` (upcycled, or branched: tests/launcher/modular/test_btx_branch.py) evaluated directly on the batches the
     trainer's samplers give each rank at step 0, in training mode with the run's routing settings (the deterministic
     `all` policy, the training capacity factor)."""
+    from launcher.batches import build_rank_sampler, to_model_batch
     from launcher.config import load_run_config
     from launcher.plan import make_plan
-    from launcher.train import build_rank_sampler, to_model_batch
 
     plan = make_plan(load_run_config(run / "config.yaml", check=False), world)
     c = load_consolidated(

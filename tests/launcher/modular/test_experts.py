@@ -13,6 +13,7 @@ import torch
 from data.config import DataConfig
 from launcher.checkpoint import Consolidated, load_consolidated, save_consolidated
 from launcher.config import RunConfig
+from launcher.expert_surgery import remove_experts_state
 from launcher.modular.experts import (
     adaptation_markdown,
     adaptation_report,
@@ -24,7 +25,6 @@ from launcher.modular.experts import (
     removal_markdown,
     removal_report,
     remove_experts,
-    remove_experts_state,
     run_dapt,
 )
 from model.config import FFNConfig, ModelConfig
