@@ -12,6 +12,7 @@ a builder with `register_ffn(kind)`; `build_ffn` is the only constructor the mod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch.nn as nn
@@ -22,7 +23,42 @@ from model.demix import DemixFFN
 from model.gshard import GShardFFN
 from model.mlp import MLP, DenseFFN, FFNOutput
 
-__all__ = ["FFNOutput", "MLP", "DenseFFN", "DemixFFN", "GShardFFN", "register_ffn", "build_ffn"]
+__all__ = [
+    "FFNOutput",
+    "MLP",
+    "DenseFFN",
+    "DemixFFN",
+    "GShardFFN",
+    "FFNTraits",
+    "register_ffn",
+    "build_ffn",
+    "ffn_traits",
+]
+
+
+@dataclass(frozen=True)
+class FFNTraits:
+    """What code below launcher/ (parallel/'s memory model and tracing) needs to know of an FFN kind, so that it
+    asks this table instead of comparing kind names; launcher/ffn_kinds.py holds the rest, one strategy per kind."""
+
+    domain_routed: bool = False  # routed by the batch's domain ids (DEMix): the trainer passes domain_ids_B
+    deepspeed_moe: bool = False  # a learned top-k gate that training swaps for DeepSpeed's MoE layer (GShard)
+
+
+FFN_TRAITS: dict[str, FFNTraits] = {
+    "dense": FFNTraits(),
+    "demix": FFNTraits(domain_routed=True),
+    "gshard": FFNTraits(deepspeed_moe=True),
+    "cse": FFNTraits(),
+}
+
+
+def ffn_traits(kind: str) -> FFNTraits:
+    """The traits of FFN kind `kind` (a KeyError names the known kinds)."""
+    try:
+        return FFN_TRAITS[kind]
+    except KeyError:
+        raise KeyError(f"feed-forward kind {kind!r} has no traits; known: {sorted(FFN_TRAITS)}") from None
 
 
 FFNBuilder = Callable[[ModelConfig, int, Sequence[int]], nn.Module]

@@ -57,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.config import ModelConfig
+from model.ffn import ffn_traits
 from parallel.peak_memory import PlannedRouting, count_peak, measure_peak, routing_share
 
 GIB = 1024**3
@@ -108,7 +109,7 @@ def activation_bytes(
     s, b, h, a, t = m.seq_len, micro_batch, m.d_model, m.n_heads, tensor_parallel
     scale = 2.0 if precision == "fp32" else 1.0
     dense_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # eq. A1
-    moe = set(m.moe_layer_ids()) if m.ffn.kind == "gshard" else set()
+    moe = set(m.moe_layer_ids()) if ffn_traits(m.ffn.kind).deepspeed_moe else set()
     extra_mlp = s * b * h * 19 / t * (m.ffn.gshard.top_k - 1) if moe else 0.0
     per_layer = [dense_layer + (extra_mlp if i in moe else 0.0) for i in range(m.n_layers)]
     layers = 2 * s * b * h * m.n_layers + max(per_layer) if recompute else sum(per_layer)  # eq. A2 / A1
@@ -140,7 +141,7 @@ def rank_batch(m: ModelConfig, micro_batch: int) -> dict:
 def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]]) -> dict:
     """DEMix's domain ids, on the host as the trainer passes them: the micro-batch spread evenly over the rank's
     domains ({} for other kinds)."""
-    if m.ffn.kind != "demix":
+    if not ffn_traits(m.ffn.kind).domain_routed:
         return {}
     ids = sorted(expert_ids) if expert_ids else list(range(max(1, m.ffn.num_experts)))
     return {"domain_ids_B": torch.tensor([ids[i * len(ids) // micro_batch] for i in range(micro_batch)])}
@@ -233,7 +234,7 @@ def with_training_layers(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Mod
     top-k layers become DeepSpeed's MoE layer, as `parallel.gshard.apply_gshard` does, at expert-parallel size 1
     (tracing needs every expert on the rank). That layer, not the plain one, holds training's activations
     (capacity-padded E x C buffers, the fp32 gate input)."""
-    if m.ffn.kind != "gshard" or max(1, m.ffn.num_experts) == 1:
+    if not ffn_traits(m.ffn.kind).deepspeed_moe or max(1, m.ffn.num_experts) == 1:
         return model
     from model.gshard import GShardFFN
     from parallel.gshard import DistributedGShardFFN, GShardLayout
@@ -331,7 +332,11 @@ def trace_fallback_reason(
     """Why this rank's activations cannot be traced in one process (None: they can)."""
     if tensor_parallel > 1:
         return f"tensor_parallel={tensor_parallel}: the tensor-parallel layers need their process group"
-    if m.ffn.kind == "gshard" and expert_ids is not None and len(expert_ids) < max(1, m.ffn.num_experts):
+    if (
+        ffn_traits(m.ffn.kind).deepspeed_moe
+        and expert_ids is not None
+        and len(expert_ids) < max(1, m.ffn.num_experts)
+    ):
         return (
             f"ffn=gshard with {len(expert_ids)} of {m.ffn.num_experts} experts on this rank: the layer is "
             "DeepSpeed's MoE, whose all-to-all needs the expert-parallel process group"

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from model.config import ModelConfig
+from model.ffn import ffn_traits
 
 _DEVICE = torch.ops.prim.device.default  # asked of every tensor by autograd: most operators a mode sees
 
@@ -49,7 +50,7 @@ class PlannedRouting(TorchDispatchMode):
 
 def routing_share(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> float:
     """The planned share of a routing mask's elements that select one expert (see PlannedRouting)."""
-    if m.ffn.kind == "gshard":
+    if ffn_traits(m.ffn.kind).deepspeed_moe:
         return 1.0 / max(1, m.ffn.num_experts)
     return 1.0 / max(1, len(expert_ids or [0]))
 

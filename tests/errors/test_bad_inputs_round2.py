@@ -125,7 +125,7 @@ def world(tiny_tokens, tmp_path_factory) -> SimpleNamespace:
 def tasks(world) -> Path:
     """A task folder `harness tasks` wrote (lm-eval is imported only by the cases that need it)."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
-    from launcher.evaluation.harness import write_tasks
+    from launcher.harness import write_tasks
 
     write_tasks(world.tokens, "gpt2", world.root / "tasks", max_docs=2)
     return world.root / "tasks"
@@ -170,7 +170,7 @@ LAUNCH, TRAIN, EVAL, GEN, GATE, EXPERTS, HF = (
     "launcher.modular.hf_export",
 )
 HARNESS, DRYRUN, FLOPS, Z2F, BTX, FIGURES = (
-    "launcher.evaluation.harness",
+    "launcher.harness",
     "launcher.dryrun",
     "launcher.flops",
     "launcher.zero_to_fp32",
@@ -1611,7 +1611,7 @@ def _no_cleanup(final: Path, *staged: Path, made: Optional[list] = None) -> Iter
 MUTATIONS = {
     1: [
         ("data.argtypes", "host_problem", lambda name: None),
-        ("launcher.evaluation.harness", "verify_tasks_dir", lambda tasks_dir: {}),
+        ("launcher.harness", "verify_tasks_dir", lambda tasks_dir: {}),
     ],
     4: [
         ("data.argtypes", "check_range", lambda value, rng: None),

@@ -217,3 +217,17 @@ def test_checkpoint_domains_and_step_hooks():
     )
     for name in ("dense", "demix", "gshard"):  # only CSE acts after a step (it clusters)
         assert ffn_kind(name).step_hook(None, _cfg(name), None, None, DOMAINS) is None
+
+
+def test_the_models_traits_agree_with_the_strategies() -> None:
+    """model/ffn.py's FFN_TRAITS (what parallel/ may ask) covers exactly the kinds of the config and of the strategy
+    registry, and says the same as the strategies where both speak."""
+    from model.ffn import FFN_TRAITS, ffn_traits
+
+    assert set(FFN_TRAITS) == set(FFN_KINDS) == set(KINDS)
+    for name, strategy in KINDS.items():
+        traits = ffn_traits(name)
+        assert traits.domain_routed == strategy.domain_experts, name
+        assert traits.deepspeed_moe == (name == "gshard"), name
+    with pytest.raises(KeyError, match="no traits; known"):
+        ffn_traits("mixtral")

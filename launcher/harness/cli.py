@@ -11,17 +11,17 @@ from typing import Optional, Sequence
 from data.argtypes import nonneg_float, positive_int, random_seed
 from data.atomic import write_json_atomic
 from data.cli import cli_main
-from launcher.evaluation.harness.check import check, print_check
-from launcher.evaluation.harness.lm_eval_runner import run_lm_eval
-from launcher.evaluation.harness.model_args import MODES
-from launcher.evaluation.harness.tasks import MC_TASK, PPL_GROUP, write_tasks
+from launcher.harness.check import check, print_check
+from launcher.harness.lm_eval_runner import run_lm_eval
+from launcher.harness.model_args import MODES
+from launcher.harness.tasks import MC_TASK, PPL_GROUP, write_tasks
 
 DESCRIPTION = "The DEMix mixture inside EleutherAI's lm-evaluation-harness (lm_eval 0.4), offline."
 
 
 @cli_main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m launcher.evaluation.harness tasks|run|check ...`; returns the exit status."""
+    """`python -m launcher.harness tasks|run|check ...`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # everything after `run` is lm-eval's
         return run_lm_eval(argv[1:])
@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launcher.evaluation.harness", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m launcher.harness", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tasks", help="write local lm-eval tasks (YAML + JSONL) from a prepared split")
     t.add_argument("--data", required=True, help="prepared tokens root, e.g. artifacts/demo/tokens")

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 from data.argtypes import positive_int, unit_left_open
 from launcher.checkpoint import read_meta
-from launcher.evaluation.harness.windows import WINDOWS
 from launcher.ffn_kinds import ffn_kind
+from launcher.harness.windows import WINDOWS
 from model import mixture as mx
 
 MODES: tuple[str, ...] = ("cached", "updating", "uniform", "naive", "average")

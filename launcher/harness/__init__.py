@@ -1,9 +1,9 @@
 """The DEMix mixture inside EleutherAI's lm-evaluation-harness (lm_eval 0.4), offline.
 
-    python -m launcher.evaluation.harness tasks --data artifacts/demo/tokens --tokenizer sentencepiece --out DIR
-    python -m launcher.evaluation.harness run --model demix --include_path DIR --tasks demix_ppl \\
+    python -m launcher.harness tasks --data artifacts/demo/tokens --tokenizer sentencepiece --out DIR
+    python -m launcher.harness run --model demix --include_path DIR --tasks demix_ppl \\
         --model_args checkpoint=CKPT,data=artifacts/demo/tokens,mode=cached
-    python -m launcher.evaluation.harness check CKPT --tasks-dir DIR --data artifacts/demo/tokens --domains legal,code
+    python -m launcher.harness check CKPT --tasks-dir DIR --data artifacts/demo/tokens --domains legal,code
 
 Importing this package registers the model "demix" with lm_eval (model.py). One file per concern: windows.py (how
 a document is cut into model inputs), model_args.py and model.py (the lm-eval model), documents.py (evaluate's
@@ -12,20 +12,20 @@ hf_parity.py (the comparison), cli.py. The design - token conventions, windows, 
 the hf export - is docs/harness.md.
 """
 
-from launcher.evaluation.harness.check import check, print_check
-from launcher.evaluation.harness.cli import main
-from launcher.evaluation.harness.documents import evaluate_documents
-from launcher.evaluation.harness.hf_parity import hf_parity, padding_log_mass
-from launcher.evaluation.harness.lm_eval_runner import harness_metrics, run_lm_eval
-from launcher.evaluation.harness.model import DemixLM
-from launcher.evaluation.harness.model_args import MODES, DemixArgs, parse_model_args
-from launcher.evaluation.harness.task_folder import (
+from launcher.harness.check import check, print_check
+from launcher.harness.cli import main
+from launcher.harness.documents import evaluate_documents
+from launcher.harness.hf_parity import hf_parity, padding_log_mass
+from launcher.harness.lm_eval_runner import harness_metrics, run_lm_eval
+from launcher.harness.model import DemixLM
+from launcher.harness.model_args import MODES, DemixArgs, parse_model_args
+from launcher.harness.task_folder import (
     TASKS_FORMAT,
     file_hashes,
     read_task_documents,
     verify_tasks_dir,
 )
-from launcher.evaluation.harness.tasks import (
+from launcher.harness.tasks import (
     CONTEXT_TOKENS,
     CONTINUATION_TOKENS,
     DISTRACTORS,
@@ -37,7 +37,7 @@ from launcher.evaluation.harness.tasks import (
     utils_source,
     write_tasks,
 )
-from launcher.evaluation.harness.windows import WINDOWS, Windows, document_windows, pack_windows
+from launcher.harness.windows import WINDOWS, Windows, document_windows, pack_windows
 
 __all__ = [
     "CONTEXT_TOKENS",

@@ -1,6 +1,6 @@
-"""`python -m launcher.evaluation.harness check`: the harness's token perplexity (lm-eval running model `demix` on
+"""`python -m launcher.harness check`: the harness's token perplexity (lm-eval running model `demix` on
 a task folder) against `evaluate_documents` on the same documents, per domain and mode; with `hf_domain`, also the
-stock `hf` model on that expert's export (launcher/evaluation/harness/hf_parity.py)."""
+stock `hf` model on that expert's export (launcher/harness/hf_parity.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from launcher.checkpoint import read_meta
-from launcher.evaluation.harness.documents import evaluate_documents
-from launcher.evaluation.harness.hf_parity import hf_parity, relative_difference
-from launcher.evaluation.harness.lm_eval_runner import harness_metrics
-from launcher.evaluation.harness.model_args import expert_names
-from launcher.evaluation.harness.task_folder import read_task_documents, verify_tasks_dir
-from launcher.evaluation.harness.tasks import PPL_PREFIX
 from launcher.ffn_kinds import ffn_kind
+from launcher.harness.documents import evaluate_documents
+from launcher.harness.hf_parity import hf_parity, relative_difference
+from launcher.harness.lm_eval_runner import harness_metrics
+from launcher.harness.model_args import expert_names
+from launcher.harness.task_folder import read_task_documents, verify_tasks_dir
+from launcher.harness.tasks import PPL_PREFIX
 
 # the demix model_args `evaluate_documents` must be told too, to compute the same thing
 SHARED_ARGS = ("posterior", "cached_estimator", "cached_blocks", "decay", "topk", "dev_split")

@@ -15,11 +15,11 @@ from lm_eval.api.registry import register_model
 from launcher.checkpoint import load_consolidated
 from launcher.checkpoint_data import check_checkpoint_data, load_blocks, load_export_tokenizer
 from launcher.evaluation.generate import generate
-from launcher.evaluation.harness.model_args import DemixArgs, parse_model_args, say
-from launcher.evaluation.harness.tasks import PPL_PREFIX
-from launcher.evaluation.harness.windows import Windows, document_windows, pack_windows
 from launcher.evaluation.scoring import _cached_prior, stream_log_likelihoods
 from launcher.expert_surgery import load_without
+from launcher.harness.model_args import DemixArgs, parse_model_args, say
+from launcher.harness.tasks import PPL_PREFIX
+from launcher.harness.windows import Windows, document_windows, pack_windows
 from model import mixture as mx
 from model.batched import demix_expert_ids, expert_hidden_states
 

@@ -1,7 +1,7 @@
 """`harness check --hf-domain`: the stock lm-eval `hf` model on a Hugging Face export of one expert against our
 model `demix` with that expert alone (both window conventions) and evaluate's number, with the padding rows' mass
-that explains their difference. The one module of launcher/evaluation/ that uses launcher/modular/ (the export;
-tests/test_layering.py lists it)."""
+that explains their difference. It uses launcher/modular/'s export, which is why the harness sits above both
+launcher/evaluation/ and launcher/modular/ (tests/test_layering.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from launcher.checkpoint import Consolidated, load_consolidated
 from launcher.checkpoint_data import load_export_tokenizer
-from launcher.evaluation.harness.lm_eval_runner import harness_metrics
-from launcher.evaluation.harness.tasks import PPL_PREFIX
-from launcher.evaluation.harness.windows import document_windows, pack_windows
+from launcher.harness.lm_eval_runner import harness_metrics
+from launcher.harness.tasks import PPL_PREFIX
+from launcher.harness.windows import document_windows, pack_windows
 from model.batched import expert_hidden_states
 
 

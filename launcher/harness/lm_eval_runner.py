@@ -1,5 +1,5 @@
 """lm-eval's side: the task folder's metrics through `lm_eval.simple_evaluate`, and lm-eval's own CLI with the
-model `demix` registered (`python -m launcher.evaluation.harness run ...`)."""
+model `demix` registered (`python -m launcher.harness run ...`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from launcher.evaluation.harness.task_folder import verify_tasks_dir
+from launcher.harness.task_folder import verify_tasks_dir
 
 
 def harness_metrics(
@@ -48,7 +48,7 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    import launcher.evaluation.harness.model  # noqa: F401  (registers "demix")
+    import launcher.harness.model  # noqa: F401  (registers "demix")
 
     argv = list(argv)
     for i, arg in enumerate(

@@ -1,4 +1,4 @@
-"""The task folder `python -m launcher.evaluation.harness tasks` writes (docs/harness.md): one perplexity task per
+"""The task folder `python -m launcher.harness tasks` writes (docs/harness.md): one perplexity task per
 domain (loglikelihood_rolling, token_perplexity among its metrics), their group, and a multiple-choice
 continuation task, as local YAML + JSONL from the raw text of a prepared split."""
 
@@ -17,7 +17,7 @@ import yaml
 from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir
 from launcher.checkpoint_data import split_documents_text
-from launcher.evaluation.harness.task_folder import OLD_TASKS_FORMATS, TASKS_FORMAT, file_hashes
+from launcher.harness.task_folder import OLD_TASKS_FORMATS, TASKS_FORMAT, file_hashes
 
 PPL_GROUP = "demix_ppl"
 
@@ -53,7 +53,7 @@ def process_ppl_results(doc, results):
 def utils_source() -> str:
     """utils.py written beside the task YAMLs: self-contained (the tasks load without this project)."""
     return (
-        '"""process_results of the demix_ppl tasks (written by launcher.evaluation.harness tasks)."""\n\n'
+        '"""process_results of the demix_ppl tasks (written by launcher.harness tasks)."""\n\n'
         "import re\n\n\n" + inspect.getsource(process_ppl_results)
     )
 

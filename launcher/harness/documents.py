@@ -9,10 +9,10 @@ from typing import Any, Mapping, Sequence, Union
 
 from launcher.checkpoint import Consolidated, load_consolidated
 from launcher.checkpoint_data import check_checkpoint_data, load_blocks, load_export_tokenizer
-from launcher.evaluation.harness.windows import document_windows, pack_windows
 from launcher.evaluation.results import DEMIX_MODES
 from launcher.evaluation.scoring import _cached_prior, _demix_domain, stream_log_likelihoods
 from launcher.expert_surgery import load_without
+from launcher.harness.windows import document_windows, pack_windows
 from model import mixture as mx
 from model.batched import demix_expert_ids
 

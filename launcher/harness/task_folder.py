@@ -45,7 +45,7 @@ def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
         raise ValueError(
             f"{path}: format {rec['format']!r}, not {TASKS_FORMAT!r} (a folder written before its files "
             "were fingerprinted, or not by `harness tasks`): write it again with `python -m "
-            "launcher.evaluation.harness tasks`"
+            "launcher.harness tasks`"
         )
     check_shape(rec, {"files": dict}, path, "harness task folder record")
     now, then = file_hashes(root), rec["files"]
@@ -59,7 +59,7 @@ def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
         raise ValueError(
             f"{root} is not as `harness tasks` wrote it ({listed}); nothing in it was imported (lm-eval "
             "would import its utils.py and follow its YAMLs: a changed or added file could run code). "
-            "Write the folder again with `python -m launcher.evaluation.harness tasks`"
+            "Write the folder again with `python -m launcher.harness tasks`"
         )
     return rec
 

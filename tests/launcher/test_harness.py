@@ -1,4 +1,4 @@
-"""The DEMix mixture inside lm-evaluation-harness (launcher/evaluation/harness.py), offline: local tasks written from
+"""The DEMix mixture inside lm-evaluation-harness (launcher/harness/), offline: local tasks written from
 a prepared split; the harness's token perplexity equals launcher.evaluation.evaluate's functions on the same
 document windows (cached / uniform mixtures, dense); loglikelihood equals a direct computation through GPT.forward;
 the multiple-choice task runs; the stock `hf` model on an exported expert equals `expert=<name>`."""
@@ -20,7 +20,7 @@ import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from launcher.evaluation import harness as H  # noqa: E402
+from launcher import harness as H  # noqa: E402
 
 DOMAINS = ["cooking", "sailing", "finance"]
 CACHED_BLOCKS = 4  # dev blocks of the cached prior: small, the same on both sides
@@ -377,7 +377,7 @@ def test_bad_model_args_are_clear_errors(env):
 
 @pytest.mark.slow
 def test_lm_eval_cli_through_the_run_wrapper(env, tmp_path, capsys):
-    """`python -m launcher.evaluation.harness run ...` is lm-eval's own CLI with model demix registered (it indexes
+    """`python -m launcher.harness run ...` is lm-eval's own CLI with model demix registered (it indexes
     lm-eval's built-in tasks too, hence slow)."""
     rc = H.main(
         [

@@ -1,7 +1,0 @@
-"""`python -m launcher.evaluation.harness`: the package's command line (cli.py)."""
-
-from data.cli import exit_process
-from launcher.evaluation.harness.cli import main
-
-if __name__ == "__main__":
-    exit_process(main())
