@@ -293,9 +293,9 @@ word or a character class tries every position of the text (10-40 ns a character
 
 A text the shape cannot stand for exactly (a decimal digit other than 0-9; İ ı ſ K, which case-insensitive
 patterns read as i, i, s, k) goes through `_anonymise_reference`, the same steps over the whole text. The output is
-unchanged: tests/test_anonymise.py pins the outputs of the implementation before this change at every pre-screen's
+unchanged: tests/data/test_anonymise.py pins the outputs of the implementation before this change at every pre-screen's
 boundary and compares both pipelines (text, counts, spans) on 2,000 seeded mutated texts; the labelled set's
-precision/recall table (`python -m data.anonymise --evaluate tests/data/anonymise_labelled.jsonl`) is the same."""
+precision/recall table (`python -m data.anonymise --evaluate tests/fixtures/anonymise_labelled.jsonl`) is the same."""
 
 
 def _cpu() -> str:

@@ -9,7 +9,7 @@ average perplexity, 95 % bootstrap intervals over blocks):
 
   (a) demix   the trained DEMix checkpoint as is: the cached-prior mixture (DEMix §5), and each training domain's own
               expert (naive) for reference; 0 extra tokens.
-  (b0) btx-0  the BTX-upcycled model (launcher/modular/btx.py) before any finetuning; 0 extra tokens. One per
+  (b0) btx-0  the BTX-upcycled model (launcher/modular/btx/) before any finetuning; 0 extra tokens. One per
               `--layers` layout: every_other (MoE in GShard's layers, the other FFNs averaged) and all (BTX's own).
   (b) btx     the upcycled model + N steps of configs/btx/finetune.yaml (GShard top-2 on DeepSpeed's MoE layer, the
               natural mixture, aux loss), on `nproc` ranks; per layout.
@@ -41,7 +41,7 @@ dense-s1), N branch-train steps and M MiX steps:
   (seed) the dense seed as is; 0 extra tokens.
   (s) dense  the seed continued with its own recipe (the reproduce dense arm's config and budget overrides) for as
              many steps as (d) + (b) together: exactly their tokens (checked before training, from the three configs).
-  (d) demix  the seed branched (launcher/modular/btx.py `branch`: every expert = the dense FFN) and trained N steps
+  (d) demix  the seed branched (launcher/modular/btx/ `branch`: every expert = the dense FFN) and trained N steps
              with the DEMix recipe (the sibling reproduce DEMix arm's config and overrides: each expert on its own
              domain, the rest on all); the cached-prior mixture (and naive) evaluation.
   (b0) btx-0 (d) upcycled (`--layers`, default all; `--router-init`, default data); N steps' extra tokens.

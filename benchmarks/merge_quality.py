@@ -1,4 +1,4 @@
-"""How far a merged DEMix model (experts' parameters averaged, launcher/modular/hf_export.py) is from the DEMix
+"""How far a merged DEMix model (experts' parameters averaged, launcher/modular/hf_export/) is from the DEMix
 expert mixture it stands for, per domain, on the same test blocks.
 
     python -m benchmarks.merge_quality CKPT [CKPT ...] [--data artifacts/demo/tokens] [--tokenizer TOK]
@@ -12,7 +12,8 @@ For every domain d of the prepared data (training and novel roles, from its mani
   split of the end-of-block posteriors under the uniform prior (eqs. 7-8, whole-prefix evidence), estimated by
   launcher.evaluation.evaluate's `_cached_prior` (mean estimator, prefix posterior: the evaluator's defaults). It is
   also the prior `merge_weights_from_data` (hf_export `--merge-domain-data`) gives an export: the same estimator on
-  the same blocks (tests/test_merge_quality.py checks they agree). Mixture, fixed, merged and top-1 all use this w.
+  the same blocks (tests/benchmarks/test_merge_quality.py checks they agree). Mixture, fixed, merged and top-1 all
+  use this w.
 * mixture  the DEMix cached-prior mixture (eq. 6, posterior eqs. 7-8 under prior w): evaluate's `_demix_domain` in
   mode `cached` on the experts' log-likelihoods of the test blocks (`stream_log_likelihoods`), i.e. exactly
   `evaluate_checkpoint`'s number:  log p(x_t | x_<t) = logsumexp_j [ ll_j(t) + log p(D = j | x_<t) ],
@@ -29,7 +30,7 @@ Perplexity is exp(mean NLL over the scored tokens of the domain's first `max_blo
 domains are plain means of the per-domain perplexities (the paper's Tables 3 and 5); the ratio of an average row is
 the ratio of the two averages.
 
-Expert coherence per layer (launcher/modular/btx.py `average_coherence`, what `upcycle` records for averaged layers):
+Expert coherence per layer (launcher/modular/btx/ `average_coherence`, what `upcycle` records for averaged layers):
 ||mean_j W_j|| / mean_j ||W_j|| over the experts' fc1 weights: 1 when the experts are equal, about 1/sqrt(E) when
 they are independent matrices. Parameter averaging is exact only in the first case (hf_export's docstring).
 """

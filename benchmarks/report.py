@@ -477,7 +477,7 @@ def comm_table(rows: list[dict]) -> Optional[Table]:
         "(parallel/comm_stats.py; `comm/<group>/<op>/bytes` in metrics.jsonl). Cost model: "
         "`benchmarks.costmodel.comm_bytes_per_update` (gradient all-reduce plan, GShard all-to-all volume, "
         "the 8-byte global-norm all-reduce). A group of one rank moves nothing over a network; "
-        "tests/test_comm_measured.py holds the two equal at 8 and 16 ranks.",
+        "tests/multirank/test_comm_measured.py holds the two equal at 8 and 16 ranks.",
     )
 
 
@@ -753,7 +753,7 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
             "`comm_bytes` in results.json). The overhead share above is communication + contention from "
             "weak scaling; the cost model below gives the predicted communication share on the paper's "
             "cluster, and its byte formulas equal the measured bytes exactly "
-            "(tests/test_comm_measured.py; the table below for these points)."
+            "(tests/multirank/test_comm_measured.py; the table below for these points)."
         )
     )
     comm = comm_table(rows)

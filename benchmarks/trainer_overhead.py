@@ -225,7 +225,7 @@ def markdown(results: list[dict[str, Any]], command: str, machine: dict[str, Any
         "The trainer's step is `launcher.train.train_step` on the DeepSpeed engine (ZeRO 0, fp32): forward, "
         "loss, backward, the global gradient norm and clipping, AdamW, the LR schedule, per-domain loss sums on "
         "the device. The bare loop: forward, backward, `clip_grad_norm_`, `torch.optim.AdamW`. Neither reads "
-        "anything back from the device inside the step (tests/test_host_syncs.py).",
+        "anything back from the device inside the step (tests/launcher/test_train_host_syncs.py).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -5,7 +5,7 @@ user ids, phone numbers, credit-card numbers, social security numbers and user h
 This module is the front door: `anonymise`, `find_spans` (the input ranges replaced), the per-domain policy
 (`resolve_policy`) and the command line that scores the anonymiser on a labelled set:
 
-    python -m data.anonymise --evaluate tests/data/anonymise_labelled.jsonl [--errors] [--baseline OTHER.py]
+    python -m data.anonymise --evaluate tests/fixtures/anonymise_labelled.jsonl [--errors] [--baseline OTHER.py]
 
 Behind it: data/anonymise_patterns.py (patterns and the checks on their matches), data/anonymise_prescreen.py
 (cheap tests that skip the steps that cannot match), data/anonymise_pass.py (replacing matches, tracking

@@ -11,7 +11,7 @@ us). So `_anonymise` (data/anonymise_pipeline.py)
      Each finder says why it yields exactly `pattern.finditer(text)`.
 A text whose shape is not exact (a decimal digit other than 0-9; İ ı ſ K, which case-insensitive patterns take
 for i, i, s, k and `str.lower` turns into ASCII) goes through `_anonymise_reference`, the same steps unscreened.
-tests/test_anonymise.py compares the two pipelines and pins outputs at every pre-screen's boundary.
+tests/data/test_anonymise.py compares the two pipelines and pins outputs at every pre-screen's boundary.
 """
 
 from __future__ import annotations

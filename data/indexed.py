@@ -4,11 +4,11 @@ megatron-core's `IndexedDatasetBuilder` keeps every sequence length and document
 lists until `finalize` (about 70 bytes per document). `merge_parts` writes the same two files from the parts that
 `data.chunks.prepare_chunk` wrote (`<stem>.bin`: tokens; `<stem>.len`: int32 document lengths, [bos] included):
 the .bin is the parts' bytes back to back (hashed as it is copied), and the .idx is megatron-core's header (its
-magic, version 1 and dtype code; `tests/test_prepare.py` checks them against megatron-core's `_INDEX_HEADER` and
+magic, version 1 and dtype code; `tests/data/test_prepare.py` checks them against megatron-core's `_INDEX_HEADER` and
 `DType`, so that preparing data never imports torch) followed by its three arrays,
 each streamed part by part: sequence lengths (int32), sequence pointers (int64 byte offsets), document indices
 (int64, 0..n: one sequence per document). The bytes equal `add_item` + `end_document` per document and `finalize`
-(tests/test_prepare.py), and megatron-core's reader opens them.
+(tests/data/test_prepare.py), and megatron-core's reader opens them.
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def load_without(ckpt: CkptLike, exclude: Sequence[str]) -> Consolidated:
     """Opt-out: the checkpoint with the experts `exclude` taken out, as `remove_experts_state` (and so a checkpoint
     saved without them) gives it. From a path, the excluded experts' shards are never read (format 2: one file per
     expert; a format-1 file holds every expert and they are dropped as it is read), so their weights cannot take
-    part in anything computed from the result: tests/test_opt_out.py corrupts them and checks bit-identical
-    outputs. An empty `exclude` is a plain load."""
+    part in anything computed from the result: tests/launcher/modular/test_opt_out.py corrupts them and checks
+    bit-identical outputs. An empty `exclude` is a plain load."""
     if not exclude:
         return _load(ckpt)
     if isinstance(ckpt, Consolidated):

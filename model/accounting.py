@@ -7,7 +7,7 @@ FLOPs follow Narayanan et al. (2021), eq. (3), the formula behind DEMix Tables 2
 Symbols: B global sequences per update, s sequence length, l layers, h hidden size (d_model),
 F FFN width (4h), V vocabulary, E experts, k experts per token (GShard top-k).
 
-Checked against the running model (tests/test_flop_counter.py)
+Checked against the running model (tests/model/test_accounting_flop_counter.py)
 -------------------------------------------------------------
 `torch.utils.flop_counter.FlopCounterMode` counts the matmuls (mm, addmm, bmm, the SDPA kernels) of a forward +
 backward of the real `GPT`; it counts nothing elementwise. Sizes (4 heads, V padded to a multiple of 128):
@@ -57,8 +57,8 @@ for CSE (exactly the dispatch projection). Every difference between counted and 
 * Chunked LM head: the trainer computes logits and loss a chunk of tokens at a time under activation checkpointing
   (model/gpt.py `chunked_token_loss`) once a micro-batch has more tokens than a chunk holds (`head_recomputed`), and
   backward recomputes each chunk's logits: one more forward of the logit layer, 2·B·s·h·V per update. Hardware FLOPs
-  (`FlopsReport.hardware`, HFU) count it; model FLOPs (MFU) and both conventions do not (tests/test_hfu.py counts it
-  on the running model).
+  (`FlopsReport.hardware`, HFU) count it; model FLOPs (MFU) and both conventions do not
+  (tests/model/test_accounting_hfu.py counts it on the running model).
 
 Totals as a default step executes them (fused SDPA, plain GShard layer at capacity factor 1.0, checkpoint early stop),
 l4-h128-s128-V1000-B2, counted / formula: Dense 1.0208 / 0.9516 (no recompute / recompute), DEMix 1.0208 / 1.0161,

@@ -7,7 +7,7 @@ code call) so every call adds to a counter keyed by (collective, group): the gro
     bytes   the payload handed to the collective on this rank: all_reduce / broadcast / reduce: the tensor;
             reduce_scatter: the input (the whole buffer being reduced); all_gather: the output (the whole
             gathered buffer); all_to_all: the input. This is the "message size" of the NCCL tests, which the
-            cost model's formulas are written in (benchmarks/costmodel.py: `allreduce_plan`, `alltoall_volume`);
+            cost model's formulas are written in (benchmarks/costmodel/: `allreduce_plan`, `alltoall_volume`);
             bytes on the wire follow from it (a ring all-reduce sends 2(p-1)/p of it per rank).
     calls   how many collectives.
     seconds host time spent inside the call. With gloo (and NCCL's blocking calls) this is the time in the

@@ -305,7 +305,7 @@ def _cached_traces(
     saved input, plus under autocast its cached low-precision weights), while the embedding's, the head's, the
     loss's and one block's recomputation do not depend on the depth. The answer is the larger phase, so a deep
     model whose peak moves from the backward to the forward (recompute under autocast) is still exact
-    (`tests/test_memory_estimate.py` compares with the whole trace); a gpt3-xl trace costs 6 layers, not 24."""
+    (`tests/parallel/test_memory.py` compares with the whole trace); a gpt3-xl trace costs 6 layers, not 24."""
 
     def trace(model: ModelConfig) -> dict[bool, dict[str, int]]:
         return trace_peaks(model, micro_batch, expert_ids, (False, True), dtype, autocast)

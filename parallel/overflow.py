@@ -16,7 +16,7 @@ for finite gradients.) `step_with_norm` is FP16_UnfusedOptimizer.step with those
 which has to reach the host: DeepSpeed skips the update, the lr step and the loss-scale growth there
 (`engine._take_model_step` reads `optimizer.overflow`). Everything else is DeepSpeed's own code path (the fp32 copy
 of the gradients, `_update_scale`, `unscale_and_clip_grads`, the inner step, the copy back, `_skip_invalid_grad_norm`);
-tests/test_fp16_overflow.py checks the result against DeepSpeed's step, with and without an overflow. Every rank
+tests/parallel/test_overflow.py checks the result against DeepSpeed's step, with and without an overflow. Every rank
 takes the same decision, as the norm is the world's.
 """
 

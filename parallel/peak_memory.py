@@ -59,7 +59,7 @@ class PeakBytes(TorchDispatchMode):
     """A lean peak-memory counter: every storage an op returns is counted once, from its creation until Python
     drops it (a weakref finalizer), and the running total's maximum is kept. The same accounting as torch's
     MemTracker without its per-operator walk over every live tensor (~20 s for a gpt3-small step on a busy core,
-    against a few seconds here); `tests/test_memory_estimate.py` checks the two agree."""
+    against a few seconds here); `tests/parallel/test_memory.py` checks the two agree."""
 
     def __init__(self) -> None:
         super().__init__()

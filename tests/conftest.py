@@ -125,7 +125,7 @@ def dense(random_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def branched(dense, tmp_path_factory) -> Path:
-    """`dense` branched into a DEMix checkpoint (launcher/modular/btx.py `branch`): every expert is the dense FFN."""
+    """`dense` branched into a DEMix checkpoint (launcher/modular/btx/ `branch`): every expert is the dense FFN."""
     from launcher.modular.btx import branch
 
     out = tmp_path_factory.mktemp("branched") / "demix"

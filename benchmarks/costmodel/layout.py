@@ -87,7 +87,7 @@ def comm_bytes_per_update(cfg: ModelConfig, gpus: int, opts: CostOptions) -> dic
     model builds it). `allreduce_plan` and `alltoall_volume` plus the 8-byte all-reduce of the global gradient
     norm; DEMix's domain group is the trainer's `expert` group; GShard's groups follow DeepSpeed's layout
     (expert-parallel ranks 0..E-1, expert-data-parallel ranks 0, E, 2E, ...; a group of rank 0 alone is `local`:
-    DeepSpeed calls the all-reduce, nothing moves). tests/test_comm_measured.py checks
+    DeepSpeed calls the all-reduce, nothing moves). tests/multirank/test_comm_measured.py checks
     this against the running trainer at 8 and 16 ranks."""
     grad_bytes = DTYPE_BYTES[opts.grad_dtype]
     out: dict[str, float] = {}

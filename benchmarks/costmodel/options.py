@@ -32,8 +32,8 @@ class CostOptions:
     )
     bucket_mb: float = 25.0  # gradient bucket (PyTorch DDP / fairseq default), each pays the latency
     # "fixed": `overlap` and `bucket_mb` as given (the paper fit); "overlap" / "after_backward": this trainer's
-    # parallel.grad_reduce, its bucket rule (parallel/engine.py bucket_elements, or `bucket_elements`) and the hidden
-    # part derived (`exposed_allreduce_seconds`)
+    # parallel.grad_reduce, its bucket rule (parallel/grad_reduce.py bucket_elements, or `bucket_elements`) and the
+    # hidden part derived (`exposed_allreduce_seconds`)
     grad_reduce: str = "fixed"
     bucket_elements: Optional[int] = None  # the trainer's parallel.bucket_elements (None: the rule)
     gshard_overheads: str = (

@@ -149,8 +149,8 @@ def exposed_allreduce_seconds(
 
 
 def trainer_bucket_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions) -> float:
-    """The trainer's gradient bucket in bytes: parallel/engine.py's `bucket_elements` for the parameters a GPU holds
-    (or `opts.bucket_elements`), in the gradient dtype."""
+    """The trainer's gradient bucket in bytes: parallel/grad_reduce.py's `bucket_elements` for the parameters a GPU
+    holds (or `opts.bucket_elements`), in the gradient dtype."""
     from parallel.grad_reduce import bucket_elements
 
     return (

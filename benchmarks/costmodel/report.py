@@ -307,7 +307,7 @@ layer and micro-batch, S = 2048 tokens, C = 2·ceil(S/E), N = S·E·C = 2·S², 
 mem GiB: 12 B/param (memory-efficient fp16) or 20 B/param (GShard's --fp16) of model states for the
 parameters a GPU holds + activations (parallel/memory.py) + GShard's saved routing tensors; recompute: what
 was predicted (recompute none falls back to recomputation when a configuration does not fit 32 GiB).
-See `benchmarks/costmodel.py` for the formulas and their sources. No constant was fitted on a GShard or
+See `benchmarks/costmodel/` for the formulas and their sources. No constant was fitted on a GShard or
 DEMix row: e(h) is fitted on the four Dense rows, everything else is counted from code or datasheets.
 
 Not modelled: kernel-launch and Python overheads of the routing's many small ops, stragglers,

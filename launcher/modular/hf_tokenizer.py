@@ -41,7 +41,7 @@ Sentencepiece (BPE, trained by `data.tokenizer.train_sentencepiece`), rebuilt fr
   joined piece's score (unique per piece). The orders can only differ when two *different* splits of the same
   piece are pending at once (sentencepiece takes the leftmost, HF the lower-ranked split, e.g. "--" + "-" vs
   "-" + "--" for "---"); not seen on any real or exhaustively enumerated short text (`check_ids` measures it,
-  tests/test_hf_tokenizer.py enumerates);
+  tests/launcher/modular/test_hf_tokenizer.py enumerates);
 * characters outside the vocabulary fall back to their UTF-8 bytes (<0xNN> pieces), as sentencepiece does.
 """
 

@@ -1,4 +1,4 @@
-"""The cluster cost model (benchmarks/costmodel.py): collective formulas on hand-computed numbers,
+"""The cluster cost model (benchmarks/costmodel/): collective formulas on hand-computed numbers,
 communication plans per architecture, Dense-only fitting, the GShard terms beyond all-to-all volume
 (einsum FLOPs and routing bytes checked against direct counts), memory, cluster YAML validation, presets,
 and the --paper output."""

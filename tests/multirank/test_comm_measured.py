@@ -2,7 +2,7 @@
 
 Real ranks over gloo train two updates (ZeRO 0, fp32) with `logging.log_interval=1`; the trainer records per
 update what every collective was handed, per group (parallel/comm_stats.py), in metrics.jsonl. Those bytes
-must be exactly what benchmarks/costmodel.py's `allreduce_plan` and `alltoall_volume` say (with the model's
+must be exactly what benchmarks/costmodel/'s `allreduce_plan` and `alltoall_volume` say (with the model's
 padded vocabulary: the embedding all-reduced is the padded one), plus the one 8-byte all-reduce of the global
 gradient norm (parallel/engine.py:global_grad_norm). 16 ranks stand for two nodes of 8.
 """

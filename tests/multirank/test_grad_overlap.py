@@ -349,7 +349,7 @@ def test_grad_reduce_settings_are_validated():
 
 
 def test_cost_model_overlap_follows_the_trainers_reduction():
-    """benchmarks/costmodel.py with the trainer's `parallel.grad_reduce`: after_backward leaves the whole all-reduce
+    """benchmarks/costmodel/ with the trainer's `parallel.grad_reduce`: after_backward leaves the whole all-reduce
     exposed; overlap hides up to the last micro-batch's backward, never the last bucket; a model inside one bucket
     hides nothing; the paper fit's fixed fraction is unchanged."""
     from benchmarks import costmodel as cm

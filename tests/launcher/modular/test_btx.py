@@ -1,4 +1,4 @@
-"""BTX upcycling (launcher/modular/btx.py): a DEMix checkpoint becomes a GShard one whose shared tensors are the
+"""BTX upcycling (launcher/modular/btx/): a DEMix checkpoint becomes a GShard one whose shared tensors are the
 DEMix ones bit for bit, whose MoE experts are the domain experts and whose other FFNs are their mean; routed by
 force to expert j it computes exactly what the DEMix model routed to j computes (with the averaged layers in
 place); the data router is the centred, normalised domain mean at the calibrated scale; the result starts a

@@ -1,4 +1,4 @@
-"""BTX's branch step (launcher/modular/btx.py `branch`): a dense checkpoint becomes a DEMix one whose shared tensors
+"""BTX's branch step (launcher/modular/btx/ `branch`): a dense checkpoint becomes a DEMix one whose shared tensors
 are the dense ones and whose every expert is the dense FFN of its layer, bit for bit; so every expert, and every
 mixture of them, computes the dense model's logits; upcycling it (`--layers all`) gives a GShard model that computes
 them too whatever the router does; and it starts a 2-rank DEMix run through the launcher (`train.init_from`) whose
