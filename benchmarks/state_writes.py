@@ -5,7 +5,7 @@
 
 For each layout (dense ZeRO 0, dense ZeRO 1, DEMix ZeRO 1 with 2 domains) a small GPT takes one training step (so
 the Adam moments exist), then `launcher.state.save_training_state` runs `--rounds` times. Each rank counts the
-bytes of every file it writes (the project's `launcher.state._save`, wrapped in the worker to stat what it wrote)
+bytes of every file it writes (the project's `launcher.state.save_hashed`, wrapped in the worker to stat what it wrote)
 and times the whole save (from a barrier before it to its return, which is after rank 0's publish). Results of
 each `--label` (e.g. "before" on the old code, "after" on the new) are kept in
 benchmarks/results/state_writes.json and the table of every label in state_writes.md.
@@ -46,13 +46,14 @@ def _worker(rank: int, world: int, sets: list[str], run_dir: str, rounds: int) -
     trainer = Trainer.setup(plan, Path(run_dir), resume="never")
     train_step(trainer.bundle, plan.cfg, trainer.batches(0), len(plan.catalog.train_domains))
     written: dict[str, int] = {}
-    real = state._save
+    real = state.save_hashed
 
-    def counting(obj: Any, path: Path) -> None:
-        real(obj, path)
+    def counting(obj: Any, path: Path) -> str:
+        digest = real(obj, path)
         written[str(path)] = Path(path).stat().st_size
+        return digest
 
-    state._save = counting
+    state.save_hashed = counting
     times = []
     for r in range(rounds):
         written.clear()
@@ -60,7 +61,7 @@ def _worker(rank: int, world: int, sets: list[str], run_dir: str, rounds: int) -
         t0 = time.perf_counter()
         state.save_training_state(Path(run_dir), r + 1, trainer.bundle, plan, rank)
         times.append(time.perf_counter() - t0)
-    state._save = real
+    state.save_hashed = real
     zero = {p: n for p, n in written.items() if "/zero/" in p and not p.endswith("optimizer_state.pt")}
     return {
         "bytes": sum(written.values()),
