@@ -5,7 +5,6 @@ still loads; bad inputs and outputs are refused with the reason."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -234,12 +233,33 @@ def test_unreadable_checkpoints_are_refused_with_the_reason(demix, tmp_path):
         load_consolidated(other)
 
 
+class _OpensAFile:
+    """Unpickled without restriction, this calls open(path, "w"): the file appearing would mean code ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+class _PlainObject:
+    pass
+
+
 def test_load_weights_only_refuses_what_is_not_weights(tmp_path):
     with pytest.raises(CheckpointError, match="is missing"):
         load_weights_only(tmp_path / "none.pt")
-    torch.save({"args": argparse.Namespace(lr=1.0)}, tmp_path / "object.pt")  # an object, not a tensor
-    with pytest.raises(CheckpointError, match="cannot be read as weights .*nothing in it was executed"):
-        load_weights_only(tmp_path / "object.pt")
+    # A pickle that would create `marker` if unpickled unrestricted (an object whose __reduce__ calls open), and a
+    # plain object of this module: neither is weights. (argparse.Namespace is not a good probe: DeepSpeed's import
+    # adds it to torch's weights-only allowlist.)
+    marker = tmp_path / "executed"
+    torch.save({"w": torch.ones(2), "payload": _OpensAFile(str(marker))}, tmp_path / "code.pt")
+    torch.save({"args": _PlainObject()}, tmp_path / "object.pt")
+    for name in ("code.pt", "object.pt"):
+        with pytest.raises(CheckpointError, match="cannot be read as weights .*nothing in it was executed"):
+            load_weights_only(tmp_path / name)
+    assert not marker.exists()
     (tmp_path / "short.pt").write_bytes(b"PK\x03\x04")
     with pytest.raises(CheckpointError, match="cannot be read as weights"):
         load_weights_only(tmp_path / "short.pt")

@@ -175,23 +175,27 @@ def test_when_every_state_is_damaged_resume_selection_refuses_instead_of_startin
         resume_candidates(tmp_path)
 
 
+def _verified_states(rank: int, world_size: int, two: Path, four: Path) -> list:
+    """verified_state on this rank for several candidate lists (a rank of tests/harness/multirank.py)."""
+    cpu = torch.device("cpu")
+    return [
+        verified_state([four, two], rank, world_size, cpu),
+        verified_state([two, four], rank, world_size, cpu),
+        verified_state([four], rank, world_size, cpu),
+        verified_state([], rank, world_size, cpu),
+    ]
+
+
+@pytest.mark.slow
 def test_verified_state_is_the_first_candidate_whose_checksums_hold(tmp_path):
-    """On one gloo rank (the collective is a real all-reduce over a group of one)."""
-    import torch.distributed as dist
+    """On 2 real gloo ranks, each checking its share of the files: whichever rank reads the damaged file, both
+    agree (one all-reduce per candidate) on the first intact state."""
+    from tests.harness.multirank import run_ranks
 
     ck = tmp_path / "checkpoints"
     two, four = _state(ck, 2), _state(ck, 4)
     _same_size_damage(four / "rng" / "rank00000.pt")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        cpu = torch.device("cpu")
-        assert verified_state([four, two], 0, 1, cpu) == two
-        assert verified_state([two, four], 0, 1, cpu) == two
-        assert verified_state([four], 0, 1, cpu) is None
-        assert verified_state([], 0, 1, cpu) is None
-    finally:
-        dist.destroy_process_group()
+    assert run_ranks(_verified_states, 2, args=(two, four)) == [[two, two, None, None]] * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
