@@ -17,7 +17,7 @@ Per size, each in a fresh interpreter: the tiktoken loop (`--baseline`: json.loa
 `encode_ordinary`, count tokens, write nothing), then `data.prepare` for each tokenizer x anonymisation on/off x
 `--workers` (default 1, 2 and os.cpu_count()), into a temporary --out removed afterwards. Per run: wall seconds
 (start to exit: interpreter start and imports count on both sides), exit code, peak RSS of the main process, peaks
-over 0.2 s psutil samples of the tree's summed RSS, its largest process and its process count, CPU seconds (wait4),
+over 0.2 s psutil samples of the tree's summed RSS, its largest process and its process count, CPU seconds of the tree,
 MB/s of JSONL input, MB/s per core (/ min(workers, cores)), the ratio to the loop's MB/s at that size, /proc/loadavg
 before and after, and other processes' CPU meanwhile (benchmarks/machine.py `OtherLoad`). `--repeats` keeps the
 best wall. The report (`--out` and a .json beside it) adds RSS growth from the smallest to the largest size and a
@@ -322,8 +322,10 @@ def _sample(root: psutil.Process, argv: list[str], peaks: dict[str, int]) -> Non
     for p in procs:
         try:
             rss = p.memory_info().rss
+            cpu = p.cpu_times()
         except psutil.Error:
             continue
+        peaks["cpu"][p.pid] = max(peaks["cpu"].get(p.pid, 0.0), cpu.user + cpu.system)
         peak = max(rss, _hwm(p.pid))
         total, largest, n = total + rss, max(largest, peak), n + 1
         if p.pid == root.pid:
@@ -331,6 +333,19 @@ def _sample(root: psutil.Process, argv: list[str], peaks: dict[str, int]) -> Non
     peaks["tree_rss"] = max(peaks["tree_rss"], total)
     peaks["largest_rss"] = max(peaks["largest_rss"], largest)
     peaks["processes"] = max(peaks["processes"], n)
+
+
+def _without_unreaped(others: dict[str, Any], unreaped_cpu_s: float) -> dict[str, Any]:
+    """OtherLoad's result less the CPU of the run's own descendants that it could not see (not reaped through
+    this process's wait4, e.g. prepare's workers): without this a 2-worker run counts its workers as other load."""
+    if others.get("others_cores") is None or unreaped_cpu_s <= 0:
+        return others
+    cores = unreaped_cpu_s / max(others["wall_s"], 1e-9)
+    return {
+        **others,
+        "others_cores": round(max(0.0, others["others_cores"] - cores), 3),
+        "own_cores": round(others["own_cores"] + cores, 3),
+    }
 
 
 def _kill_tree(root: psutil.Process) -> None:
@@ -349,20 +364,20 @@ def run_measured(cmd: list[str], timeout: float = 0) -> dict[str, Any]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    peaks = {"started": 0, "main_rss": 0, "tree_rss": 0, "largest_rss": 0, "processes": 0}
+    # cpu: the last CPU seconds seen of every process of the tree (prepare's workers are not reaped through
+    # this process's wait4, so the rusage below misses them; sampled, each loses at most its last SAMPLE_S)
+    peaks = {"started": 0, "main_rss": 0, "tree_rss": 0, "largest_rss": 0, "processes": 0, "cpu": {}}
     done: dict[str, Any] = {}  # from the waiter thread
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         load0 = _loadavg()
         with OtherLoad() as others:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
-            root = psutil.Process(
-                proc.pid
-            )  # before the waiter starts: until reaped, the pid stays this child's
+            # before the waiter starts: until reaped, the pid stays this child's
+            root = psutil.Process(proc.pid)
 
-            def wait() -> (
-                None
-            ):  # wait4: the exact end time and the rusage of the child and its waited descendants
+            def wait() -> None:
+                """wait4: the exact end time and the rusage of the child and its waited descendants."""
                 _, status, ru = os.wait4(proc.pid, 0)
                 done.update(end=time.perf_counter(), status=status, ru=ru)
 
@@ -377,18 +392,20 @@ def run_measured(cmd: list[str], timeout: float = 0) -> dict[str, Any]:
         load1 = _loadavg()
         stdout, stderr = (f.seek(0) or f.read().decode(errors="replace") for f in (out, err))
     ru = done["ru"]
+    waited = ru.ru_utime + ru.ru_stime
+    cpu = max(waited, sum(peaks["cpu"].values()))
     return {
         "command": shlex.join(cmd),
         "wall_s": round(done["end"] - t0, 3),
         "rc": proc.returncode,
-        "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
+        "cpu_s": round(cpu, 2),
         "main_peak_rss_mb": round(peaks["main_rss"] / 1e6, 1),
         "tree_peak_rss_mb": round(peaks["tree_rss"] / 1e6, 1),
         "max_processes": peaks["processes"],
         "largest_process_peak_rss_mb": round(peaks["largest_rss"] / 1e6, 1),
         "loadavg_before": load0,
         "loadavg_after": load1,
-        "others": others.result(),
+        "others": _without_unreaped(others.result(), cpu - waited),
         "stdout": stdout[-4000:],
         "stderr_tail": stderr[-2000:] if proc.returncode else "",
     }
@@ -619,7 +636,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         "after fork count once per process, so it overstates what the tree holds); main peak RSS: the "
         "largest of the main process's sampled RSS and its VmHWM (peak RSS, read at each sample, so a rise "
         "in its last 0.2 s is missed); largest process: the same over every process of the tree. CPU s: "
-        'user + sys of the main process and the descendants it waited for (wait4). "x loop": MB/s / '
+        "user + sys of the whole tree (the rusage of what it waited for, or the sum of every process's last "
+        "sampled CPU time where larger: prepare's workers are not waited for); \"others' cores\" excludes them "
+        'too. "x loop": MB/s / '
         'the tiktoken loop\'s MB/s at the same size. "prepare s": the `total_seconds` in the manifest '
         "the run wrote (its own clock, without interpreter start and imports).",
         "",
