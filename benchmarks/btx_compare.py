@@ -791,9 +791,8 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         )
     out, stages, notes = Path(args.out), Stages(), list(args.note)
     settings = {"max_blocks": args.max_blocks, "cached_blocks": args.cached_blocks, "split": "test"}
-    run_name = seed.resolve().parent.name.rpartition("-s")[
-        0
-    ]  # the seed's own reproduce arm: dense or balanced
+    # the seed's own reproduce arm: dense or balanced
+    run_name = seed.resolve().parent.name.rpartition("-s")[0]
     recipes = {
         "dense": seed_recipe(seed, run_name if run_name in ("dense", "dense-balanced") else "dense"),
         "demix": seed_recipe(seed, "demix"),

@@ -16,9 +16,8 @@ from data.chunks import encode_concat
 from data.tokenizer import GPT2Tokenizer, TokenizerSpec
 
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
-THREAD_CHUNK_CHARS = (
-    1 << 17
-)  # text per encoding-thread task: no pickling, so smaller: less idle time at the end
+# text per encoding-thread task: no pickling, so smaller: less idle time at the end
+THREAD_CHUNK_CHARS = 1 << 17
 
 
 def _anonymise_chunk(texts: list[str]) -> tuple[list[str], dict[str, int]]:

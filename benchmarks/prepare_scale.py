@@ -81,10 +81,11 @@ SAMPLE_S = 0.2
 GOALS = {True: 1.5, False: 1.8}  # anonymise -> the ratio to the tiktoken loop wanted on 2 cores
 TARGET_BYTES = 100e9
 
+# sizes, registers, any other one-character escape
 _ROFF = re.compile(
     r"\\(?:[fF](?:\[[^\]]*\]|\(..|.)|\((..)|\*(?:\[[^\]]*\]|\(..|.)"  # fonts, \(xx, strings
     r"|[sn][-+]?(?:\(..|\[[^\]]*\]|\d+)|(.))"
-)  # sizes, registers, any other one-character escape
+)
 _ROFF_CHARS = {"em": "--", "en": "-", "aq": "'", "dq": '"', "lq": '"', "rq": '"', "bu": "*", "co": "(c)"}
 _ROFF_LITERAL = {"-": "-", "e": "\\", " ": " ", "~": " ", "\\": "\\", ".": ".", "'": "'"}
 

@@ -216,9 +216,8 @@ def _learn(
     results = {}
     for s in SHAPES:
         per_rank = rates[(s.name, "sentencepiece 8k")]  # 2 ranks in parallel, each at about the 1-thread rate
-        steps = max(
-            20, int(a.seconds * per_rank / TOKENS_PER_RANK / 1.15)
-        )  # 1.15: trainer + all-reduce overhead
+        # 1.15: trainer + all-reduce overhead
+        steps = max(20, int(a.seconds * per_rank / TOKENS_PER_RANK / 1.15))
         results[s.name] = train(s, steps, out, a.reuse)
     T = min(r["train_s"] for r in results.values())
     at = {k: loss_at(r["records"], T) for k, r in results.items()}

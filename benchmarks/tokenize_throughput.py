@@ -84,9 +84,8 @@ def _char_ranges(texts: list[str], parts: int) -> list[tuple[int, int]]:
     cuts = [0]
     for k in range(1, parts):
         target = prefix[-1] * k / parts
-        j = bisect.bisect_left(
-            prefix, target
-        )  # cut before or after the document holding `target`, the nearer
+        # cut before or after the document holding `target`, the nearer
+        j = bisect.bisect_left(prefix, target)
         if j > 0 and (j == len(prefix) or target - prefix[j - 1] <= prefix[j] - target):
             j -= 1
         cuts.append(max(j, cuts[-1]))

@@ -328,12 +328,13 @@ def _handle_ok(text: str) -> Callable[[re.Match], bool]:
             return False  # @param, @media, @3pm, @2x, '%@example.com'
         if "." in name:
             parts = name.split(".")
+            # @GLIBC_2.3
             if (
                 parts[0] in _CODE_MODULES
                 or parts[-1] in ("setter", "getter", "deleter")
                 or any(q.startswith("_") for q in parts)
                 or re.search(r"\d\.\d+$", name)
-            ):  # @GLIBC_2.3
+            ):
                 return False
         if not decorators:
             decorators.append(_decorator_spans(text))

@@ -77,9 +77,8 @@ def _anonymise(text: str, track: bool) -> _Pass:
     if not _screenable(text):
         return _anonymise_reference(text, track)
     p = _Pass(text, track)
-    sh = (
-        p.shape()
-    )  # the current text's shape: taken again after each step that ran (a replacement splices it)
+    # the current text's shape: taken again after each step that ran (a replacement splices it)
+    sh = p.shape()
     low = sh.low  # the input's, for the word gates
     has_at = "@" in text
     if has_at:

@@ -53,10 +53,11 @@ def _screenable(text: str) -> bool:
     """Whether the shape of `text` is exact: no decimal digit but 0-9 and none of İ ı ſ K."""
     if text.isascii():
         return True
+    # fast whole-text checks; neither repertoire holds a character >= U+0130
     for codec in (
         "latin-1",
         "cp1252",
-    ):  # fast whole-text checks; neither repertoire holds a character >= U+0130
+    ):
         try:
             text.encode(codec)
             return True
@@ -178,9 +179,8 @@ def _email_spans(sh: _Shape) -> list[tuple[int, int]]:
     mask, find, memo = sh.b.translate(_EMAIL_MASK), text.find, _EMAIL_WINDOWS
     while (a := find("@", pos)) >= 0:
         lo = a - 64 if a - 64 > pos else pos
-        lo = max(
-            lo, mask.rfind(b".", lo, a) + 1, mask.rfind(b"@", lo, a) + 1
-        )  # the local-part run before the `@`
+        # the local-part run before the `@`
+        lo = max(lo, mask.rfind(b".", lo, a) + 1, mask.rfind(b"@", lo, a) + 1)
         pos = mask.find(b".", a) + 1 or n  # just past the first stop byte
         key = text[lo - 2 : pos] if lo >= 2 else (lo, text[:pos])
         found = memo.get(key)
@@ -236,16 +236,14 @@ def _obfuscated_possible(sh: _Shape) -> bool:
     return False
 
 
-_DART_KEY = re.compile(
-    rb"d(?:art[_\-]?id|c(?:[_\-]?rdid|[_\-]?uid|lid))"
-)  # `dart_id`, `dc_rdid`, `dcuid`, `dclid`
+# `dart_id`, `dc_rdid`, `dcuid`, `dclid`
+_DART_KEY = re.compile(rb"d(?:art[_\-]?id|c(?:[_\-]?rdid|[_\-]?uid|lid))")
 _DART_HINTS = (b"dart", b"dc_", b"dc-", b"dclid", b"dcrdid", b"dcuid")
 _FB_ID_HINT = re.compile(rb"fb[_\-]?(?:user)?[_\-]?id")  # `fbid=`, `fb_user_id:`
 
 
-_NINO_LABEL = re.compile(
-    rb"ni(?:no|" + _SP + rb"+n)"
-)  # in the lower-cased shape: `NINO`, `NI number`, `NI no`
+# in the lower-cased shape: `NINO`, `NI number`, `NI no`
+_NINO_LABEL = re.compile(rb"ni(?:no|" + _SP + rb"+n)")
 _NINO_DIGITS = re.compile(rb"00 ?00 ?00 ?[a-d](?![a-z0-9])")  # how what `_NINO_LABELLED` replaces ends
 _PHONE_PLUS = re.compile(r"\+(?<![\w.+/-]\+)(?=\d)")  # where `_PHONE`'s international form can start
 _PHONE_00 = re.compile(r"00(?<![\w.+/-]00)(?=[1-9])")

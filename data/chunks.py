@@ -41,9 +41,8 @@ CHUNK_BYTES = 64 << 20  # default chunk size; also the largest domain file that 
 SP_SAMPLE_CHARS = (
     20_000_000  # sentencepiece's training sample, drawn over every chunk of the training domains
 )
-BATCH_CHARS = (
-    1 << 20
-)  # text a worker reads, anonymises and encodes at once (memory per worker: a few of these)
+# text a worker reads, anonymises and encodes at once (memory per worker: a few of these)
+BATCH_CHARS = 1 << 20
 READ_BYTES = 8 << 20  # bytes read from the file at once
 RECORD_FORMAT = "demix-chunk/1"
 
@@ -331,9 +330,8 @@ def prepare_chunk(chunk: Chunk, job: ChunkJob) -> dict:
         ok = True
     finally:
         st.close(publish=ok)
-    np.savez_compressed(
-        f"{st.stem}.counts.tmp.npz", counts=st.counts
-    )  # mostly zeros: a few KB, not 3 x V x 8
+    # mostly zeros: a few KB, not 3 x V x 8
+    np.savez_compressed(f"{st.stem}.counts.tmp.npz", counts=st.counts)
     os.replace(f"{st.stem}.counts.tmp.npz", f"{st.stem}.counts.npz")
     record = {
         "format": RECORD_FORMAT,

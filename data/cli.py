@@ -61,9 +61,8 @@ def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
         except EXPECTED as e:
             if debug:
                 raise
-            hint = (
-                " (--debug shows the traceback)" if isinstance(e, RuntimeError) else ""
-            )  # may be a bug, not input
+            # may be a bug, not input
+            hint = " (--debug shows the traceback)" if isinstance(e, RuntimeError) else ""
             print(f"error: {message(e)}{hint}", file=sys.stderr)
             return EXIT_USAGE
 

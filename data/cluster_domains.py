@@ -470,9 +470,8 @@ def _prepared_documents(
         for s in splits:
             if counts[d][s]["documents"]:
                 ds = open_indexed(split_prefix(tokens_root, tokenizer, d, s))
-                docs[s] += [
-                    (d, np.array(ds.get(i), copy=True)) for i in range(len(ds))
-                ]  # copies: the mmap closes
+                # copies: the mmap closes
+                docs[s] += [(d, np.array(ds.get(i), copy=True)) for i in range(len(ds))]
     return docs
 
 

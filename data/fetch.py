@@ -103,9 +103,8 @@ class Fetcher:
         work = final.with_name(final.name + ".partial")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        with discard_on_failure(
-            final, work
-        ):  # a failed fetch (a full disk included) leaves no .partial behind
+        # a failed fetch (a full disk included) leaves no .partial behind
+        with discard_on_failure(final, work):
             getattr(self, f"_fetch_{pkg.registry}")(pkg, work)
             if _only_entry(work) is None:
                 raise FetchError(f"{pkg.registry} {pkg.spec}: the command succeeded but wrote no file")

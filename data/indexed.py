@@ -24,6 +24,7 @@ import numpy as np
 COPY_BYTES = 8 << 20
 INDEX_BLOCK = 1 << 20  # document entries written at once
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
+# megatron's DType
 DTYPE_CODES = {
     np.dtype(t): c
     for t, c in (
@@ -36,7 +37,7 @@ DTYPE_CODES = {
         (np.float32, 7),
         (np.uint16, 8),
     )
-}  # megatron's DType
+}
 
 
 def _copy_hashed(src: Path, out, sha) -> int:
@@ -76,9 +77,8 @@ def merge_parts(stems: Sequence[Union[str, Path]], prefix: Union[str, Path], dty
         for first in range(0, docs + 1, INDEX_BLOCK):
             f.write(np.arange(first, min(first + INDEX_BLOCK, docs + 1), dtype=np.int64).tobytes())
     if offset != nbytes:
-        raise RuntimeError(
-            f"{prefix}: parts hold {nbytes} bytes but their lengths say {offset}"
-        )  # a bug, or damage
+        # a bug, or damage
+        raise RuntimeError(f"{prefix}: parts hold {nbytes} bytes but their lengths say {offset}")
     return {
         "documents": docs,
         "tokens": nbytes // dtype.itemsize,

@@ -161,9 +161,8 @@ def _parse_line(
         return Problem(path, lineno, "empty_text")
     if not text.isascii():  # isascii is O(1) on CPython's compact strings; ASCII cannot hold a surrogate
         try:
-            text.encode(
-                "utf-8"
-            )  # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
+            # a JSON escape such as "\ud83d" alone decodes to an unencodable lone surrogate
+            text.encode("utf-8")
         except UnicodeEncodeError as e:
             return Problem(path, lineno, "non_utf8", f"unpaired surrogate at character {e.start}")
     domain = obj.get(domain_field, default_domain)
@@ -210,9 +209,8 @@ def read_text_dir(
     root = Path(root)
     allowed = frozenset(domains) if domains is not None else None
     for ddir in sorted(root.iterdir()):
-        if (
-            ddir.is_symlink() and not ddir.exists()
-        ):  # a domain whose folder is gone is reported, never dropped
+        # a domain whose folder is gone is reported, never dropped
+        if ddir.is_symlink() and not ddir.exists():
             yield Problem(
                 str(ddir), 0, "unreadable_domain", f"a dangling symbolic link (to {os.readlink(ddir)})"
             )

@@ -82,9 +82,8 @@ from data.prepare_parts import (
 from data.prepare_plan import FORMAT, _make_plan, _Plan, _up_to_date
 from data.tokenizer import SP_MODEL_FILE, TokenizerSpec
 
-PROCESS_MIN_BYTES = (
-    8 << 20
-)  # less input than this is prepared in this process: starting workers would cost more
+# less input than this is prepared in this process: starting workers would cost more
+PROCESS_MIN_BYTES = 8 << 20
 
 __all__ = ["prepare_corpus", "split_documents", "split_texts", "PrepareResult", "main"]
 

@@ -50,10 +50,9 @@ def _finish(
         if (parts / SP_MODEL_FILE).is_file():
             shutil.copyfile(parts / SP_MODEL_FILE, work / SP_MODEL_FILE)
         problems, anon, touched = _problems_and_anonymised(records, plan.policy, keep)
+        # absolute: the data is read from runs started in any directory
         corpus = {
-            "dir": str(
-                plan.corpus_dir.resolve()
-            ),  # absolute: the data is read from runs started in any directory
+            "dir": str(plan.corpus_dir.resolve()),
             "manifest_sha256": plan.manifest_sha,
             "files": {f"{d}.jsonl": hashes[f"{d}.jsonl"] for d in plan.files},
         }

@@ -115,9 +115,8 @@ class QuotaMixture:
         self.quotas = np.asarray(quotas, dtype=np.int64)
         self.period = int(self.quotas.sum())
         starts = np.concatenate([[0], np.cumsum(self.quotas)[:-1]])
-        self._slot_domain = np.repeat(
-            np.arange(len(self.domains)), self.quotas
-        )  # unshuffled slot -> domain pos
+        # unshuffled slot -> domain pos
+        self._slot_domain = np.repeat(np.arange(len(self.domains)), self.quotas)
         self._slot_rank = np.arange(self.period) - np.repeat(starts, self.quotas)  # position among its domain
         self.key = (seed, _MIX_TAG, shard)
         self._perms = _Lru(2)

@@ -44,6 +44,7 @@ def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan)
     (model/demix.py), so a training step has no device-to-host synchronisation."""
     dom = b["domain_ids_B"]
     experts = torch.tensor(plan.expert_of_domain, dtype=torch.long)[dom]
+    # host numbers: no device sync
     return {
         "tokens": to_device(b["tokens_BT"], device),
         "targets": to_device(b["targets_BT"], device),
@@ -51,7 +52,7 @@ def to_model_batch(b: dict[str, torch.Tensor], device: torch.device, plan: Plan)
         "expert_ids": experts,
         "loss_mask": to_device(b["loss_mask_BT"], device),
         "expert_tokens": expert_token_counts(experts, b["loss_mask_BT"]),
-    }  # host numbers: no device sync
+    }
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -77,9 +77,8 @@ class Consolidated:
         from model.gpt import GPT
 
         rows = self.state_dict["wte.weight"].shape[0] if "wte.weight" in self.state_dict else None
-        model = GPT(
-            self.cfg.model, expert_ids=expert_ids, init_seed=0, vocab_rows=rows
-        )  # the writer's padding
+        # the writer's padding
+        model = GPT(self.cfg.model, expert_ids=expert_ids, init_seed=0, vocab_rows=rows)
         wanted = model.state_dict().keys()
         missing = [k for k in wanted if k not in self.state_dict]
         if missing:
@@ -206,10 +205,11 @@ def _write_meta(
     if missing:
         raise CheckpointError(f"consolidated checkpoint {final} is missing shards {missing}")
     sums = {}
+    # a shard copied from another checkpoint has no sum beside it
     for rel in [
         SHARED_FILE,
         *experts.values(),
-    ]:  # a shard copied from another checkpoint has no sum beside it
+    ]:
         side = tmp / (rel + SUM_SUFFIX)
         sums[rel] = side.read_text().strip() if side.is_file() else sha256_file(tmp / rel)
         side.unlink(missing_ok=True)

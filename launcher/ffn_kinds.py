@@ -138,9 +138,10 @@ class FFNKind:
         """(shared tensors, this rank's expert shards by id, whether this rank writes those shards) of the
         plain (TP=1) model. Collective: every rank calls it."""
         if topo.tensor_parallel > 1:
+            # megatron-core: only where TP is used
             from parallel.tensor_parallel import (
                 gather_full_state_dict,
-            )  # megatron-core: only where TP is used
+            )
 
             full = gather_full_state_dict(model, groups.tp_group)
         else:
@@ -232,11 +233,12 @@ class Demix(FFNKind):
         full, _, _ = super().export_parts(model, topo, groups, rank)
         shared, experts = split_by_expert(full)
         info = topo.rank_info(rank)
+        # the first rank of its domain group(s)
         return (
             shared,
             experts,
             info.tp_rank == 0 and info.shard_index == 0,
-        )  # the first rank of its domain group(s)
+        )
 
     def state_names(
         self, model: nn.Module, topo: Topology, rank: int

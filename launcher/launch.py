@@ -439,9 +439,8 @@ def run_runner(cmd: list[str], env: dict[str, str]) -> int:
     only parses its arguments, starts the per-node launcher (or pdsh/mpirun/srun) as a subprocess and waits: run in
     this process it saves one interpreter start that imports torch and DeepSpeed (~2.5 s a launch on 2 cores)."""
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    saved_signals = {
-        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
-    }  # pdsh's runner sets them
+    # pdsh's runner sets them
+    saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO_ROOT)

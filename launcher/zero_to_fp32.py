@@ -93,9 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("state", type=Path, help="a training state (RUN/checkpoints/step_N) or a run directory")
     p.add_argument("--out", type=Path, required=True, help="where to write the consolidated fp32 checkpoint")
     args = p.parse_args(argv)
-    check_output_dir(
-        args.out, (), ()
-    )  # the output rule: a file or a dangling symbolic link at --out is refused
+    # the output rule: a file or a dangling symbolic link at --out is refused
+    check_output_dir(args.out, (), ())
     if args.out.exists():
         print(f"error: {args.out} exists; choose a new --out (nothing is overwritten)", file=sys.stderr)
         return 2

@@ -60,9 +60,8 @@ DEFAULT_LOGIT_BUDGET = 1 << 19  # logits per LM-head block on CPU: 2 MiB of floa
 DEFAULT_LOGIT_BUDGET_CUDA = 1 << 26  # on accelerators a block is a kernel launch: 256 MiB of float32
 DEFAULT_HEAD_ROWS = 1024  # rows per block: keeps the head GEMM large (M = 1024, K = D, N = C)
 DEFAULT_FANOUT_TOKENS = 8192  # expert-tokens (E*B*T) fanned out at once: bounds the E-way activations
-MIN_FAST_TARGET_LOGIT = (
-    -50.0
-)  # rows whose target logit is lower take the shifted log-sum-exp (module docstring)
+# rows whose target logit is lower take the shifted log-sum-exp (module docstring)
+MIN_FAST_TARGET_LOGIT = -50.0
 
 
 def demix_expert_ids(model: torch.nn.Module) -> list[int]:
@@ -111,9 +110,8 @@ def expert_hidden_states(
     if T > model.cfg.seq_len:
         raise ValueError(f"sequence of {T} tokens exceeds the model's context of {model.cfg.seq_len}")
     pos_T = torch.arange(T, device=tokens_BT.device)
-    x = model.drop(
-        model.wte(tokens_BT) + model.wpe(pos_T)
-    )  # B T D until the first expert layer, then E*B T D
+    # B T D until the first expert layer, then E*B T D
+    x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))
     fanned = False
     for block in model.blocks:
         x = x + block.attn(block.ln1(x))

@@ -102,10 +102,11 @@ class CSEFFN(nn.Module):
         )
         E, P = self.num_slots, c.projection_dim
         self.register_buffer("num_active", torch.zeros((), dtype=torch.long))
+        # K on the host, and the buffer it mirrors
         self._active, self._active_stamp = (
             0,
             self._num_active_stamp(),
-        )  # K on the host, and the buffer it mirrors
+        )
         self.register_buffer("centres_EP", torch.zeros(E, P))
         self.register_buffer("radii_E", torch.ones(E))
         self.register_buffer(

@@ -104,9 +104,8 @@ class DemixFFN(nn.Module):
                 missing = sorted(set(domain_ids_B.tolist()) - {only})
                 raise ValueError(f"domain ids {missing} have no expert here (this layer holds expert {only})")
             return FFNOutput(hidden=self.experts[str(only)](x_BTD))
-        ids = (
-            domain_ids_B.tolist()
-        )  # free on the host (the trainer); one read-back when the ids are on the device
+        # free on the host (the trainer); one read-back when the ids are on the device
+        ids = domain_ids_B.tolist()
         missing = sorted(set(ids) - set(self.expert_ids))
         if missing:
             raise ValueError(

@@ -126,12 +126,10 @@ def chunked_token_loss(
     if N <= rows:
         return head_loss(x_BTX, targets_BT)
     x_NX, t_N = x_BTX.reshape(N, -1), targets_BT.reshape(N)
-    chunks = zip(
-        x_NX.split(rows), t_N.split(rows)
-    )  # split: its backward concatenates the chunks' gradients once
-    if not (
-        torch.is_grad_enabled() and x_BTX.requires_grad
-    ):  # evaluation: nothing to save, nothing to recompute
+    # split: its backward concatenates the chunks' gradients once
+    chunks = zip(x_NX.split(rows), t_N.split(rows))
+    # evaluation: nothing to save, nothing to recompute
+    if not (torch.is_grad_enabled() and x_BTX.requires_grad):
         parts = [head_loss(x_cX[None], t_c[None]) for x_cX, t_c in chunks]
     else:
         parts = [

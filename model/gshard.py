@@ -93,10 +93,11 @@ def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
     distribution, whose argument validation reads a device tensor back to the host.
     """
     finfo = torch.finfo(like.dtype)
+    # in the dtype, as torch rounds them
     low, high = (
         like.new_full((), finfo.tiny),
         like.new_full((), 1 - finfo.eps),
-    )  # in the dtype, as torch rounds them
+    )
     u = low + torch.rand(like.shape, dtype=like.dtype, device=like.device) * (high - low)
     return -torch.log(-torch.log(u))
 

@@ -105,9 +105,8 @@ class CommStats:
             fn = getattr(dist, name, None)
             if fn is None or name in self._originals:
                 continue
-            while getattr(
-                fn, "__wrapped_comm_stats__", False
-            ):  # another CommStats (an earlier trainer in this
+            # another CommStats (an earlier trainer in this
+            while getattr(fn, "__wrapped_comm_stats__", False):
                 fn = fn.__wrapped__  # process): replaced, never stacked
             self._originals[name] = fn
             setattr(dist, name, self._wrap(name, fn))

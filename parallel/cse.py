@@ -506,9 +506,8 @@ class CSEController:
         device = v_nLP.device
         v_nLP, dom_n = v_nLP.cpu(), dom_n.cpu()  # clustering runs on the host (scikit-learn)
         L, E, P = len(self.layers), self.layers[0].num_slots, v_nLP.shape[-1]
-        state = torch.zeros(
-            L, E * P + E + 1, device=device
-        )  # per layer: centres (E*P), radii (E), K; broadcast
+        # per layer: centres (E*P), radii (E), K; broadcast
+        state = torch.zeros(L, E * P + E + 1, device=device)
         layer_recs: dict[str, Any] = {}
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed or dist.get_rank() == 0:

@@ -192,9 +192,8 @@ class OverlappedGradReduce:
         ):
             self._issue(self.buckets[self._next])
             self._next += 1
-        while (
-            self._handles and self._handles[0].handle.is_completed()
-        ):  # frees finished buckets' flat copies early
+        # frees finished buckets' flat copies early
+        while self._handles and self._handles[0].handle.is_completed():
             self._wait_oldest()
 
     def _begin(self, task: int) -> None:

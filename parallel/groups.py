@@ -39,9 +39,8 @@ class ProcessGroups:
     tp_ranks: Group
     dp_group: Optional[dist.ProcessGroup]
     dp_ranks: Group
-    expert_group: Optional[
-        dist.ProcessGroup
-    ]  # the ranks that share this rank's experts (same domain(s), same tp rank)
+    # the ranks that share this rank's experts (same domain(s), same tp rank)
+    expert_group: Optional[dist.ProcessGroup]
     expert_ranks: Group
 
     @property

@@ -470,10 +470,11 @@ def memory_rows(
             row[f"total_{mode}"] = row["model_states"] + row["buffers"] + act
             row[f"fits_{mode}"] = None if gpu_bytes is None else row[f"total_{mode}"] <= gpu_bytes
         rows.append(row)
+    # DeepSpeed's estimator is for 16-bit mixed precision
     if state_bytes_per_param(precision, 2) == (
         2,
         2,
         16,
-    ):  # DeepSpeed's estimator is for 16-bit mixed precision
+    ):
         rows[2]["deepspeed_estimate"] = deepspeed_zero2_estimate(p)
     return rows

@@ -66,9 +66,8 @@ def step_with_norm(self: Any, closure: Optional[Any] = None) -> bool:
     if self.overflow:
         return self._skip_invalid_grad_norm()
     for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
-        for fp32_param, fp16_param in zip(
-            fp32_group, fp16_group
-        ):  # the fp32 copies of the gradients, as DeepSpeed
+        # the fp32 copies of the gradients, as DeepSpeed
+        for fp32_param, fp16_param in zip(fp32_group, fp16_group):
             if fp16_param.grad is None:
                 fp32_param.grad = torch.zeros(
                     fp16_param.size(), dtype=fp32_param.dtype, device=fp32_param.device

@@ -244,9 +244,8 @@ def _column_parallel(linear: nn.Linear, group: ProcessGroup) -> ColumnParallelLi
         skip_bias_add=False,
         tp_group=group,
     )
-    set_tensor_model_parallel_attributes(
-        new.weight, is_parallel=True, dim=0, stride=1
-    )  # bias: set by megatron
+    # bias: set by megatron
+    set_tensor_model_parallel_attributes(new.weight, is_parallel=True, dim=0, stride=1)
     _copy_in(new.weight, linear.weight, 0, group)
     if linear.bias is not None:
         _copy_in(new.bias, linear.bias, 0, group)

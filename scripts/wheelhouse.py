@@ -36,10 +36,11 @@ from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # project_requirements beside this file
+# the project's `tracking` and `harness` extras  # heavy and optional: their own folder
 EXTRAS_ROOTS = (
     "wandb",
     "lm-eval",
-)  # the project's `tracking` and `harness` extras  # heavy and optional: their own folder
+)
 NEVER = ("torch",)  # the node's own build; what only torch needs is reached through it alone, so never walked
 
 

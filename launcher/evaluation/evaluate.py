@@ -149,9 +149,8 @@ def evaluate_checkpoint(
     keyed by the checkpoint's recorded shard sums, the data and the prior's settings) and reuses them; a path, that
     directory; None/False, none (the priors are scored every time). Only for a checkpoint given by its path."""
     options = replace(options or EvalOptions(), **option_fields)
-    dev = (
-        device if isinstance(device, torch.device) else resolve_eval_device(device)
-    )  # before loading anything
+    # before loading anything
+    dev = device if isinstance(device, torch.device) else resolve_eval_device(device)
     if prior_cache not in (None, False) and not isinstance(prior_cache, PriorCache):
         if isinstance(ckpt, Consolidated):
             raise ValueError(
@@ -304,6 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
+    # a user's eval.md is not replaced
     check_output_dir(
         Path(args.out or default_out),
         [EVAL_FORMAT],
@@ -311,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         inputs=[Path(data)],
         manifest="eval.json",
         what="--out",
-    )  # a user's eval.md is not replaced
+    )
     device = join_ranks(args.device)
     say(
         not args.quiet,

@@ -61,9 +61,8 @@ def sample_token(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         probs_sorted, order = torch.sort(torch.softmax(logits, -1), descending=True)
-        drop = (
-            torch.cumsum(probs_sorted, -1) - probs_sorted >= top_p
-        )  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p
+        drop = torch.cumsum(probs_sorted, -1) - probs_sorted >= top_p
         logits[order[drop]] = float("-inf")
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
@@ -169,9 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer subdirectory (default: the checkpoint's data.tokenizer)")
     ap.add_argument("--json", action="store_true", help="print a JSON record (ids, text, posteriors)")
     args = ap.parse_args(argv)
-    prior = (
-        mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None
-    )  # before the model
+    # before the model
+    prior = mx.CachedPrior.load(args.prior) if args.mixture and args.prior != "uniform" else None
     tok = checkpoint_tokenizer(args.checkpoint, args.data, args.tokenizer)  # before any tensor is read
     ckpt = load_consolidated(args.checkpoint)
     model = ckpt.build_model()

@@ -45,9 +45,8 @@ def check(
     if "exclude_experts" in extra:
         same["exclude_experts"] = expert_names(extra["exclude_experts"])
     topk = int(extra.get("topk", 0) or 0)
-    ev_mode = {
-        m: ("topk" if m == "cached" and topk else m) for m in modes
-    }  # harness cached + topk = evaluate's topk
+    # harness cached + topk = evaluate's topk
+    ev_mode = {m: ("topk" if m == "cached" and topk else m) for m in modes}
     ev = evaluate_documents(
         ckpt, data, docs, modes=list(ev_mode.values()) if is_demix else ["ppl"], batch_size=batch_size, **same
     )

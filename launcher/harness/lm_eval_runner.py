@@ -51,9 +51,8 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     import launcher.harness.model  # noqa: F401  (registers "demix")
 
     argv = list(argv)
-    for i, arg in enumerate(
-        argv
-    ):  # a folder `tasks` wrote is verified as `check` does before lm-eval imports it
+    # a folder `tasks` wrote is verified as `check` does before lm-eval imports it
+    for i, arg in enumerate(argv):
         path = (
             argv[i + 1]
             if arg == "--include_path" and i + 1 < len(argv)

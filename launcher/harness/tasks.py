@@ -221,9 +221,8 @@ def write_tasks(
             "distractors": DISTRACTORS,
         }
         (tmp / "utils.py").write_text(utils_source(), encoding="utf-8")
-        record["files"] = file_hashes(
-            tmp
-        )  # what `check` verifies before lm-eval imports anything from the folder
+        # what `check` verifies before lm-eval imports anything from the folder
+        record["files"] = file_hashes(tmp)
         write_json_atomic(tmp / "demix_tasks.json", record)
     return record
 

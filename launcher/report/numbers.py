@@ -172,11 +172,12 @@ def eval_command(run: Run) -> str:
         return e["command"]
     if isinstance(e.get("argv"), list):
         return shlex.join(str(a) for a in e["argv"])
+    # the mixing settings only where there are experts to mix
     keys = ("checkpoint", "step", "split", "seq_len", "max_blocks", "modes", "device", "precision") + (
         ("dev_split", "posterior", "cached_estimator", "cached_blocks", "decay", "topk", "excluded_experts")
         if e.get("experts")
         else ()
-    )  # the mixing settings only where there are experts to mix
+    )
     return (
         "# not recorded in eval.json (launcher.evaluation.evaluate keeps its settings, not its command line):\n"
         + "\n".join(f"# {k}: {json.dumps(e.get(k))}" for k in keys if k in e)

@@ -365,15 +365,13 @@ def test_dispatch_combine_flops_match_a_direct_count(forward_passes: int) -> Non
         (gates * m2).unsqueeze(-1), l2.unsqueeze(1)
     )
     dispatch_mask = combine.bool().float().permute(1, 2, 0)  # S,E,C -> E,C,S
-    combine = (
-        combine.detach().requires_grad_()
-    )  # its gradient is counted; passing it on to the gates is gating work
+    # its gradient is counted; passing it on to the gates is gating work
+    combine = combine.detach().requires_grad_()
 
     def layer() -> torch.Tensor:
         dispatched = torch.mm(dispatch_mask.reshape(E * C, S), x)  # einsum sec,sm->ecm
-        expert_out = torch.nn.functional.gelu(
-            dispatched
-        )  # the expert (no matmul here: only the routing counts)
+        # the expert (no matmul here: only the routing counts)
+        expert_out = torch.nn.functional.gelu(dispatched)
         return combine.view(S, E * C).mm(expert_out)  # einsum sec,ecm->sm
 
     with FlopCounterMode(display=False) as counter:
@@ -455,15 +453,13 @@ def test_gshard_terms_by_hand_for_125m() -> None:
 
 def test_capacity_padding_and_roofline_when_they_apply() -> None:
     eff, cluster = cm.Efficiency(0.8, 1500.0), cm.load_cluster("v100-dgx1")
-    odd = preset(
-        "gpt3-small", "gshard", 3
-    )  # E does not divide S = 2048: C = 1366, E·C = 4098 rows for 4096 routes
+    # E does not divide S = 2048: C = 1366, E·C = 4098 rows for 4096 routes
+    odd = preset("gpt3-small", "gshard", 3)
     t = cm.gshard_terms(odd, 3, cluster, eff, cm.CostOptions(), recompute=True)
     want = 6 * 8 * 4 * 4 * 768 * 3072 * 2 / (125e12 * eff.at(768))
     assert t.capacity_padding_s == pytest.approx(want)
-    many = preset(
-        "gpt3-small", "gshard", 64
-    )  # 32 experts per GPU on 2 GPUs, 64-row expert GEMMs: memory-bound
+    # 32 experts per GPU on 2 GPUs, 64-row expert GEMMs: memory-bound
+    many = preset("gpt3-small", "gshard", 64)
     t = cm.gshard_terms(many, 2, cluster, eff, cm.CostOptions(micro_batch=1, grad_accum=16), recompute=False)
     assert t.expert_roofline_s > 0
 
@@ -519,9 +515,8 @@ def test_unknown_device_leaves_memory_bound_terms_out() -> None:
     t = cm.gshard_terms(
         preset("gpt3-small", "gshard", 32), 32, custom, cm.Efficiency(0.8, 0.0), cm.CostOptions(), True
     )
-    assert (
-        t.fp32_master_s == 0.0 and t.dispatch_combine_s > 0 and t.gating_s > 0
-    )  # gating keeps the gate GEMM
+    # gating keeps the gate GEMM
+    assert t.fp32_master_s == 0.0 and t.dispatch_combine_s > 0 and t.gating_s > 0
     given = replace(custom, memory_gbytes_per_s=1000.0, gpu_memory_gib=16.0)
     assert given.hbm_bytes_per_s == 1e12 and given.gpu_memory_bytes == 16 * 2**30
     assert given.problems() == [] and replace(given, memory_gbytes_per_s=0.0).problems()

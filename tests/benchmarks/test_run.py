@@ -206,9 +206,8 @@ def test_report_marks_reused_points_with_their_date_and_load(tmp_path: Path) -> 
     md = report.render(tmp_path, tmp_path / "out", costmodel=None)["md"].read_text()
     assert "| ok, reused from 2026-01-02 03:04:05 |" in md
     assert "1 of 2 points were reused from earlier runs" in md and "load average 0.4 to 1.9" in md
-    assert (
-        "| tiny-dense-w1 | 1 | ok |" in md and "tiny-dense-w1 (reused" not in md
-    )  # the fresh point is not marked
+    # the fresh point is not marked
+    assert "| tiny-dense-w1 | 1 | ok |" in md and "tiny-dense-w1 (reused" not in md
 
 
 # ---------------------------------------------------------------------------- (c) outputs, (d) --data

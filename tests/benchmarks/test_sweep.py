@@ -251,9 +251,8 @@ def test_report_renders_from_hand_written_results(tmp_path: Path) -> None:
         assert needle in md, needle
     recorded = json.loads(Path(report.COSTMODEL_JSON).read_text())["rows"]
     err = next(r["rel_err"] for r in recorded if r["size"] == "1.3B" and r["arch"] == "gshard")
-    assert (
-        md.count("| 1.3B | GShard | 128 |") == 1 and f"{err:+.1%}" in md
-    )  # the 12-row cost-model table, with errors
+    # the 12-row cost-model table, with errors
+    assert md.count("| 1.3B | GShard | 128 |") == 1 and f"{err:+.1%}" in md
     assert "scaling eff." in md and "83.3%" in md  # dense at 2 ranks: (5000/2)/(3000/1)
     assert '<img alt="' in page and "data:image/png;base64," in page and "<table>" in page
     assert 'src="scaling' not in page  # self-contained: no file references
@@ -277,13 +276,11 @@ def test_report_shows_measured_vs_modelled_bytes_and_prices_measured_bytes(tmp_p
     (tmp_path / "results.json").write_text(json.dumps(results))
     md = report.render(tmp_path, tmp_path / "out", costmodel=None)["md"].read_text()
     assert "Communication per update: measured vs cost model" in md
-    assert (
-        md.count("| equal |") == 4
-    )  # dense w2 all-reduce; gshard w2 all-reduce, local all-reduce, all-to-all
+    # dense w2 all-reduce; gshard w2 all-reduce, local all-reduce, all-to-all
+    assert md.count("| equal |") == 4
     assert "| tiny-dense-w4 | data_parallel/all_reduce |" in md and "+25.0%" in md
-    assert (
-        "bytes from" in md and md.count("| measured |") == 3
-    )  # the cluster prediction priced the measured bytes
+    # the cluster prediction priced the measured bytes
+    assert "bytes from" in md and md.count("| measured |") == 3
 
 
 def test_report_cli_rerenders_without_training(tmp_path: Path, capsys) -> None:

@@ -123,10 +123,11 @@ def test_staged_dir_removes_what_it_staged_on_any_failure(tmp_path, error):
                 (tmp / "big.bin").write_bytes(b"\0" * 4096)
                 raise error
         assert e.value is error  # the same exception, not translated
+        # neither the staging nor the parents made for it
         assert _listing(tmp_path) == [
             "old",
             "old/manifest.json",
-        ]  # neither the staging nor the parents made for it
+        ]
 
 
 def test_a_failed_commit_leaves_the_old_output_and_no_staging(tmp_path, monkeypatch):

@@ -108,12 +108,13 @@ def test_prepare_gpt2_layout_exact_decode_and_idempotence(corpus, tmp_path, caps
             assert len(want) >= 1
             assert _decoded_split(tok_dir, tok, domain, s) == want
             assert m["counts"][domain][s]["tokens"] == sum(len(tok.encode(t)) + 1 for t in want)
+    # code left as is
     assert any(
         "@" in t
         for t in _decoded_split(tok_dir, tok, "code", "train")
         + _decoded_split(tok_dir, tok, "code", "valid")
         + _decoded_split(tok_dir, tok, "code", "test")
-    )  # code left as is
+    )
     blocks = BlockDataset.from_prepared(out, "gpt2", "news", "train", seq_len=32)
     raw = open_indexed(tok_dir / "news" / "train")  # keep it alive: its arrays are views into its mmap
     stream = np.concatenate([raw[i] for i in range(blocks.num_documents)])
@@ -152,9 +153,8 @@ def test_prepare_gpt2_layout_exact_decode_and_idempotence(corpus, tmp_path, caps
         )
         == 0
     )
-    assert (
-        os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime
-    )  # the CLI saw the same inputs: skipped
+    # the CLI saw the same inputs: skipped
+    assert os.stat(tok_dir / "news" / "train.bin").st_mtime_ns == mtime
     with open(corpus_dir / "legal.jsonl", "a") as f:
         f.write(json.dumps({"id": "new", "domain": "legal", "text": "A new licence clause."}) + "\n")
     changed = prepare_corpus(
@@ -339,9 +339,8 @@ def test_anonymisation_is_off_unless_asked_and_announced(corpus, tmp_path, capsy
         if m["counts"]["news"][s]["documents"]
         for t in _decoded_split(tmp_path / "plain" / "gpt2", tok, "news", s)
     ]
-    assert sorted(kept) == sorted(
-        docs["news"]
-    )  # every document exactly as written, the e-mail address included
+    # every document exactly as written, the e-mail address included
+    assert sorted(kept) == sorted(docs["news"])
 
     assert (
         main(

@@ -40,9 +40,8 @@ def corpus(tmp_path):
             lines.insert(40, "")  # blank: counts as a line, not a problem
         if domain == "code":
             lines = [json.loads(x) for x in lines]
-            lines = [
-                json.dumps({"domain": "code", "text": r["text"]}) for r in lines
-            ]  # no ids: split by byte offset
+            # no ids: split by byte offset
+            lines = [json.dumps({"domain": "code", "text": r["text"]}) for r in lines]
         (d / f"{domain}.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
@@ -92,9 +91,8 @@ def test_many_chunks_hash_split_and_absolute_problem_lines(corpus, tmp_path):
     r = _prepare(corpus, tmp_path / "tokens")
     m = r.manifest
     assert m["problems"]["counts"] == {"invalid_json": 1}
-    assert m["problems"]["first"][0].startswith(
-        f"{corpus / 'news.jsonl'}:152: invalid_json"
-    )  # blank line 41 counted
+    # blank line 41 counted
+    assert m["problems"]["first"][0].startswith(f"{corpus / 'news.jsonl'}:152: invalid_json")
     tok = load_tokenizer("gpt2")
     tok_dir = tmp_path / "tokens" / "gpt2"
     files = {d: corpus / f"{d}.jsonl" for d in m["domains"]}
@@ -102,9 +100,8 @@ def test_many_chunks_hash_split_and_absolute_problem_lines(corpus, tmp_path):
         want = split_texts(files, m["split"], code, m["anonymise"]["policy"])
         for d in m["domains"]:
             info = m["counts"][d][split]
-            ds = (
-                open_indexed(tok_dir / d / split) if info["documents"] else []
-            )  # kept open while its arrays live
+            # kept open while its arrays live
+            ds = open_indexed(tok_dir / d / split) if info["documents"] else []
             got = [tok.decode(ds[i][1:].tolist()) for i in range(len(ds))]
             assert got == want[d], (d, split)
     # the news split is the hash of (seed, domain, id): each document's own, independent of chunks

@@ -161,10 +161,11 @@ def _rank_view(rank: int, world: int, steps: int, resume_at: int) -> dict:
     for r, g in by_rank.items():
         for r2, g2 in by_rank.items():
             if r < r2:
+                # no block content shared, any domain
                 assert set(g["hashes"]).isdisjoint(g2["hashes"]), (
                     r,
                     r2,
-                )  # no block content shared, any domain
+                )
                 if g["domain"] == g2["domain"]:
                     assert {b for _, b in g["seen"]}.isdisjoint(b for _, b in g2["seen"])
         assert {d for d, _ in g["seen"]} == {g["domain"]}

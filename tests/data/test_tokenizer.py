@@ -116,10 +116,11 @@ def test_gpt2_encoding_threads_own_their_encodings_and_are_kept():
     import copy
     import pickle
 
+    # a copy starts with no threads of its own
     for twin in (
         pickle.loads(pickle.dumps(tok)),
         copy.deepcopy(tok),
-    ):  # a copy starts with no threads of its own
+    ):
         assert twin._pools[1] == {} and [ids for _, _, ids in _own_encodings(twin, 2)] == [want] * 2
 
 

@@ -286,9 +286,8 @@ def test_the_saved_config_records_the_run_dir_given(tiny_tokens, tmp_path, monke
     assert main(["--run-dir", "rel/run", "--dry-run", *sets]) == 0
     run = tmp_path / "rel" / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["logging"]["out_dir"] == str(run)
-    assert (
-        f"logging.out_dir={json.dumps(str(run))}" in (run / "command.sh").read_text()
-    )  # the ranks' config too
+    # the ranks' config too
+    assert f"logging.out_dir={json.dumps(str(run))}" in (run / "command.sh").read_text()
     assert not (tmp_path / "runs").exists()
     # without --run-dir the config's own folder is the run directory, and is recorded (absolute)
     assert main(["--dry-run", *sets]) == 0

@@ -116,9 +116,8 @@ def test_world_size_is_what_deepspeeds_runner_starts(tmp_path):
     """Computed with DeepSpeed's own resource functions: slots by default, --nproc per node whatever the slots
     say (as the runner's --num_gpus does), --num-nodes, --include/--exclude."""
     assert world_size(_args(tmp_path)) == 10
-    assert (
-        world_size(_args(tmp_path, "--nproc", "3")) == 9
-    )  # 3 on every node, node2 included (DeepSpeed's rule)
+    # 3 on every node, node2 included (DeepSpeed's rule)
+    assert world_size(_args(tmp_path, "--nproc", "3")) == 9
     assert world_size(_args(tmp_path, "--num-nodes", "2")) == 8
     assert world_size(_args(tmp_path, "--include", "node0@node2:0")) == 5
     assert node_resources(_args(tmp_path, "--exclude", "node1:0,1")) == {
@@ -386,9 +385,8 @@ def test_launcher_variables_become_torchs(launcher):
         "MASTER_PORT": "29511",
         **({} if launcher == "srun" else {"LOCAL_WORLD_SIZE": "4"}),
     }
-    assert (
-        scheduler_env(dict(env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")) == {}
-    )  # torch's own win (torchrun inside srun)
+    # torch's own win (torchrun inside srun)
+    assert scheduler_env(dict(env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")) == {}
 
 
 def test_srun_rendezvous_defaults_and_batch_shell():
@@ -424,9 +422,8 @@ def test_each_rank_binds_its_own_gpu_also_when_it_sees_only_one():
     from launcher.distributed import LaunchEnvError, local_device_index
 
     assert [local_device_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
-    assert (
-        local_device_index(5, 1) == 0
-    )  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU only
+    # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds this task's GPU only
+    assert local_device_index(5, 1) == 0
     with pytest.raises(LaunchEnvError, match="sees 2 GPUs"):
         local_device_index(3, 2)
     with pytest.raises(LaunchEnvError, match="no CUDA device"):

@@ -127,9 +127,8 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not (killed / "model").exists()  # the run really died before the end
     port = (killed / "command.sh").read_text().split("--master_port ")[1].split()[0]
-    assert not list(
-        Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")
-    )  # even SIGKILL leaks no shm
+    # even SIGKILL leaks no shm
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     writing = killed / "checkpoints" / ".step_00000004.tmp"
     proc = _launch_and_kill_when(
         ["--nproc", "3", "--run-dir", str(killed), *_overrides(tiny_tokens)], writing.is_dir
@@ -198,9 +197,8 @@ def test_a_damaged_or_dangling_latest_pointer_resumes_from_the_newest_complete_s
         assert latest_checkpoint(tmp_path) == ck / "step_00000004", bad
         assert "not an intact training state here" in capsys.readouterr().err
     (ck / "latest").write_text("step_00000004\n")
-    (ck / "step_00000004" / "trainer.pt").write_bytes(
-        b"x" * 5
-    )  # truncated: skipped, the previous intact one used
+    # truncated: skipped, the previous intact one used
+    (ck / "step_00000004" / "trainer.pt").write_bytes(b"x" * 5)
     assert latest_checkpoint(tmp_path) == ck / "step_00000002"
     assert "step_00000004 is damaged (trainer.pt has 5 bytes, 10 when written)" in capsys.readouterr().err
 

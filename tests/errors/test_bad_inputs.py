@@ -157,9 +157,8 @@ class Case:
     setup: Optional[Callable[[SimpleNamespace, Path], None]] = None
     code: int = 2
     writes: bool = False  # a handled case that goes on and writes its outputs (a warning, exit 0)
-    absent: tuple[str, ...] = (
-        "out",
-    )  # paths (relative to the case directory) that must not exist afterwards
+    # paths (relative to the case directory) that must not exist afterwards
+    absent: tuple[str, ...] = ("out",)
 
 
 def _jsonl(path: Path, records: list) -> None:
@@ -949,9 +948,8 @@ def test_a_malicious_pickle_is_refused_by_every_loader(which, world, tmp_path):
 
     marker = tmp_path / "pwned"
     ckpt = _copytree(world.ckpt, tmp_path / "ckpt")
-    _drop_sums(
-        ckpt
-    )  # whoever can plant a file can edit meta.json: the weights-only load must refuse it alone
+    # whoever can plant a file can edit meta.json: the weights-only load must refuse it alone
+    _drop_sums(ckpt)
     state = _fake_state(tmp_path / "run", 2, world.plan)
     if which == "consolidated-model":
         _plant(ckpt / "model.pt", marker)

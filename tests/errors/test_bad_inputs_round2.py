@@ -1656,9 +1656,8 @@ def test_without_the_shared_rule_the_cases_of_its_class_fail(cls, world, tmp_pat
         if set(_snapshot(d)) - before:
             left_behind.append(case.name)
     assert len(cases) >= 8, [c.name for c in cases]
-    if (
-        cls == 3
-    ):  # every writer failing on a full disk: no "no space left on device writing OUT", and a half output
+    # every writer failing on a full disk: no "no space left on device writing OUT", and a half output
+    if cls == 3:
         assert len(cases) == (9 if lm_eval else 8), [c.name for c in cases]
         assert left_behind == [c.name for c in cases]
 
@@ -1771,11 +1770,12 @@ def test_mixture_weights_rule():
 def test_yaml_rule_is_fast_safe_and_names_the_source():
     from data.readers import InputFileError, load_yaml
 
+    # within budget
     assert load_yaml("a: &x [1, 2]\nb: *x\n<<: {c: 3}\n", "s") == {
         "a": [1, 2],
         "b": [1, 2],
         "c": 3,
-    }  # within budget
+    }
     t0 = time.perf_counter()
     for text, why in (
         (BOMB, "alias bomb"),
@@ -1934,7 +1934,6 @@ def test_launch_encodes_the_trainer_arguments_only_for_pdsh_on_several_hosts(tmp
         cmd = build_command(
             parse_args(["--hostfile", str(tmp_path / "hosts"), *extra, *sets]), tmp_path / "run", 29500
         )
-        assert "data.path=/d/$(x)" in cmd, (
-            extra
-        )  # argv of mpirun/srun or a local launch: no shell, no quoting
+        # argv of mpirun/srun or a local launch: no shell, no quoting
+        assert "data.path=/d/$(x)" in cmd, extra
     assert "data.path=/d/$(x)" in build_command(parse_args(["--nproc", "2", *sets]), tmp_path / "run", 29500)

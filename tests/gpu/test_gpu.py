@@ -90,9 +90,8 @@ def test_nccl_baselines_train(tiny_tokens, tmp_path, kind):
     assert all(loss < losses[0] for loss in losses[steps // 2 :]), losses
     final = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "eval"][-1]
     assert final["step"] == steps
-    val = [
-        v for k, v in final.items() if k.startswith("val_loss/")
-    ]  # the domains its validation batches held
+    # the domains its validation batches held
+    val = [v for k, v in final.items() if k.startswith("val_loss/")]
     assert val and all(math.isfinite(v) for v in val), final
 
 

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-_REPO_PREFIX = (
-    str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
-)  # frames shown repo-relative
+# frames shown repo-relative
+_REPO_PREFIX = str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
 
 _HOST = "_device_strict_host"
 
@@ -228,9 +227,8 @@ def enable(device: torch.device | str = "cpu") -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__wrapped_by_device_strict__", False):
             setattr(dist, name, _guard(name, fn, device))
-    if not getattr(
-        torch.from_numpy, "__wrapped_by_device_strict__", False
-    ):  # not seen by torch-function modes
+    # not seen by torch-function modes
+    if not getattr(torch.from_numpy, "__wrapped_by_device_strict__", False):
         torch.from_numpy = _host_factory(torch.from_numpy)
     _ProvenanceMode().__enter__()
 

@@ -79,13 +79,14 @@ def test_round_trip_keeps_tensors_config_domains_and_step(demix):
 
 def test_layout_one_shard_per_expert_and_the_shared_tensors_in_model_pt(demix):
     path, cfg, state = demix
+    # the sha256 side files are gone once meta.json holds the sums
     assert sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) == [
         "experts/expert_0000.pt",
         "experts/expert_0001.pt",
         "experts/expert_0002.pt",
         "meta.json",
         SHARED_FILE,
-    ]  # the sha256 side files are gone once meta.json holds the sums
+    ]
     shared = load_weights_only(path / SHARED_FILE)
     assert shared.keys() == {k for k in state if expert_of_key(k) is None}
     for e in range(3):

@@ -55,10 +55,11 @@ def test_gpt3_xl_dense_128_gpus(tmp_path):
     first, last = s["ranks"]
     assert first["expert_ids"] == last["expert_ids"] == [] and s["deepspeed_equivalent"] is None
     assert first["params"]["total"] == first["params"]["shared"] == last["params"]["total"]
+    # dense: every rank reads its own shard of the mix
     assert (last["shard_index"], last["num_shards"]) == (
         63,
         64,
-    )  # dense: every rank reads its own shard of the mix
+    )
 
 
 def test_gpt3_xl_gshard_128_gpus_tp2_one_whole_expert_per_gpu(tmp_path, capsys):
@@ -249,9 +250,8 @@ def test_memory_table_for_gpt3_xl_demix_on_128_v100(tmp_path, capsys):
     assert rc == 0
     mem = s["memory"]
     assert mem["gpu_memory_gib"] == 32 and [r["zero_stage"] for r in mem["rows"]] == [0, 1, 2]
-    assert (
-        mem["params"]["expert_replicas"] == 8 and mem["params"]["dp_size"] == 64
-    )  # 8 data-parallel ranks/domain
+    # 8 data-parallel ranks/domain
+    assert mem["params"]["expert_replicas"] == 8 and mem["params"]["dp_size"] == 64
     z0, z1, z2 = mem["rows"]
     assert z0["model_states"] > z1["model_states"] > z2["model_states"]
     assert z2["deepspeed_estimate"] == pytest.approx(z2["model_states"], rel=0.10)
@@ -299,9 +299,8 @@ def test_memory_arithmetic_matches_the_papers_formulas():
         == deepspeed_zero2_estimate(p)
     )
     assert sum(model_state_bytes(p, "fp32", 2).values()) == 4_000_000 + 12_000_000 / 4
-    demix = RankParams(
-        shared=1_000_000, expert=500_000, dp_size=8, expert_replicas=2
-    )  # experts over their group
+    # experts over their group
+    demix = RankParams(shared=1_000_000, expert=500_000, dp_size=8, expert_replicas=2)
     assert model_state_bytes(demix, "fp16", 1)["optimizer"] == 16 * 1_000_000 / 8 + 16 * 500_000 / 2
     # bf16 reduced in fp32 at ZeRO 2: DeepSpeed's grad_accum_dtype fp32 holds the gradient partition in fp32
     assert (
@@ -309,9 +308,8 @@ def test_memory_arithmetic_matches_the_papers_formulas():
         == 4 * 1_000_000 / 4
         == 2 * model_state_bytes(p, "bf16", 2)["grads"]
     )
-    assert model_state_bytes(p, "bf16", 1, "fp32") == model_state_bytes(
-        p, "bf16", 1
-    )  # ZeRO 1: .grad stays bf16
+    # ZeRO 1: .grad stays bf16
+    assert model_state_bytes(p, "bf16", 1, "fp32") == model_state_bytes(p, "bf16", 1)
     m = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=1000)
     s, b, h, a, v = 32, 3, 64, 4, m.padded_vocab_size(1)
     per_layer = s * b * h * (34 + 5 * a * s / h)

@@ -83,9 +83,8 @@ def test_task_files_hold_the_prepared_split(env):
         rows = [json.loads(x) for x in (env.tasks / "data" / f"ppl_{d}.jsonl").read_text().splitlines()]
         assert [r["text"] for r in rows] == texts[d] and len(rows) == 3
         assert [r["n_tokens"] for r in rows] == [len(env.tok.encode(r["text"])) for r in rows]
-        assert (
-            stored_equal(env.tok, env.data, d, "test", texts[d]) == 3
-        )  # [bos] + enc(text) = the token files
+        # [bos] + enc(text) = the token files
+        assert stored_equal(env.tok, env.data, d, "test", texts[d]) == 3
         assert env.rec["domains"][d]["tokens"] == sum(r["n_tokens"] for r in rows)
     assert H.read_task_documents(env.tasks) == texts
     mc = [json.loads(x) for x in (env.tasks / "data" / "continuation.jsonl").read_text().splitlines()]
@@ -202,11 +201,12 @@ def test_loglikelihood_equals_a_direct_computation(env):
     tok = env.tok
     doc = H.read_task_documents(env.tasks, ["finance"])["finance"][0]
     words = doc.split(" ")
+    # the last one: > 32 tokens, trailing space
     cases = [
         (" ".join(words[:6]), " " + " ".join(words[6:9])),
         ("", " ".join(words[:4])),
         (" ".join(words[:40]) + " ", " ".join(words[40:43])),
-    ]  # the last one: > 32 tokens, trailing space
+    ]
     for kind, margs in (("dense", {}), ("demix", {"expert": "finance"}), ("demix", {"mode": "uniform"})):
         ckpt = env.dense if kind == "dense" else env.demix
         lm = H.DemixLM(checkpoint=str(ckpt), data=str(env.data), **margs)

@@ -86,9 +86,8 @@ def test_dense_and_gshard_lay_out_one_group_of_everything(tiny_tokens):
     assert dense.topo.domain_names == ("all",) and dense.topo.dp_size == 2
     assert dense.cfg.model.ffn.num_experts == 0 and dense.catalog.train_domains == CORPUS
     gshard = make_plan(_cfg(tiny_tokens, "gshard"), 2)
-    assert gshard.cfg.model.ffn.num_experts == 2 and gshard.topo.domain_names == (
-        "all",
-    )  # one expert per GPU
+    # one expert per GPU
+    assert gshard.cfg.model.ffn.num_experts == 2 and gshard.topo.domain_names == ("all",)
 
 
 def test_unequal_data_per_domain_is_a_note_and_an_uneven_split_a_problem(tiny_tokens):

@@ -74,9 +74,8 @@ def make_run(run: Path, ffn: str, world: int, speeds: list[float], tokens: Path,
         check=False,
     )
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text(
-        yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    )  # launcher/launch.py's dump
+    # launcher/launch.py's dump
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     line = shlex.join(
         [
             sys.executable,
@@ -114,9 +113,8 @@ def make_run(run: Path, ffn: str, world: int, speeds: list[float], tokens: Path,
     log.log({"kind": "eval", "step": 20, **{f"val_loss/{d}": 5.0 + j for j, d in enumerate(DOMAINS)}})
     log.close()
     checkpoint(run / "model", ffn)
-    with (
-        pytest.MonkeyPatch.context() as mp
-    ):  # eval.json and eval.md as written; the heatmaps (seconds each) left out
+    # eval.json and eval.md as written; the heatmaps (seconds each) left out
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr("launcher.evaluation.figures.write_figures", lambda results, out: {})
         evaluate_checkpoint(
             run / "model",
@@ -268,9 +266,8 @@ def test_resumed_run_warmup_per_start_and_world_size_per_start():
     run = report.Run(Path("r"), {}, "config.yaml", recs)
     t = report.throughput(run)
     assert (t["records"], t["warmup_records_left_out"], t["world_size"]) == (3, 2, 4)
-    assert (
-        t["tokens_per_s"] == 400.0 and t["tokens_per_s_per_gpu"] == 200.0
-    )  # medians of (400,200,800), (200,100,200)
+    # medians of (400,200,800), (200,100,200)
+    assert t["tokens_per_s"] == 400.0 and t["tokens_per_s_per_gpu"] == 200.0
     one = report.throughput(report.Run(Path("r"), {}, "config.yaml", recs[:2]))
     assert one["warmup_included"] and one["records"] == 1 and one["tokens_per_s_per_gpu"] == 50.0
 
@@ -310,6 +307,7 @@ def _bad_inputs(runs: dict[str, Path], tmp: Path) -> list[tuple[list[str], str]]
     clash.mkdir()
     (clash / "report.md").write_text("the user's own notes")
     dense = str(runs["dense"])
+    # a user's file
     return [
         ([str(no_metrics)], f"{no_metrics} is not a run directory: metrics.jsonl is missing"),
         ([str(no_config)], f"{no_config} is not a run directory: config.yaml is missing"),
@@ -332,7 +330,7 @@ def _bad_inputs(runs: dict[str, Path], tmp: Path) -> list[tuple[list[str], str]]
         (
             [dense, "--out", str(clash)],
             "already holds report.md that this tool did not write",
-        ),  # a user's file
+        ),
     ]
 
 

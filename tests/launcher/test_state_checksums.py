@@ -66,9 +66,8 @@ def test_every_file_of_a_state_has_the_checksum_of_its_bytes(two_states):
         meta = json.loads((ckpt / "meta.json").read_text())
         files = sorted(meta["files"])
         assert sorted(meta["sha256"]) == files and len(files) > 10
-        assert any(
-            f.startswith("rng/rank00001") for f in files
-        )  # written by rank 1, its sum gathered by rank 0
+        # written by rank 1, its sum gathered by rank 0
+        assert any(f.startswith("rng/rank00001") for f in files)
         for rel in files:
             assert meta["sha256"][rel] == sha256_file(ckpt / rel), rel
         assert not (ckpt / SUMS_DIR).exists()

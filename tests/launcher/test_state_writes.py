@@ -45,9 +45,8 @@ def test_assignment_is_deterministic_covers_every_file_once_and_is_balanced():
         got = assign_writers(sizes, ranks)
         assert set(got) == set(sizes) and set(got.values()) <= set(ranks)  # every file, exactly one writer
         shuffled = dict(rng.sample(list(sizes.items()), len(sizes)))
-        assert (
-            assign_writers(shuffled, list(reversed(ranks))) == got
-        )  # order of names or ranks does not matter
+        # order of names or ranks does not matter
+        assert assign_writers(shuffled, list(reversed(ranks))) == got
         if sizes:
             assert _within_bound(_loads(got, sizes, ranks), max(sizes.values())), trial
 

@@ -21,9 +21,8 @@ import pytest
 
 from tests.harness.multirank import run_ranks
 
-_REPO_PREFIX = (
-    str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
-)  # frames shown repo-relative
+# frames shown repo-relative
+_REPO_PREFIX = str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
 
 # (file, function) of the reads allowed inside a step, each with why it stays; the project's own two are also counted
 # exactly (`expected_reads`).
@@ -93,9 +92,8 @@ def _steps(
     if precision == "fp16":
         from deepspeed.accelerator import get_accelerator
 
-        type(get_accelerator()).is_fp16_supported = lambda self: (
-            True
-        )  # torch's CPU fp16 kernels work on any x86 CPU
+        # torch's CPU fp16 kernels work on any x86 CPU
+        type(get_accelerator()).is_fp16_supported = lambda self: True
     sets = [
         "model.preset=tiny",
         "model.n_layers=2",
@@ -260,12 +258,13 @@ def _probe(rank: int, world: int) -> list:
 
     x = torch.ones(3, device=torch.device("cpu"))  # a device tensor (device named)
     with record_host_reads() as reads:
+        # the last one is host: not a read
         (
             x.sum().item(),
             bool(x.any()),
             x.to("cpu"),
             torch.zeros(2).tolist(),
-        )  # the last one is host: not a read
+        )
     return [w for w, _ in reads]
 
 

@@ -122,9 +122,8 @@ def build(kind: str, size: Size, *extra: str, experts: Optional[int] = None) -> 
     ).model
     torch.manual_seed(0)
     model = GPT(cfg, init_seed=0).train()
-    for layer in cse_layers(
-        model
-    ):  # clustered: sequences are dispatched by distance (cdist), not all to expert 0
+    # clustered: sequences are dispatched by distance (cdist), not all to expert 0
+    for layer in cse_layers(model):
         p = cfg.ffn.cse.projection_dim
         layer.set_clusters(
             torch.randn(3, p, generator=torch.Generator().manual_seed(layer.layer_idx)), torch.ones(3)

@@ -81,9 +81,8 @@ def test_logged_hfu_adds_the_recomputed_head_forward_and_mfu_does_not(
     assert rec["mfu"] == pytest.approx(tflops(model) / PEAK, rel=1e-12)
     assert rec["hfu"] == pytest.approx(tflops(hardware) / PEAK, rel=1e-12)
     assert rec["tflops_per_gpu"] == pytest.approx(tflops(hardware), rel=1e-12)
-    assert rec["tflops_per_gpu_no_recompute"] == pytest.approx(
-        tflops(model), rel=1e-12
-    )  # conventions unchanged
+    # conventions unchanged
+    assert rec["tflops_per_gpu_no_recompute"] == pytest.approx(tflops(model), rel=1e-12)
     assert rec["tflops_per_gpu_recompute"] == pytest.approx(tflops(4 * layer + 3 * logit), rel=1e-12)
 
 

@@ -79,9 +79,8 @@ def test_rows_outside_float32_exp_range_take_the_shifted_log_sum_exp():
         logits = model.lm_head(h_ND).double()
         ref_N = torch.log_softmax(logits, dim=-1).gather(1, targets_N[:, None])[:, 0]
         out_N = target_log_probs(model, h_ND, targets_N, 3_000, 50)
-    assert (
-        logits[:16].amax() > 89 and logits[16:24].gather(1, targets_N[16:24, None]).max() < -50
-    )  # both cases hit
+    # both cases hit
+    assert logits[:16].amax() > 89 and logits[16:24].gather(1, targets_N[16:24, None]).max() < -50
     assert torch.isfinite(out_N).all()
     assert ((out_N.double() - ref_N).abs() / ref_N.abs().clamp(min=1)).max() <= 1e-5
 

@@ -211,9 +211,8 @@ def test_eps_from_the_data_knee_and_target_cluster_counts():
     assert rec["num_clusters"] == 6 and rec["purity"] == 1.0 and rec["eps_method"] == "target"
     assert len(rec["eps_scan"]) == len(res.eps_scan)
     knee = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="knee")
-    assert (
-        knee.eps == knee_eps(v.double().numpy(), 5) and 2 <= knee.num_clusters <= 6
-    )  # the dense blobs at least
+    # the dense blobs at least
+    assert knee.eps == knee_eps(v.double().numpy(), 5) and 2 <= knee.num_clusters <= 6
     assert purity(np.zeros(len(truth), dtype=int), truth) == pytest.approx(80 / 250)
     with pytest.raises(ValueError, match="dbscan_auto='kmeans'"):
         cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="kmeans")
@@ -226,9 +225,8 @@ def test_target_eps_does_not_merge_neighbouring_domains():
 
     g = torch.Generator().manual_seed(5)
     pair = 20.0 * torch.eye(8)[:4]
-    centres = torch.cat(
-        [pair, pair + 1.5 * torch.eye(8)[4]]
-    )  # domain j and j+4 are 1.5 apart, pairs 20 apart
+    # domain j and j+4 are 1.5 apart, pairs 20 apart
+    centres = torch.cat([pair, pair + 1.5 * torch.eye(8)[4]])
     v = torch.cat([c + 0.25 * torch.randn(40, 8, generator=g) for c in centres])
     truth = np.repeat(np.arange(8), 40)
     res = cluster_embeddings(v, eps=0.0, min_samples=5, max_clusters=8, auto="target", min_clusters=4)

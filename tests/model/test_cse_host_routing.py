@@ -149,9 +149,8 @@ def _reads(rank: int, world: int) -> dict:
     out = {}
     for name, rows in CLUSTERS.items():
         x = torch.randn(8, 5, 32, generator=torch.Generator().manual_seed(3))
-        ffn = _layer(x, rows).to(
-            device
-        )  # moved like the engine moves the model: a device tensor from here on
+        # moved like the engine moves the model: a device tensor from here on
+        ffn = _layer(x, rows).to(device)
         x = x.to(device)
         for which, fwd in (("new", lambda f, x: f(x)), ("old", forward_before)):
             with record_host_reads() as reads:

@@ -127,9 +127,8 @@ def test_no_full_vocabulary_tensor_exists(autocast):
     with _LargestTensor() as seen:
         _run(model, rows, return_logits=False, autocast=autocast)
     V = model.vocab_size
-    assert seen.largest <= max(
-        rows * V, V * 64
-    )  # a chunk's logits, or the embedding (V x D) and its gradient
+    # a chunk's logits, or the embedding (V x D) and its gradient
+    assert seen.largest <= max(rows * V, V * 64)
     with _LargestTensor() as seen:
         _run(model, B * T, return_logits=False, autocast=autocast)
     assert seen.largest >= B * T * V  # the check would see a full-vocabulary tensor

@@ -77,9 +77,8 @@ def test_capacity_rounds_up_to_a_multiple_of_the_tensor_parallel_size() -> None:
         route_tokens(logits, 2, 0.6875, 1, "all", capacity_multiple=2),
     )
     assert (one.capacity, two.capacity) == (11, 12)
-    assert int(two.kept_KS.sum()) >= int(
-        one.kept_KS.sum()
-    )  # one more slot per expert, never fewer kept routes
+    # one more slot per expert, never fewer kept routes
+    assert int(two.kept_KS.sum()) >= int(one.kept_KS.sum())
     moe = GShardFFN(_cfg(4, capacity_factor=0.6875, min_capacity=1))
     moe.capacity_multiple = 2
     assert moe.route(torch.randn(32, moe.gate.in_features)).capacity == 12
@@ -169,12 +168,13 @@ def test_layout() -> None:
     assert [l.local_experts for l in lay] == [(0,), (1,), (2,), (3,)] and lay[0].ep_ranks == (0, 1, 2, 3)
     assert lay[0].edp_ranks == (0,) and lay[0].group_name == "ep_size_4"
     two = [gshard_layout(replace(cfg, ffn=replace(cfg.ffn, num_experts=2)), 4, r) for r in range(4)]
+    # DeepSpeed's E+D: ep groups (0,1), (2,3)
     assert [l.local_experts for l in two] == [
         (0,),
         (1,),
         (0,),
         (1,),
-    ]  # DeepSpeed's E+D: ep groups (0,1), (2,3)
+    ]
     assert two[0].edp_ranks == (0, 2) and two[1].ep_ranks == (0, 1)
     d_e = [gshard_layout(replace(cfg, ffn=replace(cfg.ffn, num_experts=2)), 4, r, True) for r in range(4)]
     assert [l.local_experts for l in d_e] == [(0,), (0,), (1,), (1,)] and d_e[0].edp_ranks == (0, 1)

@@ -344,9 +344,8 @@ def test_demix_2_ranks_3_domains_unequal_experts_split_groups_zero_0_1_2_match_r
         assert plan.elements == (
             SMALL_BUCKET if zero == 0 else plan.max_rank_params + plan.max_rank_params % 2
         )
-        assert (
-            results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1
-        )  # shared x2, expert decay x4, no-decay
+        # shared x2, expert decay x4, no-decay
+        assert results[0]["groups"] == results[1]["groups"] == 2 + 4 + 1
         _check(results, ref_sd, ref_norms)
 
 

@@ -241,9 +241,8 @@ def test_gshard_tensor_parallel_2_ranks_all_to_all_inside_the_tp_group() -> None
     its half of every expert's (odd, rounded-up) capacity; ZeRO 0 and 2 against the reference, ZeRO 1 with the
     sampled second expert (both TP ranks must draw the same samples)."""
     layouts = [(2, 0, "all", 2), (2, 2, "all", 2), (2, 1, "sampling", 2)]
-    results = run_ranks(
-        _worker, 2, args=(layouts,), device_strict=True
-    )  # all-to-all and TP gathers as NCCL needs
+    # all-to-all and TP gathers as NCCL needs
+    results = run_ranks(_worker, 2, args=(layouts,), device_strict=True)
     assert [res[0]["edp_ranks"] for res in results] == [(0,), (1,)]
     assert results[0][0]["dropped"] > 0, "the odd capacity should drop tokens"
     for i, (experts, _, policy, tp) in enumerate(layouts):

@@ -244,9 +244,8 @@ def moved(tiny_tokens, tmp_path_factory) -> dict[str, Path]:
     zero_to_fp32 reads."""
     root = tmp_path_factory.mktemp("moved")
     runs = {name: root / name for name in "abc"}
-    reference_run(
-        _launch_args(tiny_tokens, runs["a"], 2, 6, zero=1)[4:], 2, runs["a"]
-    )  # forked ranks, no launcher
+    # forked ranks, no launcher
+    reference_run(_launch_args(tiny_tokens, runs["a"], 2, 6, zero=1)[4:], 2, runs["a"])
     for name, ranks, source in (
         ("b", 4, runs["a"] / "checkpoints" / "step_00000003"),
         ("c", 2, runs["b"] / "checkpoints" / "step_00000006"),

@@ -206,9 +206,8 @@ def _megatron_ce_crosscheck(seed: int) -> float:
     try:
         g = torch.Generator().manual_seed(seed)
         dev = torch.device("cpu")  # the training device here: named, as the trainer names it (device-strict)
-        logits = torch.randn(
-            3, 5, 64, generator=g, device=dev
-        )  # identical on all ranks, then each takes its shard
+        # identical on all ranks, then each takes its shard
+        logits = torch.randn(3, 5, 64, generator=g, device=dev)
         targets = torch.randint(0, 64, (3, 5), generator=g, device=dev)
         group = parallel_state.get_tensor_model_parallel_group()
         local = logits.chunk(group.size(), dim=-1)[group.rank()]
@@ -331,9 +330,8 @@ def test_tp2_runs_under_cpu_bf16_autocast_and_deep_copies(tp2):
     for rank_res in tp2:
         res = rank_res["autocast"]
         assert res["grad_dtypes"] == ["torch.float32"]
-        assert res["loss"] < 1e-3 and res["grad_norm_rel"] < 5e-2, (
-            res
-        )  # bf16 matmuls, different reduction split
+        # bf16 matmuls, different reduction split
+        assert res["loss"] < 1e-3 and res["grad_norm_rel"] < 5e-2, res
         assert res["deepcopy_loss"] == 0.0
 
 

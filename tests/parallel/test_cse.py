@@ -181,10 +181,11 @@ def _fused_fp16_case() -> dict[str, Any]:
                 for p0, p2 in zip(e0.parameters(), e2.parameters())
             )
         }
+    # whole flat groups: experts 0, 1, 2 one after the other in each
     out["flat"] = {
         k: [(t if k == "master" else inner.state[t][k]).detach().clone() for t in opt.fp32_groups_flat]
         for k in KEYS
-    }  # whole flat groups: experts 0, 1, 2 one after the other in each
+    }
     out["numel"] = [[p.numel() for p in g] for g in opt.fp16_groups]
     return out
 

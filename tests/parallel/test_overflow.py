@@ -101,13 +101,14 @@ def _train(rank: int, world: int) -> dict[str, Any]:
             micro = [_batch(2 * step), _batch(2 * step + 1)]
             with record_host_reads() as got:
                 train_step(bundle, cfg, micro, 1)
+            # AdamW's step counters
             reads.append(
                 Counter(
                     t.split(" <- ")[0].split(":")[0] + " " + t.split(" <- ")[0].split(" ")[1]
                     for _, t in got
                     if not t.startswith("torch/optim")
                 )
-            )  # AdamW's step counters
+            )
             states.append(_state(bundle))
         out["states"][name], out["reads"][name] = states, reads
         out["params"] = sum(1 for _ in bundle.engine.module.parameters())
@@ -124,9 +125,8 @@ def test_norm_overflow_step_trains_as_deepspeeds_step_with_one_read() -> None:
     assert not any(got["others"].values()), got["others"]  # every other optimizer keeps DeepSpeed's own step
     ds, ours = got["states"]["deepspeed"], got["states"]["norm"]
     assert [s["skipped"] for s in ours] == [s["skipped"] for s in ds]
-    assert (
-        ours[3]["skipped"] == ours[2]["skipped"] + 1 and ours[3]["scale"] == 2.0**39
-    )  # the planted overflow
+    # the planted overflow
+    assert ours[3]["skipped"] == ours[2]["skipped"] + 1 and ours[3]["scale"] == 2.0**39
     assert ours[4]["skipped"] == ours[3]["skipped"] and ours[4]["steps"] == ours[3]["steps"] + 1
     for step, (a, b) in enumerate(zip(ds, ours)):
         for key in ("scale", "skipped", "steps", "lr"):
@@ -138,8 +138,7 @@ def test_norm_overflow_step_trains_as_deepspeeds_step_with_one_read() -> None:
     # Reads per optimizer step (AdamW's step counters aside): ours one, DeepSpeed's one per parameter and more.
     for step, reads in enumerate(got["reads"]["norm"]):
         assert reads == Counter({"parallel/overflow.py overflowed": 1}), (step, reads)
-    for step, reads in enumerate(
-        got["reads"]["deepspeed"]
-    ):  # the control: the recorder sees DeepSpeed's reads
+    # the control: the recorder sees DeepSpeed's reads
+    for step, reads in enumerate(got["reads"]["deepspeed"]):
         if step != 3:  # (at the overflow its per-parameter test stops at the first inf gradient)
             assert sum(reads.values()) >= got["params"] + 1, (step, reads)

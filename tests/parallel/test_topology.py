@@ -245,9 +245,10 @@ def test_deepspeed_default_order_does_not_match():
     topo = build_topology(128, 2, 8)
     ds = deepspeed_moe_groups(128, 8, model_parallel=2)  # E + D: strided expert-data-parallel groups
     assert deepspeed_mismatches(topo, ds)
+    # ignores tp: groups mix tp ranks
     legacy = deepspeed_moe_groups(
         128, 8, use_data_before_expert_parallelism=True, model_parallel=2, expert_tensor_parallelism=False
-    )  # ignores tp: groups mix tp ranks
+    )
     assert deepspeed_mismatches(topo, legacy)
     no_tp = deepspeed_moe_groups(16, 8, use_data_before_expert_parallelism=True)
     assert deepspeed_mismatches(build_topology(16, 1, 8), no_tp) == []

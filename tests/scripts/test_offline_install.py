@@ -55,10 +55,11 @@ def test_what_the_node_already_satisfies_is_left_out(tmp_path):
     freeze = tmp_path / "node.txt"
     freeze.write_text("numpy==2.5.2\npydantic==1.10.0\n# comment\nsome-local @ file:///x\n")
     left = wheelhouse.not_on_node(pins, wants, wheelhouse.node_packages(freeze))
+    # numpy 2.5.2 satisfies, pydantic 1 not
     assert left == {
         "pydantic": "pydantic==2.14.4",
         "hjson": "hjson==3.1.0",
-    }  # numpy 2.5.2 satisfies, pydantic 1 not
+    }
 
 
 def test_system_torch_outside_the_supported_range_is_refused(tmp_path):

@@ -190,9 +190,8 @@ def test_prior_cache_is_not_reused_for_a_changed_checkpoint_or_data(
     assert b["domains"]["sailing"]["cached_prior"] != a["domains"]["sailing"]["cached_prior"]
     data = tmp_path / "data"
     shutil.copytree(tiny_tokens, data)
-    assert (
-        evaluate_checkpoint(path, data, **kw).to_dict()["prior_cache"]["scored"] == []
-    )  # a copy of the same data: served
+    # a copy of the same data: served
+    assert evaluate_checkpoint(path, data, **kw).to_dict()["prior_cache"]["scored"] == []
     dev = data / "gpt2" / "sailing" / "valid.bin"
     dtype = json.loads((data / "gpt2" / "manifest.json").read_text())["dtype"]
     tokens = np.fromfile(dev, dtype=dtype)
@@ -262,15 +261,13 @@ def test_generate_uses_the_checkpoints_tokenizer_and_data(random_checkpoint, tmp
     real = gen.checkpoint_data
     monkeypatch.setattr(gen, "checkpoint_data", lambda *a: seen.append(a) or real(*a))
     assert gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0
-    assert capsys.readouterr().out.startswith("bake") and seen == [
-        (str(path), None, None)
-    ]  # the recorded data
+    # the recorded data
+    assert capsys.readouterr().out.startswith("bake") and seen == [(str(path), None, None)]
     meta = json.loads((path / "meta.json").read_text())
     meta["config"]["data"]["path"] = str(tmp_path / "gone")
     (path / "meta.json").write_text(json.dumps(meta))
-    assert (
-        gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0
-    )  # GPT-2
+    # GPT-2
+    assert gen.main([str(path), "--prompt", "bake", "--expert", "cooking", "--max-new-tokens", "2"]) == 0
     assert gen.main([str(path), "--prompt", "x", "--mixture", "--tokenizer", "sentencepiece"]) == 2
     err = capsys.readouterr().err
     assert f"data.path={tmp_path / 'gone'} (tokenizer sentencepiece)" in err and "pass --data DIR" in err

@@ -256,9 +256,8 @@ def test_token_counts_file_is_used_instead_of_the_bin_and_checked(tmp_path):
     for i, (damage, what) in enumerate(damaged):
         damage()
         with pytest.raises(ValueError, match=f"token_counts.npy.*{what}|{what}.*token_counts.npy") as e:
-            _fitted(
-                str(tok.parent), "tok", "news", 100 + i, V, "valid"
-            )  # another seq_len: not the cached fit
+            # another seq_len: not the cached fit
+            _fitted(str(tok.parent), "tok", "news", 100 + i, V, "valid")
         assert str(path) in str(e.value)
 
 

@@ -54,9 +54,8 @@ def test_every_other_keeps_experts_averages_the_rest_and_copies_shared_tensors(d
         mean = torch.stack([a.state_dict[f"blocks.0.ffn.experts.{j}.{name}"] for j in range(3)]).mean(0)
         assert torch.equal(b.state_dict[f"blocks.0.ffn.mlp.{name}"], mean)
     assert not any(k.startswith("blocks.0.ffn.experts.") for k in b.state_dict)
-    assert rec["average_coherence"]["0"] == pytest.approx(
-        3**-0.5, abs=0.05
-    )  # independently initialised experts
+    # independently initialised experts
+    assert rec["average_coherence"]["0"] == pytest.approx(3**-0.5, abs=0.05)
     assert torch.equal(b.state_dict["blocks.1.ffn.gate.weight"], torch.zeros(3, 32))
     model = b.build_model()  # exactly the tensors a GShard GPT of this config has
     assert isinstance(model.blocks[1].ffn, GShardFFN) and set(model.state_dict()) == set(b.state_dict)
@@ -308,9 +307,8 @@ def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[
     from launcher.plan import make_plan
 
     plan = make_plan(load_run_config(run / "config.yaml", check=False), world)
-    c = load_consolidated(
-        btx
-    )  # with the run's GShard settings (policy, capacity factor), not the checkpoint's
+    # with the run's GShard settings (policy, capacity factor), not the checkpoint's
+    c = load_consolidated(btx)
     model = replace(c, cfg=replace(c.cfg, model=plan.cfg.model)).build_model().train()
     total, count, aux0 = 0.0, 0.0, None
     with torch.no_grad():

@@ -237,7 +237,6 @@ def test_demix_run_from_the_branched_checkpoint_on_two_ranks(dense, tmp_path):
     assert out.cfg.model.ffn.kind == "demix" and out.domains == ["sailing", "cooking"] and out.step == 2
     key = "blocks.1.ffn.experts.{}.fc1.weight"
     start = load_consolidated(tmp_path / "branched").state_dict[key.format(0)]
-    assert not any(
-        torch.equal(out.state_dict[key.format(j)], start) for j in range(2)
-    )  # both experts trained
+    # both experts trained
+    assert not any(torch.equal(out.state_dict[key.format(j)], start) for j in range(2))
     assert not torch.equal(out.state_dict[key.format(0)], out.state_dict[key.format(1)])

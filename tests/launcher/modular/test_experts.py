@@ -174,9 +174,8 @@ def test_masking_an_expert_equals_the_checkpoint_without_it(demix_ckpt, tiny_tok
     rep = removal_report(demix_ckpt, domains=["cooking"], max_blocks=3, cached_blocks=3)  # Table 7's row
     row = rep["per_domain"]["cooking"]
     assert row["plus_expert"] == pytest.approx(every["domains"]["cooking"]["ppl"], rel=1e-6)
-    no_own = evaluate_experts(
-        demix_ckpt, without=["cooking"], **kw
-    )  # -Expert: the domain's own expert masked
+    # -Expert: the domain's own expert masked
+    no_own = evaluate_experts(demix_ckpt, without=["cooking"], **kw)
     assert row["minus_expert"] == pytest.approx(no_own["domains"]["cooking"]["ppl"], rel=1e-6)
     assert "| cooking |" in removal_markdown(rep)
     # the full matrix: every expert removed, the change on every evaluated domain, each cell a masked mixture

@@ -65,9 +65,8 @@ def test_domain_export_reproduces_the_demix_model(tmp_path):
     )
     tokens = torch.randint(0, 300, (3, 24))
     with torch.no_grad():
-        ours = (
-            c.build_model().eval()(tokens, torch.full((3,), 1)).logits
-        )  # the DEMix model routed to expert "b"
+        # the DEMix model routed to expert "b"
+        ours = c.build_model().eval()(tokens, torch.full((3,), 1)).logits
         other = c.build_model().eval()(tokens, torch.full((3,), 0)).logits
     hf = _hf_logits(tmp_path / "hf_b", tokens)
     assert (ours - hf).abs().max() < 1e-4
@@ -169,9 +168,8 @@ def test_export_refuses_a_tokenizer_that_is_not_the_models(tmp_path, tiny_tokens
     (path / "meta.json").write_text(json.dumps(meta))
     assert main([str(path), "--out", str(tmp_path / "x"), "--data", str(tiny_tokens)]) == 2
     assert not (tmp_path / "x").exists()
-    assert (
-        main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0
-    )  # gpt2: offline files
+    # gpt2: offline files
+    assert main([str(path), "--out", str(tmp_path / "y"), "--data", str(tmp_path / "nowhere")]) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,6 +216,7 @@ def test_card_finds_the_evaluation_where_evaluate_writes_it(tmp_path, evaluated)
     finally:
         shutil.rmtree(run_eval, ignore_errors=True)
         shutil.move(str(tmp_path / "moved"), str(path / "eval"))
+    # a given file that is not there is refused
     assert (
         main(
             [
@@ -232,7 +231,7 @@ def test_card_finds_the_evaluation_where_evaluate_writes_it(tmp_path, evaluated)
             ]
         )
         == 2
-    )  # a given file that is not there is refused
+    )
 
 
 def test_card_renders_the_block_count_of_an_eval_json(tmp_path, evaluated):

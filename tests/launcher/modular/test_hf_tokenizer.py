@@ -222,6 +222,7 @@ def test_unsupported_sentencepiece_settings_are_refused(tmp_path):
 
     from data.tokenizer import SentencePieceTokenizer
 
+    # defaults: nmt_nfkc, dummy prefix, whitespace collapsing
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(PROSE.split("\n") * 5),
         model_prefix=str(tmp_path / "m"),
@@ -230,7 +231,7 @@ def test_unsupported_sentencepiece_settings_are_refused(tmp_path):
         byte_fallback=True,
         hard_vocab_limit=False,
         minloglevel=2,
-    )  # defaults: nmt_nfkc, dummy prefix, whitespace collapsing
+    )
     with pytest.raises(ValueError, match="add_dummy_prefix"):
         hf_tokenizer(SentencePieceTokenizer(tmp_path / "m.model"))
 

@@ -41,9 +41,8 @@ def test_evaluation_without_an_expert_is_bit_identical_to_a_model_built_without_
     a = evaluate_checkpoint(path, tiny_tokens, exclude_experts=["sailing"], **SETTINGS).to_dict()
     b = evaluate_checkpoint(without, tiny_tokens, **SETTINGS).to_dict()
     assert a["experts"] == b["experts"] == ["cooking", "finance"] and a["excluded_experts"] == ["sailing"]
-    assert (
-        a["domains"]["sailing"]["role"] == "novel"
-    )  # its expert is gone: the mixture sees it as a new domain
+    # its expert is gone: the mixture sees it as a new domain
+    assert a["domains"]["sailing"]["role"] == "novel"
     for dom in ("cooking", "sailing", "finance"):
         ra, rb = a["domains"][dom], b["domains"][dom]
         assert ra["block_nll"] == rb["block_nll"] and ra["ppl"] == rb["ppl"]  # exact equality, every mode
@@ -96,6 +95,7 @@ def test_export_without_an_expert_is_bit_identical(opted_out, tmp_path):
         "finance": 0.75,
     }
     assert "opted out" in (tmp_path / "hf_a" / "README.md").read_text()
+    # an excluded expert cannot be exported
     assert (
         export_main(
             [
@@ -110,7 +110,7 @@ def test_export_without_an_expert_is_bit_identical(opted_out, tmp_path):
             ]
         )
         == 2
-    )  # an excluded expert cannot be exported
+    )
 
 
 def test_opt_out_errors_are_clear(tmp_path, random_checkpoint, tiny_tokens, capsys):
