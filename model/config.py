@@ -137,6 +137,18 @@ class FFNConfig:
         return out
 
 
+# The integer fields that fix a GPT's shape (each >= 1); a checkpoint's values start a run of the same model.
+SHAPE_FIELDS = (
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "seq_len",
+    "vocab_size",
+    "ffn_mult",
+    "make_vocab_size_divisible_by",
+)
+
+
 @dataclass(frozen=True, config=CONFIG)
 class ModelConfig:
     """A GPT-3-style decoder (pre-LN, learned positions, GELU MLP, tied embeddings)."""
@@ -168,15 +180,7 @@ class ModelConfig:
 
     def problems(self, prefix: str = "model") -> list[str]:
         out = []
-        for name in (
-            "n_layers",
-            "d_model",
-            "n_heads",
-            "seq_len",
-            "vocab_size",
-            "ffn_mult",
-            "make_vocab_size_divisible_by",
-        ):
+        for name in SHAPE_FIELDS:
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 1")
         if self.n_heads >= 1 and self.d_model % self.n_heads:

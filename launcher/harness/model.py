@@ -37,45 +37,11 @@ def _domain_of(req: Any) -> Optional[str]:
 class DemixLM(LM):
     """A consolidated checkpoint (DEMix mixture, one expert, or dense) as an lm-eval model (docs/harness.md)."""
 
-    def __init__(
-        self,
-        checkpoint: str,
-        data: Optional[str] = None,
-        mode: Optional[str] = None,
-        posterior: str = "prefix",
-        cached_estimator: str = "mean",
-        cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
-        decay: float = mx.UPDATING_DECAY,
-        expert: Optional[str] = None,
-        topk: int = 0,
-        exclude_experts: Any = None,
-        batch_size: Any = 4,
-        windows: str = "blocks",
-        dev_split: str = "valid",
-        max_gen_toks: int = 256,
-        device: Optional[str] = None,
-        max_batch_size: Any = None,
-        **unknown: Any,
-    ) -> None:
+    def __init__(self, checkpoint: str, max_batch_size: Any = None, **model_args: Any) -> None:
+        """`model_args` as `parse_model_args` takes them (lm-eval's --model_args plus its batch_size and device);
+        lm-eval's max_batch_size is accepted and unused."""
         super().__init__()
-        args = parse_model_args(
-            checkpoint,
-            data,
-            mode,
-            posterior,
-            cached_estimator,
-            cached_blocks,
-            decay,
-            expert,
-            topk,
-            exclude_experts,
-            batch_size,
-            windows,
-            dev_split,
-            max_gen_toks,
-            device,
-            unknown,
-        )
+        args = parse_model_args(checkpoint, **model_args)
         self.checkpoint, self.posterior, self.cached_estimator = (
             args.checkpoint,
             args.posterior,

@@ -82,7 +82,7 @@ def parse_model_args(
     dev_split: str = "valid",
     max_gen_toks: Any = 256,
     device: Optional[str] = None,
-    unknown: Optional[dict[str, Any]] = None,
+    **unknown: Any,
 ) -> DemixArgs:
     """The model_args of `DemixLM`, checked in this order: names, the checkpoint (meta.json only), the excluded
     experts, the choices, one expert, top-k, the numbers; a mode without meaning for a dense model and lm-eval's

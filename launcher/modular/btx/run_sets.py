@@ -9,16 +9,7 @@ from typing import Any, Union
 
 from launcher.checkpoint import CheckpointError, read_meta
 from launcher.ffn_kinds import ffn_kind
-
-_SHAPE_KEYS = (
-    "n_layers",
-    "d_model",
-    "n_heads",
-    "seq_len",
-    "vocab_size",
-    "ffn_mult",
-    "make_vocab_size_divisible_by",
-)
+from model.config import SHAPE_FIELDS
 
 
 def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
@@ -69,7 +60,7 @@ def _start_from_sets(ckpt: Union[str, Path], meta: dict[str, Any], ffn_sets: lis
     and `train.init_from`."""
     m, d = meta["config"]["model"], meta["config"]["data"]
     return (
-        [f"model.{k}={m[k]}" for k in _SHAPE_KEYS]
+        [f"model.{k}={m[k]}" for k in SHAPE_FIELDS]
         + ffn_sets
         + [
             f"data.path={d['path']}",
