@@ -13,14 +13,16 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: venv wheels test lint format test-fast demo data flops bench reproduce clean help
+.PHONY: venv wheels gpu-wheels test lint format test-fast demo data flops bench reproduce clean help
 
 help:
 	@echo "make venv   - create .venv with everything installed (the other targets do this first when needed)"
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
 	@echo "make test   - run the test suite (unit, multi-rank gloo, parity)"
 	@echo "make lint   - ruff: formatting check and lint (CI runs it before the tests); make format rewrites"
-	@echo "make wheels - wheelhouse/ for an offline GPU node (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
+	@echo "make gpu-wheels - gpu-wheels/: only what a stock GPU image lacks (<= 10 MiB; PY=3.12, NODE=freeze.txt); on the"
+	@echo "              node: bash scripts/gpu_checks.sh --out DIR (its own Python, no venv, no network): docs/gpu.md"
+	@echo "make wheels - wheelhouse/ for a full offline venv (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
 	@echo "make data   - build the offline demo corpus and its tokenised, indexed form"
 	@echo "make flops  - print the paper's Table 2/9 FLOPs and parameter accounting"
 	@echo "make bench  - run the CPU benchmarks (re-timed every run); report in runs/bench/ (= python -m benchmarks.run)"
@@ -51,6 +53,7 @@ $(STAMP): pyproject.toml
 	  $(PYTHON) scripts/torch_range.py || exit 2; \
 	  test ! -e $(VENV) || grep -q "include-system-site-packages = true" $(VENV)/pyvenv.cfg || { echo "SYSTEM_TORCH=1: $(VENV) exists without the system torch: remove it first" >&2; exit 2; }; \
 	  test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PYTHON) scripts/outer_site.py $(VENV) || exit 2; \
 	else \
 	  test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
 	fi
@@ -77,6 +80,11 @@ $(STAMP): pyproject.toml
 PY ?=
 wheels: $(STAMP)
 	$(BIN)/python scripts/wheelhouse.py $(if $(PY),--python-version $(PY),) $(if $(ARCH),--arch $(ARCH),) $(if $(NODE),--node-has $(NODE),)
+
+# The few wheels a stock GPU image lacks (deepspeed, megatron-core, pydantic, ...), for its own Python (default 3.12),
+# never shadowing what it has: carried with the repository to an offline node (scripts/gpu_wheels.py, docs/gpu.md).
+gpu-wheels: $(STAMP)
+	$(BIN)/python scripts/gpu_wheels.py --python-version $(or $(PY),3.12) $(if $(ARCH),--arch $(ARCH),) $(if $(NODE),--node $(NODE),)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
