@@ -48,6 +48,12 @@ fi
   echo '```'
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$log" | sed -e 's/\x1b\[[0-9;]*m//g'
   echo '```'
+  gpus=$(echo "$cuda" | tail -1)
+  if [ "$gpus" -lt 2 ]; then
+    echo
+    echo "Not checked with $gpus GPU (NCCL runs one rank per device; tests/gpu/test_gpu.py ONE_GPU_CANNOT_CHECK):"
+    "$py" -c "from tests.gpu.test_gpu import ONE_GPU_CANNOT_CHECK as c; print(chr(10).join('- ' + x for x in c))" 2>&1
+  fi
 } > "$out"
 echo "wrote $out"
 rm -f "$log"

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # pytest in subprocesses
-
 ROOT = Path(__file__).resolve().parents[1]
 THROUGHPUT = "tests/gpu/test_gpu_throughput.py"
 
@@ -59,6 +57,7 @@ def gpu_marked_tests() -> set[str]:
     return out
 
 
+@pytest.mark.slow  # pytest in a subprocess
 def test_collect_only_gpu_lists_exactly_the_gpu_marked_tests():
     """`pytest --collect-only -m gpu tests/` on CPU lists every gpu-marked test and nothing else: not the CPU tests
     of tests/gpu/ (the --tiny throughput run, the refusals), which run in the ordinary suite."""
@@ -72,6 +71,7 @@ def test_collect_only_gpu_lists_exactly_the_gpu_marked_tests():
     assert not any(i.startswith(f"{THROUGHPUT}::test_tiny") for i in collected)
 
 
+@pytest.mark.slow  # pytest in a subprocess
 def test_a_test_under_tests_gpu_is_skipped_only_when_marked_gpu():
     """Without CUDA, a gpu-marked test is skipped with the reason; an unmarked test in the same gpu module runs."""
     proc = _pytest(
@@ -83,3 +83,16 @@ def test_a_test_under_tests_gpu_is_skipped_only_when_marked_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-3000:]
     assert "SKIPPED [1] tests/gpu/test_gpu_throughput.py" in proc.stdout and "needs a CUDA GPU" in proc.stdout
+
+
+def test_two_rank_gpu_cases_skip_below_two_gpus_with_the_reason():
+    """tests/gpu/test_gpu.py runs every multi-rank check at 1 rank and at 2; the 2-rank case skips, saying why,
+    where NCCL cannot run it (fewer than two GPUs), instead of shrinking to one rank unseen."""
+    from tests.gpu import test_gpu
+
+    values = test_gpu.NPROC.args[1]
+    assert values[0] == 1
+    skip = values[1].marks[0]
+    assert values[1].values == (2,) and skip.name == "skipif" and skip.kwargs["reason"] == test_gpu.NEEDS_TWO
+    assert skip.args[0] == (test_gpu._gpus() < 2)
+    assert "needs >= 2 GPUs" in test_gpu.NEEDS_TWO and len(test_gpu.ONE_GPU_CANNOT_CHECK) >= 5
