@@ -124,12 +124,12 @@ class ParamStates:
         if self.zero:
             inner = self.opt.optimizer
             for flat in self.opt.single_partition_of_fp32_groups:
-                inner.state[flat] = _adam_state(flat, step)
+                inner.state[flat] = _adam_state(flat, step, _group_of(inner, flat))
             self._link_moments()
             self.opt._hp_optimizer_states_linked = True
             return
         for master, opt in self._masters.values():
-            opt.state[master] = _adam_state(master, step)
+            opt.state[master] = _adam_state(master, step, _group_of(opt, master))
 
     def set(self, p: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> None:
         """Write `values` (as `get` returns them, at p's shape) into p's master, moments and the parameter."""
@@ -189,12 +189,29 @@ class ParamStates:
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
-def _adam_state(like: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
-    """torch AdamW's per-parameter state after `step` updates, moments zero (to be overwritten)."""
+def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """The param group of `opt` that holds `p`."""
+    for group in opt.param_groups:
+        if any(q is p for q in group["params"]):
+            return group
+    raise UniversalStateError(f"a {type(opt).__name__} without a param group holding the tensor to load")
+
+
+def _adam_state(like: torch.Tensor, step: int, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """torch AdamW's per-parameter state after `step` updates, moments zero (to be overwritten), placed as torch's
+    own `_init_group` and `load_state_dict` place it: moments where the parameter is, at its dtype; `step` a
+    float32 on the parameter's device for the fused or capturable kernels (CUDA's fused AdamW reads it there),
+    otherwise a scalar on the host."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if group.get("fused") or group.get("capturable"):
+        count = torch.full((), float(step), dtype=_get_scalar_dtype(is_fused=True), device=like.device)
+    else:
+        count = torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
     return {
-        "step": torch.tensor(float(step), dtype=torch.float32),
-        "exp_avg": torch.zeros_like(like),
-        "exp_avg_sq": torch.zeros_like(like),
+        "step": count,
+        "exp_avg": torch.zeros_like(like, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(like, memory_format=torch.preserve_format),
     }
 
 

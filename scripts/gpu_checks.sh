@@ -102,7 +102,8 @@ if ! cuda=$("$py" -c "import torch; n = torch.cuda.device_count() if torch.cuda.
   echo "gpu_checks: no CUDA device is visible (torch $("$py" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1); CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}; $(echo "$cuda" | tail -1)): nothing to check, nothing recorded" >&2
   exit 2
 fi
-say "$cuda CUDA device(s)"
+ngpu=$(echo "$cuda" | tail -1)
+say "$ngpu CUDA device(s)"
 
 # 4. The GPU tests, in parallel where the node has pytest-xdist, each under a time limit.
 reserve=$([ "$bench" = 1 ] && { [ "$quick" = 1 ] && echo 80 || echo 200; } || echo 10)
@@ -134,9 +135,11 @@ fi
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo '```'
   echo
-  echo "What one GPU cannot check (NCCL runs one rank per device): those tests skip, saying so below."
-  "$py" -c "from tests.gpu.test_gpu import ONE_GPU_CANNOT_CHECK as c; print(*('- ' + x for x in c), sep='\n')" 2>/dev/null
-  echo
+  if [ "$ngpu" -lt 2 ]; then
+    echo "Not checked with $ngpu GPU (NCCL runs one rank per device; tests/gpu/test_gpu.py ONE_GPU_CANNOT_CHECK):"
+    "$py" -c "from tests.gpu.test_gpu import ONE_GPU_CANNOT_CHECK as c; print(chr(10).join('- ' + x for x in c))" 2>&1
+    echo
+  fi
   echo '```'
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Timeout" "$out/pytest.log" | sed -e 's/\x1b\[[0-9;]*m//g'
   echo '```'

@@ -142,7 +142,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: skipped elsewhere with the reason (run them all with scripts/gpu_checks.sh)."""
+    """`gpu` tests need CUDA: skipped elsewhere with the reason (run them all with scripts/gpu_checks.sh). The marker
+    decides, not `item.keywords`: every test under tests/gpu/ has the package name `gpu` among its keywords."""
     import torch
 
     if torch.cuda.is_available():
@@ -151,5 +152,5 @@ def pytest_collection_modifyitems(config, items):
         reason="needs a CUDA GPU (NCCL, CUDA RNG, fp16 on the device): run scripts/gpu_checks.sh there"
     )
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -117,3 +117,46 @@ def test_fp16_demix_zero0_native(tiny_tokens, tmp_path):
 def test_fp16_demix_zero0_with_deepspeeds_cpu_guard_lifted(tiny_tokens, tmp_path):
     """The same on any x86 CPU: torch computes fp16 in software where oneDNN cannot."""
     _fp16_demix_zero0(tiny_tokens, tmp_path, lift_guard=True)
+
+
+def _resume_with_fused_adamw(rank: int, world: int, sets: list[str], run_dir: str) -> list[str]:
+    """Resume `run_dir` through the trainer (Trainer.setup, resume="auto") with torch's fused AdamW, as on CUDA
+    (parallel/engine.py `adamw_options`; torch has a fused CPU kernel too); return every optimizer state tensor
+    that is not where its parameter is: another device, made on the host (device-strict provenance), or a `step`
+    of another dtype than the fused kernel's float32."""
+    import parallel.engine as engine_mod
+    from launcher.config import load_run_config
+    from launcher.plan import make_plan
+    from launcher.train import Trainer
+    from tests.harness.device_strict import is_host
+
+    plain = engine_mod.adamw_options
+    engine_mod.adamw_options = lambda t, device_type: {**plain(t, device_type), "fused": True}
+    trainer = Trainer.setup(make_plan(load_run_config(None, sets, check=False), world), Path(run_dir))
+    assert trainer.start == 2
+    opt, wrong = trainer.bundle.engine.optimizer, []
+    optimizers = [o for o in (opt, getattr(opt, "optimizer", None)) if isinstance(o, torch.optim.Optimizer)]
+    for o in optimizers:
+        for group in o.param_groups:
+            assert group["fused"]
+            for p in group["params"]:
+                for key, value in o.state[p].items():
+                    if value.device != p.device or is_host(value):
+                        wrong.append(f"{key} on {value.device}{' (host)' if is_host(value) else ''}")
+                    if key == "step" and value.dtype != torch.float32:
+                        wrong.append(f"step of {value.dtype}")
+    assert optimizers and any(o.state for o in optimizers)
+    return wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2])
+def test_resumed_optimizer_state_sits_where_its_parameter_sits(tiny_tokens, tmp_path, zero):
+    """After a resume every Adam state tensor (the moments and `step`, which CUDA's fused AdamW reads on the
+    device) is on its parameter's device, made there, at the dtype torch's fused kernel expects; ZeRO 0 (torch's
+    AdamW state per parameter) and ZeRO 2 (per flat partition) load through different paths."""
+    run = tmp_path / "run"
+    first = [*_sets(tiny_tokens, "demix", zero), "train.steps=2", "train.eval_interval=0"]
+    run_ranks(_train, 1, args=(first, str(run)))
+    second = [*_sets(tiny_tokens, "demix", zero), "train.eval_interval=0"]
+    assert run_ranks(_resume_with_fused_adamw, 1, args=(second, str(run)), device_strict=True) == [[]]
