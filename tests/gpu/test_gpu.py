@@ -58,7 +58,7 @@ def _train_records(run) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, pytest.param(2, marks=pytest.mark.quick)])
 @NPROC
 def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_path, zero, nproc):
     run = tmp_path / f"z{zero}"
@@ -80,7 +80,7 @@ def test_nccl_demix_trains_evaluates_checkpoints_and_exports(tiny_tokens, tmp_pa
     assert (run / "model" / "meta.json").is_file() and (run / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("kind", ["gshard", "dense"])
+@pytest.mark.parametrize("kind", [pytest.param("gshard", marks=pytest.mark.quick), "dense"])
 @NPROC
 def test_nccl_baselines_train(tiny_tokens, tmp_path, kind, nproc):
     """8 steps over NCCL: a record per step whose numbers are finite and agree with each other (the overall loss
@@ -154,6 +154,7 @@ def test_fp16_loss_scaling_end_to_end(tiny_tokens, tmp_path, zero, nproc):
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=5e-2), norms
 
 
+@pytest.mark.quick
 def test_bf16_where_the_gpu_has_it(tiny_tokens, tmp_path):
     import torch
 
@@ -176,6 +177,7 @@ def test_bf16_where_the_gpu_has_it(tiny_tokens, tmp_path):
         assert proc.returncode == 2 and "has no bf16" in proc.stderr
 
 
+@pytest.mark.quick  # the resume path: fused AdamW reads the restored optimizer state on the device
 @NPROC
 def test_resume_restores_the_cuda_rng_state(tiny_tokens, tmp_path, nproc):
     """Dropout on the GPU draws from the CUDA generator: a killed and resumed run repeats the uninterrupted
