@@ -439,7 +439,12 @@ def planner_skip(predicted_gib: Optional[float], memory_gib: Optional[float]) ->
     """Why a phase is not tried: the planner's prediction exceeds the device's memory (None: try it)."""
     if predicted_gib is None or memory_gib is None or predicted_gib <= memory_gib:
         return None
-    return f"skipped: planner predicts {predicted_gib:.1f} GiB > {memory_gib:.1f} GiB"
+    return f"skipped: planner predicts {gib(predicted_gib)} GiB > {gib(memory_gib)} GiB"
+
+
+def gib(x: float) -> str:
+    """GiB to one decimal, small amounts (the --tiny model's) to two significant digits."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -526,7 +531,7 @@ def run_cell(
     row["params"] = pred["params"]
     row["predicted_gib"] = {p: round(g, 4) for p, g in pred["gib"].items()}
     row["planner"] = {k: pred[k] for k in ("activations", "seconds") if k in pred}
-    row["device_memory_gib"] = None if memory_gib is None else round(memory_gib, 2)
+    row["device_memory_gib"] = None if memory_gib is None else round(memory_gib, 4)
     skip = {p: planner_skip(pred["gib"].get(p), memory_gib) for p in ("framework", "bare")}
     batches = None  # made for the first phase that runs
     for phase, phase_fn in (("framework", framework_phase), ("bare", bare_phase)):
@@ -670,6 +675,10 @@ def _fmt(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _gib_or_dash(v: Optional[float]) -> str:
+    return "-" if v is None else gib(v)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The results table with the command, device, versions, load and recipe; a sweep still running (or killed)
     says how many of its cells are in."""
@@ -713,7 +722,7 @@ def markdown(result: dict[str, Any]) -> str:
             else f"**Sweep in progress (or killed): {len(rows)} of {len(cells)} cells written.**"
         ),
         "",
-        f"Planner (parallel/memory.py) against {_fmt(memory, '.1f')} GiB of device memory"
+        f"Planner (parallel/memory.py) against {_gib_or_dash(memory)} GiB of device memory"
         f"{'' if memory is not None else ' (unknown: every phase is tried)'}; deadline "
         f"{'none' if s.get('deadline_s') is None else str(s['deadline_s']) + ' s'}.",
         "",
@@ -728,9 +737,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['size']} | {r['arm']} | {_fmt(r.get('params'), ',')} | {_fmt(r.get('tokens_per_update'), ',')} | "
             f"{_cell(f, 'tokens_per_s', ',.0f')} | {_cell(f, 'tflops_per_gpu', '.3g')} | {_cell(f, 'mfu', '.1%')} | "
-            f"{_cell(f, 'hfu', '.1%')} | {_cell(f, 'peak_mem_gib', '.1f')} | {_fmt(planned.get('framework'), '.1f')} | "
+            f"{_cell(f, 'hfu', '.1%')} | {_cell(f, 'peak_mem_gib', '.1f')} | "
+            f"{_gib_or_dash(planned.get('framework'))} | "
             f"{_cell(b, 'tokens_per_s', ',.0f')} | {_cell(b, 'tflops_per_gpu', '.3g')} | {_cell(b, 'mfu', '.1%')} | "
-            f"{_cell(b, 'peak_mem_gib', '.1f')} | {_fmt(planned.get('bare'), '.1f')} | {ratio} |"
+            f"{_cell(b, 'peak_mem_gib', '.1f')} | {_gib_or_dash(planned.get('bare'))} | {ratio} |"
         )
     notes = [
         f"- {r['size']} {r['arm']} {p}: {r[p].get('reason') or r[p]['status'] + ' (' + r[p].get('error', '') + ')'}"
@@ -833,7 +843,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     a = p.parse_args(argv)
     short = a.tiny or a.quick
-    a.steps = a.steps or (2 if a.quick and not a.tiny else 3)
+    a.steps = a.steps or (2 if a.quick else 3)
     a.warmup = (1 if short else 2) if a.warmup is None else a.warmup
     a.micro_batch = a.micro_batch or 4
     a.seq_len = a.seq_len or (64 if a.tiny else 2048)

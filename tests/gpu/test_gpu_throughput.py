@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -178,9 +179,9 @@ def test_presets_and_explicit_cells():
     tiny = parse_args(["--tiny"])
     assert select_cells(tiny) == [("tiny", a) for a in ARMS]
     assert (tiny.warmup, tiny.steps, tiny.seq_len, tiny.deadline_s) == (1, 3, 64, None)
-    assert select_cells(parse_args(["--tiny", "--quick"])) == [
-        ("tiny", a) for a in ("dense", "demix-1", "demix-8")
-    ]
+    tiny_quick = parse_args(["--tiny", "--quick"])
+    assert select_cells(tiny_quick) == [("tiny", a) for a in ("dense", "demix-1", "demix-8")]
+    assert (tiny_quick.warmup, tiny_quick.steps, tiny_quick.deadline_s) == (1, 2, None)
 
 
 def _fake_result() -> dict:
@@ -280,7 +281,8 @@ def _no_build(monkeypatch):
 def test_a_phase_the_planner_says_does_not_fit_is_skipped_and_never_built(monkeypatch):
     from benchmarks.gpu_throughput import markdown, planner_skip, run_cell
 
-    assert planner_skip(5.04, 4.0) == "skipped: planner predicts 5.0 GiB > 4.0 GiB"
+    assert planner_skip(142.74, 139.8) == "skipped: planner predicts 142.7 GiB > 139.8 GiB"
+    assert planner_skip(0.0123, 0.001) == "skipped: planner predicts 0.012 GiB > 0.001 GiB"
     assert (
         planner_skip(3.9, 4.0) is None and planner_skip(5.0, None) is None and planner_skip(None, 4.0) is None
     )
@@ -291,10 +293,9 @@ def test_a_phase_the_planner_says_does_not_fit_is_skipped_and_never_built(monkey
         predicted = row["predicted_gib"][phase]
         assert predicted > 1e-4
         assert row[phase]["status"] == "skipped", row
-        assert row[phase]["reason"].startswith("skipped: planner predicts ") and row[phase][
-            "reason"
-        ].endswith(" GiB > 0.0 GiB")
-    assert row["ratio"] is None and row["device_memory_gib"] == 0.0
+        said = re.fullmatch(r"skipped: planner predicts ([0-9.e-]+) GiB > 0\.0001 GiB", row[phase]["reason"])
+        assert said and float(said.group(1)) == pytest.approx(predicted, rel=0.05), row[phase]
+    assert row["ratio"] is None and row["device_memory_gib"] == 1e-4
     # the planner counts activations at the recipe, not only the model states (16-18 bytes per parameter)
     assert row["predicted_gib"]["bare"] * 1024**3 > 16 * row["params"]
     assert row["planner"]["activations"] == "traced"
