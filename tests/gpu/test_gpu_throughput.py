@@ -184,6 +184,32 @@ def test_presets_and_explicit_cells():
     assert (tiny_quick.warmup, tiny_quick.steps, tiny_quick.deadline_s) == (1, 2, None)
 
 
+@pytest.mark.slow
+def test_xl_demix_4_fits_an_h200_by_the_planner_and_demix_8_does_not():
+    """The default preset's gpt3-xl x demix-4 is the most experts one H200 holds, as the module docstring says."""
+    from benchmarks.gpu_throughput import (
+        DEFAULT_CELLS,
+        parse_args,
+        parse_arm,
+        plan_random_tokens,
+        predict_memory,
+        run_config,
+    )
+
+    assert ("gpt3-xl", ("dense", "demix-1", "demix-4")) in DEFAULT_CELLS
+    h200 = 139.0  # GiB, an H200 as torch reports it (a little more in fact)
+    a = parse_args([])
+
+    def predicted(arm: str) -> dict:
+        spec = parse_arm(arm, a.gshard_experts)
+        return predict_memory(plan_random_tokens(run_config("gpt3-xl", spec, a), spec.domain_names()).cfg)[
+            "gib"
+        ]
+
+    assert max(predicted("demix-4").values()) < h200
+    assert predicted("demix-8")["framework"] > h200 + 1
+
+
 def _fake_result() -> dict:
     """What `main` and `run` put in a result before the first cell, without a device."""
     return {
