@@ -797,11 +797,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     p.add_argument(
         "--sizes",
-        help="model presets (configs/model/), comma-separated, or all; with --arms, replaces the preset",
+        help="model presets (configs/model/), comma-separated, or all: replaces the preset (x every arm unless --arms)",
     )
     p.add_argument(
         "--arms",
-        help="dense, demix-<N> (N domains on the GPU), gshard, comma-separated, or all (see --sizes)",
+        help="dense, demix-<N> (N domains on the GPU), gshard, comma-separated, or all: replaces the preset "
+        "(x every size unless --sizes)",
     )
     p.add_argument(
         "--quick", action="store_true", help="the quick preset: gpt3-small dense, demix-1, demix-8"
