@@ -178,18 +178,23 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """GPT-2 initialisation, N(0, 0.02) with residual projections scaled by 1/sqrt(2L), where every
-        tensor's values are a pure function of (seed, its name). A rank that builds only its own experts
-        therefore gets exactly the weights the full model would have (DEMix: experts start equal-seeded
-        per layer and domain, independent of the parallel layout)."""
+        tensor's values are a pure function of (seed, its name, its device type). A rank that builds only its
+        own experts therefore gets exactly the weights the full model would have (DEMix: experts start
+        equal-seeded per layer and domain, independent of the parallel layout).
+
+        Each tensor is drawn by a generator on its own device: a model built on the host draws on the CPU
+        generator; one built directly on a GPU (`with torch.device("cuda"): GPT(...)`) draws on the CUDA
+        generator, equally deterministic, but its values differ from the host-built model's."""
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:
                 std = self.cfg.init_std
                 if getattr(module, "is_residual_projection", False):
                     std = std / math.sqrt(2 * self.cfg.n_layers)
-                gen = torch.Generator().manual_seed(
+                device = module.weight.device
+                gen = torch.Generator(device=device).manual_seed(
                     (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
                 )
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, nn.LayerNorm) and not module.weight.is_meta:
