@@ -5,6 +5,7 @@ megatron-core or pydantic, a fresh copy of the repository, the network cut) reac
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -192,3 +193,74 @@ def test_the_simulation_fails_when_a_module_does_not_import(tmp_path):
 def test_requirement_marker_helper_sees_the_dev_extra():
     roots = {Requirement(str(r)).name for r in gpu_wheels.project_roots("3.12")}
     assert {"pytest", "pytest-timeout", "deepspeed"} <= roots and "wandb" not in roots
+
+
+@pytest.mark.slow
+@no_cuda
+def test_the_steps_after_the_cuda_check_write_their_results_in_a_cpu_dry_run(tmp_path):
+    """GPU_CHECKS_CPU_DRY_RUN=1 walks the tests and the sweep on CPU: the script's own plumbing (the test files
+    found, results written as they come, the budget, the exit code) is checked before a GPU call depends on it.
+    Nothing is checked there: every GPU test skips, so the exit is 1 and the results say so."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            "bash",
+            "scripts/gpu_checks.sh",
+            "--out",
+            str(out),
+            "--quick",
+            "--budget-s",
+            "500",
+            "--",
+            "--arms",
+            "dense",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, GPU_CHECKS_CPU_DRY_RUN="1"),
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    checks = (out / "gpu_checks.md").read_text()
+    assert checks.startswith("# GPU checks: CPU DRY RUN, NOTHING CHECKED")
+    assert "test_resume_restores_the_cuda_rng_state[1rank] SKIPPED" in checks and " PASSED" not in checks
+    assert "tests/gpu/test_gpu.py" in checks and "Not checked with 0 GPU" in checks
+    rows = [json.loads(line) for line in (out / "gpu_throughput.jsonl").read_text().splitlines()]
+    assert [(r["size"], r["arm"]) for r in rows] == [("tiny", "dense")]
+    assert "| tiny | dense |" in (out / "gpu_throughput.md").read_text()
+    progress = (out / "progress.log").read_text()
+    assert "no GPU test passed" in progress and "done in" in progress
+    assert (out / "pytest.xml").is_file() and (out / "node.txt").is_file()
+
+
+@no_cuda
+def test_the_gpu_test_files_the_script_finds_are_every_file_with_a_gpu_test():
+    """gpu_checks.sh collects only the files that mention `pytest.mark.gpu` (collecting tests/ costs ~20 s of the
+    call): that list must hold every file whose tests `-m gpu` selects."""
+    found = subprocess.run(
+        ["grep", "-rlE", r"pytest\.mark\.gpu\b", "tests", "--include=test_*.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    collected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            "tests",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.splitlines()
+    files = {line.split("::")[0] for line in collected if "::" in line}
+    assert files and files <= set(found), files - set(found)
