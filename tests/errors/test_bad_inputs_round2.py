@@ -48,7 +48,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import pytest
 
@@ -177,6 +177,7 @@ HARNESS, DRYRUN, FLOPS, Z2F, BTX, FIGURES = (
     "launcher.modular.btx",
     "launcher.evaluation.figures",
 )
+ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "benchmarks.anonymise_speed"
 PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK = (
     "data.prepare",
     "data.ingest",
@@ -234,6 +235,11 @@ def _file(name: str, text: str) -> Callable:
         (d / name).write_text(text.replace("{M}", str(d / PWNED)))
 
     return setup
+
+
+def _bytes(name: str, data: bytes) -> Callable:
+    """Setup: d/<name> holding exactly `data`."""
+    return lambda w, d: (d / name).write_bytes(data)
 
 
 def _copy_ckpt(edit: Callable[[dict], None], src: str = "ckpt") -> Callable:
@@ -443,13 +449,13 @@ def _training_state(w: SimpleNamespace, d: Path) -> None:
     (d / "run" / "checkpoints" / "latest").write_text(state.name + "\n")
 
 
-def _corpus_line(line: str) -> Callable:
+def _corpus_line(line: Union[str, bytes]) -> Callable:
     """Setup: d/corpus, a copy of the world's corpus with `line` added to cooking.jsonl (its 9th line)."""
 
     def setup(w, d):
         shutil.copytree(w.corpus, d / "corpus")
-        with open(d / "corpus" / "cooking.jsonl", "a") as f:
-            f.write(line + "\n")
+        with open(d / "corpus" / "cooking.jsonl", "ab") as f:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
 
     return setup
 
@@ -1438,6 +1444,72 @@ CASES: list[Case] = [
             shutil.copytree(w.tasks, d / "tasks"),
             _edit(d / "tasks/demix_tasks.json", lambda m: m.update(domains=[])),
         ],
+    ),
+    # ---- class 9 (text encoding): a file that is not UTF-8 is named with its line and byte offset
+    # (data/readers.py `decode_utf8` / `not_utf8_at`, as ingest reports it)
+    Case(
+        "anonymise-evaluate-not-utf8",
+        9,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl")],
+        "{d}/l.jsonl:2: not UTF-8 at byte offset 40: b'\\xe9",
+        setup=_bytes("l.jsonl", b'{"text": "a", "spans": []}\n{"text": "caf\xe9", "spans": []}\n'),
+    ),
+    Case(
+        "cluster-corpus-not-utf8",
+        9,
+        CLUSTER,
+        lambda w, d: ["--corpus", str(d / "corpus"), "--k", "2", "--out", str(d / "out")],
+        "cooking.jsonl:9: not UTF-8 at byte offset",
+        setup=_corpus_line(b'{"id": "x", "domain": "cooking", "text": "caf\xe9"}'),
+    ),
+    Case(
+        "launch-hostfile-not-utf8",
+        9,
+        LAUNCH,
+        _launch_hosts(),
+        "{d}/hosts:2: not UTF-8 at byte offset 15",
+        setup=_bytes("hosts", b"node0 slots=1\nn\xf6de slots=1\n"),
+    ),
+    Case(
+        "launch-config-not-utf8",
+        9,
+        LAUNCH,
+        lambda w, d: ["--config", str(d / "run.yaml"), "--dry-run", "--run-dir", str(d / "run")],
+        "{d}/run.yaml:2: not UTF-8 at byte offset 23",
+        setup=_bytes("run.yaml", b"model: {}\ndata: {path: \xff}\n"),
+    ),
+    # ---- class 10 (user modules): a --baseline module that cannot be imported is one line naming it and the error
+    # (data/cli.py `import_module_file`), exit status 2
+    Case(
+        "anonymise-baseline-raises-on-import",
+        10,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl"), "--baseline", str(d / "old.py")],
+        "--baseline {d}/old.py: importing it failed: RuntimeError: boom (line 2)",
+        setup=lambda w, d: [
+            (d / "l.jsonl").write_text('{"text": "a", "spans": []}\n'),
+            (d / "old.py").write_text('x = 1\nraise RuntimeError("boom")\n'),
+        ],
+    ),
+    Case(
+        "anonymise-baseline-missing-import",
+        10,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl"), "--baseline", str(d / "old.py")],
+        "importing it failed: ModuleNotFoundError: No module named 'no_such_module_here' (line 1)",
+        setup=lambda w, d: [
+            (d / "l.jsonl").write_text('{"text": "a", "spans": []}\n'),
+            (d / "old.py").write_text("import no_such_module_here\n"),
+        ],
+    ),
+    Case(
+        "anonymise-speed-baseline-raises-on-import",
+        10,
+        ANONYMISE_SPEED,
+        lambda w, d: ["--baseline", str(d / "old.py"), "--mb", "0.01", "--out", str(d / "out.md")],
+        "--baseline {d}/old.py: importing it failed: NameError: name 'undefined_name' is not defined (line 1)",
+        setup=_file("old.py", "undefined_name\n"),
     ),
 ]
 
