@@ -410,8 +410,11 @@ def _dangling(name: str = "out") -> Callable:
     return lambda w, d: (d / name).symlink_to(d / "gone" / "ckpt")
 
 
-def _training_state(w: SimpleNamespace, d: Path) -> None:
-    """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads)."""
+def _training_state(
+    w: SimpleNamespace, d: Path, reshape: Optional[tuple[str, tuple[int, ...]]] = None
+) -> None:
+    """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads);
+    `reshape` (name, shape): that parameter's file holds zeros of another shape."""
     import torch
 
     from launcher.checkpoint import load_consolidated
@@ -423,7 +426,8 @@ def _training_state(w: SimpleNamespace, d: Path) -> None:
     state = d / "run" / "checkpoints" / "step_00000003"
     for name, p in params.items():
         (state / "zero" / name).mkdir(parents=True)
-        torch.save({"param": p.detach().float(), "cat_dim": 0}, state / "zero" / name / "fp32.pt")
+        value = torch.zeros(reshape[1]) if reshape and reshape[0] == name else p.detach().float()
+        torch.save({"param": value, "cat_dim": 0}, state / "zero" / name / "fp32.pt")
     buffers = {k: v for k, v in model.state_dict().items() if k not in params}
     torch.save({"step": 3, "buffers": buffers}, state / "trainer.pt")
     files = {str(p.relative_to(state)): p.stat().st_size for p in sorted(state.rglob("*")) if p.is_file()}
@@ -1510,6 +1514,40 @@ CASES: list[Case] = [
         lambda w, d: ["--baseline", str(d / "old.py"), "--mb", "0.01", "--out", str(d / "out.md")],
         "--baseline {d}/old.py: importing it failed: NameError: name 'undefined_name' is not defined (line 1)",
         setup=_file("old.py", "undefined_name\n"),
+    ),
+    # ---- class 8 (weights against their config): consolidated weights are checked against the config's shapes
+    # by every writer and reader (launcher/checkpoint.py `check_weight_shapes`), the first mismatch named
+    Case(
+        "z2f-param-shape-disagrees-with-config",
+        8,
+        Z2F,
+        lambda w, d: [str(d / _STATE), "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [16, 32], the config's [32, 32]",
+        setup=lambda w, d: _training_state(w, d, reshape=("wpe.weight", (16, 32))),
+    ),
+    Case(
+        "eval-ckpt-shape-disagrees-with-config",
+        8,
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [32, 32], the config's [64, 32]",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(seq_len=64)),
+    ),
+    Case(
+        "experts-add-ckpt-shape-disagrees-with-config",
+        8,
+        EXPERTS,
+        lambda w, d: ["add", str(d / "ckpt"), "--domain", "law", "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [32, 32], the config's [64, 32]",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(seq_len=64)),
+    ),
+    Case(
+        "generate-ckpt-vocab-rows-fewer-than-config",
+        8,
+        GEN,
+        lambda w, d: [str(d / "ckpt"), "--prompt", "hi", "--max-new-tokens", "1"],
+        "wte.weight: shape [50304, 32], fewer rows than the config's model.vocab_size=60000",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(vocab_size=60000)),
     ),
 ]
 
