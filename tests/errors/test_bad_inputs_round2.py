@@ -242,6 +242,19 @@ def _bytes(name: str, data: bytes) -> Callable:
     return lambda w, d: (d / name).write_bytes(data)
 
 
+def _small_vocab_ckpt(w: SimpleNamespace, d: Path) -> None:
+    """Setup: d/ckpt, the world's checkpoint cut to a model of 256 token ids, with no tokenizer record (a
+    checkpoint from elsewhere): only the model's vocabulary tells that GPT-2 tokens do not fit it."""
+    from dataclasses import replace
+
+    from launcher.checkpoint import load_consolidated, save_consolidated
+
+    c = load_consolidated(w.ckpt)
+    state = {**c.state_dict, "wte.weight": c.state_dict["wte.weight"][:256].clone()}
+    cfg = replace(c.cfg, model=replace(c.cfg.model, vocab_size=256))
+    save_consolidated(d / "ckpt", state, cfg, c.domains, c.step)
+
+
 def _copy_ckpt(edit: Callable[[dict], None], src: str = "ckpt") -> Callable:
     """Setup: d/ckpt, a copy of the world's checkpoint whose meta.json `edit` changed."""
 
@@ -1548,6 +1561,50 @@ CASES: list[Case] = [
         lambda w, d: [str(d / "ckpt"), "--prompt", "hi", "--max-new-tokens", "1"],
         "wte.weight: shape [50304, 32], fewer rows than the config's model.vocab_size=60000",
         setup=_copy_ckpt(lambda m: m["config"]["model"].update(vocab_size=60000)),
+    ),
+    # ---- class 7 (token ids against the model): every entry point that feeds prepared tokens to a model checks
+    # the data's ids against the model's vocabulary before loading a tensor (launcher/checkpoint_data.py
+    # `check_token_ids`, through `check_checkpoint_data` and the evaluation context)
+    Case(
+        "eval-tokens-beyond-model-vocab",
+        7,
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "tokens use ids up to 50256 (a vocabulary of 50257), beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "generate-tokens-beyond-model-vocab",
+        7,
+        GEN,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--prompt", "hi", "--max-new-tokens", "1"],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "btx-tokens-beyond-model-vocab",
+        7,
+        BTX,
+        lambda w, d: [str(d / "ckpt"), "--out", str(d / "out"), "--data", str(w.tokens)],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "experts-add-tokens-beyond-model-vocab",
+        7,
+        EXPERTS,
+        lambda w, d: [
+            "add",
+            str(d / "ckpt"),
+            "--domain",
+            "law",
+            "--out",
+            str(d / "out"),
+            "--data",
+            str(w.tokens),
+        ],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
     ),
 ]
 
