@@ -27,6 +27,11 @@ cleanup, no translation) to show that the class's cases then fail:
                         prepare's own checks (unreadable domain folders and files are problems, prepare reads
                         exactly the valid, case-distinct domains ingest's manifest lists);
 * class 6 (config text) data/readers.py `load_yaml` (every YAML read) and `shape_problems` (every JSON object read).
+
+Later classes, each one shared check (not in the mutation runs): 7 token ids against the model's vocabulary
+(launcher/checkpoint_data.py `check_token_ids`), 8 weights against their config (launcher/checkpoint.py
+`check_weight_shapes`), 9 text that is not UTF-8 (data/readers.py `decode_utf8`), 10 a --baseline module that
+cannot be imported (data/cli.py `import_module_file`).
 """
 
 from __future__ import annotations
