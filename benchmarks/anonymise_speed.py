@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import importlib.util
 import os
 import platform
 import random
@@ -36,6 +35,7 @@ from types import ModuleType
 from typing import Callable, Optional, Sequence
 
 from data.argtypes import positive_float, positive_int, random_seed
+from data.cli import EXIT_USAGE, ModuleImportError, import_module_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -75,15 +75,14 @@ def build_documents(
     return docs, used
 
 
-def load_module(path: str):
-    """Another copy of data/anonymise.py, imported under its own name."""
-    spec = importlib.util.spec_from_file_location("_anonymise_speed_baseline", path)
-    if spec is None or spec.loader is None or not os.path.isfile(path):
-        raise SystemExit(f"--baseline {path}: not a Python file")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(mod)
-    return mod
+def load_module(path: str, option: str = "--baseline") -> ModuleType:
+    """Another copy of data/anonymise.py, imported under its own name; one error line and exit status 2 when it
+    cannot be imported (data/cli.py `import_module_file`)."""
+    try:
+        return import_module_file(path, option, "_anonymise_speed_baseline")
+    except ModuleImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def baseline_from_git(rev: str) -> str:
@@ -126,10 +125,16 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def _baseline(a: argparse.Namespace) -> tuple[Optional[ModuleType], str, str]:
     """(the baseline module or None, its sha256 prefix, its name in the report) from --baseline-rev / --baseline."""
     base_path = baseline_from_git(a.baseline_rev) if a.baseline_rev else a.baseline
-    base = load_module(base_path) if base_path else None
-    digest = hashlib.sha256(Path(base_path).read_bytes()).hexdigest()[:12] if base_path else ""
-    if a.baseline_rev:
-        os.unlink(base_path)
+    try:
+        base = (
+            load_module(base_path, "--baseline-rev" if a.baseline_rev else "--baseline")
+            if base_path
+            else None
+        )
+        digest = hashlib.sha256(Path(base_path).read_bytes()).hexdigest()[:12] if base_path else ""
+    finally:
+        if a.baseline_rev:
+            os.unlink(base_path)
     base_name = f"at {a.baseline_rev}" if a.baseline_rev else f"baseline {a.baseline}"
     return base, digest, base_name
 
@@ -212,6 +217,7 @@ def _markdown(
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Time the rows, print a summary and write the Markdown report; returns the figures."""
     a = _parse(argv)
+    base, digest, base_name = _baseline(a)  # a baseline that cannot be imported: one error, before any work
 
     from data.anonymise import anonymise
     from data.anonymise_prescreen import _screenable
@@ -221,7 +227,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     docs, n_files = build_documents(a.mb, int(a.doc_kb * 1000), a.seed)
     mb = sum(len(d.encode()) for d in docs) / 1e6
     tok = load_tokenizer("gpt2")
-    base, digest, base_name = _baseline(a)
     rows: dict[str, Callable[[], object]] = {
         "tiktoken GPT-2 `encode_ordinary`": lambda: [tok.encode(d) for d in docs],
         "`anonymise` (this data/anonymise.py)": lambda: [anonymise(d) for d in docs],

@@ -3,17 +3,16 @@ precision and recall of `find_spans`, or of another copy of data/anonymise.py (`
 
 from __future__ import annotations
 
-import errno
-import importlib.util
 import json
 import os
 import re
-import sys
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 from data.anonymise_pass import Span
 from data.anonymise_patterns import CATEGORIES, TOKENS
 from data.anonymise_pipeline import find_spans
+from data.cli import import_module_file
+from data.readers import utf8_lines
 
 SpanLike = Union[Span, tuple[int, int, str]]
 _TOKEN = re.compile("|".join(re.escape(t) for t in TOKENS.values()))
@@ -22,38 +21,37 @@ _TOKEN = re.compile("|".join(re.escape(t) for t in TOKENS.values()))
 def load_labelled(path: Union[str, os.PathLike]) -> list[dict]:
     """Read a labelled JSONL file: one `{"text": str, "spans": [{"start", "end", "category"}, ...]}` per line.
 
-    Raises ValueError naming `file:line` for a malformed line (bad JSON, a span outside the text, overlapping
-    spans, an unknown category) and OSError for an unreadable file."""
+    Raises ValueError naming `file:line` for a malformed line (not UTF-8, with its byte offset; bad JSON, a span
+    outside the text, overlapping spans, an unknown category) and OSError for an unreadable file."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                r = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
+    for n, line in utf8_lines(path):  # decoded one at a time: a non-UTF-8 line is named, with its byte offset
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            r = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        if (
+            not isinstance(r, dict)
+            or not isinstance(r.get("text"), str)
+            or not isinstance(r.get("spans"), list)
+        ):
+            raise ValueError(f'{where}: expected {{"text": str, "spans": [...]}}')
+        last = 0
+        for s in sorted(r["spans"], key=lambda s: s.get("start", -1) if isinstance(s, dict) else -1):
+            ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("start", "end"))
             if (
-                not isinstance(r, dict)
-                or not isinstance(r.get("text"), str)
-                or not isinstance(r.get("spans"), list)
+                not ok
+                or not last <= s["start"] < s["end"] <= len(r["text"])
+                or s.get("category") not in TOKENS
             ):
-                raise ValueError(f'{where}: expected {{"text": str, "spans": [...]}}')
-            last = 0
-            for s in sorted(r["spans"], key=lambda s: s.get("start", -1) if isinstance(s, dict) else -1):
-                ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("start", "end"))
-                if (
-                    not ok
-                    or not last <= s["start"] < s["end"] <= len(r["text"])
-                    or s.get("category") not in TOKENS
-                ):
-                    raise ValueError(
-                        f"{where}: bad or overlapping span {s!r} (start < end within the text, "
-                        f"category one of {', '.join(CATEGORIES)})"
-                    )
-                last = s["end"]
-            records.append(r)
+                raise ValueError(
+                    f"{where}: bad or overlapping span {s!r} (start < end within the text, "
+                    f"category one of {', '.join(CATEGORIES)})"
+                )
+            last = s["end"]
+        records.append(r)
     return records
 
 
@@ -132,19 +130,7 @@ def format_table(result: Mapping[str, Mapping[str, float]]) -> str:
 
 def _load_anonymiser(path: str) -> Callable[[str], str]:
     """`anonymise(text).text` of another copy of this module (e.g. `git show REV:data/anonymise.py > F.py`)."""
-    spec = importlib.util.spec_from_file_location("_anonymise_baseline", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--baseline {path}: not a Python file")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(errno.ENOENT, "No such file", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is created
-    try:
-        spec.loader.exec_module(mod)
-    except (SyntaxError, ImportError) as e:
-        raise ValueError(f"--baseline {path}: cannot import it ({type(e).__name__}: {e})") from None
-    finally:
-        del sys.modules[spec.name]
+    mod = import_module_file(path, "--baseline", "_anonymise_baseline")
     if not callable(getattr(mod, "anonymise", None)):
         raise ValueError(f"--baseline {path}: has no anonymise(text) function")
     return lambda text: mod.anonymise(text).text

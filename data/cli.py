@@ -15,11 +15,14 @@ that cannot become a directory (a file, a dangling symbolic link) is refused bef
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import pickle
 import sys
+import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
 
 from data.atomic import output_path_problem
@@ -93,6 +96,50 @@ def message(e: BaseException) -> str:
         return f"missing key {e.args[0]!r}" if e.args else "missing key"
     text = str(e).strip() or type(e).__name__
     return text
+
+
+class ModuleImportError(ValueError):
+    """A Python file given on the command line (`--baseline OLD.py`) that cannot be imported; one line names it."""
+
+
+def import_module_file(path: str | os.PathLike, option: str, name: str) -> ModuleType:
+    """Import the Python file `path` that command-line `option` names (e.g. `--baseline`) as module `name`.
+
+    Whatever stops the import - a missing file, a syntax error, an exception its top level raises (ImportError,
+    NameError, RuntimeError, even SystemExit) - is one ModuleImportError naming the option, the file, the error
+    and the file's line where it was raised, never a traceback; the half-imported module is not kept."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ModuleImportError(f"{option} {path}: no such file")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModuleImportError(f"{option} {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is created
+    try:
+        spec.loader.exec_module(mod)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - anything the module's top level raises is the module's fault
+        raise ModuleImportError(f"{option} {path}: importing it failed: {_import_failure(e, path)}") from None
+    finally:
+        del sys.modules[name]
+    return mod
+
+
+def _import_failure(e: BaseException, path: str) -> str:
+    """`Type: message (line N)`, N the last frame of the traceback inside `path` (a SyntaxError's own line)."""
+    raw = e.msg if isinstance(e, SyntaxError) else str(e)
+    text = str(raw).strip().splitlines()[0] if str(raw).strip() else ""
+    line = e.lineno if isinstance(e, SyntaxError) else None
+    if not isinstance(e, SyntaxError):
+        frames = [
+            f
+            for f in traceback.extract_tb(e.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(path)
+        ]
+        line = frames[-1].lineno if frames else None
+    return f"{type(e).__name__}{': ' + text if text else ''}{f' (line {line})' if line else ''}"
 
 
 def read_manifest_format(path: Path) -> Optional[str]:

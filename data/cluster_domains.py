@@ -43,7 +43,7 @@ import numpy as np
 from data.argtypes import positive_int, random_seed
 from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
-from data.readers import read_json_object
+from data.readers import read_json_object, utf8_lines
 
 FORMAT = "demix-clusterer/1"
 
@@ -286,19 +286,18 @@ def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = Non
         raise FileNotFoundError(f"{corpus}: no JSONL for {missing or 'any domain'}")
     out = []
     for d in domains or list(files):
-        with open(files[d], encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(
-                        f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus"
-                    ) from None
-                if (why := record_problem(record)) is not None:
-                    raise ValueError(f"{files[d]}:{i}: the record {why}; run data.ingest on the corpus")
-                out.append(record)
+        for i, line in utf8_lines(files[d]):  # a non-UTF-8 line is named with its byte offset
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(
+                    f"{files[d]}:{i}: not a JSON record ({e}); run data.ingest on the corpus"
+                ) from None
+            if (why := record_problem(record)) is not None:
+                raise ValueError(f"{files[d]}:{i}: the record {why}; run data.ingest on the corpus")
+            out.append(record)
     return out
 
 

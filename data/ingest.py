@@ -32,6 +32,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 from data.argtypes import nonneg_int
 from data.atomic import staged_dir, write_json_atomic
 from data.cli import check_output_dir, cli_main, exit_process
+from data.readers import not_utf8_at
 
 REASONS: tuple[str, ...] = (
     "invalid_json",
@@ -139,13 +140,14 @@ def _parse_line(
     domains: Optional[frozenset[str]],
     default_domain: Optional[str],
     fallback_id: Optional[str] = None,
+    offset: int = 0,
 ) -> Union[Document, Problem]:
-    """One JSONL line as a Document, or the Problem that keeps it out. A record without an id gets `fallback_id`,
-    by default "<file name>:<line>"."""
+    """One JSONL line (at byte `offset` of its file) as a Document, or the Problem that keeps it out. A record
+    without an id gets `fallback_id`, by default "<file name>:<line>"."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return Problem(path, lineno, "non_utf8", f"byte {e.start}: {raw[e.start : e.start + 4]!r}")
+        return Problem(path, lineno, "non_utf8", not_utf8_at(raw, e, lineno, offset)[1])
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -192,13 +194,23 @@ def read_jsonl(
     """Yield a `Document` or a `Problem` for each non-blank line of a JSONL file (read as bytes, so non-UTF-8
     lines are reported with their number instead of aborting the file)."""
     allowed = frozenset(domains) if domains is not None else None
+    offset = 0
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            raw = raw.rstrip(b"\r\n")
+        for lineno, whole in enumerate(f, start=1):
+            raw, start = whole.rstrip(b"\r\n"), offset
+            offset += len(whole)
             if not raw or raw.isspace():
                 continue  # blank lines carry nothing: not a document, not a problem
             yield _parse_line(
-                raw, str(path), lineno, text_field, domain_field, id_field, allowed, default_domain
+                raw,
+                str(path),
+                lineno,
+                text_field,
+                domain_field,
+                id_field,
+                allowed,
+                default_domain,
+                offset=start,
             )
 
 
@@ -241,9 +253,8 @@ def read_text_dir(
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Problem(
-                    str(path), data.count(b"\n", 0, e.start) + 1, "non_utf8", f"byte offset {e.start}"
-                )
+                line, where = not_utf8_at(data, e)
+                yield Problem(str(path), line, "non_utf8", where)
                 continue
             if not text.strip():
                 yield Problem(str(path), 1, "empty_text")

@@ -9,6 +9,9 @@
 * `read_json_object(path, shape)`: a JSON file that must hold an object with the given keys and types
   (`{"layout": dict, "config": {"model": {"ffn": dict}}}`); a missing, unparsable or wrongly shaped file is one
   `InputFileError` naming the file and the key.
+* `decode_utf8(raw, source)` / `read_text(path)` / `utf8_lines(path)`: text that must be UTF-8; bytes that are not
+  are an `InputFileError` naming the file, the line and the byte offset in the file (`not_utf8_at`), as ingest
+  reports them.
 
 Lives in data/, the lowest layer, so that data/, model/ and launcher/ share it; `InputFileError` is a ValueError,
 so every CLI reports it as one `error:` line (data/cli.py).
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import yaml
 
@@ -100,14 +103,51 @@ def load_yaml(text: str, source: str) -> Any:
 
 def read_yaml(path: Union[str, Path]) -> Any:
     """The YAML document of file `path` (`load_yaml`); InputFileError naming it when missing or unreadable."""
-    path = Path(path)
+    return load_yaml(read_text(path), str(Path(path)))
+
+
+# ---------------------------------------------------------------- UTF-8 ---------------------------------------
+
+
+def not_utf8_at(raw: bytes, e: UnicodeDecodeError, first_line: int = 1, offset: int = 0) -> tuple[int, str]:
+    """(line, "byte offset N: b'...'") of the first non-UTF-8 byte `e` found in `raw`, a piece of a file that
+    starts at line `first_line` and byte `offset` of it: the one way every reader names where text is not UTF-8."""
+    line = first_line + raw.count(b"\n", 0, e.start)
+    return line, f"byte offset {offset + e.start}: {raw[e.start : e.start + 4]!r}"
+
+
+def decode_utf8(raw: bytes, source: Union[str, Path], first_line: int = 1, offset: int = 0) -> str:
+    """`raw` (bytes of file `source` from line `first_line`, byte `offset`) as text; InputFileError
+    "SOURCE:LINE: not UTF-8 at byte offset N" (`not_utf8_at`) when it is not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, where = not_utf8_at(raw, e, first_line, offset)
+        raise InputFileError(f"{source}:{line}: not UTF-8 at {where}") from None
+
+
+def read_text(path: Union[str, Path], what: str = "") -> str:
+    """The UTF-8 text of file `path`; InputFileError naming it (and `what` it should be) when missing or
+    unreadable, and its line and byte offset when it is not UTF-8."""
+    path = Path(path)
+    label = f"{path}{f' ({what})' if what else ''}"
+    try:
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise InputFileError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputFileError(f"{path} is unreadable ({e})") from None
-    return load_yaml(text, str(path))
+        raise InputFileError(f"{label}: no such file") from None
+    except OSError as e:
+        raise InputFileError(f"{label} is unreadable ({e.strerror or e})") from None
+    return decode_utf8(raw, path)
+
+
+def utf8_lines(path: Union[str, Path]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of file `path`, read as bytes and decoded one line at a time
+    (`decode_utf8`: a non-UTF-8 line is named with its byte offset in the file); OSError when unreadable."""
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            yield n, decode_utf8(raw, path, n, offset)
+            offset += len(raw)
 
 
 # ---------------------------------------------------------------- JSON ------------------------------------------
@@ -159,12 +199,9 @@ def read_json(path: Union[str, Path], what: str = "") -> Any:
     """The JSON value of file `path`; InputFileError naming it (and `what` it should be) when missing or not JSON."""
     path = Path(path)
     label = f"{path}{f' ({what})' if what else ''}"
+    text = read_text(path, what)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputFileError(f"{label}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputFileError(f"{label} is unreadable ({e})") from None
+        return json.loads(text)
     except ValueError as e:
         raise InputFileError(f"{label} is not valid JSON ({e})") from None
 

@@ -89,6 +89,41 @@ class Consolidated:
         return model
 
 
+def weight_shape_problems(state: dict[str, torch.Tensor], cfg: RunConfig) -> list[str]:
+    """What in `state` (a plain-model state dict, all experts or some) disagrees with the shapes `cfg.model`
+    gives those tensors, in the model's order: `name: shape [..], the config's [..]`. The embedding may have more
+    rows than `model.vocab_size` (a writer's padding), never fewer. The model is built on the meta device (no
+    memory, no initialisation)."""
+    from model.gpt import GPT
+
+    with torch.device("meta"):
+        rows = state["wte.weight"].shape[0] if isinstance(state.get("wte.weight"), torch.Tensor) else None
+        model = GPT(cfg.model, init_seed=0, vocab_rows=max(rows or 0, cfg.model.vocab_size) if rows else None)
+    out = []
+    for name, want in model.state_dict().items():
+        have = state.get(name)
+        if not isinstance(have, torch.Tensor) or tuple(have.shape) == tuple(want.shape):
+            continue
+        out.append(f"{name}: shape {list(have.shape)}, the config's {list(want.shape)}")
+    if rows is not None and rows < cfg.model.vocab_size:
+        out.insert(
+            0,
+            f"wte.weight: shape [{rows}, {state['wte.weight'].shape[1]}], fewer rows than the config's "
+            f"model.vocab_size={cfg.model.vocab_size}",
+        )
+    return out
+
+
+def check_weight_shapes(state: dict[str, torch.Tensor], cfg: RunConfig, where: str | Path) -> None:
+    """CheckpointError naming the first tensor of `state` whose shape is not the one `cfg` gives it (see
+    `weight_shape_problems`): the one check every writer and reader of consolidated weights applies, so a
+    parameter file that disagrees with its config is never written, evaluated or exported."""
+    problems = weight_shape_problems(state, cfg)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{where}: the weights do not match the config: {problems[0]}{more}")
+
+
 def load_weights_only(path: Path) -> Any:
     """`torch.load` restricted to tensors and plain containers: a file from elsewhere (a run directory someone
     hands you) cannot run code. The project's only way to read a torch file. CheckpointError names the file
@@ -238,6 +273,7 @@ def save_consolidated(
     `path` and published whole (data/atomic.py `staged_dir`); a failure (a full disk included) leaves nothing."""
     final = Path(path)
     _check_domain_names(cfg, domains)
+    check_weight_shapes(state_dict, cfg, final)
     shared, experts = split_by_expert(state_dict) if sharded_experts(cfg) else (state_dict, {})
     with staged_dir(final, manifest="meta.json") as tmp:
         write_shared_shard(tmp, shared)
@@ -318,6 +354,7 @@ def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None)
         if not (root / rel).is_file():
             raise CheckpointError(f"{root}: expert shard {rel} listed in meta.json is missing")
         state.update(load_weights_only(verified_file(root, meta, rel)))
+    check_weight_shapes(state, cfg, root)
     return Consolidated(
         cfg=cfg, domains=list(meta["domains"]), state_dict=state, step=int(meta.get("step", 0)), meta=meta
     )

@@ -36,14 +36,45 @@ def data_manifest(
     return manifest
 
 
+def check_token_ids(manifest: dict[str, Any], model_vocab: int, where: str, domain_tokens: int = 0) -> None:
+    """DataError unless every token id the data can hold (its tokenizer's vocabulary, plus `domain_tokens` ids after
+    it with `data.mixture=domain_token`) is below `model_vocab`, the model's embedding rows: the one check every
+    entry point that feeds prepared tokens to a model makes before loading a tensor, instead of torch's "index out
+    of range in self" halfway through."""
+    tok = manifest["tokenizer"]
+    need = int(tok["vocab_size"]) + domain_tokens
+    if need > int(model_vocab):
+        extra = f" + {domain_tokens} domain tokens" if domain_tokens else ""
+        raise DataError(
+            f"{where}: the {tok.get('name')!r} tokens use ids up to {need - 1} (a vocabulary of "
+            f"{tok['vocab_size']}{extra}), beyond the model's vocabulary of {model_vocab} ids; use tokens "
+            "prepared with the model's tokenizer (--data/--tokenizer)"
+        )
+
+
+def model_vocab(cfg: RunConfig) -> int:
+    """The token ids a model of `cfg` accepts whatever it was padded for: `model.vocab_size` padded at one rank."""
+    return cfg.model.padded_vocab_size(1)
+
+
+def domain_token_count(cfg: RunConfig, domains: list[str]) -> int:
+    """The domain-token ids after the tokenizer's that the data's blocks carry (`data.mixture=domain_token`)."""
+    return len(domains) if cfg.data.mixture == "domain_token" else 0
+
+
 def check_checkpoint_data(
     c: Union[Consolidated, str, Path], data_root: Union[str, Path], tokenizer: Optional[str] = None
 ) -> dict[str, Any]:
-    """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size); a path reads only its
-    meta.json, so a CLI checks the data before loading any tensor. `tokenizer` defaults to the checkpoint's."""
+    """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size) and `check_token_ids`
+    against its model's vocabulary; a path reads only its meta.json, so a CLI checks the data before loading any
+    tensor. `tokenizer` defaults to the checkpoint's."""
     meta = c.meta if isinstance(c, Consolidated) else read_meta(c)
     tokenizer = tokenizer or meta["config"].get("data", {}).get("tokenizer", "gpt2")
-    return data_manifest(data_root, tokenizer, meta.get("tokenizer_sha256"), meta.get("vocab_size"))
+    manifest = data_manifest(data_root, tokenizer, meta.get("tokenizer_sha256"), meta.get("vocab_size"))
+    cfg = c.cfg if isinstance(c, Consolidated) else from_dict(RunConfig, meta["config"])
+    where = str(Path(data_root) / tokenizer / "manifest.json")
+    check_token_ids(manifest, model_vocab(cfg), where, domain_token_count(cfg, list(meta["domains"])))
+    return manifest
 
 
 def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:

@@ -41,6 +41,7 @@ from data.argtypes import check_host, host, host_filter, nonneg_int, positive_in
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic, write_text_atomic
 from data.cli import cli_main, exit_process
+from data.readers import InputFileError, read_text
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
@@ -69,9 +70,9 @@ def hostfile_slots(path: Path) -> list[tuple[str, int]]:
     if not path.is_file():
         raise ConfigError([f"hostfile {path} not found"], "launch")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"hostfile {path} is unreadable ({e})"], "launch") from None
+        text = read_text(path, "hostfile")
+    except InputFileError as e:
+        raise ConfigError([str(e)], "launch") from None
     out, problems, first = [], [], {}
     for i, line in enumerate(text.splitlines(), 1):
         line = line.split("#")[0].strip()

@@ -26,7 +26,7 @@ import shutil
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -363,6 +363,38 @@ def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> dic
     return digests
 
 
+def staged_together(
+    step_fn: Callable[[], None], staged: Path, final: Path, rank: int, world: int, device: torch.device
+) -> None:
+    """Run one rank's part `step_fn` of a collective save into the shared staging folder `staged`, then agree:
+    every rank says (an all-reduce of one flag per rank) whether its part failed. On any failure every rank
+    removes `staged` (idempotent) and raises (the failing rank its own error, a full disk as DiskFullError naming
+    `final`; the others CheckpointError naming the failed ranks), so no staging folder is left and no rank waits
+    at a barrier for a rank that gave up. A rank that dies outright (killed, a crash inside a collective) never
+    reaches the all-reduce: the launcher ends the job, and the folder it leaves has the staging name
+    `.step_<n>.tmp` that the next save of that step replaces."""
+    import torch.distributed as dist
+
+    failure: Optional[BaseException] = None
+    try:
+        with discard_on_failure(final, staged):  # this rank's failure: remove the whole staged state at once
+            step_fn()
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised below
+        failure = e
+    flags = torch.zeros(world, dtype=torch.int64, device=device)
+    flags[rank] = int(failure is not None)
+    dist.all_reduce(flags)
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    shutil.rmtree(staged, ignore_errors=True)
+    if failure is not None:
+        raise failure
+    raise CheckpointError(
+        f"ranks {failed} could not write {final.name}; it was not saved (nothing staged is left)"
+    )
+
+
 def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank: int) -> Path:
     """Write the training state of `step` into `checkpoints/step_<n>`, published atomically by rank 0: per-parameter
     fp32 weights and Adam moments (`_write_param_states`, any layout can load them; the files spread over the
@@ -379,14 +411,23 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    # a failure (a full disk: DiskFullError) removes the half-written state on rank 0, which made it
-    with discard_on_failure(final, *([tmp] if rank == 0 else [])):
-        written, digests = _write_param_states(tmp / "zero", bundle, plan, rank, device)
+    world = plan.topo.world_size
+    written: dict[Path, int] = {}
+    digests: dict[Path, str] = {}
+
+    def local_files() -> None:  # each rank's parameter files and RNG
+        w, dg = _write_param_states(tmp / "zero", bundle, plan, rank, device)
+        written.update(w)
+        digests.update(dg)
         rng = tmp / "rng" / f"rank{rank:05d}.pt"
         digests[rng] = save_hashed(_rng_state(), rng)
-        by_rank = torch.zeros(plan.topo.world_size, dtype=torch.int64, device=device)
-        by_rank[rank] = sum(written.values())
-        dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
+
+    staged_together(local_files, tmp, final, rank, world, device)
+    by_rank = torch.zeros(world, dtype=torch.int64, device=device)
+    by_rank[rank] = sum(written.values())
+    dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
+
+    def shared_files() -> None:  # rank 0's trainer.pt and DeepSpeed index; every rank's checksums
         if rank == 0:
             states, sched, model = ParamStates(bundle.engine), bundle.scheduler, bundle.engine.module
             params = {n for n, _ in model.named_parameters()}
@@ -410,35 +451,38 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
         write_json_atomic(
             tmp / SUMS_DIR / f"rank{rank:05d}.json", {str(p.relative_to(tmp)): d for p, d in digests.items()}
         )
-        dist.barrier()
-        if rank == 0:
-            sums = {}
-            for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
-                sums.update(json.loads(part.read_text()))
-            shutil.rmtree(tmp / SUMS_DIR)
-            params = sorted(
-                str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt")
-            )
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
-            write_json_atomic(
-                tmp / "meta.json",
-                {
-                    "format": TRAINING_FORMAT,
-                    "step": step,
-                    "layout": layout_identity(plan),
-                    "params": params,
-                    "vocab_size": plan.catalog.vocab_size,
-                    "files": files,
-                    "sha256": sha256,
-                    "param_bytes_by_rank": by_rank.tolist(),
-                    "config": to_dict(plan.cfg),
-                },
-            )
-            commit_dir(tmp, final)
-            write_text_atomic(ckdir / "latest", final.name + "\n")
-            prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
-    dist.barrier()
+
+    staged_together(shared_files, tmp, final, rank, world, device)
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        sums = {}
+        for part in sorted((tmp / SUMS_DIR).glob("rank*.json")):
+            sums.update(json.loads(part.read_text()))
+        shutil.rmtree(tmp / SUMS_DIR)
+        params = sorted(str(p.parent.relative_to(tmp / "zero")) for p in (tmp / "zero").rglob(f"{FP32}.pt"))
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        sha256 = {rel: sums.get(rel) or sha256_file(tmp / rel) for rel in files}
+        write_json_atomic(
+            tmp / "meta.json",
+            {
+                "format": TRAINING_FORMAT,
+                "step": step,
+                "layout": layout_identity(plan),
+                "params": params,
+                "vocab_size": plan.catalog.vocab_size,
+                "files": files,
+                "sha256": sha256,
+                "param_bytes_by_rank": by_rank.tolist(),
+                "config": to_dict(plan.cfg),
+            },
+        )
+        commit_dir(tmp, final)
+        write_text_atomic(ckdir / "latest", final.name + "\n")
+        prune_checkpoints(ckdir, plan.cfg.train.keep_checkpoints)
+
+    staged_together(publish, tmp, final, rank, world, device)  # also the closing barrier
     return final
 
 
@@ -549,9 +593,10 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    # a failure (a full disk: DiskFullError) removes the half-written export on rank 0, which made it
-    with discard_on_failure(out, *([tmp] if rank == 0 else [])):
-        domains = list(plan.expert_domains or plan.catalog.train_domains)
+    domains = list(plan.expert_domains or plan.catalog.train_domains)
+    world = plan.topo.world_size
+
+    def shards() -> None:  # the shared tensors (rank 0) and each writer's experts
         shared, experts, writer = kind.export_parts(model, plan.topo, bundle.groups, rank)
         shared = {k: v for k, v in shared.items() if not k.startswith("ds_expert_groups")}
         if writer:
@@ -564,8 +609,10 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
             )
             if untrained:  # experts of the init checkpoint this run left alone (e.g. DEMix-DAPT)
                 copy_expert_shards(plan.cfg.train.init_from, untrained, tmp)
-        del shared, experts
-        dist.barrier()
+
+    staged_together(shards, tmp, out, rank, world, training_device())
+
+    def publish() -> None:
         if rank == 0:
             finish_consolidated(
                 tmp,
@@ -586,5 +633,6 @@ def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int
                     * plan.cfg.model.seq_len,
                 },
             )
-    dist.barrier()
+
+    staged_together(publish, tmp, out, rank, world, training_device())  # also the closing barrier
     return out if rank == 0 else None

@@ -25,7 +25,13 @@ from typing import Optional, Sequence
 import torch
 
 from data.cli import check_output_dir, cli_main, exit_process
-from launcher.checkpoint import CheckpointError, load_consolidated, load_weights_only, save_consolidated
+from launcher.checkpoint import (
+    CheckpointError,
+    check_weight_shapes,
+    load_consolidated,
+    load_weights_only,
+    save_consolidated,
+)
 from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.state_discovery import checksum_damage, latest_checkpoint, read_state_meta, state_damage
@@ -68,6 +74,7 @@ def convert(src: Path, out: Path) -> Path:
     """Write the consolidated fp32 checkpoint of training state (or run directory) `src` into `out`."""
     ckpt = resolve_state(src)
     state, cfg, meta = fp32_state_dict(ckpt)
+    check_weight_shapes(state, cfg, ckpt)  # before reading an init checkpoint or writing anything
     layout = meta["layout"]
     domains = list(layout.get("expert_domains") or layout["domains"])
     present = {expert_of_key(k) for k in state} - {None}

@@ -11,7 +11,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from launcher.checkpoint_data import block_inputs, count_blocks, data_manifest, load_blocks
+from launcher.checkpoint_data import (
+    block_inputs,
+    check_token_ids,
+    count_blocks,
+    data_manifest,
+    domain_token_count,
+    load_blocks,
+)
 from launcher.evaluation.context import EvalContext
 from launcher.evaluation.device import rank_and_world, say
 from launcher.evaluation.prior_cache import PriorCache
@@ -104,6 +111,9 @@ def _context(
     if seq_len > cfg.model.seq_len:
         raise ValueError(f"seq_len={seq_len} is beyond the model's context ({cfg.model.seq_len} tokens)")
     manifest = data_manifest(data_root, tokenizer, extra.get("tokenizer_sha256"), extra.get("vocab_size"))
+    where = str(Path(data_root) / tokenizer / "manifest.json")
+    rows = model.wte.weight.shape[0] if hasattr(model, "wte") else cfg.model.padded_vocab_size(1)
+    check_token_ids(manifest, rows, where, domain_token_count(cfg, list(train_domains)))
     is_demix = bool(demix_expert_ids(model))
     experts = list(train_domains) if is_demix else []
     if is_demix and len(experts) != len(demix_expert_ids(model)):

@@ -27,6 +27,11 @@ cleanup, no translation) to show that the class's cases then fail:
                         prepare's own checks (unreadable domain folders and files are problems, prepare reads
                         exactly the valid, case-distinct domains ingest's manifest lists);
 * class 6 (config text) data/readers.py `load_yaml` (every YAML read) and `shape_problems` (every JSON object read).
+
+Later classes, each one shared check (not in the mutation runs): 7 token ids against the model's vocabulary
+(launcher/checkpoint_data.py `check_token_ids`), 8 weights against their config (launcher/checkpoint.py
+`check_weight_shapes`), 9 text that is not UTF-8 (data/readers.py `decode_utf8`), 10 a --baseline module that
+cannot be imported (data/cli.py `import_module_file`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import pytest
 
@@ -177,6 +182,7 @@ HARNESS, DRYRUN, FLOPS, Z2F, BTX, FIGURES = (
     "launcher.modular.btx",
     "launcher.evaluation.figures",
 )
+ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "benchmarks.anonymise_speed"
 PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK = (
     "data.prepare",
     "data.ingest",
@@ -234,6 +240,24 @@ def _file(name: str, text: str) -> Callable:
         (d / name).write_text(text.replace("{M}", str(d / PWNED)))
 
     return setup
+
+
+def _bytes(name: str, data: bytes) -> Callable:
+    """Setup: d/<name> holding exactly `data`."""
+    return lambda w, d: (d / name).write_bytes(data)
+
+
+def _small_vocab_ckpt(w: SimpleNamespace, d: Path) -> None:
+    """Setup: d/ckpt, the world's checkpoint cut to a model of 256 token ids, with no tokenizer record (a
+    checkpoint from elsewhere): only the model's vocabulary tells that GPT-2 tokens do not fit it."""
+    from dataclasses import replace
+
+    from launcher.checkpoint import load_consolidated, save_consolidated
+
+    c = load_consolidated(w.ckpt)
+    state = {**c.state_dict, "wte.weight": c.state_dict["wte.weight"][:256].clone()}
+    cfg = replace(c.cfg, model=replace(c.cfg.model, vocab_size=256))
+    save_consolidated(d / "ckpt", state, cfg, c.domains, c.step)
 
 
 def _copy_ckpt(edit: Callable[[dict], None], src: str = "ckpt") -> Callable:
@@ -404,8 +428,11 @@ def _dangling(name: str = "out") -> Callable:
     return lambda w, d: (d / name).symlink_to(d / "gone" / "ckpt")
 
 
-def _training_state(w: SimpleNamespace, d: Path) -> None:
-    """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads)."""
+def _training_state(
+    w: SimpleNamespace, d: Path, reshape: Optional[tuple[str, tuple[int, ...]]] = None
+) -> None:
+    """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads);
+    `reshape` (name, shape): that parameter's file holds zeros of another shape."""
     import torch
 
     from launcher.checkpoint import load_consolidated
@@ -417,7 +444,8 @@ def _training_state(w: SimpleNamespace, d: Path) -> None:
     state = d / "run" / "checkpoints" / "step_00000003"
     for name, p in params.items():
         (state / "zero" / name).mkdir(parents=True)
-        torch.save({"param": p.detach().float(), "cat_dim": 0}, state / "zero" / name / "fp32.pt")
+        value = torch.zeros(reshape[1]) if reshape and reshape[0] == name else p.detach().float()
+        torch.save({"param": value, "cat_dim": 0}, state / "zero" / name / "fp32.pt")
     buffers = {k: v for k, v in model.state_dict().items() if k not in params}
     torch.save({"step": 3, "buffers": buffers}, state / "trainer.pt")
     files = {str(p.relative_to(state)): p.stat().st_size for p in sorted(state.rglob("*")) if p.is_file()}
@@ -443,13 +471,13 @@ def _training_state(w: SimpleNamespace, d: Path) -> None:
     (d / "run" / "checkpoints" / "latest").write_text(state.name + "\n")
 
 
-def _corpus_line(line: str) -> Callable:
+def _corpus_line(line: Union[str, bytes]) -> Callable:
     """Setup: d/corpus, a copy of the world's corpus with `line` added to cooking.jsonl (its 9th line)."""
 
     def setup(w, d):
         shutil.copytree(w.corpus, d / "corpus")
-        with open(d / "corpus" / "cooking.jsonl", "a") as f:
-            f.write(line + "\n")
+        with open(d / "corpus" / "cooking.jsonl", "ab") as f:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
 
     return setup
 
@@ -1438,6 +1466,150 @@ CASES: list[Case] = [
             shutil.copytree(w.tasks, d / "tasks"),
             _edit(d / "tasks/demix_tasks.json", lambda m: m.update(domains=[])),
         ],
+    ),
+    # ---- class 9 (text encoding): a file that is not UTF-8 is named with its line and byte offset
+    # (data/readers.py `decode_utf8` / `not_utf8_at`, as ingest reports it)
+    Case(
+        "anonymise-evaluate-not-utf8",
+        9,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl")],
+        "{d}/l.jsonl:2: not UTF-8 at byte offset 40: b'\\xe9",
+        setup=_bytes("l.jsonl", b'{"text": "a", "spans": []}\n{"text": "caf\xe9", "spans": []}\n'),
+    ),
+    Case(
+        "cluster-corpus-not-utf8",
+        9,
+        CLUSTER,
+        lambda w, d: ["--corpus", str(d / "corpus"), "--k", "2", "--out", str(d / "out")],
+        "cooking.jsonl:9: not UTF-8 at byte offset",
+        setup=_corpus_line(b'{"id": "x", "domain": "cooking", "text": "caf\xe9"}'),
+    ),
+    Case(
+        "launch-hostfile-not-utf8",
+        9,
+        LAUNCH,
+        _launch_hosts(),
+        "{d}/hosts:2: not UTF-8 at byte offset 15",
+        setup=_bytes("hosts", b"node0 slots=1\nn\xf6de slots=1\n"),
+    ),
+    Case(
+        "launch-config-not-utf8",
+        9,
+        LAUNCH,
+        lambda w, d: ["--config", str(d / "run.yaml"), "--dry-run", "--run-dir", str(d / "run")],
+        "{d}/run.yaml:2: not UTF-8 at byte offset 23",
+        setup=_bytes("run.yaml", b"model: {}\ndata: {path: \xff}\n"),
+    ),
+    # ---- class 10 (user modules): a --baseline module that cannot be imported is one line naming it and the error
+    # (data/cli.py `import_module_file`), exit status 2
+    Case(
+        "anonymise-baseline-raises-on-import",
+        10,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl"), "--baseline", str(d / "old.py")],
+        "--baseline {d}/old.py: importing it failed: RuntimeError: boom (line 2)",
+        setup=lambda w, d: [
+            (d / "l.jsonl").write_text('{"text": "a", "spans": []}\n'),
+            (d / "old.py").write_text('x = 1\nraise RuntimeError("boom")\n'),
+        ],
+    ),
+    Case(
+        "anonymise-baseline-missing-import",
+        10,
+        ANONYMISE,
+        lambda w, d: ["--evaluate", str(d / "l.jsonl"), "--baseline", str(d / "old.py")],
+        "importing it failed: ModuleNotFoundError: No module named 'no_such_module_here' (line 1)",
+        setup=lambda w, d: [
+            (d / "l.jsonl").write_text('{"text": "a", "spans": []}\n'),
+            (d / "old.py").write_text("import no_such_module_here\n"),
+        ],
+    ),
+    Case(
+        "anonymise-speed-baseline-raises-on-import",
+        10,
+        ANONYMISE_SPEED,
+        lambda w, d: ["--baseline", str(d / "old.py"), "--mb", "0.01", "--out", str(d / "out.md")],
+        "--baseline {d}/old.py: importing it failed: NameError: name 'undefined_name' is not defined (line 1)",
+        setup=_file("old.py", "undefined_name\n"),
+    ),
+    # ---- class 8 (weights against their config): consolidated weights are checked against the config's shapes
+    # by every writer and reader (launcher/checkpoint.py `check_weight_shapes`), the first mismatch named
+    Case(
+        "z2f-param-shape-disagrees-with-config",
+        8,
+        Z2F,
+        lambda w, d: [str(d / _STATE), "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [16, 32], the config's [32, 32]",
+        setup=lambda w, d: _training_state(w, d, reshape=("wpe.weight", (16, 32))),
+    ),
+    Case(
+        "eval-ckpt-shape-disagrees-with-config",
+        8,
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [32, 32], the config's [64, 32]",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(seq_len=64)),
+    ),
+    Case(
+        "experts-add-ckpt-shape-disagrees-with-config",
+        8,
+        EXPERTS,
+        lambda w, d: ["add", str(d / "ckpt"), "--domain", "law", "--out", str(d / "out")],
+        "the weights do not match the config: wpe.weight: shape [32, 32], the config's [64, 32]",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(seq_len=64)),
+    ),
+    Case(
+        "generate-ckpt-vocab-rows-fewer-than-config",
+        8,
+        GEN,
+        lambda w, d: [str(d / "ckpt"), "--prompt", "hi", "--max-new-tokens", "1"],
+        "wte.weight: shape [50304, 32], fewer rows than the config's model.vocab_size=60000",
+        setup=_copy_ckpt(lambda m: m["config"]["model"].update(vocab_size=60000)),
+    ),
+    # ---- class 7 (token ids against the model): every entry point that feeds prepared tokens to a model checks
+    # the data's ids against the model's vocabulary before loading a tensor (launcher/checkpoint_data.py
+    # `check_token_ids`, through `check_checkpoint_data` and the evaluation context)
+    Case(
+        "eval-tokens-beyond-model-vocab",
+        7,
+        EVAL,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--out", str(d / "out")],
+        "tokens use ids up to 50256 (a vocabulary of 50257), beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "generate-tokens-beyond-model-vocab",
+        7,
+        GEN,
+        lambda w, d: [str(d / "ckpt"), "--data", str(w.tokens), "--prompt", "hi", "--max-new-tokens", "1"],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "btx-tokens-beyond-model-vocab",
+        7,
+        BTX,
+        lambda w, d: [str(d / "ckpt"), "--out", str(d / "out"), "--data", str(w.tokens)],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
+    ),
+    Case(
+        "experts-add-tokens-beyond-model-vocab",
+        7,
+        EXPERTS,
+        lambda w, d: [
+            "add",
+            str(d / "ckpt"),
+            "--domain",
+            "law",
+            "--out",
+            str(d / "out"),
+            "--data",
+            str(w.tokens),
+        ],
+        "beyond the model's vocabulary of 256 ids",
+        setup=lambda w, d: _small_vocab_ckpt(w, d),
     ),
 ]
 

@@ -202,3 +202,46 @@ def test_every_rank_writes_a_balanced_share_of_the_state(tiny_tokens, tmp_path, 
         assert any(params[r] for r in (1, 3))
         qkv = torch.load(ckpt / "zero" / "blocks.0.attn.qkv.weight" / "fp32.pt", weights_only=True)
         assert qkv["param"].shape == (3 * 64, 64) and qkv["cat_dim"] == 0
+
+
+def _save_failing_on(rank: int, world: int, sets: list[str], run_dir: str, bad_rank: int) -> str:
+    """One training step, then `save_training_state` where rank `bad_rank` cannot write its RNG file (a full disk,
+    a lost mount); returns the error each rank ended with."""
+    import errno
+
+    import launcher.state as state
+    from launcher.config import load_run_config
+    from launcher.plan import make_plan
+    from launcher.train import Trainer, train_step
+
+    plan = make_plan(load_run_config(None, sets, check=False), world)
+    trainer = Trainer.setup(plan, Path(run_dir), resume="never")
+    train_step(trainer.bundle, plan.cfg, trainer.batches(0), len(plan.catalog.train_domains))
+    real = state.save_hashed
+
+    def failing(obj, path: Path) -> str:
+        if rank == bad_rank and Path(path).parent.name == "rng":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(obj, path)
+
+    state.save_hashed = failing
+    try:
+        state.save_training_state(Path(run_dir), 1, trainer.bundle, plan, rank)
+    except Exception as e:  # noqa: BLE001 - what each rank ends with is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        state.save_hashed = real
+    return "saved"
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_rank_leaves_no_staging_folder_and_stops_every_rank(tiny_tokens, tmp_path):
+    """Rank 1 cannot write its part of the state: every rank learns it at the next agreement (no rank waits at a
+    barrier for it), every rank removes the shared staging folder, nothing is published."""
+    run = tmp_path / "run"
+    got = run_ranks(_save_failing_on, 2, args=(_sets(tiny_tokens, "dense"), str(run), 1), timeout=300)
+    assert got[1].startswith("OSError") and "Input/output error" in got[1], got
+    assert got[0].startswith("CheckpointError: ranks [1] could not write step_00000001"), got
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [], list(
+        (run / "checkpoints").iterdir()
+    )
