@@ -8,7 +8,7 @@
     python -m launcher.launch ... --dry-run                                          # validate, write, print
 
 DeepSpeed's multi-node options pass through (--include/--exclude, --num-nodes, --launcher, --launcher-args,
---ssh-port, --no-ssh with --node-rank, --master-addr/--master-port), and the world size is computed with
+--ssh-port, --no-ssh with --node-rank, --master-addr/--master-port, --no-ssh-check), and the world size is computed with
 DeepSpeed's own resource functions, so the plan is made for exactly the ranks the runner starts. Before
 anything starts it validates the whole run for that world size (config, data, layout, resume), then writes
 into the run directory: the resolved config (`config.yaml`), the generated DeepSpeed config
@@ -20,7 +20,8 @@ the exact command (`command.sh`; with --no-ssh, node K > 0 writes only its own
 Every host name (hostfile lines, --include/--exclude, --master-addr) must be an RFC 1123 name or an IP address
 (data/argtypes.py `check_host`) and every port and count in range, checked before anything runs: DeepSpeed's runner
 pastes host names into ssh, pdsh, mpirun and srun command lines. With pdsh on several hosts the trainer's arguments
-pass through a remote shell, so they are quoted for it (`pdsh_word`).
+pass through a remote shell, so they are quoted for it (`pdsh_word`). What each launcher needs (ssh, the one-host
+hostfile, the pdsh ranks' `.deepspeed_env`): docs/cluster.md.
 """
 
 from __future__ import annotations
