@@ -8,7 +8,7 @@
     python -m launcher.launch ... --dry-run                                          # validate, write, print
 
 DeepSpeed's multi-node options pass through (--include/--exclude, --num-nodes, --launcher, --launcher-args,
---ssh-port, --no-ssh with --node-rank, --master-addr/--master-port), and the world size is computed with
+--ssh-port, --no-ssh with --node-rank, --master-addr/--master-port, --no-ssh-check), and the world size is computed with
 DeepSpeed's own resource functions, so the plan is made for exactly the ranks the runner starts. Before
 anything starts it validates the whole run for that world size (config, data, layout, resume), then writes
 into the run directory: the resolved config (`config.yaml`), the generated DeepSpeed config
@@ -20,19 +20,22 @@ the exact command (`command.sh`; with --no-ssh, node K > 0 writes only its own
 Every host name (hostfile lines, --include/--exclude, --master-addr) must be an RFC 1123 name or an IP address
 (data/argtypes.py `check_host`) and every port and count in range, checked before anything runs: DeepSpeed's runner
 pastes host names into ssh, pdsh, mpirun and srun command lines. With pdsh on several hosts the trainer's arguments
-pass through a remote shell, so they are quoted for it (`pdsh_word`).
+pass through a remote shell, so they are quoted for it (`pdsh_word`). What each launcher needs (ssh, the one-host
+hostfile, the pdsh ranks' `.deepspeed_env`): docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import yaml
@@ -60,6 +63,8 @@ from launcher.typed import to_dict
 from parallel.ds_config import deepspeed_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# What DeepSpeed's runner starts on every rank: a script path, which every runner can run (see its docstring).
+RANK_ENTRY = REPO_ROOT / "launcher" / "_rank_entry.py"
 
 
 def hostfile_slots(path: Path) -> list[tuple[str, int]]:
@@ -117,6 +122,8 @@ def pdsh_word(arg: str) -> str:
 
 
 LAUNCHERS: tuple[str, ...] = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm")
+# DeepSpeed's MPI runners start every slot of the hostfile: they refuse --include/--exclude/--num_nodes/--num_gpus.
+MPI_LAUNCHERS: tuple[str, ...] = ("openmpi", "mvapich", "mpich", "impi")
 
 
 def node_resources(args: argparse.Namespace) -> dict[str, list[int]]:
@@ -168,6 +175,22 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
             out.append("--no-ssh needs --master-port: every node must rendezvous on the same port")
     elif args.node_rank is not None:
         out.append("--node-rank is only used with --no-ssh (with ssh, DeepSpeed starts every node itself)")
+    if args.launcher in MPI_LAUNCHERS and not args.no_ssh:
+        given = [
+            flag
+            for flag, value in (
+                ("--include", args.include),
+                ("--exclude", args.exclude),
+                ("--num-nodes", args.num_nodes),
+                ("--nproc", args.nproc),
+            )
+            if value
+        ]
+        if given:
+            out.append(
+                f"--launcher {args.launcher} starts every slot of every host in the hostfile (DeepSpeed's rule): "
+                f"drop {', '.join(given)}, or write a hostfile with only the hosts and slots to use"
+            )
     if not args.hostfile:
         given = [
             flag
@@ -177,6 +200,7 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
                 ("--num-nodes", args.num_nodes),
                 ("--launcher", args.launcher),
                 ("--ssh-port", args.ssh_port),
+                ("--no-ssh-check", args.no_ssh_check),
             )
             if value
         ]
@@ -187,9 +211,20 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
     return out  # the numbers' and hosts' own ranges are the argparse types' (data/argtypes.py)
 
 
+def remote_launch(args: argparse.Namespace) -> bool:
+    """Whether DeepSpeed's runner hands the ranks to a multi-node backend (pdsh, mpirun, srun) instead of starting
+    them on this machine: a hostfile without --no-ssh, with several active hosts or an explicit --launcher. DeepSpeed
+    starts a one-host hostfile's ranks on this machine whatever --launcher says; an explicit --launcher is honoured
+    (`build_command` passes --force_multi), a one-host hostfile without one stays local, as DeepSpeed has it."""
+    if not args.hostfile or args.no_ssh:
+        return False
+    return bool(args.launcher) or len(node_resources(args)) > 1
+
+
 def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[str]:
-    """The deepspeed launcher command line (module launch; the trainer reads LOCAL_RANK from the env), with
-    every multi-node option passed through."""
+    """The deepspeed launcher command line, with every multi-node option passed through. The ranks run the script
+    RANK_ENTRY (`python -m launcher.train`; it reads LOCAL_RANK from the env), never `--module launcher.train`,
+    which SlurmRunner drops. Launch makes the ssh check itself (`ssh_check_problem`), so DeepSpeed's is skipped."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--master_port", str(port)]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
@@ -206,6 +241,10 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
                 cmd += [flag, str(value)]
         if args.no_ssh:
             cmd += ["--no_ssh", "--node_rank", str(args.node_rank)]
+        else:
+            cmd += ["--no_ssh_check"]
+        if remote_launch(args) and len(node_resources(args)) == 1:
+            cmd += ["--force_multi"]
     else:
         cmd += ["--num_gpus", str(args.nproc or 1)]
     rendezvous = []
@@ -222,14 +261,115 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
         user += ["--config", str(args.config)]
     for o in args.overrides:
         user += ["--set", o]
-    if (
-        args.hostfile
-        and not args.no_ssh
-        and args.launcher in (None, "pdsh")
-        and len(node_resources(args)) > 1
-    ):
+    if remote_launch(args) and args.launcher in (None, "pdsh"):
         user = [pdsh_word(a) for a in user]  # DeepSpeed's pdsh runner hands them to a shell on every node
-    return cmd + ["--module", "launcher.train", *user]
+    return cmd + [str(RANK_ENTRY), *user]
+
+
+def ssh_check_problem(args: argparse.Namespace, timeout_s: float = 30.0) -> Optional[str]:
+    """DeepSpeed's check that the first host answers passwordless ssh, made here so that its failure says how to skip
+    it; None when it passes or does not apply: a local or --no-ssh launch, --no-ssh-check, `--launcher slurm` (srun
+    reaches the nodes through slurmd, never ssh)."""
+    if not remote_launch(args) or args.no_ssh_check or args.launcher == "slurm":
+        return None
+    first = next(iter(node_resources(args)))
+    cmd = ["ssh", "-o", "PasswordAuthentication=no", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    cmd += [*(["-p", str(args.ssh_port)] if args.ssh_port else []), first, "hostname"]
+    try:
+        proc = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s
+        )
+        if proc.returncode == 0:
+            return None
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    except FileNotFoundError:
+        why = "no ssh client on this machine"
+    except subprocess.TimeoutExpired:
+        why = f"no answer in {timeout_s:.0f} s"
+    launcher = args.launcher or "pdsh"
+    return (
+        f"host {first} (the first of {args.hostfile}) does not answer passwordless ssh ({shlex.join(cmd)}: {why}). "
+        f"--launcher {launcher} starts the ranks over ssh: set up keys for it, or give --no-ssh-check to skip this "
+        "check when the launcher reaches the hosts another way (mpirun inside a scheduler's allocation, an rsh agent "
+        "of its own in --launcher-args); --launcher slurm needs no ssh, --no-ssh starts one node without it"
+    )
+
+
+# Settings the ranks of a pdsh launch get from `launch` (DeepSpeed's runner exports only PYTHON*, MV2*, UCX*, MLFLOW*
+# and the accelerator's own variables): each as the user set it for `launch`.
+REMOTE_SETTINGS: tuple[str, ...] = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "DS_ACCELERATOR",
+    "TORCH_EXTENSIONS_DIR",
+    "TOKENIZERS_PARALLELISM",
+)
+
+
+def remote_rank_settings(nproc_per_node: int) -> dict[str, str]:
+    """The settings of REMOTE_SETTINGS this process's environment has, and OMP_NUM_THREADS as `launch_env` gives local
+    ranks when it has none and this machine has no CUDA (its cores over the ranks per node: nodes like this one).
+    Machine-specific defaults stay each node's own: DS_ACCELERATOR (a rank takes the CPU where it has no CUDA) and
+    TORCH_EXTENSIONS_DIR (the trainer's default on its node)."""
+    out = {k: os.environ[k] for k in REMOTE_SETTINGS if k in os.environ}
+    if not torch.cuda.is_available():
+        out.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
+    return out
+
+
+def read_env_file(path: Path) -> list[tuple[str, str]]:
+    """(KEY, VALUE) of each `KEY=VALUE` line of a DeepSpeed environment file (`.deepspeed_env`), as DeepSpeed's runner
+    reads it (split at the first `=`); blank lines and lines without `=` (which DeepSpeed would crash on) skipped."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if "=" in line and line.split("=", 1)[0].strip():
+            key, value = line.split("=", 1)
+            out.append((key.strip(), value.strip()))
+    return out
+
+
+def user_env_files() -> list[Path]:
+    """The user's DeepSpeed environment files (name: $DS_ENV_FILE, default `.deepspeed_env`) that exist: in the home
+    directory and the repository root (where DeepSpeed's runner looks: it runs in the repository root) and in the
+    directory `launch` runs from."""
+    name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    found: list[Path] = []
+    for where in (Path.home(), REPO_ROOT, Path.cwd()):
+        path = (where / name).resolve()
+        if path.is_file() and path not in found:
+            found.append(path)
+    return found
+
+
+def write_rank_env_file(run_dir: Path, settings: dict[str, str]) -> tuple[Path, str]:
+    """Write `run_dir/.deepspeed_env`: `settings`, then every entry of the user's own files (`user_env_files`, which
+    win over `settings` and are never modified). Returns its path and a note saying what the ranks get."""
+    merged = dict(settings)
+    sources = user_env_files()
+    for source in sources:
+        merged.update(read_env_file(source))
+    path = run_dir / ".deepspeed_env"
+    write_text_atomic(path, "".join(f"{k}={v}\n" for k, v in merged.items()))
+    shown = ", ".join(f"{k}={v}" for k, v in merged.items()) or "nothing"
+    users = f", with the entries of {', '.join(map(str, sources))}, which win" if sources else ""
+    return path, f"the ranks on the other hosts get {shown} through {path} (DeepSpeed's DS_ENV_FILE{users})"
+
+
+@contextlib.contextmanager
+def deepspeed_env_file(env: dict[str, str]) -> Iterator[None]:
+    """Make the in-process DeepSpeed runner read env["DS_ENV_FILE"] when set: the runner module reads $DS_ENV_FILE
+    once, at import, and this process imported it before (`node_resources`)."""
+    if "DS_ENV_FILE" not in env:
+        yield
+        return
+    from deepspeed.launcher import runner
+
+    saved = runner.DEEPSPEED_ENVIRONMENT_NAME
+    runner.DEEPSPEED_ENVIRONMENT_NAME = env["DS_ENV_FILE"]  # absolute: os.path.join keeps it as is
+    try:
+        yield
+    finally:
+        runner.DEEPSPEED_ENVIRONMENT_NAME = saved
 
 
 def launch_env(nproc_per_node: int, ranks_run_here: bool = True) -> dict[str, str]:
@@ -271,6 +411,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--launcher", choices=LAUNCHERS, help="DeepSpeed's multi-node backend (default pdsh)")
     p.add_argument("--launcher-args", help="extra arguments for that backend, one quoted string")
     p.add_argument("--ssh-port", type=tcp_port, help="ssh port of the other nodes")
+    p.add_argument(
+        "--no-ssh-check",
+        action="store_true",
+        help="skip the check that the first host answers passwordless ssh (DeepSpeed's --no_ssh_check): for an "
+        "mpirun that reaches the hosts another way; --launcher slurm is never checked",
+    )
     p.add_argument(
         "--no-ssh",
         action="store_true",
@@ -361,13 +507,17 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
             print(f"note: {note}", file=sys.stderr)
     port = args.master_port or free_port()
     cmd = build_command(args, run_dir, port)
-    env = launch_env(
-        max(len(slots) for slots in resources.values()), ranks_run_here=not args.hostfile or args.no_ssh
-    )
-    shown_env = {k: env[k] for k in ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env}
-    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
+    per_node = max(len(slots) for slots in resources.values())
+    env = launch_env(per_node, ranks_run_here=not remote_launch(args))
     run_dir.mkdir(parents=True, exist_ok=True)
     mark_run_dir(run_dir)
+    if remote_launch(args) and args.launcher in (None, "pdsh"):
+        env_file, note = write_rank_env_file(run_dir, remote_rank_settings(per_node))
+        env["DS_ENV_FILE"] = str(env_file)
+        print(f"note: {note}", file=sys.stderr)
+    shown = ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS", "DS_ENV_FILE")
+    shown_env = {k: env[k] for k in shown if k in env}
+    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()) + " " + shlex.join(cmd)
     script = (
         f"#!/usr/bin/env bash\n# world size {world}; written by launcher.launch\n"
         f"cd {shlex.quote(str(REPO_ROOT))}\n{line}\n"
@@ -395,7 +545,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"run dir: {run_dir}\ncommand: {shlex.join(cmd)}", file=sys.stderr)
     if args.dry_run:
         return 0
-    return run_and_report(cmd, env, run_dir)
+    problem = ssh_check_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    with deepspeed_env_file(env):
+        return run_and_report(cmd, env, run_dir)
 
 
 def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:

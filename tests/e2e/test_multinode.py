@@ -155,7 +155,8 @@ def test_multi_node_options_pass_through_to_deepspeed(tmp_path):
         "--launcher openmpi",
         "--ssh_port 2222",
         "--num_nodes 2",
-        "--module launcher.train",
+        "launcher/_rank_entry.py --run-dir",
+        "--no_ssh --node_rank 1",
     ):
         assert piece in joined, (piece, joined)
 
