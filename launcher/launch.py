@@ -405,11 +405,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 class Terminated(BaseException):
-    """SIGTERM reached the launcher (raised by its handler while the runner waits)."""
+    """SIGTERM or SIGUSR1 reached the launcher (raised by its handler while the runner waits)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def become_subreaper() -> bool:
@@ -431,21 +435,22 @@ def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path, stop_wait
     (LAUNCHER_ENV). A pdsh launch on several hosts is DeepSpeed's runner's to stop (it exits 1): there rank 0 says
     it, pdsh carrying no LAUNCHER_ENV.
 
-    SIGTERM to the launcher (`kill`, docker stop) is forwarded to every process it started (the per-node launcher
-    and the ranks: they save the step's state, launcher/preemption.py); it waits up to `stop_wait_s`, SIGKILLs what
-    is left and exits with the ranks' status (75 when the state was saved), else 143. Whatever way the runner ends,
-    no process it started is left running (`stop_leftovers`)."""
+    SIGTERM or SIGUSR1 to the launcher (`kill`, docker stop, SLURM) is forwarded to every process it started (the
+    per-node launcher and the ranks: they save the step's state, launcher/preemption.py); it waits up to
+    `stop_wait_s`, SIGKILLs what is left and exits with the ranks' status (75 when the state was saved), else 143.
+    Whatever way the runner ends, no process it started is left running (`stop_leftovers`)."""
     import psutil
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     become_subreaper()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     started: list = []
     try:
         try:
             rc = run_runner(cmd, env, started)
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not break the clean-up
+            for sig in previous:  # a repeated signal must not break the clean-up
+                signal.signal(sig, signal.SIG_IGN)
         stop_leftovers(before, "the runner ended", stop_wait_s)
         return rc
     except KeyboardInterrupt:
@@ -453,22 +458,24 @@ def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path, stop_wait
         stop_leftovers(before, "Ctrl-C", stop_wait_s)
         print(interrupted_line(run_dir), file=sys.stderr, flush=True)
         return 130
-    except Terminated:
-        forward_signal(before, signal.SIGTERM)
-        stop_leftovers(before, "SIGTERM", stop_wait_s, forwarded=True)
+    except Terminated as t:
+        name = signal_name(t.signum)
+        forward_signal(before, t.signum)
+        stop_leftovers(before, name, stop_wait_s, forwarded=True)
         node = started[0] if started else None
         rc = node.wait() if node is not None else None
         if rc == PREEMPTED_EXIT:  # rank 0 has said where the state is and how to resume
             return rc
         print(
-            f"terminated (SIGTERM): the ranks ended with status {rc}; "
+            f"terminated ({name}): the ranks ended with status {rc}; "
             + interrupted_line(run_dir).removeprefix("interrupted; "),
             file=sys.stderr,
             flush=True,
         )
         return rc if rc and rc > 0 else ABORTED_EXIT
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def forward_signal(before: set[int], sig: int) -> None:
