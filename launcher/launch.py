@@ -30,6 +30,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -461,9 +462,15 @@ def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path, stop_wait
     except Terminated as t:
         name = signal_name(t.signum)
         forward_signal(before, t.signum)
-        stop_leftovers(before, name, stop_wait_s, forwarded=True)
         node = started[0] if started else None
-        rc = node.wait() if node is not None else None
+        rc = None
+        if node is not None:  # its status first (psutil's waiting in stop_leftovers would reap it as 0)
+            try:
+                rc = node.wait(timeout=stop_wait_s)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                rc = node.wait()
+        stop_leftovers(before, name, stop_wait_s, forwarded=True)
         if rc == PREEMPTED_EXIT:  # rank 0 has said where the state is and how to resume
             return rc
         print(

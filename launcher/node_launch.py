@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 from launcher.preemption import PREEMPTED_EXIT, signal_name
@@ -57,13 +58,20 @@ def main() -> int:
                     p.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=FAILED_STOP_WAIT_S if failed else STOP_WAIT_S)
-        for p in alive:
-            for q in [*p.children(recursive=True), p]:
-                try:
-                    q.kill()
-                except psutil.NoSuchProcess:
-                    pass
+        # Popen.wait, not psutil.wait_procs: psutil would reap the ranks and Popen would then read status 0
+        deadline = time.monotonic() + (FAILED_STOP_WAIT_S if failed else STOP_WAIT_S)
+        for p, _ in ranks:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            if p.is_running():
+                for q in [*p.children(recursive=True), p]:
+                    try:
+                        q.kill()
+                    except psutil.NoSuchProcess:
+                        pass
         for p, _ in ranks:
             try:
                 p.wait(timeout=10)
