@@ -49,6 +49,7 @@ from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import free_port
 from launcher.plan import make_plan
+from launcher.preemption import ABORTED_EXIT, PREEMPTED_EXIT, RESUME_ENV, drop_resume, signal_name
 from launcher.rundir import (
     LAUNCHER_ENV,
     check_run_dir,
@@ -549,24 +550,132 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    # what rank 0 names after a preemption (a batch script may set its own: `sbatch ...`)
+    env.setdefault(
+        RESUME_ENV,
+        f"cd {shlex.quote(os.getcwd())} && "
+        + shlex.join([sys.executable, "-m", "launcher.launch", *drop_resume(list(argv or sys.argv[1:]))]),
+    )
     with deepspeed_env_file(env):
         return run_and_report(cmd, env, run_dir)
 
 
-def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+class Terminated(BaseException):
+    """SIGTERM or SIGUSR1 reached the launcher (raised by its handler while the runner waits)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def become_subreaper() -> bool:
+    """Linux: ranks whose per-node launcher dies are re-parented to this process, not to init, so that they can be
+    found, stopped and reaped (`stop_leftovers`). False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def run_and_report(cmd: list[str], env: dict[str, str], run_dir: Path, stop_wait_s: float = 40.0) -> int:
     """`run_runner`, and on Ctrl-C, once the ranks have ended (`wait_for_children`), one line saying where the last
     checkpoint of `run_dir` is and how to resume, instead of a traceback; exit status 130. The ranks stay silent
     (LAUNCHER_ENV). A pdsh launch on several hosts is DeepSpeed's runner's to stop (it exits 1): there rank 0 says
-    it, pdsh carrying no LAUNCHER_ENV."""
+    it, pdsh carrying no LAUNCHER_ENV.
+
+    SIGTERM or SIGUSR1 to the launcher (`kill`, docker stop, SLURM) is forwarded to every process it started (the
+    per-node launcher and the ranks: they save the step's state, launcher/preemption.py); it waits up to
+    `stop_wait_s`, SIGKILLs what is left and exits with the ranks' status (75 when the state was saved), else 143.
+    Whatever way the runner ends, no process it started is left running (`stop_leftovers`)."""
     import psutil
 
-    before = {p.pid for p in psutil.Process().children()}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    become_subreaper()
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    started: list = []
     try:
-        return run_runner(cmd, env)
+        try:
+            rc = run_runner(cmd, env, started)
+        finally:
+            for sig in previous:  # a repeated signal must not break the clean-up
+                signal.signal(sig, signal.SIG_IGN)
+        stop_leftovers(before, "the runner ended", stop_wait_s)
+        return rc
     except KeyboardInterrupt:
         wait_for_children(before)
+        stop_leftovers(before, "Ctrl-C", stop_wait_s)
         print(interrupted_line(run_dir), file=sys.stderr, flush=True)
         return 130
+    except Terminated as t:
+        name = signal_name(t.signum)
+        forward_signal(before, t.signum)
+        node = started[0] if started else None
+        rc = None
+        if node is not None:  # its status first (psutil's waiting in stop_leftovers would reap it as 0)
+            try:
+                rc = node.wait(timeout=stop_wait_s)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                rc = node.wait()
+        stop_leftovers(before, name, stop_wait_s, forwarded=True)
+        if rc == PREEMPTED_EXIT:  # rank 0 has said where the state is and how to resume
+            return rc
+        print(
+            f"terminated ({name}): the ranks ended with status {rc}; "
+            + interrupted_line(run_dir).removeprefix("interrupted; "),
+            file=sys.stderr,
+            flush=True,
+        )
+        return rc if rc and rc > 0 else ABORTED_EXIT
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def forward_signal(before: set[int], sig: int) -> None:
+    """`sig` to every process this one started since `before` (their pids), descendants included."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def stop_leftovers(before: set[int], why: str, wait_s: float, forwarded: bool = False) -> None:
+    """Every process started since `before` still running (after the per-node launcher died, its ranks): SIGTERM
+    (they save, launcher/preemption.py) unless `forwarded` already, then SIGKILL after `wait_s`; each named."""
+    import psutil
+
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    if not left:
+        return
+    if not forwarded:
+        for p in left:
+            try:
+                rank = p.environ().get("RANK", "?")
+                print(f"rank {rank} (pid {p.pid}) still running after {why}: stopping it", file=sys.stderr)
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+    _, alive = psutil.wait_procs(left, timeout=wait_s)
+    for p in alive:
+        try:
+            print(f"pid {p.pid} did not stop within {wait_s:g} s: SIGKILL", file=sys.stderr)
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
 
 
 def wait_for_children(before: set[int], grace_s: float = 3.0, timeout_s: float = 45.0) -> None:
@@ -589,11 +698,36 @@ def wait_for_children(before: set[int], grace_s: float = 3.0, timeout_s: float =
         pass
 
 
-def run_runner(cmd: list[str], env: dict[str, str]) -> int:
+class _RecordingSubprocess:
+    """`subprocess` for DeepSpeed's runner module: records the process it starts (its exit status, negative when a
+    signal killed it, which the runner does not check) and starts launcher/node_launch.py in place of DeepSpeed's
+    per-node launcher."""
+
+    def __init__(self, started: list) -> None:
+        self.started = started
+
+    def __getattr__(self, name: str) -> object:
+        import subprocess
+
+        return getattr(subprocess, name)
+
+    def Popen(self, cmd: list[str], *args: object, **kwargs: object) -> object:  # noqa: N802
+        import subprocess
+
+        cmd = ["launcher.node_launch" if a == "deepspeed.launcher.launch" else a for a in cmd]
+        p = subprocess.Popen(cmd, *args, **kwargs)
+        self.started.append(p)
+        return p
+
+
+def run_runner(cmd: list[str], env: dict[str, str], started: Optional[list] = None) -> int:
     """Run `cmd` (`python -m deepspeed.launcher.runner ...`, as command.sh records it) in this process, with the
     environment and working directory the subprocess would have had; return its exit status. DeepSpeed's runner
     only parses its arguments, starts the per-node launcher (or pdsh/mpirun/srun) as a subprocess and waits: run in
-    this process it saves one interpreter start that imports torch and DeepSpeed (~2.5 s a launch on 2 cores)."""
+    this process it saves one interpreter start that imports torch and DeepSpeed (~2.5 s a launch on 2 cores).
+    The per-node launcher is launcher/node_launch.py (DeepSpeed's, stopping all ranks at once and naming a rank a
+    signal killed); the process started is appended to `started`; one killed by a signal is named and gives
+    128 + the signal (DeepSpeed's runner counts it as success)."""
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     # pdsh's runner sets them
     saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -602,10 +736,16 @@ def run_runner(cmd: list[str], env: dict[str, str]) -> int:
     os.chdir(REPO_ROOT)
     sys.stdout.flush()
     sys.stderr.flush()
+    started = [] if started is None else started
     try:
         from deepspeed.launcher import runner
 
-        runner.main(cmd[3:])
+        real = runner.subprocess
+        runner.subprocess = _RecordingSubprocess(started)
+        try:
+            runner.main(cmd[3:])
+        finally:
+            runner.subprocess = real
     except SystemExit as e:  # the runner exits with the per-node launcher's status when it failed
         return e.code if isinstance(e.code, int) else 1
     finally:  # a caller in the same process (benchmarks/reproduce.py, tests) keeps its environment and directory
@@ -615,6 +755,14 @@ def run_runner(cmd: list[str], env: dict[str, str]) -> int:
         for sig, handler in saved_signals.items():
             if signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
+    rc = started[0].returncode if started else 0
+    if rc is not None and rc < 0:
+        print(
+            f"DeepSpeed's per-node launcher (pid {started[0].pid}) killed by {signal_name(-rc)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 - rc
     return 0
 
 

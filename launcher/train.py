@@ -6,7 +6,8 @@ Usually started through `python -m launcher.launch` (the deepspeed launcher, N l
 hostfile); started bare it runs as a single process. Everything that can be checked (config, data,
 layout, resume compatibility) is checked before any process group or model exists. On the console: a resume
 says where from, DeepSpeed's first (slow) build of its CPU op is announced, and Ctrl-C ends every rank with
-status 130 and no traceback, rank 0 saying where the last checkpoint is (unless the launcher says it).
+status 130 and no traceback, rank 0 saying where the last checkpoint is (unless the launcher says it). SIGTERM or
+SIGUSR1 (preemption) saves the state of the step in progress and exits with 75 (launcher/preemption.py).
 
 The loop (`train`) reads top to bottom: batch -> forward -> loss (+aux) -> backward -> step -> metrics.
 """
@@ -36,6 +37,9 @@ from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, 
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
 from launcher.plan import Plan, make_plan
+from launcher.preemption import PREEMPTED_EXIT, Preempted
+from launcher.preemption import current as preempt_watch
+from launcher.preemption import install as install_preempt_watch
 from launcher.rundir import (
     LAUNCHER_ENV,
     SHM_OP,
@@ -328,6 +332,7 @@ class Trainer:
         sums = torch.zeros(2, len(plan.catalog.train_domains), dtype=torch.float64, device=self.device)
         window_t, window_steps = time.perf_counter(), 0
         self.comm.take()  # from here on, only the steps' own communication is counted
+        preempt = preempt_watch()
         for step in range(self.start, cfg.train.steps):
             out = train_step(self.bundle, cfg, self.batches(step), len(plan.catalog.train_domains))
             sums += out.domain_sums
@@ -352,9 +357,23 @@ class Trainer:
                     self.log.log(
                         {"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)}
                     )
+            saved = None
             if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
                 with self.comm.paused():
-                    save_training_state(self.run_dir, done, self.bundle, plan, rank)
+                    saved = save_training_state(self.run_dir, done, self.bundle, plan, rank)
+            if (
+                preempt is not None
+            ):  # SIGTERM/SIGUSR1 to any rank: this step's state, then exit (preemption.py)
+                with self.comm.paused():
+                    try:
+                        preempt.at_step_end(
+                            done,
+                            self.device,
+                            lambda: saved or save_training_state(self.run_dir, done, self.bundle, plan, rank),
+                        )
+                    except Preempted:
+                        self.log.close()
+                        raise
         final = evaluate(self.bundle, plan, rank, self.device)
         self.log.log({"kind": "eval", "step": cfg.train.steps, **final})
         if self.start < cfg.train.steps:
@@ -533,9 +552,11 @@ def report_interrupt(run_dir: Optional[Path]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 130 on Ctrl-C."""
+    """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 130 on Ctrl-C, 75 when SIGTERM or
+    SIGUSR1 stopped it with the step's state saved, 143 when such a stop could not save (launcher/preemption.py)."""
     args = parse_args(argv)
     run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         try:
             # MPI/SLURM ranks: their world, before planning
@@ -544,6 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.config, [*args.overrides, *out_dir_override(args.run_dir)], check=False
             )
             run_dir = Path(args.run_dir or cfg.logging.out_dir)
+            watch = install_preempt_watch(cfg.train.preempt_grace_s, 0 if rank0 else 1, run_dir)
             plan = make_plan(cfg, world, check_local_device=True)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
             print(f"error: {e}", file=sys.stderr)
@@ -554,9 +576,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except Preempted as e:
+            if rank0:
+                print(watch.saved_line(e), file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT
     except KeyboardInterrupt:
         return report_interrupt(run_dir)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         print(json.dumps({"run_dir": str(run_dir), **final}))
     return 0
 

@@ -99,6 +99,9 @@ class TrainConfig:
     # `deepspeed_config`). Recommended when grad_accum x data-parallel ranks >= 32 (the sum's bf16 rounding grows
     # with the number of terms); costs twice the gradient bytes on the wire.
     grad_reduce_dtype: Optional[str] = None
+    # After SIGTERM/SIGUSR1 (preemption, launcher/preemption.py): seconds to finish the step and save its state
+    # before the rank aborts unsaved. Below SLURM's KillWait (30 s by default) between SIGTERM and SIGKILL.
+    preempt_grace_s: Float = 25.0
 
     def problems(self, prefix: str = "train") -> list[str]:
         out = []
@@ -108,6 +111,8 @@ class TrainConfig:
         for name in ("eval_interval", "save_interval", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 out.append(f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
+        if self.preempt_grace_s <= 0:
+            out.append(f"{prefix}.preempt_grace_s={self.preempt_grace_s}: must be > 0")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             out.append(f"{prefix}: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0")
         if not 0.0 <= self.warmup_fraction < 1.0:

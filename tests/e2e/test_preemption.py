@@ -1,0 +1,177 @@
+"""Preemption with real processes and real signals: SIGTERM to the ranks, to the launcher, SIGKILL to the per-node
+launcher (launcher/preemption.py, launcher/node_launch.py, launcher/launch.py `run_and_report`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import pytest
+
+from launcher.preemption import PREEMPTED_EXIT
+from tests.e2e.test_train import _launch, _losses, _overrides, reference_run
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 30
+
+
+def _args(tokens: Path, run_dir: Path) -> list[str]:
+    return [
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        *_overrides(tokens, kind="dense", steps=STEPS),
+        "--set",
+        "train.save_interval=0",
+    ]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher.launch", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended early ({proc.returncode}):\n{proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "the run did not get there in time"
+        time.sleep(0.01)
+
+
+def _logged(run_dir: Path, step: int) -> Callable[[], bool]:
+    metrics = run_dir / "metrics.jsonl"
+    return lambda: metrics.is_file() and f'"kind": "train", "step": {step},' in metrics.read_text()
+
+
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    out = []
+    for p in _tree(proc):
+        try:
+            cmd = p.cmdline()
+            if "launcher.train" in cmd and "launcher.node_launch" not in cmd:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _none_alive(procs: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def _cleanup(proc: subprocess.Popen, tree: list[psutil.Process]) -> None:
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_saves_the_step_and_resume_reproduces_the_losses(tiny_tokens, tmp_path):
+    """SIGTERM to both ranks mid-run (what scancel / a SLURM time limit do): exit 75, rank 0's line, the state of the
+    last logged step exists (0 steps lost), and resuming gives the uninterrupted run's losses exactly. Before the
+    handler the ranks died on SIGTERM at once: no state, a negative status that the launcher reported as 1."""
+    run, full = tmp_path / "run", tmp_path / "full"
+    proc = _start(_args(tiny_tokens, run))
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(proc, _logged(run, 3))
+        ranks = _ranks(proc)
+        tree = _tree(proc)
+        assert len(ranks) == 2
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)
+        rc, err = _finish(proc)
+    finally:
+        _cleanup(proc, tree)
+    assert rc == PREEMPTED_EXIT, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("preempted (SIGTERM) at step ")]
+    assert len(lines) == 1, err[-3000:]
+    step = int(lines[0].split("at step ")[1].split(":")[0])
+    state = run / "checkpoints" / f"step_{step:08d}"
+    assert f"training state saved at {state}; resume with: cd " in lines[0]
+    assert "-m launcher.launch" in lines[0] and "--resume" not in lines[0]
+    assert (state / "meta.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == state.name
+    assert max(_losses(run)) == step  # every step trained was saved: none lost
+    assert 3 <= step < STEPS
+    assert not _none_alive(tree)
+    _launch(_args(tiny_tokens, run))
+    reference_run(_overrides(tiny_tokens, kind="dense", steps=STEPS), 2, full)
+    a, b = _losses(full), _losses(run)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    assert max(abs(a[s] - b[s]) for s in a) == 0.0, (a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_only_stops_every_process_of_the_job(tiny_tokens, tmp_path):
+    """`kill LAUNCHER` (docker stop): forwarded to the per-node launcher and the ranks, which save; no process of
+    the job is left, the status is non-zero (75) and rank 0 says where the state is."""
+    run = tmp_path / "run"
+    proc = _start(_args(tiny_tokens, run))
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(proc, _logged(run, 2))
+        tree = _tree(proc)
+        assert len(_ranks(proc)) == 2
+        proc.send_signal(signal.SIGTERM)
+        rc, err = _finish(proc)
+        left = _none_alive(tree)
+    finally:
+        _cleanup(proc, tree)
+    assert rc == PREEMPTED_EXIT, err[-3000:]
+    assert not left, f"left running: {left}"
+    assert "preempted (SIGTERM) at step " in err and "training state saved at" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_killed_per_node_launcher_is_named_and_leaves_no_rank(tiny_tokens, tmp_path):
+    """SIGKILL to DeepSpeed's per-node launcher (launcher/node_launch.py): DeepSpeed's runner would exit 0 with the
+    ranks training on; the launcher names it, exits non-zero and stops the orphaned ranks."""
+    run = tmp_path / "run"
+    proc = _start(_args(tiny_tokens, run))
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(proc, _logged(run, 2))
+        tree = _tree(proc)
+        node = [p for p in tree if "launcher.node_launch" in p.cmdline()]
+        assert len(node) == 1 and len(_ranks(proc)) == 2
+        node[0].kill()
+        rc, err = _finish(proc)
+        left = _none_alive(tree)
+    finally:
+        _cleanup(proc, tree)
+    assert rc == 128 + signal.SIGKILL, err[-3000:]
+    assert f"DeepSpeed's per-node launcher (pid {node[0].pid}) killed by SIGKILL" in err, err[-3000:]
+    assert not left, f"left running: {left}"
