@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -11,6 +12,7 @@ import torch
 
 from data.argtypes import check_host, in_range
 from data.argtypes import port as PORT
+from launcher.rundir import clear_stale_build_lock
 
 
 def free_port() -> int:
@@ -189,6 +191,9 @@ def start_distributed() -> tuple[int, int]:
         torch.backends.cudnn.allow_tf32 = True
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        stale = clear_stale_build_lock()  # the shm op is built at init: a killed build's lock would hang it
+        if stale:
+            print(f"note: {stale}", file=sys.stderr)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if not torch.cuda.is_available():

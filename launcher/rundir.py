@@ -156,6 +156,38 @@ def extensions_root(environ: Optional[Mapping[str, str]] = None) -> Path:
     return Path(get_default_build_root()) / f"{ver}_{acc}"
 
 
+def clear_stale_build_lock(
+    environ: Optional[Mapping[str, str]] = None, op: str = SHM_OP, min_age_s: float = 60.0
+) -> Optional[str]:
+    """Remove the `lock` a killed JIT build left in `op`'s build folder, and say so; None when there is none or a
+    build may be under way. torch's FileBaton waits for that file to disappear, with no timeout: one build killed
+    by a signal (a preempted job, a killed test) hangs every later run at the process group's start. The lock is
+    stale when it is older than `min_age_s` (the builder writes build.ninja and starts ninja within seconds) and
+    no process works in the folder (ninja and the compiler run there)."""
+    folder = extensions_root(environ) / op
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < min_age_s or _busy(folder):
+        return None
+    lock.unlink(missing_ok=True)
+    return f"removed {lock}: a build of {op} killed {age:.0f} s ago left it (nothing was building there)"
+
+
+def _busy(folder: Path) -> bool:
+    """Whether a process has its working directory in `folder` (ninja and the compiler during a JIT build)."""
+    import psutil
+
+    resolved = str(folder.resolve())
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info.get("cwd")
+        if cwd and (cwd == resolved or cwd.startswith(resolved + os.sep)):
+            return True
+    return False
+
+
 def op_build_notice(
     op: str = SHM_OP, environ: Optional[Mapping[str, str]] = None, seconds: int = SHM_OP_BUILD_SECONDS
 ) -> Optional[str]:
