@@ -88,7 +88,8 @@ class NonFiniteGuard:
         loss = sums[0].sum() / sums[1].sum().clamp_min(1)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss.to(loss.dtype)
-        norm = torch.as_tensor(out.grad_norm).to(self.device, torch.float64).reshape(())
+        known = getattr(out, "grad_norm_known", True)  # a norm DeepSpeed did not report is not a divergence
+        norm = torch.as_tensor(out.grad_norm if known else 0.0).to(self.device, torch.float64).reshape(())
         row = torch.stack([torch.tensor(float(step), dtype=torch.float64, device=self.device), loss, norm])
         fresh = self.first[0] == _NONE
         if self.precision == "fp16":

@@ -176,6 +176,8 @@ class StepResult:
     aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
     # routing statistics, means over micro-batches
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    # False when DeepSpeed reported no norm (grad_norm is then NaN for the record, not a divergence)
+    grad_norm_known: bool = True
 
 
 def build_rank_model(plan: Plan, rank: int) -> GPT:
@@ -496,10 +498,12 @@ def train_step(
         # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
         set_step_norm(engine.optimizer, norm)
     engine.step()
+    known = True
     if norm is None:
         gn = engine.get_global_grad_norm()
+        known = gn is not None
         norm = gn if isinstance(gn, torch.Tensor) else torch.tensor(float("nan") if gn is None else float(gn))
-    return StepResult(sums, norm, aux_total, stats)
+    return StepResult(sums, norm, aux_total, stats, grad_norm_known=known)
 
 
 def step_record(

@@ -312,3 +312,23 @@ def test_a_diverging_run_stops_before_saving_and_keeps_the_last_good_state(tiny_
     assert _finite(good) and _finite(run / "model")
     records = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
     assert records[-1]["loss"] is None or records[-1]["grad_norm"] is None or "parameter file" in lines[0]
+
+
+def test_a_grad_norm_deepspeed_did_not_report_is_not_a_divergence():
+    import torch
+
+    from launcher.nonfinite import NonFiniteGuard
+
+    guard, step = NonFiniteGuard("bf16", torch.device("cpu")), _Step(2.0, float("nan"))
+    step.grad_norm_known = False  # train_step: DeepSpeed's get_global_grad_norm() returned None
+    guard.observe(1, step, _Engine())
+    assert guard.first[0] > 1e18
+    step.grad_norm_known = True
+    guard.observe(2, step, _Engine())
+    assert guard.first.tolist()[:2] == [2.0, 2.0] and guard.first[2].isnan()
+    guard.observe(3, step, _Engine())  # the first bad step is kept
+    assert int(guard.first[0]) == 2
+    off = NonFiniteGuard("fp32", torch.device("cpu"), enabled=False)
+    off.observe(1, step, _Engine())
+    off.check(0, 1)  # no collective, no error
+    assert off.first[0] > 1e18
