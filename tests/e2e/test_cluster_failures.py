@@ -332,3 +332,35 @@ def test_a_grad_norm_deepspeed_did_not_report_is_not_a_divergence():
     off.observe(1, step, _Engine())
     off.check(0, 1)  # no collective, no error
     assert off.first[0] > 1e18
+
+
+def test_the_two_messages_name_what_to_change(tmp_path):
+    from launcher.config import load_run_config
+    from launcher.nonfinite import NonFiniteError, nonfinite_line
+    from launcher.train import comm_timeout_line
+    from parallel import comm_timeout
+
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv operation"
+    )
+    assert comm_timeout.is_comm_timeout(gloo) and not comm_timeout.is_comm_timeout(
+        RuntimeError("shape mismatch")
+    )
+    saved = comm_timeout.current_comm_timeout()
+    try:
+        assert comm_timeout.set_comm_timeout(7, "parallel.comm_timeout_s") == 0  # no process group here
+        line = comm_timeout_line(3, gloo)
+    finally:
+        comm_timeout._current = saved
+    assert line.startswith(
+        "rank 3: a collective waited 7 s (parallel.comm_timeout_s) for another rank and gave up"
+    )
+    assert "--set parallel.comm_timeout_s=SECONDS" in line and "Timed out waiting 7000ms" in line
+    cfg = load_run_config(None, ["train.lr=2e-3"])
+    err = NonFiniteError(9, "loss nan, grad norm 1 on rank 0 (not finite)")
+    state = tmp_path / "checkpoints" / "step_00000008"
+    line = nonfinite_line(err, tmp_path, cfg, state)
+    assert line.startswith("training diverged at step 9: loss nan") and "Lower train.lr (now 0.002)" in line
+    assert f"resume from step 8 ({state}; `--resume auto` picks it)" in line
+    assert "train.stop_on_nonfinite=false" in line and "\n" not in line
+    assert "then start again (no training state in" in nonfinite_line(err, tmp_path, cfg, None)
