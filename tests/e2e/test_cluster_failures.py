@@ -98,7 +98,7 @@ def test_every_group_gives_up_after_the_timeout_set_on_it():
     assert got[1] == ["late", "late"]
 
 
-def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 120) -> "object":
+def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> "object":
     """The psutil process of trainer rank `rank` below `launcher`."""
     import psutil
 
@@ -146,7 +146,7 @@ def test_a_frozen_rank_ends_the_job_after_the_timeout(tiny_tokens, tmp_path):
     try:
         frozen = _find_rank(proc, 1)
         metrics = run / "metrics.jsonl"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # start-up only: slow on a loaded machine
         while not (
             metrics.is_file() and '"step": 2,' in metrics.read_text()
         ):  # the training timeout is in force
