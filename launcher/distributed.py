@@ -177,10 +177,14 @@ def local_device_index(local_rank: int, visible: int) -> int:
     )
 
 
-def start_distributed() -> tuple[int, int]:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); returns (rank, world size)."""
+def start_distributed(timeout_s: Optional[float] = None) -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); returns (rank, world size).
+    `timeout_s`: how long the rendezvous and the world group's collectives wait for the other ranks (None:
+    DeepSpeed's default, `DEEPSPEED_TIMEOUT` minutes or 10)."""
     import deepspeed
     import torch.distributed as dist
+
+    from parallel.comm_timeout import timeout_of
 
     ensure_env()
     if torch.cuda.is_available():  # before the first NCCL communicator exists, so each rank binds its own GPU
@@ -195,7 +199,10 @@ def start_distributed() -> tuple[int, int]:
         if stale:
             print(f"note: {stale}", file=sys.stderr)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+            **({} if timeout_s is None else {"timeout": timeout_of(timeout_s)}),
+        )
     if not torch.cuda.is_available():
         dist.barrier()  # every rank has mapped every peer's shared-memory segment (DeepSpeed's shm_initialize)
         release_shm_name(dist.get_rank())

@@ -46,6 +46,7 @@ from launcher.checkpoint import (
 from launcher.config import ConfigError, RunConfig
 from launcher.distributed import training_device
 from launcher.ffn_kinds import ffn_kind
+from launcher.nonfinite import NonFiniteError
 from launcher.plan import Plan
 from launcher.state_discovery import TRAINING_FORMAT, prune_checkpoints, read_state_meta, state_damage
 from launcher.typed import to_dict
@@ -293,19 +294,22 @@ def plan_state_writers(
 
 def _write_param_states(
     out: Path, bundle: Any, plan: Plan, rank: int, device: torch.device
-) -> tuple[dict[Path, int], dict[Path, str]]:
+) -> tuple[dict[Path, int], dict[Path, str], int]:
     """Every parameter's fp32 master and Adam moments, whole (TP-gathered, data-parallel-unpartitioned), as
     DeepSpeed's universal checkpoint lays them out: `zero/<plain-model name>/{fp32,exp_avg,exp_avg_sq,step}.pt`,
     each `{"param": tensor, "cat_dim": tensor-parallel dimension}` (`step.pt` beside exp_avg). Each file is written
     by one of the ranks holding the parameter (`plan_state_writers`, balanced by bytes); returns what this rank
-    wrote (path -> bytes, path -> sha256). Collective: every rank walks its parameters in order (ZeRO 1/2's
-    all-reduce and the TP all-gather give every holder the whole tensor, so choosing the writer adds no traffic)."""
+    wrote (path -> bytes, path -> sha256) and how many of its files hold a NaN or an infinity (counted on the host
+    copy while `train.stop_on_nonfinite` is on, launcher/nonfinite.py). Collective: every rank walks its parameters
+    in order (ZeRO 1/2's all-reduce and the TP all-gather give every holder the whole tensor, so choosing the writer
+    adds no traffic)."""
     model, tp = bundle.engine.module, plan.topo.tensor_parallel
     states = ParamStates(bundle.engine)
     names = ffn_kind(plan.cfg).state_names(model, plan.topo, rank)
     writers = plan_state_writers(_state_files(model, names, states, tp), plan.topo.world_size, rank, device)
     tp_group = bundle.groups.tp_group if tp > 1 else None
     adam_step = states.adam_step()
+    check, nonfinite = plan.cfg.train.stop_on_nonfinite, 0
     with _BackgroundWrites() as writes:
         for name, p in model.named_parameters():
             plain = names[name][0]
@@ -317,10 +321,12 @@ def _write_param_states(
                 host = value.to(
                     "cpu", copy=True
                 ).contiguous()  # its own storage, not a view of the live master
+                if check and not bool(torch.isfinite(host).all()):  # a host tensor: no device read
+                    nonfinite += 1
                 writes.save({"param": host, "cat_dim": cat_dim}, out / plain / f"{key}.pt", host.nbytes)
                 if key == MOMENTS[0]:
                     writes.save(torch.tensor(adam_step), out / plain / "step.pt", 8)
-    return writes.written, writes.digests
+    return writes.written, writes.digests, nonfinite
 
 
 def _write_deepspeed_index(out: Path, bundle: Any, plan: Plan, step: int) -> dict[Path, str]:
@@ -399,7 +405,9 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     """Write the training state of `step` into `checkpoints/step_<n>`, published atomically by rank 0: per-parameter
     fp32 weights and Adam moments (`_write_param_states`, any layout can load them; the files spread over the
     ranks, meta.json's `param_bytes_by_rank` says how), the schedule, loss scaler and buffers (`trainer.pt`), and
-    each rank's RNG (`rng/rank<r>.pt`). Collective."""
+    each rank's RNG (`rng/rank<r>.pt`). Collective. With `train.stop_on_nonfinite` a state any of whose parameter
+    files holds a NaN or an infinity is discarded unpublished and NonFiniteError raised on every rank: the `latest`
+    pointer keeps naming the last good state and nothing is pruned."""
     import torch.distributed as dist
 
     device = training_device()
@@ -414,18 +422,25 @@ def save_training_state(run_dir: Path, step: int, bundle: Any, plan: Plan, rank:
     world = plan.topo.world_size
     written: dict[Path, int] = {}
     digests: dict[Path, str] = {}
+    nonfinite = [0]
 
     def local_files() -> None:  # each rank's parameter files and RNG
-        w, dg = _write_param_states(tmp / "zero", bundle, plan, rank, device)
+        w, dg, nonfinite[0] = _write_param_states(tmp / "zero", bundle, plan, rank, device)
         written.update(w)
         digests.update(dg)
         rng = tmp / "rng" / f"rank{rank:05d}.pt"
         digests[rng] = save_hashed(_rng_state(), rng)
 
     staged_together(local_files, tmp, final, rank, world, device)
-    by_rank = torch.zeros(world, dtype=torch.int64, device=device)
-    by_rank[rank] = sum(written.values())
-    dist.all_reduce(by_rank)  # each rank's parameter-file bytes, for meta.json
+    table = torch.zeros(2, world, dtype=torch.int64, device=device)
+    table[0, rank], table[1, rank] = sum(written.values()), nonfinite[0]
+    dist.all_reduce(table)  # each rank's parameter-file bytes (for meta.json) and non-finite files
+    by_rank, bad = table[0], int(table[1].sum())
+    if bad:  # on every rank: the staged state is discarded unpublished (`latest` and pruning untouched)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise NonFiniteError(
+            step, f"{bad} parameter file(s) of its training state hold NaN or infinite values"
+        )
 
     def shared_files() -> None:  # rank 0's trainer.pt and DeepSpeed index; every rank's checksums
         if rank == 0:

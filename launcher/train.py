@@ -19,9 +19,10 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
 from launcher.ffn_kinds import StepHook, ffn_kind
 from launcher.metrics import MetricsLogger, device_name, peak_memory_gb
+from launcher.nonfinite import EXIT_NONFINITE, NonFiniteError, NonFiniteGuard, nonfinite_line
 from launcher.plan import Plan, make_plan
 from launcher.preemption import PREEMPTED_EXIT, Preempted
 from launcher.preemption import current as preempt_watch
@@ -62,6 +64,7 @@ from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
 from parallel.comm_stats import CommStats
+from parallel.comm_timeout import current_comm_timeout, is_comm_timeout, set_comm_timeout, timeout_of
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 from parallel.overflow import install_norm_overflow_check, set_step_norm
@@ -177,6 +180,8 @@ class StepResult:
     aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
     # routing statistics, means over micro-batches
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    # False when DeepSpeed reported no norm (grad_norm is then NaN for the record, not a divergence)
+    grad_norm_known: bool = True
 
 
 def build_rank_model(plan: Plan, rank: int) -> GPT:
@@ -255,6 +260,8 @@ class Trainer:
     hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
     # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
     comm: Optional[CommStats] = None
+    # the first step with a non-finite loss or gradient norm, and the decision to stop (launcher/nonfinite.py)
+    guard: Optional[NonFiniteGuard] = None
 
     @classmethod
     def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
@@ -268,7 +275,10 @@ class Trainer:
         # another number of GPUs, allocation, ZeRO stage or batch shape: allowed, announced
         if ckpt is not None:
             plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
-        rank, world = start_distributed()
+        # every collective of start-up, the first step, saves and the export may wait this long for the others
+        init_timeout = cfg.parallel.comm_init_timeout_s
+        set_comm_timeout(init_timeout, INIT_TIMEOUT_KEY)
+        rank, world = start_distributed(init_timeout)
         if world != plan.topo.world_size:
             raise ConfigError([f"planned for {plan.topo.world_size} ranks, launched with {world}"], "launch")
         check_shared_run_dir(run_dir, rank, world, training_device())
@@ -290,8 +300,10 @@ class Trainer:
                 plan = replace(planned, notes=planned.notes + tuple(layout_changes(ckpt, planned)))
             if rank == 0:  # on the console too (metrics.jsonl's start record has it as well)
                 print(resume_line(ckpt, start, cfg.train.steps), file=sys.stderr, flush=True)
-        groups = ProcessGroups.create(plan.topo)
+        groups = ProcessGroups.create(plan.topo, timeout=timeout_of(init_timeout))
         bundle = build_rank_engine(plan, build_rank_model(plan, rank), groups)
+        # the same for the groups DeepSpeed made itself (GShard's expert groups)
+        set_comm_timeout(init_timeout, INIT_TIMEOUT_KEY)
         if rank == 0:  # what DeepSpeed got, bucket sizes included (the launcher's copy predates the model)
             write_json_atomic(run_dir / "deepspeed_config.json", bundle.deepspeed_config)
         if ckpt is not None:
@@ -312,6 +324,7 @@ class Trainer:
             ckpt,
             hook,
             CommStats.for_groups(groups).install(),
+            NonFiniteGuard(cfg.train.precision, training_device(), cfg.train.stop_on_nonfinite),
         )
 
     def batches(
@@ -326,22 +339,34 @@ class Trainer:
         ]
 
     def run(self) -> dict[str, Any]:
-        """The loop: batch -> step -> (hook) -> log -> eval -> save; then final eval, state and export."""
+        """The loop: batch -> step -> (hook) -> log -> eval -> save; then final eval, state and export.
+
+        Collectives wait `parallel.comm_init_timeout_s` for the other ranks until the first step is done and during
+        saves and the export, `parallel.comm_timeout_s` otherwise. A non-finite loss or gradient norm is recorded on
+        the device and acted on at the next log interval, evaluation or save (`NonFiniteGuard`): NonFiniteError on
+        every rank, before anything from that step is saved."""
         cfg, plan, rank = self.plan.cfg, self.plan, self.rank
+        world = plan.topo.world_size
+        if self.guard is None:
+            self.guard = NonFiniteGuard(cfg.train.precision, self.device, cfg.train.stop_on_nonfinite)
         self._announce()
         sums = torch.zeros(2, len(plan.catalog.train_domains), dtype=torch.float64, device=self.device)
         window_t, window_steps = time.perf_counter(), 0
         self.comm.take()  # from here on, only the steps' own communication is counted
         preempt = preempt_watch()
         for step in range(self.start, cfg.train.steps):
+            if step == self.start + 1:  # start-up and the first step (compilation, lazy state) are behind
+                set_comm_timeout(cfg.parallel.comm_timeout_s, TRAIN_TIMEOUT_KEY)
             out = train_step(self.bundle, cfg, self.batches(step), len(plan.catalog.train_domains))
             sums += out.domain_sums
             window_steps, done = window_steps + 1, step + 1
+            self.guard.observe(done, out, self.bundle.engine)
             if self.hook is not None:  # e.g. CSE: warm-up, then cluster sequence embeddings and copy the FFN
                 rec = self.hook.after_step(done, lambda i, s=done: self.batches(s, i, 1)[0])
                 if rec is not None:
                     self.log.log({"kind": cfg.model.ffn.kind, "step": done, **rec})
-            if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
+            logged = done % cfg.logging.log_interval == 0 or done == cfg.train.steps
+            if logged:
                 with self.comm.paused():
                     rec = {
                         "kind": "train",
@@ -352,35 +377,58 @@ class Trainer:
                 self.log.log(rec)
                 self.log.progress(done, rec)
                 window_t, window_steps, sums = time.perf_counter(), 0, torch.zeros_like(sums)
-            if cfg.train.eval_interval and done % cfg.train.eval_interval == 0 and done < cfg.train.steps:
+            evaluate_now = bool(cfg.train.eval_interval) and done % cfg.train.eval_interval == 0
+            save_now = bool(cfg.train.save_interval) and done % cfg.train.save_interval == 0
+            if done < cfg.train.steps and (logged or evaluate_now or save_now):
+                with self.comm.paused():
+                    self.guard.check(rank, world)
+            if evaluate_now and done < cfg.train.steps:
                 with self.comm.paused():
                     self.log.log(
                         {"kind": "eval", "step": done, **evaluate(self.bundle, plan, rank, self.device)}
                     )
             saved = None
-            if cfg.train.save_interval and done % cfg.train.save_interval == 0 and done < cfg.train.steps:
-                with self.comm.paused():
+            if save_now and done < cfg.train.steps:
+                with self.comm.paused(), self.patient():
                     saved = save_training_state(self.run_dir, done, self.bundle, plan, rank)
             if (
                 preempt is not None
             ):  # SIGTERM/SIGUSR1 to any rank: this step's state, then exit (preemption.py)
                 with self.comm.paused():
                     try:
-                        preempt.at_step_end(
-                            done,
-                            self.device,
-                            lambda: saved or save_training_state(self.run_dir, done, self.bundle, plan, rank),
-                        )
+                        preempt.at_step_end(done, self.device, lambda: saved or self._preempt_save(done))
                     except Preempted:
                         self.log.close()
                         raise
+        self.guard.check(rank, world)
         final = evaluate(self.bundle, plan, rank, self.device)
         self.log.log({"kind": "eval", "step": cfg.train.steps, **final})
-        if self.start < cfg.train.steps:
-            save_training_state(self.run_dir, cfg.train.steps, self.bundle, plan, rank)
-        export_consolidated(self.bundle, plan, rank, self.run_dir / "model", cfg.train.steps)
+        with self.patient():
+            if self.start < cfg.train.steps:
+                save_training_state(self.run_dir, cfg.train.steps, self.bundle, plan, rank)
+            export_consolidated(self.bundle, plan, rank, self.run_dir / "model", cfg.train.steps)
         self.log.close()
         return final
+
+    def _preempt_save(self, done: int) -> Any:
+        """The training state of step `done` after a preemption signal, once the ranks agree the step is finite
+        (NonFiniteError otherwise: a diverged state is never published)."""
+        plan = self.plan
+        self.guard.check(self.rank, plan.topo.world_size)
+        with self.patient():
+            return save_training_state(self.run_dir, done, self.bundle, plan, self.rank)
+
+    @contextmanager
+    def patient(self) -> Iterator[None]:
+        """Collectives wait `parallel.comm_init_timeout_s` inside the block (a save or the export: ranks write files
+        of unequal sizes, on a filesystem that may stall), the training timeout again after it."""
+        before = current_comm_timeout()
+        set_comm_timeout(self.plan.cfg.parallel.comm_init_timeout_s, INIT_TIMEOUT_KEY)
+        try:
+            yield
+        finally:
+            if before is not None:
+                set_comm_timeout(*before)
 
     def _announce(self) -> None:
         if self.rank != 0:
@@ -398,6 +446,24 @@ class Trainer:
         )
         for note in self.plan.notes:
             print(f"note: {note}", file=sys.stderr)
+
+
+# The config keys of the two collective timeouts, named in the message of a rank that gave up waiting
+INIT_TIMEOUT_KEY, TRAIN_TIMEOUT_KEY = "parallel.comm_init_timeout_s", "parallel.comm_timeout_s"
+# Exit status of a rank (and of launcher.launch) whose collective gave up waiting for another rank
+EXIT_COMM_TIMEOUT = 4
+
+
+def comm_timeout_line(rank: int, exc: BaseException) -> str:
+    """The one line of a rank whose collective gave up waiting for another rank: the timeout and how to change it."""
+    seconds, key = current_comm_timeout() or (None, TRAIN_TIMEOUT_KEY)
+    waited = f"{seconds:g} s ({key})" if seconds is not None else f"its timeout ({key})"
+    return (
+        f"rank {rank}: a collective waited {waited} for another rank and gave up: a rank stopped responding (hung, "
+        f"stopped, lost its device, or far slower than the others), so the job ends. If the ranks are legitimately "
+        f"that slow, raise it (--set {key}=SECONDS); `--resume auto` continues from the last saved state "
+        f"[{str(exc).splitlines()[0][-120:]}]"
+    )
 
 
 def resume_line(ckpt: Path, step: int, steps: int) -> str:
@@ -455,10 +521,12 @@ def train_step(
         # fp16: DeepSpeed's overflow test from this norm (parallel/overflow.py)
         set_step_norm(engine.optimizer, norm)
     engine.step()
+    known = True
     if norm is None:
         gn = engine.get_global_grad_norm()
+        known = gn is not None
         norm = gn if isinstance(gn, torch.Tensor) else torch.tensor(float("nan") if gn is None else float(gn))
-    return StepResult(sums, norm, aux_total, stats)
+    return StepResult(sums, norm, aux_total, stats, grad_norm_known=known)
 
 
 def step_record(
@@ -551,9 +619,31 @@ def report_interrupt(run_dir: Optional[Path]) -> int:
     return 130
 
 
+def report_nonfinite(err: NonFiniteError, run_dir: Path, cfg: RunConfig) -> int:
+    """A run stopped by a non-finite loss, gradient norm or weight (every rank raised it at the same point): rank 0
+    prints one line naming the step, the values and the state to resume from; then a barrier, so that no rank exits
+    (and has DeepSpeed's launcher kill the others) before that line is out. Returns EXIT_NONFINITE."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            resume_from = latest_checkpoint(run_dir)
+        except CheckpointError:
+            resume_from = None
+        print(f"error: {nonfinite_line(err, run_dir, cfg, resume_from)}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
+    return EXIT_NONFINITE
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 130 on Ctrl-C, 75 when SIGTERM or
-    SIGUSR1 stopped it with the step's state saved, 143 when such a stop could not save (launcher/preemption.py)."""
+    """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 3 when the loss, gradient norm or
+    weights stop being finite (launcher/nonfinite.py), 4 when a collective gives up waiting for another rank
+    (`parallel.comm_timeout_s`), 75 when SIGTERM or SIGUSR1 stopped it with the step's state saved, 143 when such
+    a stop could not save (launcher/preemption.py), 130 on Ctrl-C."""
     args = parse_args(argv)
     run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -580,6 +670,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if rank0:
                 print(watch.saved_line(e), file=sys.stderr, flush=True)
             return PREEMPTED_EXIT
+        except NonFiniteError as e:
+            return report_nonfinite(e, run_dir, plan.cfg)
+        except RuntimeError as e:
+            if not is_comm_timeout(e):
+                raise
+            print(
+                f"error: {comm_timeout_line(int(os.environ.get('RANK', '0')), e)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_COMM_TIMEOUT
     except KeyboardInterrupt:
         return report_interrupt(run_dir)
     if rank0:

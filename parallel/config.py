@@ -34,6 +34,10 @@ class ParallelConfig:
     ZeRO-0 path).
     bucket_elements: gradient elements per bucket; None = parallel/grad_reduce.py `bucket_elements`' rule
     (Megatron-core's max(4e7, 1e6 x data-parallel ranks), bounded by the rank's trainable parameters).
+    comm_init_timeout_s: seconds any collective may wait for the other ranks during start-up (rendezvous, resume
+    checks, loading, compilation), the first training step, checkpoint saves and the final export.
+    comm_timeout_s: the same for every other collective, from the second step on. A rank that stops responding
+    (hung, stopped, lost its GPU) ends the job after that long instead of torch's 30 minutes (docs/cluster.md).
     """
 
     tensor_parallel: StrictInt = 1
@@ -42,6 +46,8 @@ class ParallelConfig:
     expert_grad_scaling: str = "domain_mean"
     grad_reduce: str = "overlap"
     bucket_elements: Optional[StrictInt] = None
+    comm_init_timeout_s: Float = 600.0
+    comm_timeout_s: Float = 300.0
 
     def problems(self, prefix: str = "parallel") -> list[str]:
         out = []
@@ -62,6 +68,12 @@ class ParallelConfig:
             out.append(
                 f"{prefix}.bucket_elements={self.bucket_elements}: must be >= 1 (or unset for the size rule)"
             )
+        for name in ("comm_init_timeout_s", "comm_timeout_s"):
+            if getattr(self, name) <= 0:
+                out.append(
+                    f"{prefix}.{name}={getattr(self, name)}: must be > 0 seconds (how long a collective may wait "
+                    "for a rank that stopped responding before the job ends)"
+                )
         return out
 
 
@@ -102,6 +114,9 @@ class TrainConfig:
     # After SIGTERM/SIGUSR1 (preemption, launcher/preemption.py): seconds to finish the step and save its state
     # before the rank aborts unsaved. Below SLURM's KillWait (30 s by default) between SIGTERM and SIGKILL.
     preempt_grace_s: Float = 25.0
+    # Stop every rank at the first optimizer step whose loss or gradient norm is NaN or infinite (fp16: after
+    # FP16_SKIP_LIMIT consecutive overflow-skipped steps), before anything from it is saved (launcher/nonfinite.py).
+    stop_on_nonfinite: StrictBool = True
 
     def problems(self, prefix: str = "train") -> list[str]:
         out = []

@@ -17,6 +17,7 @@ the overflow flag over the largest one. N is the data-parallel size, the group r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -57,8 +58,11 @@ class ProcessGroups:
         return expert_group_name(len(self.dp_ranks))
 
     @classmethod
-    def create(cls, topo: Topology, rank: Optional[int] = None) -> "ProcessGroups":
-        """Make every group (collective: all ranks must call this with the same topology)."""
+    def create(
+        cls, topo: Topology, rank: Optional[int] = None, timeout: Optional[timedelta] = None
+    ) -> "ProcessGroups":
+        """Make every group (collective: all ranks must call this with the same topology). `timeout`: how long each
+        group's collectives wait for the other ranks (None: torch's default, 30 minutes; parallel/comm_timeout.py)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call deepspeed.init_distributed() first"
@@ -72,7 +76,7 @@ class ProcessGroups:
 
         def make(kind: str, groups: list[Group]) -> None:
             for ranks in groups:
-                pg = dist.new_group(list(ranks))
+                pg = dist.new_group(list(ranks), timeout=timeout)
                 if rank in ranks:
                     mine[kind] = (pg, ranks)
 
