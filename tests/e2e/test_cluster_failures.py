@@ -22,6 +22,7 @@ import pytest
 from launcher.metrics import read_metrics
 from tests.e2e.test_train import REPO, _launch, _overrides
 from tests.harness.multirank import run_ranks
+from tests.harness.processes import is_rank_command
 
 # ----------------------------------------------------------------------------------------------------
 # Config
@@ -106,7 +107,7 @@ def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> "
     while time.monotonic() < deadline:
         for p in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if "launcher.train" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+                if is_rank_command(p.cmdline()) and p.environ().get("RANK") == str(rank):
                     return p
             except psutil.Error:
                 continue

@@ -16,6 +16,7 @@ import pytest
 
 from launcher.preemption import PREEMPTED_EXIT
 from tests.e2e.test_train import _launch, _losses, _overrides, reference_run
+from tests.harness.processes import is_rank_command
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -68,7 +69,7 @@ def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
     for p in _tree(proc):
         try:
             cmd = p.cmdline()
-            if "launcher.train" in cmd and "launcher.node_launch" not in cmd:
+            if is_rank_command(cmd):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -175,3 +176,15 @@ def test_a_killed_per_node_launcher_is_named_and_leaves_no_rank(tiny_tokens, tmp
     assert rc == 128 + signal.SIGKILL, err[-3000:]
     assert f"DeepSpeed's per-node launcher (pid {node[0].pid}) killed by SIGKILL" in err, err[-3000:]
     assert not left, f"left running: {left}"
+
+
+def test_the_rank_finder_knows_both_ways_a_rank_is_started():
+    """The tests above find ranks by command line: `launch` starts `launcher/_rank_entry.py`, mpirun/srun/torchrun
+    `-m launcher.train`; the per-node launcher, whose arguments name the script too, is not a rank."""
+    entry = "/repo/launcher/_rank_entry.py"
+    assert is_rank_command(["python", "-u", entry, "--run-dir", "r"])
+    assert is_rank_command(["python", "-m", "launcher.train", "--run-dir", "r"])
+    assert not is_rank_command(["python", "-u", "-m", "launcher.node_launch", "--world_info=x", entry])
+    assert not is_rank_command(["python", "-u", "-m", "deepspeed.launcher.launch", entry])
+    assert not is_rank_command(["python", "-m", "launcher.launch", "--nproc", "2"])
+    assert is_rank_command(["python", "-u", entry, "--run-dir", "/tmp/test_killed_per_node_launcher0/run"])
