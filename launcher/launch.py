@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import yaml
@@ -701,21 +701,18 @@ def wait_for_children(before: set[int], grace_s: float = 3.0, timeout_s: float =
 class _RecordingSubprocess:
     """`subprocess` for DeepSpeed's runner module: records the process it starts (its exit status, negative when a
     signal killed it, which the runner does not check) and starts launcher/node_launch.py in place of DeepSpeed's
-    per-node launcher."""
+    per-node launcher. Everything else, Popen included, goes to `inner` (the module the runner had)."""
 
-    def __init__(self, started: list) -> None:
+    def __init__(self, started: list, inner: Any) -> None:
         self.started = started
+        self.inner = inner
 
     def __getattr__(self, name: str) -> object:
-        import subprocess
-
-        return getattr(subprocess, name)
+        return getattr(self.inner, name)
 
     def Popen(self, cmd: list[str], *args: object, **kwargs: object) -> object:  # noqa: N802
-        import subprocess
-
         cmd = ["launcher.node_launch" if a == "deepspeed.launcher.launch" else a for a in cmd]
-        p = subprocess.Popen(cmd, *args, **kwargs)
+        p = self.inner.Popen(cmd, *args, **kwargs)
         self.started.append(p)
         return p
 
@@ -741,7 +738,7 @@ def run_runner(cmd: list[str], env: dict[str, str], started: Optional[list] = No
         from deepspeed.launcher import runner
 
         real = runner.subprocess
-        runner.subprocess = _RecordingSubprocess(started)
+        runner.subprocess = _RecordingSubprocess(started, real)
         try:
             runner.main(cmd[3:])
         finally:

@@ -98,7 +98,8 @@ def _hostfile(tmp_path: Path, text: str = "node0 slots=2\nnode1 slots=2\n") -> l
 
 @pytest.mark.parametrize("launcher", RUNNERS)
 def test_every_runner_is_given_a_script_it_can_run(tiny_tokens, tmp_path, deepspeed_started, launcher):
-    """Every runner starts `python -u RANK_ENTRY ARGS` (pdsh through DeepSpeed's per-node launcher): no `--module`,
+    """Every runner starts `python -u RANK_ENTRY ARGS` (pdsh through the per-node launcher launcher/node_launch.py,
+    DeepSpeed's with the project's signal handling): no `--module`,
     which SlurmRunner dropped (srun then ran `python -u launcher.train`, a file that does not exist)."""
     args = parse_args(
         [*_hostfile(tmp_path), "--launcher", launcher, "--run-dir", str(tmp_path / "run")]
@@ -109,7 +110,7 @@ def test_every_runner_is_given_a_script_it_can_run(tiny_tokens, tmp_path, deepsp
     assert "--module" not in started and "-m" not in started[started.index(str(RANK_ENTRY)) - 2 :], started
     at = started.index(str(RANK_ENTRY))
     if launcher == "pdsh":
-        assert "deepspeed.launcher.launch" in started[:at] and "--no_local_rank" in started[:at]
+        assert "launcher.node_launch" in started[:at] and "--no_local_rank" in started[:at]
     elif launcher == "mpich":  # DeepSpeed's helper sets RANK and runs the script
         assert started[at - 2 : at] == ["--launcher", "mpich"] and started[at - 3].endswith(
             "launcher_helper.py"
@@ -150,7 +151,7 @@ def test_one_host_honours_launcher(tiny_tokens, tmp_path, deepspeed_started, lau
     assert started[0] == {"slurm": "srun", "openmpi": "mpirun", "pdsh": "pdsh"}[launcher], started
     local = parse_args([*hosts, "--run-dir", str(tmp_path / "b")] + _sets(tiny_tokens))
     started, _ = deepspeed_started(local)
-    assert "deepspeed.launcher.launch" in started and "pdsh" not in started, started
+    assert "launcher.node_launch" in started and "pdsh" not in started, started
     if not __import__("torch").cuda.is_available():
         assert prepare_run(local)[2]["DS_ACCELERATOR"] == "cpu"
 
@@ -168,7 +169,7 @@ def test_pdsh_ranks_get_the_local_ranks_settings(tiny_tokens, tmp_path, deepspee
     monkeypatch.delenv("DS_ENV_FILE", raising=False)
     args = parse_args([*_hostfile(tmp_path), "--run-dir", str(tmp_path / "run")] + _sets(tiny_tokens))
     started, run_dir = deepspeed_started(args)
-    exports = started[started.index("deepspeed.launcher.launch") - 5]
+    exports = started[started.index("launcher.node_launch") - 5]
     for piece in (
         "export NCCL_SOCKET_IFNAME=ib0;",
         "export OMP_NUM_THREADS=7;",
@@ -180,7 +181,7 @@ def test_pdsh_ranks_get_the_local_ranks_settings(tiny_tokens, tmp_path, deepspee
     # without the user's file: launch's own thread count, the one local ranks get
     (home / ".deepspeed_env").unlink()
     started, _ = deepspeed_started(args)
-    exports = started[started.index("deepspeed.launcher.launch") - 5]
+    exports = started[started.index("launcher.node_launch") - 5]
     if not __import__("torch").cuda.is_available():
         assert f"export OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)};" in exports, exports
 
