@@ -238,8 +238,8 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
             ("--launcher", args.launcher),
             ("--launcher_args", args.launcher_args),
         ):
-            if value:
-                cmd += [flag, str(value)]
+            if value:  # FLAG=VALUE: a value that starts with "-" (--launcher_args=--exclusive) stays a value
+                cmd += [f"{flag}={value}"]
         if args.no_ssh:
             cmd += ["--no_ssh", "--node_rank", str(args.node_rank)]
         else:
@@ -410,7 +410,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--exclude", type=host_filter, help="DeepSpeed's -e: hosts/slots to leave out, e.g. 'node1:0'"
     )
     p.add_argument("--launcher", choices=LAUNCHERS, help="DeepSpeed's multi-node backend (default pdsh)")
-    p.add_argument("--launcher-args", help="extra arguments for that backend, one quoted string")
+    p.add_argument(
+        "--launcher-args",
+        help="extra arguments for that backend, one quoted string (one option alone: --launcher-args=--exclusive)",
+    )
     p.add_argument("--ssh-port", type=tcp_port, help="ssh port of the other nodes")
     p.add_argument(
         "--no-ssh-check",

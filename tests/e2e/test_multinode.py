@@ -152,9 +152,9 @@ def test_multi_node_options_pass_through_to_deepspeed(tmp_path):
         "--no_ssh --node_rank 1",
         "--master_addr 10.0.0.1",
         "--master_port 29511",
-        "--launcher openmpi",
-        "--ssh_port 2222",
-        "--num_nodes 2",
+        "--launcher=openmpi",
+        "--ssh_port=2222",
+        "--num_nodes=2",
         "launcher/_rank_entry.py --run-dir",
         "--no_ssh --node_rank 1",
     ):

@@ -253,8 +253,7 @@ def test_launch_with_slurm_on_a_one_node_cluster(tiny_tokens, tmp_path, launched
             str(tmp_path / "hostfile"),
             "--launcher",
             "slurm",
-            "--launcher-args",
-            "--oversubscribe",
+            "--launcher-args=--oversubscribe",  # with `=`: argparse takes a lone "--x" for an option
         ]
         + ["--run-dir", str(run), *_sets(tiny_tokens)],
         env_extra=slurm_cluster,
