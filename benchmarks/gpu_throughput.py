@@ -109,7 +109,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from data.argtypes import nonneg_int, positive_int
+from data.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -827,13 +827,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     p.add_argument(
         "--deadline-s",
-        type=float,
+        type=nonneg_float,
         help=f"seconds from the start after which no cell or phase starts (recorded as not run); 0: none. Default "
         f"{DEFAULT_DEADLINE_S:.0f} for the default preset, {QUICK_DEADLINE_S:.0f} for --quick, none otherwise",
     )
     p.add_argument(
         "--memory-gib",
-        type=float,
+        type=positive_float,
         help="device memory the planner's predictions are held against (default: the GPU's; none on CPU)",
     )
     p.add_argument("--tiny", action="store_true", help="2 layers, d 64, seq 64, vocab 512: runs on CPU")

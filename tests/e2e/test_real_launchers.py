@@ -128,7 +128,7 @@ def test_launch_with_openmpi_on_a_one_host_hostfile(tiny_tokens, tmp_path, launc
         env_extra=AS_ROOT,
     )
     out = proc.stdout + proc.stderr
-    assert "--launcher openmpi" in (run / "command.sh").read_text() and "cmd = mpirun" in out, out[-3000:]
+    assert "--launcher=openmpi" in (run / "command.sh").read_text() and "cmd = mpirun" in out, out[-3000:]
     _same_world_and_losses(run, launched, out)
 
 

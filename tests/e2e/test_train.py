@@ -273,7 +273,8 @@ def test_consolidated_export_evaluates_on_one_process(tiny_tokens, tmp_path):
     assert torch.isfinite(model(x).logits).all()
     ds_cfg = json.loads((run / "deepspeed_config.json").read_text())
     assert ds_cfg["train_micro_batch_size_per_gpu"] == 2 and ds_cfg["gradient_accumulation_steps"] == 2
-    assert "launcher.train" in (run / "command.sh").read_text()
+    # the ranks run launcher/_rank_entry.py: `python -m launcher.train` as a script
+    assert "launcher/_rank_entry.py" in (run / "command.sh").read_text()
 
 
 def test_precision_the_machine_lacks_fails_before_launch(tiny_tokens, tmp_path):
