@@ -383,7 +383,9 @@ def staged_together(
 
     failure: Optional[BaseException] = None
     try:
-        with discard_on_failure(final, staged):  # this rank's failure: remove the whole staged state at once
+        # a full disk named as DiskFullError; nothing removed yet: the other ranks may still be writing into
+        # `staged`, and removing it under them would turn their writes into FileNotFoundError (below, after all agree)
+        with discard_on_failure(final):
             step_fn()
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised below
         failure = e
