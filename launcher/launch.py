@@ -158,6 +158,11 @@ def world_size(args: argparse.Namespace) -> int:
     return sum(len(slots) for slots in node_resources(args).values())
 
 
+def _given(*options: tuple[str, object]) -> list[str]:
+    """The flags of `(flag, value)` pairs the user set (a truthy value)."""
+    return [flag for flag, value in options if value]
+
+
 def launch_problems(args: argparse.Namespace) -> list[str]:
     """Multi-node options that cannot work together, each with the fix."""
     out = []
@@ -177,34 +182,26 @@ def launch_problems(args: argparse.Namespace) -> list[str]:
     elif args.node_rank is not None:
         out.append("--node-rank is only used with --no-ssh (with ssh, DeepSpeed starts every node itself)")
     if args.launcher in MPI_LAUNCHERS and not args.no_ssh:
-        given = [
-            flag
-            for flag, value in (
-                ("--include", args.include),
-                ("--exclude", args.exclude),
-                ("--num-nodes", args.num_nodes),
-                ("--nproc", args.nproc),
-            )
-            if value
-        ]
+        given = _given(
+            ("--include", args.include),
+            ("--exclude", args.exclude),
+            ("--num-nodes", args.num_nodes),
+            ("--nproc", args.nproc),
+        )
         if given:
             out.append(
                 f"--launcher {args.launcher} starts every slot of every host in the hostfile (DeepSpeed's rule): "
                 f"drop {', '.join(given)}, or write a hostfile with only the hosts and slots to use"
             )
     if not args.hostfile:
-        given = [
-            flag
-            for flag, value in (
-                ("--include", args.include),
-                ("--exclude", args.exclude),
-                ("--num-nodes", args.num_nodes),
-                ("--launcher", args.launcher),
-                ("--ssh-port", args.ssh_port),
-                ("--no-ssh-check", args.no_ssh_check),
-            )
-            if value
-        ]
+        given = _given(
+            ("--include", args.include),
+            ("--exclude", args.exclude),
+            ("--num-nodes", args.num_nodes),
+            ("--launcher", args.launcher),
+            ("--ssh-port", args.ssh_port),
+            ("--no-ssh-check", args.no_ssh_check),
+        )
         if given:
             out.append(
                 f"{', '.join(given)} select among the hosts of a --hostfile: give one (a local run uses --nproc)"
