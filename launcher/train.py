@@ -64,7 +64,15 @@ from model.accounting import flops_per_update, head_recomputed, mfu, tflops_per_
 from model.gpt import GPT, LOSS_CHUNK_LOGITS
 from parallel.activation_recompute import apply_activation_recompute
 from parallel.comm_stats import CommStats
-from parallel.comm_timeout import current_comm_timeout, is_comm_timeout, set_comm_timeout, timeout_of
+from parallel.comm_timeout import (
+    current_activity,
+    current_comm_timeout,
+    failed_collective,
+    is_comm_timeout,
+    set_activity,
+    set_comm_timeout,
+    timeout_of,
+)
 from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 from parallel.overflow import install_norm_overflow_check, set_step_norm
@@ -357,6 +365,7 @@ class Trainer:
         for step in range(self.start, cfg.train.steps):
             if step == self.start + 1:  # start-up and the first step (compilation, lazy state) are behind
                 set_comm_timeout(cfg.parallel.comm_timeout_s, TRAIN_TIMEOUT_KEY)
+            set_activity(f"training step {step + 1}")
             out = train_step(self.bundle, cfg, self.batches(step), len(plan.catalog.train_domains))
             sums += out.domain_sums
             window_steps, done = window_steps + 1, step + 1
@@ -389,7 +398,7 @@ class Trainer:
                     )
             saved = None
             if save_now and done < cfg.train.steps:
-                with self.comm.paused(), self.patient():
+                with self.comm.paused(), self.patient(f"saving the state of step {done}"):
                     saved = save_training_state(self.run_dir, done, self.bundle, plan, rank)
             if (
                 preempt is not None
@@ -403,7 +412,7 @@ class Trainer:
         self.guard.check(rank, world)
         final = evaluate(self.bundle, plan, rank, self.device)
         self.log.log({"kind": "eval", "step": cfg.train.steps, **final})
-        with self.patient():
+        with self.patient("saving the final state and exporting the model"):
             if self.start < cfg.train.steps:
                 save_training_state(self.run_dir, cfg.train.steps, self.bundle, plan, rank)
             export_consolidated(self.bundle, plan, rank, self.run_dir / "model", cfg.train.steps)
@@ -415,18 +424,21 @@ class Trainer:
         (NonFiniteError otherwise: a diverged state is never published)."""
         plan = self.plan
         self.guard.check(self.rank, plan.topo.world_size)
-        with self.patient():
+        with self.patient(f"saving the state of step {done} after a preemption signal"):
             return save_training_state(self.run_dir, done, self.bundle, plan, self.rank)
 
     @contextmanager
-    def patient(self) -> Iterator[None]:
+    def patient(self, activity: str) -> Iterator[None]:
         """Collectives wait `parallel.comm_init_timeout_s` inside the block (a save or the export: ranks write files
-        of unequal sizes, on a filesystem that may stall), the training timeout again after it."""
-        before = current_comm_timeout()
+        of unequal sizes, on a filesystem that may stall), the training timeout again after it; `activity` is what a
+        timeout's message says the rank was doing."""
+        before, doing = current_comm_timeout(), current_activity()
         set_comm_timeout(self.plan.cfg.parallel.comm_init_timeout_s, INIT_TIMEOUT_KEY)
+        set_activity(activity)
         try:
             yield
         finally:
+            set_activity(doing)
             if before is not None:
                 set_comm_timeout(*before)
 
@@ -455,11 +467,14 @@ EXIT_COMM_TIMEOUT = 4
 
 
 def comm_timeout_line(rank: int, exc: BaseException) -> str:
-    """The one line of a rank whose collective gave up waiting for another rank: the timeout and how to change it."""
+    """The one line of a rank whose collective gave up waiting for another rank: what it was doing, the collective
+    and its group (parallel/comm_timeout.py `failed_collective`), the timeout and how to change it."""
     seconds, key = current_comm_timeout() or (None, TRAIN_TIMEOUT_KEY)
     waited = f"{seconds:g} s ({key})" if seconds is not None else f"its timeout ({key})"
+    collective = failed_collective(exc)
     return (
-        f"rank {rank}: a collective waited {waited} for another rank and gave up: a rank stopped responding (hung, "
+        f"rank {rank}: {collective or 'a collective'} during {current_activity()} waited {waited} for another rank "
+        f"and gave up: a rank stopped responding (hung, "
         f"stopped, lost its device, or far slower than the others), so the job ends. If the ranks are legitimately "
         f"that slow, raise it (--set {key}=SECONDS); `--resume auto` continues from the last saved state "
         f"[{str(exc).splitlines()[0][-120:]}]"

@@ -11,6 +11,10 @@ shorter one for training steps (`parallel.comm_init_timeout_s`, `parallel.comm_t
 What happens at the timeout depends on the backend. gloo raises a RuntimeError ("Timed out waiting 10000ms for recv
 operation to complete") in the waiting rank (`is_comm_timeout` recognises it); NCCL's watchdog aborts the process
 itself with its own message.
+
+The message of a rank that gave up names what it was waiting in (`failed_collective`): the collective and its group,
+read from the frames of torch's collective call in the exception's traceback (the `group` argument), with the names
+`name_group` gave the project's groups; and what the rank was doing (`set_activity`: the training step, a save).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ import torch.distributed as dist
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # (seconds, where they come from) of the latest `set_comm_timeout` in this process
 _current: Optional[tuple[float, str]] = None
+# id(group) -> (group, name) for the groups the project made (parallel/groups.py); the group is kept so its id stays
+_names: dict[int, tuple[dist.ProcessGroup, str]] = {}
+# what this rank is doing (the trainer: "start-up", "training step 12", "saving step 10"), for the message
+_activity = "start-up"
 
 
 def timeout_of(seconds: float) -> timedelta:
@@ -68,3 +76,51 @@ def current_comm_timeout() -> Optional[tuple[float, str]]:
 def is_comm_timeout(exc: BaseException) -> bool:
     """Whether `exc` is a collective (or the rendezvous store) giving up on another rank after its timeout."""
     return isinstance(exc, RuntimeError) and bool(_TIMEOUT.search(str(exc)))
+
+
+def name_group(group: dist.ProcessGroup, name: str) -> None:
+    """Remember `name` (e.g. "the expert group of domain(s) cooking") for `group`, for `failed_collective`."""
+    _names[id(group)] = (group, name)
+
+
+def set_activity(activity: str) -> None:
+    """What this rank does from now on, named by `failed_collective` (a string assignment: no collective)."""
+    global _activity
+    _activity = activity
+
+
+def current_activity() -> str:
+    """The latest `set_activity`."""
+    return _activity
+
+
+def describe_group(group: Optional[dist.ProcessGroup]) -> str:
+    """A group as a message names it: its name (`name_group`; the world group), and its ranks."""
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if group is None or group is world or group is dist.group.WORLD:
+        return "the world group" + (f" (ranks 0-{dist.get_world_size() - 1})" if world is not None else "")
+    try:
+        ranks = f"ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # not a member, or torch's registry no longer knows it
+        ranks = "ranks unknown"
+    named = _names.get(id(group))
+    return f"{named[1]} ({ranks})" if named is not None and named[0] is group else f"a group of {ranks}"
+
+
+def failed_collective(exc: BaseException) -> Optional[str]:
+    """ "all_reduce on the data-parallel group (ranks [0, 1])": the innermost torch.distributed collective in `exc`'s
+    traceback and the group it was given; None when no such frame is there (e.g. a timeout of the rendezvous)."""
+    found: Optional[str] = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith("distributed_c10d.py") and not frame.f_code.co_name.startswith(
+            "_"
+        ):
+            args = frame.f_locals
+            if "group" in args or "process_group" in args:
+                group = args.get("group", args.get("process_group"))
+                if group is None or isinstance(group, dist.ProcessGroup):
+                    found = f"{frame.f_code.co_name} on {describe_group(group)}"
+        tb = tb.tb_next
+    return found

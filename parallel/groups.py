@@ -22,7 +22,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from parallel.comm_timeout import name_group
 from parallel.topology import Group, Topology
+
+# How a message names each kind of group (parallel/comm_timeout.py `failed_collective`)
+GROUP_NAMES = {
+    "tp": "the tensor-parallel group",
+    "dp": "the data-parallel group",
+    "expert": "the expert group (the ranks of this rank's domain)",
+}
 
 
 def expert_group_name(dp_size: int) -> str:
@@ -79,6 +87,7 @@ class ProcessGroups:
                 pg = dist.new_group(list(ranks), timeout=timeout)
                 if rank in ranks:
                     mine[kind] = (pg, ranks)
+                    name_group(pg, GROUP_NAMES[kind])
 
         make("tp", list(topo.tp_groups))
         make("dp", list(topo.dp_groups))

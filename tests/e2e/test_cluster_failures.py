@@ -11,6 +11,7 @@ The launcher runs are real (2 ranks, gloo, a real SIGSTOP, a real lr of 1e6).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,13 +68,21 @@ def test_the_launcher_refuses_a_bad_timeout_before_anything_starts(tiny_tokens, 
 
 
 def _late_peer(rank: int, world: int) -> list:
-    """Rank 1 comes 3 s late to a collective on the world group and on a new group; rank 0's give up after 1 s."""
+    """Rank 1 comes 3 s late to a collective on the world group and on a new group; rank 0's give up after 1 s, and
+    say which collective on which group."""
     import torch
     import torch.distributed as dist
 
-    from parallel.comm_timeout import is_comm_timeout, set_comm_timeout, timeout_of
+    from parallel.comm_timeout import (
+        failed_collective,
+        is_comm_timeout,
+        name_group,
+        set_comm_timeout,
+        timeout_of,
+    )
 
     sub = dist.new_group([0, 1], timeout=timeout_of(600))
+    name_group(sub, "the test's group")
     dist.all_reduce(torch.ones(1), group=sub)  # both groups connected
     assert set_comm_timeout(1.0, "test") >= 2  # the world group and `sub`
     seen = []
@@ -87,7 +96,7 @@ def _late_peer(rank: int, world: int) -> list:
             dist.all_reduce(torch.ones(1), group=group)
             seen.append("completed")
         except RuntimeError as e:
-            seen.append((is_comm_timeout(e), round(time.monotonic() - t0)))
+            seen.append((is_comm_timeout(e), round(time.monotonic() - t0), failed_collective(e)))
     return seen
 
 
@@ -95,7 +104,10 @@ def test_every_group_gives_up_after_the_timeout_set_on_it():
     """torch's `_set_pg_timeout` reaches gloo's world group and a `new_group` made with another timeout (each group
     otherwise keeps the one it was made with: 30 minutes by default)."""
     got = run_ranks(_late_peer, 2, init_pg=True)
-    assert got[0] == [(True, 1), (True, 1)], got
+    assert got[0] == [
+        (True, 1, "all_reduce on the world group (ranks 0-1)"),
+        (True, 1, "all_reduce on the test's group (ranks [0, 1])"),
+    ], got
     assert got[1] == ["late", "late"]
 
 
@@ -169,7 +181,11 @@ def test_a_frozen_rank_ends_the_job_after_the_timeout(tiny_tokens, tmp_path):
             proc.wait()
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert proc.returncode == 4, err[-3000:]
-    assert len(lines) == 1 and "rank 0: a collective waited 5 s (parallel.comm_timeout_s)" in lines[0], lines
+    assert len(lines) == 1 and " waited 5 s (parallel.comm_timeout_s)" in lines[0], lines
+    # what rank 0 waited in, and when: a collective of torch.distributed on a named group, in a training step
+    assert re.match(
+        r"error: rank 0: \w+ on the [\w -]+ group \(ranks .*\) during training step \d+ waited", lines[0]
+    )
     assert "--set parallel.comm_timeout_s=SECONDS" in lines[0]
     assert ended < 5 + 30 + 20, ended  # the timeout, DeepSpeed's SIGTERM grace, start-up slack on busy cores
     assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
@@ -354,8 +370,8 @@ def test_the_two_messages_name_what_to_change(tmp_path):
     finally:
         comm_timeout._current = saved
     assert line.startswith(
-        "rank 3: a collective waited 7 s (parallel.comm_timeout_s) for another rank and gave up"
-    )
+        "rank 3: a collective during start-up waited 7 s (parallel.comm_timeout_s) for another rank and gave up"
+    )  # no collective frame in this exception's traceback: failed_collective names none
     assert "--set parallel.comm_timeout_s=SECONDS" in line and "Timed out waiting 7000ms" in line
     cfg = load_run_config(None, ["train.lr=2e-3"])
     err = NonFiniteError(9, "loss nan, grad norm 1 on rank 0 (not finite)")
