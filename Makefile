@@ -13,12 +13,14 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: venv wheels gpu-wheels test lint format test-fast demo data flops bench reproduce clean help
+.PHONY: venv wheels gpu-wheels test test-long lint format test-fast demo data flops bench reproduce clean help
 
 help:
 	@echo "make venv   - create .venv with everything installed (the other targets do this first when needed)"
 	@echo "make demo   - build the demo corpus, train tiny Dense/DEMix models on local CPU ranks, report"
-	@echo "make test   - run the test suite (unit, multi-rank gloo, parity)"
+	@echo "make test   - run the test suite (unit, multi-rank gloo, parity): everything but the tests marked long"
+	@echo "make test-long - the long end-to-end runs of the real cluster programs (launchers, SLURM, sshd+pdsh, signals"
+	@echo "              and faults on launched jobs, the simulated GPU node); CI runs it after make test"
 	@echo "make lint   - ruff: formatting check and lint (CI runs it before the tests); make format rewrites"
 	@echo "make gpu-wheels - gpu-wheels/: only what a stock GPU image lacks (<= 10 MiB; PY=3.12, NODE=freeze.txt); on the"
 	@echo "              node: bash scripts/gpu_checks.sh --out DIR (its own Python, no venv, no network): docs/gpu.md"
@@ -86,8 +88,12 @@ wheels: $(STAMP)
 gpu-wheels: $(STAMP)
 	$(BIN)/python scripts/gpu_wheels.py --python-version $(or $(PY),3.12) $(if $(ARCH),--arch $(ARCH),) $(if $(NODE),--node $(NODE),)
 
+# `long`: end-to-end runs of the real programs of a cluster and a GPU node (pyproject.toml says which); CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not long" $(PYTEST_ARGS)
+
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -m long $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check . || { echo "make lint: files above need formatting: run 'make format'" >&2; exit 1; }
@@ -98,7 +104,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not long" $(PYTEST_ARGS)
 
 data: $(STAMP)
 	$(BIN)/python -m data.build_demo
