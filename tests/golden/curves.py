@@ -102,10 +102,13 @@ def environment() -> dict[str, str]:
 
     import torch
 
-    cpu = platform.machine()
+    cpu, vendor = platform.machine(), "unknown"
     try:
-        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [ln for ln in info if ln.startswith("model name")]
         cpu = names[0].split(":", 1)[1].strip() if names else cpu
+        vendors = [ln for ln in info if ln.startswith("vendor_id")]
+        vendor = vendors[0].split(":", 1)[1].strip() if vendors else vendor
     except OSError:
         pass
     return {
@@ -113,8 +116,29 @@ def environment() -> dict[str, str]:
         "deepspeed": version("deepspeed"),
         "python": platform.python_version(),
         "cpu": cpu,
+        "cpu_vendor": vendor,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+# What the last bits of the losses depend on besides the code: a recording is only compared where these are the same.
+KERNEL_KEYS = ("torch", "deepspeed", "cpu_vendor", "cpu_capability")
+
+
+def other_kernels(recorded: dict[str, str], now: Optional[dict[str, str]] = None) -> Optional[str]:
+    """Why this machine cannot be held to `recorded` bit for bit (torch or DeepSpeed of another version, another CPU
+    vendor or kernel family: AVX2 and AVX-512 sum in another order), or None when it can. Tests must pass on any x86
+    CPU: there the exact comparison is skipped with this reason, and the one-ulp self-test still runs."""
+    now = environment() if now is None else now
+    differ = [
+        f"{k} {recorded.get(k)!r} -> {now.get(k)!r}" for k in KERNEL_KEYS if recorded.get(k) != now.get(k)
+    ]
+    if not differ:
+        return None
+    return (
+        f"the golden curves were recorded with other kernels ({'; '.join(differ)}): the last bits legitimately "
+        f"differ; record them on this machine with `{RECORD_COMMAND}` to compare here"
+    )
 
 
 def _nudge_init(name: str, index: int) -> Any:

@@ -18,6 +18,7 @@ from tests.golden.curves import (
     compare,
     load_record,
     make_record,
+    other_kernels,
     overrides,
     path_of,
     run_curves,
@@ -37,7 +38,25 @@ def curves(tiny_tokens, tmp_path_factory) -> dict[str, list[float]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_first_steps_losses_equal_the_golden_curve(kind, curves, tiny_tokens):
+    reason = other_kernels(load_record(kind)["recorded_with"])
+    if reason:
+        pytest.skip(reason)
     compare(kind, curves[kind], tokens=tiny_tokens)
+
+
+def test_only_the_recorded_kernels_are_held_to_the_curves():
+    """Exact on the machine kind they were recorded on; skipped, saying why, on another CPU kernel family or vendor
+    or another torch/DeepSpeed (AVX-512 sums in another order than AVX2: tests pass on any x86 CPU)."""
+    here = {
+        "torch": "2.13.0+cpu",
+        "deepspeed": "0.19.8",
+        "cpu_vendor": "AuthenticAMD",
+        "cpu_capability": "AVX2",
+    }
+    assert other_kernels(here, dict(here, cpu="another model name", python="3.12.1")) is None
+    for key, value in (("cpu_capability", "AVX512"), ("cpu_vendor", "GenuineIntel"), ("torch", "2.14.0+cpu")):
+        reason = other_kernels(here, dict(here, **{key: value}))
+        assert reason is not None and key in reason and RECORD_COMMAND in reason, reason
 
 
 @pytest.mark.slow
