@@ -698,10 +698,27 @@ def wait_for_children(before: set[int], grace_s: float = 3.0, timeout_s: float =
         pass
 
 
+DS_NODE_LAUNCHER, NODE_LAUNCHER = "deepspeed.launcher.launch", "launcher.node_launch"
+
+
+def node_launcher_command(cmd: Sequence[str]) -> list[str]:
+    """`cmd`, a command DeepSpeed's runner starts, with launcher/node_launch.py in place of DeepSpeed's per-node
+    launcher: the module of `python -u -m deepspeed.launcher.launch` (started here, or by pdsh on every host), and in
+    the pattern of the kill command pdsh's runner runs on every host when it gets SIGINT or SIGTERM (`pdsh -w HOSTS
+    'pkill -f ' 'PYTHON\\ -u\\ -m\\ deepspeed.launcher.launc'`), which otherwise matched no process: the per-node
+    launchers and ranks on the hosts kept running, training, after the launch had ended (seen over real pdsh)."""
+    out = [NODE_LAUNCHER if a == DS_NODE_LAUNCHER else a for a in cmd]
+    for i, a in enumerate(out[:-1]):
+        if a.strip() == "pkill -f":  # DeepSpeed cuts the module's last letter: "deepspeed.launcher.launc"
+            out[i + 1] = out[i + 1].replace(DS_NODE_LAUNCHER[:-1], NODE_LAUNCHER[:-1])
+    return out
+
+
 class _RecordingSubprocess:
     """`subprocess` for DeepSpeed's runner module: records the process it starts (its exit status, negative when a
     signal killed it, which the runner does not check) and starts launcher/node_launch.py in place of DeepSpeed's
-    per-node launcher. Everything else, Popen included, goes to `inner` (the module the runner had)."""
+    per-node launcher (`node_launcher_command`). Everything else, Popen included, goes to `inner` (the module the
+    runner had)."""
 
     def __init__(self, started: list, inner: Any) -> None:
         self.started = started
@@ -711,7 +728,7 @@ class _RecordingSubprocess:
         return getattr(self.inner, name)
 
     def Popen(self, cmd: list[str], *args: object, **kwargs: object) -> object:  # noqa: N802
-        cmd = ["launcher.node_launch" if a == "deepspeed.launcher.launch" else a for a in cmd]
+        cmd = node_launcher_command(cmd)
         p = self.inner.Popen(cmd, *args, **kwargs)
         self.started.append(p)
         return p

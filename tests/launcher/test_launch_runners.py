@@ -5,6 +5,8 @@ this process (`run_runner`) with only the final `subprocess.Popen` faked, so eve
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 from launcher.config import ConfigError
 from launcher.launch import (
     RANK_ENTRY,
+    _RecordingSubprocess,
     build_command,
     deepspeed_env_file,
     main,
@@ -184,6 +187,37 @@ def test_pdsh_ranks_get_the_local_ranks_settings(tiny_tokens, tmp_path, deepspee
     exports = started[started.index("launcher.node_launch") - 5]
     if not __import__("torch").cuda.is_available():
         assert f"export OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)};" in exports, exports
+
+
+def test_pdsh_kill_command_names_the_per_node_launcher_launch_starts(tiny_tokens, tmp_path):
+    """On SIGINT/SIGTERM DeepSpeed's pdsh runner runs `pdsh -w HOSTS 'pkill -f ' PATTERN` on every host, PATTERN the
+    start of the per-node launcher's command. launch starts its own per-node launcher (launcher/node_launch.py), so
+    the pattern must name it: DeepSpeed's named `deepspeed.launcher.launc`, matched nothing, and the ranks on the
+    hosts kept training after the launch had ended (found over real pdsh and sshd: tests/e2e/test_pdsh.py)."""
+    from deepspeed.launcher import runner
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    args = parse_args([*_hostfile(tmp_path), "--run-dir", str(tmp_path / "run")] + _sets(tiny_tokens))
+    ds_args = runner.parse_args(build_command(args, tmp_path / "run", 29500)[3:])
+    node_cmd, kill_cmd, _ = PDSHRunner(ds_args, "WORLD").get_cmd({}, {"node0": [0, 1], "node1": [0, 1]})
+    recorded: list[list[str]] = []
+    inner = SimpleNamespace(Popen=lambda cmd, *a, **k: recorded.append(cmd))
+    for cmd in (node_cmd, kill_cmd):  # what launch's in-process runner starts (`run_runner`)
+        _RecordingSubprocess([], inner).Popen(cmd)
+    started, kill = recorded
+    # the process on each host: the words after `cd DIR;` of pdsh's remote command, as `pkill -f` sees them
+    process = " ".join(started[started.index(sys.executable) :])
+    assert " -m launcher.node_launch --world_info=" in process, process
+
+    def pattern(cmd: list[str]) -> str:  # pdsh joins its words; the host's shell splits them again
+        words = shlex.split(" ".join(cmd[[w.strip() for w in cmd].index("pkill -f") :]))
+        assert words[:2] == ["pkill", "-f"] and len(words) == 3, words
+        return words[2]
+
+    assert re.search(pattern(kill), process), (pattern(kill), process)
+    assert not re.search(pattern(kill_cmd), process)  # DeepSpeed's own: its launcher, which does not run
+    # pdsh -w HOSTS as DeepSpeed wrote it
+    assert kill[: kill.index("pkill -f ")] == kill_cmd[: kill_cmd.index("pkill -f ")]
 
 
 def _fake_ssh(tmp_path: Path, monkeypatch, status: int) -> Path:
