@@ -76,7 +76,7 @@ def exit_process(status: Optional[int]) -> NoReturn:
     """`sys.exit(status)` without the interpreter's teardown of every imported module: the atexit callbacks run
     (logging, wandb, multiprocessing, temporary folders) and stdout/stderr are flushed, then the process ends. With
     torch, DeepSpeed (which imports torch._dynamo) and megatron-core loaded, that teardown frees objects one by one
-    for ~2 s of CPU per process and writes nothing (benchmarks/results/make_test_time.md); every rank pays it."""
+    for ~2 s of CPU per process and writes nothing (experiments/results/make_test_time.md); every rank pays it."""
     import atexit
 
     atexit._run_exitfuncs()  # noqa: SLF001  (what sys.exit runs first; CPython's, there since Python 2)

@@ -126,7 +126,7 @@ def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: tor
     """The several-experts path written the obvious way (the forward before the grouped one): one out-of-place
     `index_put` of each expert's rows into the whole activation, every expert touched by a `0 x parameter` term.
     Slow, kept as the reference the grouped forward is tested (tests/model/test_demix.py) and timed
-    (benchmarks/demix_local_experts.py) against."""
+    (experiments/demix_local_experts.py) against."""
     out_BTD = expert_output_like(x_BTD)
     seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
     for e in ffn.expert_ids:

@@ -549,7 +549,7 @@ def test_labelled_set_is_well_formed_and_mixed():
 
 def test_recall_and_precision_on_the_labelled_set():
     """Issue 16: the original patterns had recall 0.598 / precision 0.869 on this set (see
-    benchmarks/results/anonymise_recall.md); the one remaining miss is a deliberate choice (`at`/`dot` spelt out
+    experiments/results/anonymise_recall.md); the one remaining miss is a deliberate choice (`at`/`dot` spelt out
     with an unknown provider)."""
     r = evaluate_spans(load_labelled(LABELLED))
     assert r["overall"]["recall"] >= 0.99, r["overall"]

@@ -182,7 +182,7 @@ HARNESS, DRYRUN, FLOPS, Z2F, BTX, FIGURES = (
     "launcher.modular.btx",
     "launcher.evaluation.figures",
 )
-ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "benchmarks.anonymise_speed"
+ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "experiments.anonymise_speed"
 PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK = (
     "data.prepare",
     "data.ingest",
@@ -1985,7 +1985,7 @@ def test_json_shape_rule():
 
 
 def _project_files():
-    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "scripts"):
+    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "experiments", "scripts"):
         yield from sorted((REPO / pkg).rglob("*.py"))
 
 

@@ -1,5 +1,5 @@
 """The encoding strategies `data.prepare` used before it prepared chunks in worker processes, kept for
-`benchmarks.tokenize_throughput`, which compares them: GPT-2 on threads in one process (`ThreadEncoder`), and
+`experiments.tokenize_throughput`, which compares them: GPT-2 on threads in one process (`ThreadEncoder`), and
 texts pickled to a process pool (`tokenize_documents`)."""
 
 from __future__ import annotations

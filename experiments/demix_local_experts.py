@@ -1,7 +1,7 @@
 """Several DEMix experts on one process (issue 29 item 5): the per-expert scatter + touch-every-expert forward
 (before, kept here as the reference) against the one-permutation forward of model/demix.py (after), CPU step time.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.demix_local_experts [--repeats 7] [--out benchmarks/results]
+    OMP_NUM_THREADS=1 python -m experiments.demix_local_experts [--repeats 7] [--out experiments/results]
 
 Two measurements, each forward + backward (+ zero_grad) with 8 experts on one process:
 
@@ -118,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=positive_int, default=7)
     ap.add_argument("--experts", type=positive_int, default=8)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = ap.parse_args(argv)
     cases = [
         ("DemixFFN layer, D 768 F 3072, B 8 x T 128 (8 domains, 1 sequence each)", layer_case, 8, 128),
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 flush=True,
             )
     load, up1 = ol.result(), uptime()
-    cmd = "OMP_NUM_THREADS=1 python -m benchmarks.demix_local_experts " + " ".join(argv or sys.argv[1:])
+    cmd = "OMP_NUM_THREADS=1 python -m experiments.demix_local_experts " + " ".join(argv or sys.argv[1:])
     lines = [
         "# DEMix: several experts on one process, forward + backward step time (issue 29 item 5)",
         "",

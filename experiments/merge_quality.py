@@ -1,8 +1,8 @@
 """How far a merged DEMix model (experts' parameters averaged, launcher/modular/hf_export/) is from the DEMix
 expert mixture it stands for, per domain, on the same test blocks.
 
-    python -m benchmarks.merge_quality CKPT [CKPT ...] [--data artifacts/demo/tokens] [--tokenizer TOK]
-        [--max-blocks 64] [--cached-blocks 100] [--batch-size 4] [--record benchmarks/results/merge_quality.md]
+    python -m experiments.merge_quality CKPT [CKPT ...] [--data artifacts/demo/tokens] [--tokenizer TOK]
+        [--max-blocks 64] [--cached-blocks 100] [--batch-size 4] [--record experiments/results/merge_quality.md]
 
 Shape legend: E experts (= training domains), L layers, N test blocks, T tokens per block.
 
@@ -338,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     rep: dict[str, Any] = {
         "format": MERGE_QUALITY_FORMAT,
-        "command": "python -m benchmarks.merge_quality " + shlex.join(argv),
+        "command": "python -m experiments.merge_quality " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_info(),
         "max_blocks": args.max_blocks,
