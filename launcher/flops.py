@@ -19,6 +19,7 @@ from data.argtypes import positive_float, positive_int
 from data.cli import cli_main, exit_process
 from launcher.config import RunConfig, load_run_config, model_presets
 from launcher.ffn_kinds import ffn_kind
+from launcher.tables import markdown_table
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
@@ -85,8 +86,7 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
     header = [name for name, _ in _PAPER_COLUMNS]
     body = [[_cell(key, row[key]) for _, key in _PAPER_COLUMNS] for row in rows]
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+        return "\n".join(markdown_table(header, body))
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
 
     def fmt(cells: Sequence[str]) -> str:  # size and arch left-aligned, numbers right-aligned
