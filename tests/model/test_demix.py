@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.demix_local_experts import reference_demix_hidden
 from model.cse import CSEFFN
-from model.demix import DemixFFN, reference_demix_hidden, run_grouped
+from model.demix import DemixFFN, run_grouped
 from model.mlp import FFNOutput, expert_output_like
 
 RTOL = 1e-6
