@@ -98,6 +98,12 @@ def message(e: BaseException) -> str:
     return text
 
 
+def usage_error(e: object) -> int:
+    """A command line's refusal: one `error: ...` line on stderr; the exit status 2 (bad input) to return."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 class ModuleImportError(ValueError):
     """A Python file given on the command line (`--baseline OLD.py`) that cannot be imported; one line names it."""
 

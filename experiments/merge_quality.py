@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from data.argtypes import positive_int
-from data.cli import cli_main
+from data.cli import cli_main, usage_error
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
 from launcher.checkpoint_data import block_inputs, check_checkpoint_data, load_blocks
 from launcher.evaluation.scoring import _cached_prior, _demix_domain, stream_log_likelihoods
@@ -360,8 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for ck in args.checkpoints
         ]
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     rep["uptime_after"] = uptime()
     rep["seconds"] = time.perf_counter() - t0
     if args.interpretation:

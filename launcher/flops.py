@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main, exit_process
+from data.cli import cli_main, exit_process, usage_error
 from launcher.config import RunConfig, load_run_config, model_presets
 from launcher.ffn_kinds import ffn_kind
 from launcher.tables import markdown_table
@@ -222,8 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _run_paper(args) if args.paper else _run_config(args)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
 
 
 if __name__ == "__main__":
