@@ -1,4 +1,4 @@
-"""Several DEMix experts on one process (issue 29 item 5): the per-expert scatter + touch-every-expert forward
+"""Several DEMix experts on one process: the per-expert scatter + touch-every-expert forward
 (before, kept here as the reference) against the one-permutation forward of model/demix.py (after), CPU step time.
 
     OMP_NUM_THREADS=1 python -m experiments.demix_local_experts [--repeats 7] [--out experiments/results]
@@ -163,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load, up1 = ol.result(), uptime()
     cmd = "OMP_NUM_THREADS=1 python -m experiments.demix_local_experts " + " ".join(argv or sys.argv[1:])
     lines = [
-        "# DEMix: several experts on one process, forward + backward step time (issue 29 item 5)",
+        "# DEMix: several experts on one process, forward + backward step time",
         "",
         f"Command: `{cmd.strip()}`",
         "",

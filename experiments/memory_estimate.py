@@ -1,5 +1,5 @@
 """The dry run's per-GPU memory estimate against torch's MemTracker, for Dense, DEMix and GShard at gpt3-small and
-gpt3-xl, with and without activation recompute (bf16, micro-batch 8 x 2048 tokens: issue 29's setting).
+gpt3-xl, with and without activation recompute (bf16, micro-batch 8 x 2048 tokens: the GPU recipe's setting).
 
 For each layout the dry run runs as a user runs it (`launcher.dryrun.main`, its printed table and JSON summary, the
 trace cache cleared first so that its seconds are those of a cold run). Its numbers are then compared with a second,

@@ -64,7 +64,7 @@ PATHS = ("batched", "sequential", "forward")
 OTHERS_WARN = (
     0.25  # cores used by other processes during a timed row above which the results say "under load"
 )
-TARGET_VS_FORWARD = 1.5  # issue 17 point 4: batched >= 1.5x the E forward passes at E = 8
+TARGET_VS_FORWARD = 1.5  # the target: batched >= 1.5x the E forward passes at E = 8
 NOISE = (
     0.98  # batched / sequential below this is "slower"; at E = 1 both run identical code and differ by ~1-2 %
 )
@@ -418,7 +418,7 @@ def write(result: dict, out: Path) -> None:
         "",
         "## Against the targets",
         "",
-        f"Issue 17 point 4: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
+        f"Target: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
         "the E forward passes at the largest E.",
         "",
         "| torch threads | batched vs forward at E = max | batched vs sequential, lowest over E | others' CPU, cores "

@@ -1,4 +1,4 @@
-"""The second catalogue of bad inputs (issue 30): code execution through host names and task folders, silent
+"""The second catalogue of bad inputs: code execution through host names and task folders, silent
 nonsense from numeric options, tracebacks and hangs from config text and wrongly shaped JSON.
 
 Each case runs the CLI's real `main(argv)` in this process, as tests/errors/test_bad_inputs.py does, and must end in one

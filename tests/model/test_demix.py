@@ -21,7 +21,7 @@ RTOL = 1e-6
 
 
 def reference_cse_forward(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
-    """CSEFFN.forward before the permutation (as of issue 29)."""
+    """CSEFFN.forward before the permutation."""
     ids_B, v_BP = ffn.assign(x_BTD)
     if ffn.training and int(ffn.num_active) and torch.is_grad_enabled():
         with torch.no_grad():
