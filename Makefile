@@ -110,7 +110,7 @@ data: $(STAMP)
 	$(BIN)/python -m data.build_demo
 
 demo: $(STAMP)
-	$(BIN)/python -m benchmarks.demo
+	$(BIN)/python -m launcher.demo
 
 flops: $(STAMP)
 	$(BIN)/python -m launcher.flops --paper

@@ -110,6 +110,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from data.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
+from data.cli import usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -871,8 +872,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cells = [(size, parse_arm(name, a.gshard_experts)) for size, name in select_cells(a)]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     from launcher.config import ConfigError, model_presets
 
     unknown = sorted({s for s, _ in cells if s != "tiny" and s not in model_presets()})
@@ -920,8 +920,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(a, cells, result, writer, deadline)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     result["wall_s"] = time.perf_counter() - t0
     writer.write(result)
     print(markdown(result))

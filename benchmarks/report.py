@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from launcher.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
 COSTMODEL_JSON = ROOT / "benchmarks" / "results" / "costmodel_paper.json"
 ARCH_ORDER: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
@@ -113,11 +115,9 @@ def to_markdown(blocks: Sequence[Block]) -> str:
             out.append(f"![{b.caption}]({b.name})\n\n*{b.caption}*")
         else:
             lines = [f"**{b.title}**", ""] if b.title else []
-            lines += ["| " + " | ".join(b.header) + " |", "|" + "---|" * len(b.header)]
-            lines += [
-                "| " + " | ".join(c.replace("|", "\\|").replace("\n", "<br>") for c in r) + " |"
-                for r in b.rows
-            ]
+            lines += markdown_table(
+                b.header, ([c.replace("|", "\\|").replace("\n", "<br>") for c in r] for r in b.rows)
+            )
             if b.note:
                 lines += ["", b.note]
             out.append("\n".join(lines))

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarks import costmodel, report, sweep
 from data.catalog import DataError
+from data.cli import usage_error
 from data.config import TOKENIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,8 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_bench_sweep(args)
     except sweep.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     except DataError as e:
         print(f"error: --data {args.data}: {e}", file=sys.stderr)
         return 2

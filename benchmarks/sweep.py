@@ -62,6 +62,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from benchmarks.machine import OtherLoad, machine_info
 from data.catalog import DataError, load_catalog
+from data.cli import usage_error
 from data.config import TOKENIZERS
 from data.readers import InputFileError, read_yaml
 from launcher.typed import ConfigError, build_lenient, to_dict
@@ -722,8 +723,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_sweep(args.config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     sweep_dir = Path(args.sweep_dir or ROOT / "runs" / "sweeps" / cfg.name)
     if args.dry_run:
         return dry_run(cfg, sweep_dir)

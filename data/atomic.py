@@ -4,7 +4,7 @@ One helper for every file the project publishes (manifests, corpora, tokenizer m
 write to a temporary sibling, then `os.replace` it onto the final name (atomic on POSIX within one
 filesystem). Lives in data/, the lowest layer, so that data/, parallel/ and launcher/ all use the same one.
 
-The rule for a failed writer (issue 30, class 3) is here too, shared by every writer that stages its output:
+The rule for a failed writer is here too, shared by every writer that stages its output:
 
 * `staged_dir(final)`: the whole output is written into a temporary sibling directory, which replaces (or fills)
   `final` only when the writer succeeded. On any failure - an exception, Ctrl-C, the commit itself - the staged

@@ -36,9 +36,6 @@ class Catalog:
     tokenizer_sha256: str = ""  # `tokenizer_fingerprint` of the tokenizer that made these tokens
     eod_id: Optional[int] = None  # end-of-document id (manifests before it was recorded: None)
 
-    def domain_id(self, name: str) -> int:
-        return self.train_domains.index(name)
-
     def total_vocab_size(self, with_domain_tokens: bool) -> int:
         """Token ids the model must cover: the tokenizer's, plus one domain token per training domain."""
         return self.vocab_size + (len(self.train_domains) if with_domain_tokens else 0)

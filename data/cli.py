@@ -76,7 +76,7 @@ def exit_process(status: Optional[int]) -> NoReturn:
     """`sys.exit(status)` without the interpreter's teardown of every imported module: the atexit callbacks run
     (logging, wandb, multiprocessing, temporary folders) and stdout/stderr are flushed, then the process ends. With
     torch, DeepSpeed (which imports torch._dynamo) and megatron-core loaded, that teardown frees objects one by one
-    for ~2 s of CPU per process and writes nothing (benchmarks/results/make_test_time.md); every rank pays it."""
+    for ~2 s of CPU per process and writes nothing (experiments/results/make_test_time.md); every rank pays it."""
     import atexit
 
     atexit._run_exitfuncs()  # noqa: SLF001  (what sys.exit runs first; CPython's, there since Python 2)
@@ -96,6 +96,12 @@ def message(e: BaseException) -> str:
         return f"missing key {e.args[0]!r}" if e.args else "missing key"
     text = str(e).strip() or type(e).__name__
     return text
+
+
+def usage_error(e: object) -> int:
+    """A command line's refusal: one `error: ...` line on stderr; the exit status 2 (bad input) to return."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 class ModuleImportError(ValueError):

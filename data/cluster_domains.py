@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
@@ -42,7 +41,7 @@ import numpy as np
 
 from data.argtypes import positive_int, random_seed
 from data.atomic import staged_dir, write_json_atomic
-from data.cli import check_output_dir, cli_main, exit_process
+from data.cli import check_output_dir, cli_main, exit_process, usage_error
 from data.readers import read_json_object, utf8_lines
 
 FORMAT = "demix-clusterer/1"
@@ -532,8 +531,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             fit_docs=a.fit_docs,
         )
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps({k: v for k, v in report.items() if k != "composition"}))
     return 0
 

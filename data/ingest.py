@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from data.argtypes import nonneg_int
 from data.atomic import staged_dir, write_json_atomic
-from data.cli import check_output_dir, cli_main, exit_process
+from data.cli import check_output_dir, cli_main, exit_process, usage_error
 from data.readers import not_utf8_at
 
 REASONS: tuple[str, ...] = (
@@ -441,8 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             novel=args.novel,
         )
     except (CorpusError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps({"out": report.out_dir, **report.to_json()}))
     return 0
 

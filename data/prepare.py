@@ -67,7 +67,7 @@ from data.chunks import (
     split_documents,
     split_texts,
 )
-from data.cli import check_output_dir, cli_main, exit_process
+from data.cli import check_output_dir, cli_main, exit_process, usage_error
 from data.ingest import CorpusError, Problem, ProblemLog, check_on_error
 from data.prepare_merge import _finish
 from data.prepare_parts import (
@@ -504,8 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             novel=a.novel,
         )
     except (CorpusError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     return 0
 
 

@@ -187,7 +187,7 @@ class GPT2Tokenizer(Tokenizer):
         its matching caches in a pool whose first user thread becomes the owner and takes a cache without locking;
         every other thread locks a mutex for each of the many searches one encode makes. Threads sharing the
         process's encoding spent 15-20% more CPU than one thread on the same texts, and forked processes did not
-        (benchmarks/results/tokenize_throughput.md). So each thread builds its own encoding when it starts (its own
+        (experiments/results/tokenize_throughput.md). So each thread builds its own encoding when it starts (its own
         copy of the rank tables, a few MB) and is the first to use it, and the threads are reused: a new thread
         would not own the old encodings. After a fork the child gets new threads (threads do not survive a fork)."""
         from concurrent.futures import ThreadPoolExecutor

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main, exit_process
+from data.cli import cli_main, exit_process, usage_error
 from launcher.config import RunConfig, load_run_config, model_presets
 from launcher.ffn_kinds import ffn_kind
+from launcher.tables import markdown_table
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
@@ -85,8 +85,7 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
     header = [name for name, _ in _PAPER_COLUMNS]
     body = [[_cell(key, row[key]) for _, key in _PAPER_COLUMNS] for row in rows]
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+        return "\n".join(markdown_table(header, body))
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
 
     def fmt(cells: Sequence[str]) -> str:  # size and arch left-aligned, numbers right-aligned
@@ -222,8 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _run_paper(args) if args.paper else _run_config(args)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
 
 
 if __name__ == "__main__":

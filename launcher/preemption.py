@@ -96,21 +96,14 @@ class PreemptWatch:
         self.saved = False
         self._rsock, self._wsock = socket.socketpair()
         self._wsock.setblocking(False)
-        self._previous: dict[int, object] = {}
-        self._old_wakeup = -1
 
     def install(self) -> "PreemptWatch":
         """Handlers for SIGTERM and SIGUSR1 and the watchdog; main thread only."""
         for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handler)
-        self._old_wakeup = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
+            signal.signal(sig, self._handler)
+        signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
         threading.Thread(target=self._watch, name="preempt-watchdog", daemon=True).start()
         return self
-
-    def uninstall(self) -> None:
-        signal.set_wakeup_fd(self._old_wakeup)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
     def _handler(self, signum: int, frame: object) -> None:
         if not self.signum:

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from data.cli import check_output_dir, cli_main, exit_process
+from data.cli import check_output_dir, cli_main, exit_process, usage_error
 from launcher.checkpoint import (
     CheckpointError,
     check_weight_shapes,
@@ -108,8 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         out = convert(args.state, args.out)
     except (CheckpointError, OSError, json.JSONDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps({"out": str(out), "from": str(resolve_state(args.state))}))
     return 0
 

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Optional, Sequence
 
 from model.config import ModelConfig
@@ -302,32 +301,6 @@ def head_recomputed(tokens_per_micro_batch: int, local_vocab: int, chunk_logits:
     activation checkpointing when a micro-batch has more tokens than one chunk (B·s > rows); one chunk is one plain
     call. V_local is the head's vocabulary on one rank: the padded vocabulary / tensor_parallel."""
     return tokens_per_micro_batch > max(1, chunk_logits // local_vocab)
-
-
-def narayanan_flops(
-    global_batch: int,
-    seq_len: int,
-    n_layers: int,
-    d_model: int,
-    vocab_size: int,
-    convention: str = "recompute",
-) -> int:
-    """The closed form of Narayanan et al. (2021), eq. (3), for a dense GPT with F = 4h:
-
-        recompute:    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))
-        no_recompute: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
-
-    Evaluated in exact rational arithmetic; the result is always an integer.
-    """
-    b, s, l, h, v = global_batch, seq_len, n_layers, d_model, vocab_size
-    if convention == "recompute":
-        f = 96 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 16 * l * h))
-    elif convention == "no_recompute":
-        f = 72 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h))
-    else:
-        raise ValueError(f"FLOPs convention {convention!r}: choose one of {', '.join(FLOP_CONVENTIONS)}")
-    assert f.denominator == 1, "eq. (3) expands to integer terms"
-    return int(f)
 
 
 def tflops_per_gpu(flops_per_update: float, seconds_per_update: float, num_gpus: int) -> float:

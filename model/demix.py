@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from model.config import ModelConfig
-from model.mlp import MLP, FFNOutput, expert_output_like
+from model.mlp import MLP, FFNOutput
 
 
 class _ZeroGradFor(torch.autograd.Function):
@@ -120,26 +120,3 @@ class DemixFFN(nn.Module):
         return FFNOutput(
             hidden=run_grouped(x_BTD, experts, [per_expert[e] for e in self.expert_ids], order_B)
         )
-
-
-def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor) -> torch.Tensor:
-    """The several-experts path written the obvious way (the forward before the grouped one): one out-of-place
-    `index_put` of each expert's rows into the whole activation, every expert touched by a `0 x parameter` term.
-    Slow, kept as the reference the grouped forward is tested (tests/model/test_demix.py) and timed
-    (benchmarks/demix_local_experts.py) against."""
-    out_BTD = expert_output_like(x_BTD)
-    seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
-    for e in ffn.expert_ids:
-        rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
-        seen[rows_N] = True
-        if rows_N.numel():
-            rows_N = rows_N.to(x_BTD.device, non_blocking=True)
-            out_BTD = out_BTD.index_put((rows_N,), ffn.experts[str(e)](x_BTD[rows_N]))
-    if not bool(seen.all()):
-        missing = sorted(set(domain_ids_B[~seen].tolist()))
-        raise ValueError(
-            f"domain ids {missing} have no expert here (this layer holds experts {ffn.expert_ids})"
-        )
-    for e in ffn.expert_ids:
-        out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in ffn.experts[str(e)].parameters())
-    return out_BTD

@@ -112,11 +112,6 @@ class CommStats:
             setattr(dist, name, self._wrap(name, fn))
         return self
 
-    def uninstall(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-        self._originals.clear()
-
     def _wrap(self, name: str, fn: Callable) -> Callable:
         signature = inspect.signature(fn)
 

@@ -50,7 +50,7 @@ the model. All three read the k-distances d_i (distance of sample i to its `dbsc
           Why most clusters before least noise: as eps grows DBSCAN first absorbs noise into clusters and then
           merges clusters; "least noise within the range" picks the eps just before everything merges into
           min_clusters lopsided clusters. Measured on the layer-3 sequence embeddings of `make reproduce`'s
-          Dense model (256 train blocks of 8 domains; benchmarks/results/cse_eps.md): least noise chose 4
+          Dense model (256 train blocks of 8 domains; experiments/results/cse_eps.md): least noise chose 4
           clusters of 161/32/32/28 with routed purity 0.44, most clusters 8 clusters with purity 0.84.
 """
 

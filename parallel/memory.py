@@ -21,7 +21,7 @@ Activations, traced (the default, `estimate_activations`): this rank's GPT as tr
 kind with GShard's layers swapped for DeepSpeed's MoE layer as parallel/gshard.py does, recompute, the precision's
 parameter dtype or autocast, micro-batch, sequence length, the chunked loss) is built on the meta device, its
 parameters become tensors of torch's FakeTensorMode, and one forward+backward runs under `PeakBytes`
-(parallel/peak_memory.py; the accounting of torch's MemTracker, which benchmarks/memory_estimate.py measures
+(parallel/peak_memory.py; the accounting of torch's MemTracker, which experiments/memory_estimate.py measures
 against): every tensor's storage is counted as a device would hold it, nothing is allocated. Gradients are
 preallocated (as after the first micro-batch), so
 

@@ -16,7 +16,6 @@ fails later still, in the first kernel. The same rules, asked up front:
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Optional
 
 import torch
 
@@ -62,15 +61,6 @@ def device_precision_problems(precision: str, device: DeviceSpec) -> list[str]:
     return [
         f"train.precision={p}: {device.label} has no {p}; use train.precision={' or '.join(have + ['fp32'])}"
     ]
-
-
-def precision_problems(precision: str, device: Optional[DeviceSpec] = None) -> list[str]:
-    """For a named device when given, else for this machine."""
-    return (
-        device_precision_problems(precision, device)
-        if device is not None
-        else local_precision_problems(precision)
-    )
 
 
 # ----------------------------------------------------------------------------------------------------

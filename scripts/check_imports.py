@@ -1,4 +1,5 @@
-"""Import every module of the project (launcher, model, parallel, data, benchmarks) and say which fail, and why.
+"""Import every module of the project (launcher, model, parallel, data, benchmarks, experiments) and say which fail,
+and why.
 
     python scripts/check_imports.py [--out imports.txt]
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("launcher", "model", "parallel", "data", "benchmarks")
+PACKAGES = ("launcher", "model", "parallel", "data", "benchmarks", "experiments")
 SKIP = ("__main__",)  # a package's CLI entry runs on import
 # The optional extras (pyproject.toml `tracking`, `harness`): a module that needs one where it is not installed is
 # listed, not failed (its tests skip, saying so); a GPU image has neither.

@@ -4,8 +4,13 @@
     model/     plain PyTorch: GPT, FFN kinds, mixture maths, FLOPs    (no torch.distributed, deepspeed,
                                                                         parallel/, launcher/)
     parallel/  layout, process groups, TP, the DeepSpeed engine        (model/, data/; never launcher/)
-    launcher/  config, plan, FFN-kind strategies, trainer, CLIs       (anything but benchmarks/)
-    benchmarks/ experiments and reports                                (anything)
+    launcher/  config, plan, FFN-kind strategies, trainer, CLIs,      (anything below)
+               the demo (`make demo`)
+    benchmarks/ the user's measuring targets: make bench, make         (anything below)
+               reproduce, sweeps, reports, the cost model, GPU sweep
+    experiments/ one-off experiments, each with its recorded result    (anything but tests/)
+
+No project folder imports tests/: the test harness is the tests' own.
 
 Inside launcher/, lowest first (`LAUNCHER_ORDER`):
 
@@ -23,13 +28,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("data", "model", "parallel", "launcher", "benchmarks")
+PACKAGES = ("data", "model", "parallel", "launcher", "benchmarks", "experiments")
 # folder -> import prefixes it must never use
 FORBIDDEN = {
-    "data": ("model", "parallel", "launcher", "benchmarks"),
-    "model": ("parallel", "launcher", "benchmarks", "torch.distributed", "deepspeed"),
-    "parallel": ("launcher", "benchmarks"),
-    "launcher": ("benchmarks",),
+    "data": ("model", "parallel", "launcher", "benchmarks", "experiments", "tests"),
+    "model": ("parallel", "launcher", "benchmarks", "experiments", "tests", "torch.distributed", "deepspeed"),
+    "parallel": ("launcher", "benchmarks", "experiments", "tests"),
+    "launcher": ("benchmarks", "experiments", "tests"),
+    "benchmarks": ("experiments", "tests"),
+    "experiments": ("tests",),
 }
 
 

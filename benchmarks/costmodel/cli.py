@@ -27,6 +27,7 @@ from benchmarks.costmodel.paper import gshard_comparison, gshard_what_ifs, paper
 from benchmarks.costmodel.predict import predict
 from benchmarks.costmodel.report import RESULTS_DIR, fitted_line, format_table, write_paper_report
 from data.argtypes import nonneg_int, positive_float, positive_int, unit_closed
+from data.cli import usage_error
 from launcher.typed import ConfigError
 from model import accounting as acc
 from model.config import ModelConfig
@@ -169,5 +170,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _one(args, cluster, opts)
         return 0
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)

@@ -19,7 +19,7 @@ def memory_bytes(cfg: ModelConfig, gpus: int, opts: CostOptions, recompute: bool
     (Korthikanti et al.) counts what fairseq keeps, its unfused attention's s x s scores, softmax and dropout
     mask, and the whole-vocabulary fp32 logits of an unchunked loss, where this framework runs fused attention,
     a chunked loss and DeepSpeed's MoE layer. The memory of this framework's runs (the dry run's fit verdict) is
-    `parallel.memory.estimate_activations`, traced from the model itself; benchmarks/results/memory_estimate.md
+    `parallel.memory.estimate_activations`, traced from the model itself; experiments/results/memory_estimate.md
     shows how far the formula is from it."""
     from parallel.memory import activation_bytes
 

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from benchmarks.costmodel.cluster import ROOT
 from benchmarks.costmodel.gshard import GSHARD_TERM_KEYS
+from launcher.tables import markdown_table
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
@@ -60,10 +61,7 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
     header = [n for n, _ in cols]
     body = [[_cell(k, r[k]) for _, k in cols] for r in rows]
     if markdown:
-        return "\n".join(
-            ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(b) + " |" for b in body]
-        )
+        return "\n".join(markdown_table(header, body))
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
 
     def fmt(cells: Sequence[str]) -> str:  # the first two columns (size, arch) left-aligned, the rest right

@@ -1,5 +1,5 @@
 """Anonymisation (DEMix Table 8): every category replaced, look-alikes kept, per-domain policy, and the span
-evaluation on the labelled set tests/fixtures/anonymise_labelled.jsonl (issue 16)."""
+evaluation on the labelled set tests/fixtures/anonymise_labelled.jsonl."""
 
 import random
 import shutil
@@ -82,7 +82,7 @@ def test_policy_per_domain_and_typos_rejected():
     assert texts == ["x@y.com"] and counts == {}
 
 
-# --- forms added for issue 16: each with its look-alikes -----------------------------------------------------------
+# --- forms added for the labelled set: each with its look-alikes ------------------------------------------------------
 
 NEW_POSITIVES = [
     # e-mail: case, sub-domains, plus-tags, obfuscations, URL-encoded
@@ -548,8 +548,8 @@ def test_labelled_set_is_well_formed_and_mixed():
 
 
 def test_recall_and_precision_on_the_labelled_set():
-    """Issue 16: the original patterns had recall 0.598 / precision 0.869 on this set (see
-    benchmarks/results/anonymise_recall.md); the one remaining miss is a deliberate choice (`at`/`dot` spelt out
+    """The original patterns had recall 0.598 / precision 0.869 on this set (see
+    experiments/results/anonymise_recall.md); the one remaining miss is a deliberate choice (`at`/`dot` spelt out
     with an unknown provider)."""
     r = evaluate_spans(load_labelled(LABELLED))
     assert r["overall"]["recall"] >= 0.99, r["overall"]

@@ -1,4 +1,4 @@
-"""data/atomic.py: atomic files and directories, and the rule for a failed writer (issue 30, class 3): a staged
+"""data/atomic.py: atomic files and directories, and the rule for a failed writer: a staged
 output is published whole or removed, and a full disk is reported as one ("no space left on device", the path, its
 filesystem and free bytes), including the way torch's writer really reports it."""
 

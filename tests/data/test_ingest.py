@@ -160,7 +160,7 @@ def test_ingest_is_a_cli(tmp_path):
 
 
 def test_a_domain_that_is_not_a_string_is_a_problem_not_a_domain(tmp_path):
-    """`"domain": true` would have become a domain named "True" (issue 30, class 5); numbers, lists and objects
+    """`"domain": true` would have become a domain named "True"; numbers, lists and objects
     likewise: each is reported with file:line and nothing of it is written."""
     src = tmp_path / "in.jsonl"
     rows = [

@@ -996,7 +996,7 @@ def test_every_torch_load_in_the_project_is_the_weights_only_one():
     """One chokepoint: `launcher.checkpoint.load_weights_only` is the only caller of torch.load, and passes
     weights_only=True; no pickle.load / np.load with pickles anywhere."""
     hits = []
-    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "scripts"):
+    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "experiments", "scripts"):
         for path in (REPO / pkg).rglob("*.py"):
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#")[0]

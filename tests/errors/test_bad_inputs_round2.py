@@ -1,4 +1,4 @@
-"""The second catalogue of bad inputs (issue 30): code execution through host names and task folders, silent
+"""The second catalogue of bad inputs: code execution through host names and task folders, silent
 nonsense from numeric options, tracebacks and hangs from config text and wrongly shaped JSON.
 
 Each case runs the CLI's real `main(argv)` in this process, as tests/errors/test_bad_inputs.py does, and must end in one
@@ -182,7 +182,7 @@ HARNESS, DRYRUN, FLOPS, Z2F, BTX, FIGURES = (
     "launcher.modular.btx",
     "launcher.evaluation.figures",
 )
-ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "benchmarks.anonymise_speed"
+ANONYMISE, ANONYMISE_SPEED = "data.anonymise", "experiments.anonymise_speed"
 PREPARE, INGEST, CLUSTER, COSTMODEL, HF_TOK = (
     "data.prepare",
     "data.ingest",
@@ -1985,7 +1985,7 @@ def test_json_shape_rule():
 
 
 def _project_files():
-    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "scripts"):
+    for pkg in ("data", "model", "parallel", "launcher", "benchmarks", "experiments", "scripts"):
         yield from sorted((REPO / pkg).rglob("*.py"))
 
 

@@ -1,4 +1,4 @@
-"""A damaged training state does not stop the run (issue 30, class 7): checksums recorded while writing, verified
+"""A damaged training state does not stop the run: checksums recorded while writing, verified
 on resume by the ranks together, and a fall back to the newest intact state.
 
 Damage that keeps a file's size (bytes overwritten in place) passes the size check of `state_damage`; the sha256

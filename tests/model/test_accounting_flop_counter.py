@@ -1,4 +1,4 @@
-"""The FLOPs formulas of model/accounting.py against the FLOPs the real model executes (issue 17, point 1).
+"""The FLOPs formulas of model/accounting.py against the FLOPs the real model executes.
 
 `torch.utils.flop_counter.FlopCounterMode` counts every matmul-like aten op (mm, addmm, bmm, baddbmm,
 convolutions, the fused SDPA kernels) that a forward + backward of a real `model.gpt.GPT` runs; it does not

@@ -1,4 +1,4 @@
-"""HFU counts the LM head's forward that the chunked loss recomputes in backward; MFU does not (issue 29).
+"""HFU counts the LM head's forward that the chunked loss recomputes in backward; MFU does not.
 
 The trainer's head + loss (model/gpt.py `chunked_token_loss`) runs in checkpointed chunks of max(1, 2^26 // V_local)
 tokens once a micro-batch has more tokens than that, and backward recomputes each chunk's logits: 2·B·s·h·V more

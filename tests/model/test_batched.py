@@ -128,7 +128,7 @@ def test_peak_memory_is_bounded_not_e_b_t_v():
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.mixing_throughput",
+        "experiments.mixing_throughput",
         "--layers",
         "1",
         "--d-model",

@@ -1,4 +1,4 @@
-"""A CSE layer's forward reads the device at most once (issue 29, "Fast on GPUs"): K, the active cluster count, is a
+"""A CSE layer's forward reads the device at most once (no host waits on a GPU): K, the active cluster count, is a
 host int kept in step with its buffer, and the routing reads only the per-cluster counts of a clustered layer.
 
 `forward_before` is CSEFFN.forward as it was before (K read back with `int(num_active)` twice per forward, the counts

@@ -12,15 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.demix_local_experts import reference_demix_hidden
 from model.cse import CSEFFN
-from model.demix import DemixFFN, reference_demix_hidden, run_grouped
+from model.demix import DemixFFN, run_grouped
 from model.mlp import FFNOutput, expert_output_like
 
 RTOL = 1e-6
 
 
 def reference_cse_forward(ffn: CSEFFN, x_BTD: torch.Tensor) -> FFNOutput:
-    """CSEFFN.forward before the permutation (as of issue 29)."""
+    """CSEFFN.forward before the permutation."""
     ids_B, v_BP = ffn.assign(x_BTD)
     if ffn.training and int(ffn.num_active) and torch.is_grad_enabled():
         with torch.no_grad():

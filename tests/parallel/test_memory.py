@@ -1,5 +1,5 @@
 """The dry run's traced activation memory (parallel/memory.py) against torch's MemTracker on a real forward+backward,
-and benchmarks/memory_estimate.py (the dry run's estimate against MemTracker under fake tensors) end to end."""
+and experiments/memory_estimate.py (the dry run's estimate against MemTracker under fake tensors) end to end."""
 
 from __future__ import annotations
 
@@ -102,11 +102,11 @@ def test_gshard_traced_with_the_layer_training_runs():
 
 @pytest.mark.slow  # end to end: four dry runs and their MemTracker measurements (~20 s of CPU)
 def test_memory_estimate_benchmark_tiny_end_to_end(tmp_path, monkeypatch):
-    """`python -m benchmarks.memory_estimate --tiny`: for every layout (dense, DEMix with one and with four domains
+    """`python -m experiments.memory_estimate --tiny`: for every layout (dense, DEMix with one and with four domains
     per GPU, GShard with every expert on the GPU) and recompute mode, the dry run's estimate is within 10 % of
     MemTracker's measurement (total and activations), traced in seconds, with ZeRO-2 model states within 10 % of
     DeepSpeed's estimator. The check flags a planted wrong estimate."""
-    from benchmarks import memory_estimate as bench
+    from experiments import memory_estimate as bench
 
     seen = {}
     real_run = bench.run

@@ -1,7 +1,7 @@
 """The GPU node's first contact, checked on CPU: the offline wheelhouse's contents and the GPU checks' refusal.
 
 The whole offline path (`make wheels`, then `make venv OFFLINE=1 SYSTEM_TORCH=1` with the network cut and
-`make test-fast` in that venv) is recorded in benchmarks/results/offline_install.md; it downloads and installs too
+`make test-fast` in that venv) is recorded in experiments/results/offline_install.md; it downloads and installs too
 much for the suite.
 """
 

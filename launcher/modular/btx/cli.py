@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from data.argtypes import open_unit, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, usage_error
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError
 from launcher.modular.btx.branching import branch
@@ -98,8 +98,7 @@ def _branch_main(argv: Sequence[str]) -> int:
     try:
         rec = branch(args.checkpoint, args.out, domains, overwrite=args.overwrite)
     except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps(rec, indent=1))
     sets = " ".join(f"--set {shlex.quote(s)}" for s in rec["demix_sets"])
     print(
@@ -130,8 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             overwrite=args.overwrite,
         )
     except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps(rec, indent=1))
     low = {
         l: round(r, 3)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main
+from data.cli import cli_main, usage_error
 from launcher.checkpoint import CheckpointError, check_checkpoint_out, read_meta
 from launcher.checkpoint_data import check_checkpoint_data
 from launcher.config import ConfigError
@@ -291,6 +291,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             {"add": _add, "dapt": _dapt, "remove": _remove}[args.cmd](args)
     except (CheckpointError, ConfigError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     return 0

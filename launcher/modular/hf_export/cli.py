@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from data.argtypes import nonneg_float, positive_int
-from data.cli import check_output_dir, cli_main
+from data.cli import check_output_dir, cli_main, usage_error
 from launcher.checkpoint import CheckpointError, load_consolidated, read_meta
 from launcher.checkpoint_data import load_export_tokenizer
 from launcher.ffn_kinds import ffn_kind
@@ -185,7 +184,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             source=args.checkpoint,
         )
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(json.dumps({**rec, "source": args.checkpoint, "out": args.out}))
     return 0

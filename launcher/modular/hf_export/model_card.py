@@ -14,7 +14,7 @@ from launcher.checkpoint import CheckpointError, Consolidated, read_meta
 def eval_json_candidates(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> list[Path]:
     """Where `launcher.evaluation.evaluate CKPT` leaves its eval.json, in the order the export looks: its default
     --out `CKPT/eval` (`CKPT/eval-without-<names>` for an evaluation with --exclude-experts, when the export opts
-    the same experts out), then the run directory's `CKPT/../eval` (benchmarks/demo.py, reproduce.py; the export's
+    the same experts out), then the run directory's `CKPT/../eval` (launcher/demo.py, reproduce.py; the export's
     older default)."""
     ckpt = Path(checkpoint)
     without = [ckpt / f"eval-without-{'-'.join(exclude)}" / "eval.json"] if exclude else []

@@ -1,4 +1,4 @@
-"""Evaluation runs on the training device in the training precision (issue 28, point 6).
+"""Evaluation runs on the training device in the training precision.
 
 * The standalone evaluator (`launcher.evaluation.evaluate`) picks its device (`--device auto|cpu|cuda`) and
   precision (`--precision auto|fp32|bf16|fp16`); under bf16 the model's matmuls really run in bf16 (CPU autocast

@@ -202,7 +202,7 @@ def test_card_finds_the_evaluation_where_evaluate_writes_it(tmp_path, evaluated)
     card = _card(path, tmp_path / "hf1", "--domain", "sailing")
     assert "| sailing (this export) | train |" in card and str(path / "eval" / "eval.json") in card
     assert "No evaluation" not in card
-    # the run directory's RUN/eval (the export's older default, benchmarks/demo.py's layout) is still found
+    # the run directory's RUN/eval (the export's older default, launcher/demo.py's layout) is still found
     run_eval = path.parent / "eval"
     shutil.copytree(path / "eval", run_eval)
     shutil.move(str(path / "eval"), str(tmp_path / "moved"))

@@ -1,9 +1,9 @@
 """Data preparation at scale: `python -m data.prepare` on synthetic corpora of several sizes vs a tiktoken loop.
 
-    python -m benchmarks.prepare_scale [--sizes 200MB,1.6GB] [--workers 1,2] [--tokenizers gpt2,sentencepiece]
+    python -m experiments.prepare_scale [--sizes 200MB,1.6GB] [--workers 1,2] [--tokenizers gpt2,sentencepiece]
         [--repeats 1] [--seed 0] [--cache-dir DIR] [--tmp-dir DIR] [--run-timeout 0]
-        [--out benchmarks/results/prepare_scale.md] [--smoke]
-    python -m benchmarks.prepare_scale --baseline CORPUS    # the tiktoken loop alone, one JSON line on stdout
+        [--out experiments/results/prepare_scale.md] [--smoke]
+    python -m experiments.prepare_scale --baseline CORPUS    # the tiktoken loop alone, one JSON line on stdout
 
 Corpus (offline): paragraphs of this machine's English text - /usr/share/doc (README-like files, changelogs,
 copyright files; .gz through gzip), /usr/share/common-licenses, man pages of sections 1-8 (roff stripped crudely) -
@@ -51,7 +51,7 @@ from data.atomic import atomic_path, write_json_atomic
 from data.tokenizer import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "experiments" / "results"
 FORMAT = "demix-prepare-scale-corpus/1"
 MARKER = "prepare_scale_corpus.json"
 DOMAINS = (
@@ -471,7 +471,7 @@ def measure_size(
     common = {"size": label, "size_bytes": marker["size_bytes"], "input_bytes": input_bytes}
     base = _best(
         lambda: run_measured(
-            [sys.executable, "-m", "benchmarks.prepare_scale", "--baseline", str(corpus)], a.run_timeout
+            [sys.executable, "-m", "experiments.prepare_scale", "--baseline", str(corpus)], a.run_timeout
         ),
         a.repeats,
     )
@@ -714,7 +714,7 @@ def _sizes(text: str) -> list[tuple[str, int]]:
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.prepare_scale", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.prepare_scale", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument(
         "--baseline", metavar="CORPUS", help="run the tiktoken loop on CORPUS, print one JSON line"
@@ -769,7 +769,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if a.baseline:
         print(json.dumps(r := tiktoken_loop(Path(a.baseline))))
         return r
-    command = "python -m benchmarks.prepare_scale " + shlex.join(
+    command = "python -m experiments.prepare_scale " + shlex.join(
         list(argv) if argv is not None else sys.argv[1:]
     )
     machine = _machine()

@@ -1,8 +1,8 @@
 """DEMix vs BTX (DEMix upcycled into a GShard MoE + MiX finetuning) vs GShard, on equal extra tokens (demo corpus).
 
-    python -m benchmarks.btx_compare [--steps 200] [--nproc 2] [--max-blocks 64] [--cached-blocks 100]
+    python -m experiments.btx_compare [--steps 200] [--nproc 2] [--max-blocks 64] [--cached-blocks 100]
         [--demix DIR] [--gshard DIR] [--layers every_other,all] [--router-init data|zero] [--out runs/btx/compare]
-        [--record benchmarks/results/btx_compare.md]
+        [--record experiments/results/btx_compare.md]
 
 Arms, each evaluated by launcher.evaluation.evaluate.evaluate_checkpoint on the test split (in-domain and novel
 average perplexity, 95 % bootstrap intervals over blocks):
@@ -35,7 +35,7 @@ settings is refused (pass another --out), never resumed with the new ones.
 Seeded mode: BTX as the paper runs it, every arm from ONE trained dense seed checkpoint (e.g. the reproduce arm
 dense-s1), N branch-train steps and M MiX steps:
 
-    python -m benchmarks.btx_compare --seed-dense runs/reproduce/arms/dense-s1/model --branch-steps N --steps M
+    python -m experiments.btx_compare --seed-dense runs/reproduce/arms/dense-s1/model --branch-steps N --steps M
         [--nproc 2] [--layers all] [--router-init data] [--data-seed 11] [--out runs/btx/seeded] [--record FILE]
 
   (seed) the dense seed as is; 0 extra tokens.
@@ -459,7 +459,7 @@ def _start(argv: Sequence[str]) -> dict[str, Any]:
     from benchmarks.machine import machine_info
 
     return {
-        "command": "python -m benchmarks.btx_compare " + shlex.join(argv),
+        "command": "python -m experiments.btx_compare " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_info(),
         "uptime_before": uptime(),
@@ -848,7 +848,9 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.btx_compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.btx_compare", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--steps",
         type=positive_int,
@@ -886,7 +888,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--out", help="where the stages go (default: runs/btx/compare; seeded mode: runs/btx/seeded)"
     )
     p.add_argument(
-        "--record", help="also write the markdown report here (e.g. benchmarks/results/btx_compare.md)"
+        "--record", help="also write the markdown report here (e.g. experiments/results/btx_compare.md)"
     )
     p.add_argument("--note", action="append", default=[], help="a note to add to the report (repeatable)")
     args = p.parse_args(argv)

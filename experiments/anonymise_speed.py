@@ -1,6 +1,6 @@
 """Anonymisation speed: `data.anonymise.anonymise` vs tiktoken GPT-2 `encode_ordinary` on the same text, one core.
 
-    python -m benchmarks.anonymise_speed [--mb 10] [--doc-kb 4] [--rounds 3] [--baseline-rev REV | --baseline OLD.py]
+    python -m experiments.anonymise_speed [--mb 10] [--doc-kb 4] [--rounds 3] [--baseline-rev REV | --baseline OLD.py]
         [--out FILE.md]
 
 The data pipeline anonymises every document before it encodes it, so anonymisation should cost at most a third of
@@ -13,7 +13,7 @@ on this thread, GPT-2 encoding of every document (`load_tokenizer("gpt2").encode
 data/anonymise.py (`git show REV:data/anonymise.py`, or a file), whose output is compared with this one's on every
 document. The best round of each is reported, as MB/s and as the ratio to encoding, with the ratio of every round.
 /proc/loadavg before and after and the CPU other processes used are recorded: the machine may be shared, so only
-ratios within one run compare. Writes benchmarks/results/anonymise_speed.md.
+ratios within one run compare. Writes experiments/results/anonymise_speed.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from data.argtypes import positive_float, positive_int, random_seed
 from data.cli import EXIT_USAGE, ModuleImportError, import_module_file
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "experiments" / "results"
 _DOC_PREFIXES = ("readme", "changelog", "news", "changes", "copyright")
 
 
@@ -169,7 +169,7 @@ def _markdown(
     best = {k: min(v) for k, v in times.items()}
     best_cpu = {k: min(v) for k, v in cpu.items()}
     args = list(argv if argv is not None else sys.argv[1:])
-    command = " ".join(["python -m benchmarks.anonymise_speed"] + ([shlex.join(args)] if args else []))
+    command = " ".join(["python -m experiments.anonymise_speed"] + ([shlex.join(args)] if args else []))
     lines = [
         "# Anonymisation speed vs GPT-2 encoding (one core)",
         "",

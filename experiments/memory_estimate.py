@@ -1,5 +1,5 @@
 """The dry run's per-GPU memory estimate against torch's MemTracker, for Dense, DEMix and GShard at gpt3-small and
-gpt3-xl, with and without activation recompute (bf16, micro-batch 8 x 2048 tokens: issue 29's setting).
+gpt3-xl, with and without activation recompute (bf16, micro-batch 8 x 2048 tokens: the GPU recipe's setting).
 
 For each layout the dry run runs as a user runs it (`launcher.dryrun.main`, its printed table and JSON summary, the
 trace cache cleared first so that its seconds are those of a cold run). Its numbers are then compared with a second,
@@ -23,7 +23,7 @@ each of 2 GPUs; GShard top-2 with all 8 experts on every GPU (experts_per_rank 8
 whose experts are spread over an all-to-all group cannot be traced in one process, and the dry run says so and uses
 the formula).
 
-Run:  python -m benchmarks.memory_estimate [--tiny] [--presets gpt3-small gpt3-xl] [--micro-batch 8] [--seq 2048]
+Run:  python -m experiments.memory_estimate [--tiny] [--presets gpt3-small gpt3-xl] [--micro-batch 8] [--seq 2048]
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def _header_lines(micro_batch: int, seq: int, argv: Sequence[str], tiny: bool, u
     return [
         "# Dry-run memory estimate vs MemTracker",
         "",
-        f"Command: `{shlex.join(['python', '-m', 'benchmarks.memory_estimate', *argv])}` (OMP_NUM_THREADS=1)",
+        f"Command: `{shlex.join(['python', '-m', 'experiments.memory_estimate', *argv])}` (OMP_NUM_THREADS=1)",
         "",
         f"{model}, bf16, micro-batch {micro_batch}, seq {seq}. Per layout, the dry run "
         "(`python -m launcher.dryrun`, the "
@@ -448,7 +448,7 @@ def report(
     tiny: bool,
     fresh: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The Markdown report (benchmarks/results/memory_estimate.md)."""
+    """The Markdown report (experiments/results/memory_estimate.md)."""
     unit, scale = ("MiB", MIB) if tiny else ("GiB", GIB)
     lines = [
         *_header_lines(micro_batch, seq, argv, tiny, unit),

@@ -1,5 +1,5 @@
 """The encoding strategies `data.prepare` used before it prepared chunks in worker processes, kept for
-`benchmarks.tokenize_throughput`, which compares them: GPT-2 on threads in one process (`ThreadEncoder`), and
+`experiments.tokenize_throughput`, which compares them: GPT-2 on threads in one process (`ThreadEncoder`), and
 texts pickled to a process pool (`tokenize_documents`)."""
 
 from __future__ import annotations
@@ -11,17 +11,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from data.anonymise import anonymise_many
 from data.chunks import encode_concat
 from data.tokenizer import GPT2Tokenizer, TokenizerSpec
 
 CHUNK_CHARS = 1 << 18  # text per worker task: big enough to amortise pickling, small enough for a smooth bar
 # text per encoding-thread task: no pickling, so smaller: less idle time at the end
 THREAD_CHUNK_CHARS = 1 << 17
-
-
-def _anonymise_chunk(texts: list[str]) -> tuple[list[str], dict[str, int]]:
-    return anonymise_many(texts)
 
 
 def _encode_chunk(task: tuple[TokenizerSpec, list[str], str]) -> list[np.ndarray]:

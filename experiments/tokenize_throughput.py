@@ -1,6 +1,6 @@
 """Tokenisation throughput: the data pipeline's parallel GPT-2 encoding vs plain single-process tiktoken.
 
-    python -m benchmarks.tokenize_throughput [--mb 8] [--workers 2] [--repeats 2] [--with-prepare] [--cold-runs 3]
+    python -m experiments.tokenize_throughput [--mb 8] [--workers 2] [--repeats 2] [--with-prepare] [--cold-runs 3]
         [--with-anonymise]
 
 Text: the Python standard library's .py files (real text on every machine, offline), read in sorted order up to
@@ -32,7 +32,7 @@ megatron-core import, starting the encoding threads) beside the end-to-end figur
 by tokenisation. The best of `--repeats` is reported for each.
 The CPU other processes used during the run (benchmarks/machine.py `OtherLoad`, in cores) and the 1-minute load
 average at the start and the end are recorded; when others used more than 0.25 cores or the load average was
-above 1.5 the report says it was taken under load. Results go to benchmarks/results/tokenize_throughput.{md,json}.
+above 1.5 the report says it was taken under load. Results go to experiments/results/tokenize_throughput.{md,json}.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _ceiling(tok, texts: list[str], a: argparse.Namespace, single_tokens: int, n
 
 def _pipeline_threads(tok, texts: list[str], workers: int) -> int:
     """Tokens from `data.prepare.ThreadEncoder`'s kept threads, each with an encoding of its own."""
-    from benchmarks.encoders import ThreadEncoder
+    from experiments.encoders import ThreadEncoder
 
     encoder = ThreadEncoder(tok, "uint16", workers)
     try:
@@ -249,7 +249,7 @@ def _shared_threads(tok, texts: list[str], workers: int) -> int:
     the tokenizer's kept threads with encodings of their own): what sharing one tiktoken encoding costs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.encoders import THREAD_CHUNK_CHARS, _chunks, encode_concat
+    from experiments.encoders import THREAD_CHUNK_CHARS, _chunks, encode_concat
 
     with ThreadPoolExecutor(workers) as ex:
         parts = ex.map(lambda c: encode_concat(tok, c, "uint16"), _chunks(texts, THREAD_CHUNK_CHARS))
@@ -258,8 +258,8 @@ def _shared_threads(tok, texts: list[str], workers: int) -> int:
 
 def _process_pool(texts: list[str], workers: int, repeats: int) -> tuple[float, int]:
     """Best seconds and tokens of `tokenize_documents` over a warmed-up process pool (the previous path)."""
-    from benchmarks.encoders import make_pool, tokenize_documents
     from data.tokenizer import TokenizerSpec
+    from experiments.encoders import make_pool, tokenize_documents
 
     pool = make_pool(workers, TokenizerSpec("gpt2"))
     try:
@@ -569,7 +569,7 @@ def _anonymised_lines(result: dict, a: argparse.Namespace) -> list[str]:
 
 
 def markdown(result: dict, a: argparse.Namespace, load: float) -> list[str]:
-    """The report's lines (benchmarks/results/tokenize_throughput.md)."""
+    """The report's lines (experiments/results/tokenize_throughput.md)."""
     lines = _load_lines(result, load) + _table_lines(result, a)
     if "prepare_corpus_end_to_end" in result:
         lines += _end_to_end_lines(result, a)
@@ -580,7 +580,7 @@ def markdown(result: dict, a: argparse.Namespace, load: float) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    """Time every path, write benchmarks/results/tokenize_throughput.{json,md} (or under --out), print the table."""
+    """Time every path, write experiments/results/tokenize_throughput.{json,md} (or under --out), print the table."""
     a = _parse(argv)
 
     from benchmarks.machine import OtherLoad, machine_info
@@ -593,7 +593,7 @@ def main(argv=None) -> dict:
     tok = load_tokenizer("gpt2")
     rows, tokens = _encode_paths(a, texts, tok, n_bytes)
     result = {
-        "command": "python -m benchmarks.tokenize_throughput "
+        "command": "python -m experiments.tokenize_throughput "
         + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": machine,
         "text": {

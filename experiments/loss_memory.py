@@ -11,7 +11,7 @@ device, but none is allocated, so gpt3-xl at micro-batch 8 x 2048 measures in se
              `loss_chunk_logits` set past B T V so that one chunk holds every token).
     chunked  the default: LOSS_CHUNK_LOGITS = 2^26 logits per chunk (1,334 tokens of a 50,304-entry vocabulary).
 
-Run:  python -m benchmarks.loss_memory [--presets gpt3-small gpt3-xl] [--micro-batch 8] [--seq 2048]
+Run:  python -m experiments.loss_memory [--presets gpt3-small gpt3-xl] [--micro-batch 8] [--seq 2048]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
     lines = [
         "# Loss peak memory: whole-vocabulary fp32 logits vs the chunked loss",
         "",
-        f"Command: `{shlex.join(['python', '-m', 'benchmarks.loss_memory', *argv])}` (OMP_NUM_THREADS=1)",
+        f"Command: `{shlex.join(['python', '-m', 'experiments.loss_memory', *argv])}` (OMP_NUM_THREADS=1)",
         "",
         f"Peak bytes of one forward+backward of the project's GPT (dense FFN), micro-batch {micro_batch}, seq {seq}, "
         "bf16 parameters and activations, dropout 0, measured under FakeTensorMode with torch's MemTracker "

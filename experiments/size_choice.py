@@ -1,8 +1,8 @@
 """Which model size, sequence length and vocabulary learn most per CPU-second on the demo corpus: the evidence
 behind `make reproduce`'s budget (configs/reproduce/full.yaml).
 
-    python -m benchmarks.size_choice [--seconds 120] [--out runs/size_choice]
-                                     [--record benchmarks/results/size_choice.md]
+    python -m experiments.size_choice [--seconds 120] [--out runs/size_choice]
+                                     [--record experiments/results/size_choice.md]
 
 1. Cost. Tokens/s of one training update (forward, backward, AdamW; one process, one thread, 4 x T random ids)
    for every candidate shape, with the demo's 8k sentencepiece vocabulary and with GPT-2's 50,257 ids; and the
@@ -172,7 +172,9 @@ def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> d
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.size_choice", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.size_choice", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--seconds", type=positive_float, default=120.0, help="training wall clock per shape (part 2)"
     )
@@ -191,7 +193,7 @@ def _cost_lines(
     lines = [
         "# Model shape and vocabulary per CPU-second (make reproduce's budget)",
         "",
-        f"`python -m benchmarks.size_choice {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"`python -m experiments.size_choice {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "",
         f"Machine: {m0['cpu']}, {m0['cores']} cores, 1-min load {m0['loadavg_1m']} at the start.",
         "",

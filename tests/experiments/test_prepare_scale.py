@@ -1,4 +1,4 @@
-"""benchmarks/prepare_scale.py: the corpus generator (deterministic, valid 8-domain JSONL, cached with a marker)
+"""experiments/prepare_scale.py: the corpus generator (deterministic, valid 8-domain JSONL, cached with a marker)
 and the tiktoken baseline loop, on a tiny corpus. The prepare matrix itself is not run here."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import prepare_scale as ps
+from experiments import prepare_scale as ps
 
 SIZE = 400_000
 POOL = 60_000  # text per source group: small, so that reading the sources stays quick

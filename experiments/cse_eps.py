@@ -1,8 +1,8 @@
 """How DBSCAN's automatic eps (`model.ffn.cse.dbscan_auto=target`) clusters a trained model's sequence embeddings,
 and what the older "least noise in range" rule would have chosen from the same scan.
 
-    python -m benchmarks.cse_eps RUN/model [--data artifacts/demo/tokens] [--blocks 32] [--layers 2,3]
-                                 [--min-clusters 4] [--max-clusters 8] [--out benchmarks/results/cse_eps.md]
+    python -m experiments.cse_eps RUN/model [--data artifacts/demo/tokens] [--blocks 32] [--layers 2,3]
+                                 [--min-clusters 4] [--max-clusters 8] [--out experiments/results/cse_eps.md]
 
 Embeds `--blocks` train blocks of every training domain exactly as a CSE layer does at its warm-up boundary (the
 FFN input of each layer, mean over tokens, the layer's fixed Gaussian projection; model/cse.py), runs
@@ -88,7 +88,7 @@ def compare(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cse_eps", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.cse_eps", description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--data", default="artifacts/demo/tokens")
     p.add_argument("--blocks", type=positive_int, default=32)
@@ -105,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = [
         "# DBSCAN eps from the data: `target` rule vs least noise",
         "",
-        f"`python -m benchmarks.cse_eps {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"`python -m experiments.cse_eps {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "",
         f"Model `{a.model}` at step {step}; {len(truth)} train blocks ({a.blocks} per domain, {len(domains)} domains); "
         f"clusters wanted {a.min_clusters}..{a.max_clusters}; purity of the routed sequences against the true "

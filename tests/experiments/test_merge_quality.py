@@ -1,4 +1,4 @@
-"""benchmarks/merge_quality.py: a merged DEMix model (parameters sum_j w_j W_j) against the cached-prior mixture
+"""experiments/merge_quality.py: a merged DEMix model (parameters sum_j w_j W_j) against the cached-prior mixture
 (DEMix eq. 6). Experts that are all equal (BTX's branch of a dense model) make the merge exact: merged = mixture =
 top-1 = the dense model, coherence 1. Independently initialised experts run end to end through the CLI, with the
 mixture equal to evaluate_checkpoint's `cached` number and the merge weights equal to hf_export's
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from benchmarks.merge_quality import main, merge_quality
+from experiments.merge_quality import main, merge_quality
 from launcher.checkpoint import CheckpointError, load_consolidated
 from launcher.evaluation.evaluate import evaluate_checkpoint
 from launcher.modular.hf_export import merge_weights_from_data

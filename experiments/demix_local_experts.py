@@ -1,7 +1,7 @@
-"""Several DEMix experts on one process (issue 29 item 5): the per-expert scatter + touch-every-expert forward
+"""Several DEMix experts on one process: the per-expert scatter + touch-every-expert forward
 (before, kept here as the reference) against the one-permutation forward of model/demix.py (after), CPU step time.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.demix_local_experts [--repeats 7] [--out benchmarks/results]
+    OMP_NUM_THREADS=1 python -m experiments.demix_local_experts [--repeats 7] [--out experiments/results]
 
 Two measurements, each forward + backward (+ zero_grad) with 8 experts on one process:
 
@@ -28,14 +28,37 @@ import torch
 
 from benchmarks.machine import OtherLoad, machine_info, uptime
 from data.argtypes import positive_int
-from model.demix import DemixFFN, reference_demix_hidden
-from model.mlp import FFNOutput
+from model.demix import DemixFFN
+from model.mlp import FFNOutput, expert_output_like
+
+
+def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor) -> torch.Tensor:
+    """The several-experts path written the obvious way (the forward before the grouped one): one out-of-place
+    `index_put` of each expert's rows into the whole activation, every expert touched by a `0 x parameter` term.
+    Slow, kept here as the reference the grouped forward is timed against and tested against
+    (tests/model/test_demix.py)."""
+    out_BTD = expert_output_like(x_BTD)
+    seen = torch.zeros_like(domain_ids_B, dtype=torch.bool)
+    for e in ffn.expert_ids:
+        rows_N = (domain_ids_B == e).nonzero(as_tuple=True)[0]
+        seen[rows_N] = True
+        if rows_N.numel():
+            rows_N = rows_N.to(x_BTD.device, non_blocking=True)
+            out_BTD = out_BTD.index_put((rows_N,), ffn.experts[str(e)](x_BTD[rows_N]))
+    if not bool(seen.all()):
+        missing = sorted(set(domain_ids_B[~seen].tolist()))
+        raise ValueError(
+            f"domain ids {missing} have no expert here (this layer holds experts {ffn.expert_ids})"
+        )
+    for e in ffn.expert_ids:
+        out_BTD = out_BTD + 0.0 * sum(p.view(-1)[0] for p in ffn.experts[str(e)].parameters())
+    return out_BTD
 
 
 def reference_forward(
     self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None
 ) -> FFNOutput:
-    """DemixFFN.forward before issue 29 item 5 (model/demix.py `reference_demix_hidden`)."""
+    """DemixFFN.forward before the grouped forward (`reference_demix_hidden`)."""
     if len(self.expert_ids) == 1:
         return FFNOutput(hidden=self.experts[str(self.expert_ids[0])](x_BTD))
     return FFNOutput(hidden=reference_demix_hidden(self, x_BTD, domain_ids_B))
@@ -118,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=positive_int, default=7)
     ap.add_argument("--experts", type=positive_int, default=8)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = ap.parse_args(argv)
     cases = [
         ("DemixFFN layer, D 768 F 3072, B 8 x T 128 (8 domains, 1 sequence each)", layer_case, 8, 128),
@@ -138,9 +161,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 flush=True,
             )
     load, up1 = ol.result(), uptime()
-    cmd = "OMP_NUM_THREADS=1 python -m benchmarks.demix_local_experts " + " ".join(argv or sys.argv[1:])
+    cmd = "OMP_NUM_THREADS=1 python -m experiments.demix_local_experts " + " ".join(argv or sys.argv[1:])
     lines = [
-        "# DEMix: several experts on one process, forward + backward step time (issue 29 item 5)",
+        "# DEMix: several experts on one process, forward + backward step time",
         "",
         f"Command: `{cmd.strip()}`",
         "",

@@ -1,7 +1,7 @@
 """Dense vs CSE vs DEMix-on-clustered-domains vs DEMix-on-true-domains on the demo corpus, labels hidden from all
 but the last, compared by per-domain test perplexity on the *true* domains, plus cluster / true-domain agreement.
 
-    python -m benchmarks.cse_compare [--arms dense,cse,demix-clustered,demix-true] [--nproc 4] [--steps 60]
+    python -m experiments.cse_compare [--arms dense,cse,demix-clustered,demix-true] [--nproc 4] [--steps 60]
         [--k 8] [--max-blocks 16] [--reuse-demo] [--out runs/cse]
 
 1. Clustered domains: `data.cluster_domains.relabel_prepared` clusters the demo's training documents (tf-idf + SVD

@@ -1,6 +1,6 @@
 """Throughput and peak memory of scoring text with every expert: one batched all-experts pass vs E passes.
 
-    python -m benchmarks.mixing_throughput [--experts 1,2,4,8] [--layers 4] [--d-model 256] [--seq-len 256]
+    python -m experiments.mixing_throughput [--experts 1,2,4,8] [--layers 4] [--d-model 256] [--seq-len 256]
         [--batch 2] [--repeats 3] [--threads N,1] [--device cpu] [--gemm-repeats 10] [--no-memory]
 
 The model is a randomly initialised DEMix GPT with max(--experts) experts and the GPT-2 vocabulary (timing does
@@ -37,7 +37,7 @@ GFLOP/s; the higher of the two is the reference rate. Each path's achieved rate 
 forward FLOPs per expert-token of `flop_model` (the same useful work for every path; the batched pass does up to
 `ceiling_vs_sequential` less), and its fraction of the reference rate bounds what any faster implementation could
 gain: no path doing these FLOPs can beat *forward* by more than reference rate / forward's achieved rate.
-Results go to benchmarks/results/mixing_throughput.{md,json}.
+Results go to experiments/results/mixing_throughput.{md,json}.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ PATHS = ("batched", "sequential", "forward")
 OTHERS_WARN = (
     0.25  # cores used by other processes during a timed row above which the results say "under load"
 )
-TARGET_VS_FORWARD = 1.5  # issue 17 point 4: batched >= 1.5x the E forward passes at E = 8
+TARGET_VS_FORWARD = 1.5  # the target: batched >= 1.5x the E forward passes at E = 8
 NOISE = (
     0.98  # batched / sequential below this is "slower"; at E = 1 both run identical code and differ by ~1-2 %
 )
@@ -147,7 +147,7 @@ def _peak_memory(args: argparse.Namespace, path: str, E: int) -> Optional[float]
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.mixing_throughput",
+        "experiments.mixing_throughput",
         "--layers",
         str(args.layers),
         "--d-model",
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def write(result: dict, out: Path) -> None:
-    """benchmarks/results/mixing_throughput.{json,md}: a summary against the targets, then one section per torch
+    """experiments/results/mixing_throughput.{json,md}: a summary against the targets, then one section per torch
     thread count."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "mixing_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -418,7 +418,7 @@ def write(result: dict, out: Path) -> None:
         "",
         "## Against the targets",
         "",
-        f"Issue 17 point 4: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
+        f"Target: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
         "the E forward passes at the largest E.",
         "",
         "| torch threads | batched vs forward at E = max | batched vs sequential, lowest over E | others' CPU, cores "
@@ -678,7 +678,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for r in runs[1:]:
         r.pop("model")
     argv = list(argv) if argv is not None else sys.argv[1:]
-    result["command"] = "python -m benchmarks.mixing_throughput " + shlex.join(argv)
+    result["command"] = "python -m experiments.mixing_throughput " + shlex.join(argv)
     result["machine"] = machine_info()
     write(result, Path(args.out))
     return result

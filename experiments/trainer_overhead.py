@@ -1,6 +1,6 @@
 """The trainer's step against a bare PyTorch loop on the same model and batches, alternated in one run.
 
-    python -m benchmarks.trainer_overhead [--kind dense|demix] [--rounds 8] [--steps 4] [--out benchmarks/results]
+    python -m experiments.trainer_overhead [--kind dense|demix] [--rounds 8] [--steps 4] [--out experiments/results]
 
 One process (world size 1, gloo): `launcher.train.train_step` on the DeepSpeed engine the trainer builds
 (ZeRO 0, fp32, gradient clipping, the LR schedule) against the loop anyone would write by hand on an identical
@@ -239,13 +239,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--micro-batch", type=positive_int, default=4)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="experiments/results")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     results = [
         run(k, a.rounds, a.steps, a.d_model, a.layers, a.seq_len, a.micro_batch) for k in a.kinds.split(",")
     ]
-    command = "python -m benchmarks.trainer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m experiments.trainer_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(results, command.strip(), machine_info())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,14 @@
 """Who writes a training state, and how long the save takes, on 2 and 4 gloo ranks.
 
-    python -m benchmarks.state_writes --label after [--ranks 2 4] [--rounds 3] [--d-model 256] [--layers 4]
-    python -m benchmarks.state_writes --project [--preset gpt3-xl] [--gpus 8 64 128] [--domains 8]
+    python -m experiments.state_writes --label after [--ranks 2 4] [--rounds 3] [--d-model 256] [--layers 4]
+    python -m experiments.state_writes --project [--preset gpt3-xl] [--gpus 8 64 128] [--domains 8]
 
 For each layout (dense ZeRO 0, dense ZeRO 1, DEMix ZeRO 1 with 2 domains) a small GPT takes one training step (so
 the Adam moments exist), then `launcher.state.save_training_state` runs `--rounds` times. Each rank counts the
 bytes of every file it writes (the project's `launcher.state.save_hashed`, wrapped in the worker to stat what it wrote)
 and times the whole save (from a barrier before it to its return, which is after rank 0's publish). Results of
 each `--label` (e.g. "before" on the old code, "after" on the new) are kept in
-benchmarks/results/state_writes.json and the table of every label in state_writes.md.
+experiments/results/state_writes.json and the table of every label in state_writes.md.
 
 `--project` runs no process: the preset's model on the meta device, its files (fp32 + 2 Adam moments per
 parameter) assigned as launcher/state.py assigns them (`assign_writers` per expert group, then the shared files
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, sets: list[str], run_dir: str, rounds: int) -
 def run(
     world: int, kind: str, zero: int, rounds: int, d_model: int, layers: int, tokens: Path
 ) -> dict[str, Any]:
-    from tests.harness.multirank import run_ranks
+    from experiments.ranks import run_ranks
 
     sets = [
         "model.preset=tiny",
@@ -263,14 +263,14 @@ def main(argv: list[str] | None = None) -> int:
 
     path = RESULTS / "state_writes.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    cmd = "python -m benchmarks.state_writes " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m experiments.state_writes " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.project:
         results["projection"] = {
             "command": cmd.strip(),
             "rows": project(args.preset, args.gpus, args.domains),
         }
         return _write(results)
-    from benchmarks.trainer_overhead import _corpus
+    from experiments.trainer_overhead import _corpus
 
     loadavg_before = Path("/proc/loadavg").read_text().strip()
     rows = []

@@ -1,8 +1,8 @@
 """How far a merged DEMix model (experts' parameters averaged, launcher/modular/hf_export/) is from the DEMix
 expert mixture it stands for, per domain, on the same test blocks.
 
-    python -m benchmarks.merge_quality CKPT [CKPT ...] [--data artifacts/demo/tokens] [--tokenizer TOK]
-        [--max-blocks 64] [--cached-blocks 100] [--batch-size 4] [--record benchmarks/results/merge_quality.md]
+    python -m experiments.merge_quality CKPT [CKPT ...] [--data artifacts/demo/tokens] [--tokenizer TOK]
+        [--max-blocks 64] [--cached-blocks 100] [--batch-size 4] [--record experiments/results/merge_quality.md]
 
 Shape legend: E experts (= training domains), L layers, N test blocks, T tokens per block.
 
@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from data.argtypes import positive_int
-from data.cli import cli_main
+from data.cli import cli_main, usage_error
 from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, write_json_atomic
 from launcher.checkpoint_data import block_inputs, check_checkpoint_data, load_blocks
 from launcher.evaluation.scoring import _cached_prior, _demix_domain, stream_log_likelihoods
@@ -338,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     rep: dict[str, Any] = {
         "format": MERGE_QUALITY_FORMAT,
-        "command": "python -m benchmarks.merge_quality " + shlex.join(argv),
+        "command": "python -m experiments.merge_quality " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_info(),
         "max_blocks": args.max_blocks,
@@ -360,8 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for ck in args.checkpoints
         ]
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     rep["uptime_after"] = uptime()
     rep["seconds"] = time.perf_counter() - t0
     if args.interpretation:

@@ -1,4 +1,4 @@
-"""benchmarks/demo.py's report from hand-written evaluation results, its Markdown parsed back into values: every
+"""launcher/demo.py's report from hand-written evaluation results, its Markdown parsed back into values: every
 perplexity, the unigram column and the averages per role, the throughput rows, the commands, and the `make
 reproduce` budget that the line on what a short run cannot show quotes."""
 
@@ -6,8 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
-from benchmarks import demo
 from benchmarks.reproduce import Budget
+from launcher import demo
 from launcher.config import CONFIG_DIR
 
 

@@ -1,6 +1,6 @@
 """Gradient all-reduce per step, DEMix vs Dense, on 8 gloo ranks in the same run.
 
-    python -m benchmarks.allreduce [--ranks 8] [--domains 4] [--steps 5]
+    python -m experiments.allreduce [--ranks 8] [--domains 4] [--steps 5]
 
 Every `torch.distributed.all_reduce` that DeepSpeed issues during backward and step is recorded (payload
 bytes, group size, seconds). Per step we report the payload all-reduced over the whole data-parallel group
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from benchmarks.machine import machine_info
-    from tests.harness.multirank import run_ranks
+    from experiments.ranks import run_ranks
 
     rows = {}
     for kind in ("dense", "demix"):
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "ring_bytes_sent": m["ring_bytes_sent_per_rank_per_step"] / d["ring_bytes_sent_per_rank_per_step"],
         "allreduce_seconds": m["allreduce_seconds_per_step"] / d["allreduce_seconds_per_step"],
     }
-    cmd = "python -m benchmarks.allreduce " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m experiments.allreduce " + " ".join(argv if argv is not None else sys.argv[1:])
     out = {
         "command": cmd.strip(),
         "ranks": args.ranks,
