@@ -1,4 +1,4 @@
-"""Two costs every launch paid without need (benchmarks/results/make_test_time.md): a second interpreter for
+"""Two costs every launch paid without need (experiments/results/make_test_time.md): a second interpreter for
 DeepSpeed's runner (`launcher/launch.py:run_runner` runs it inside the launcher's process) and, in every rank, the
 interpreter's teardown of torch, DeepSpeed and megatron-core (`data/cli.py:exit_process` ends the process once the
 atexit callbacks ran and the output is flushed)."""
