@@ -31,6 +31,13 @@ NODE_CPUS = max(2, os.cpu_count() or 1)
 # shortened for the tests that requeue, so a requeued job starts again in about 6 s instead of up to 3 minutes.
 CRED_EXPIRE_S = 5
 SCHED_INTERVAL_S = 1
+# For the node to register with slurmctld: seconds on an idle machine, more than a minute on a loaded one.
+UP_TIMEOUT_S = 180
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    last = log.read_text().splitlines()[-lines:] if log.is_file() else []
+    return "".join(f"\n{log.name}: {line}" for line in last)
 
 
 def _stop(pids: list[int]) -> None:
@@ -111,15 +118,19 @@ def one_node_slurm(d: Path) -> Iterator[dict[str, str]]:
                 )
             )
             pids.append(daemons[-1].pid)
-        for _ in range(60):
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while True:
             up = subprocess.run(
                 ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
             )
             if up.stdout.strip() == "idle":
                 break
-            time.sleep(1)
-        else:
-            pytest.skip(f"the one-node SLURM cluster did not come up: {up.stdout}{up.stderr}"[:500])
+            if time.monotonic() > deadline or any(p.poll() is not None for p in daemons):
+                logs = "".join(_tail(d / f"{name}.log") for name in ("slurmctld", "slurmd"))
+                pytest.skip(
+                    f"the one-node SLURM cluster did not come up: {up.stdout}{up.stderr}{logs}"[-1500:]
+                )
+            time.sleep(0.5)
         yield {"SLURM_CONF": str(conf)}
     finally:
         _stop(pids)
