@@ -5,6 +5,12 @@ what it lacks for preemption and for reporting:
   tree, up to 30 s, then the next); here every rank is signalled at once and given `train.preempt_grace_s`-like
   time (`STOP_WAIT_S`) to save (launcher/preemption.py), then SIGKILLed;
 - ranks that exited 75 (preempted, state saved) are never signalled again: their peers are still saving;
+- once stopping, a repeated SIGTERM/SIGINT (SLURM's to every process of the step, plus launcher.launch's
+  forwarded copy) is ignored: DeepSpeed's handler, run a second time, exited 1 without waiting for the ranks;
+- SIGUSR1 (what SLURM sends before a time limit: `#SBATCH --signal=...USR1@N`, scancel --signal=USR1, or
+  launcher.launch forwarding either) is passed on to the live ranks, which save the step and exit 75, and this
+  launcher waits for them: DeepSpeed's launcher has no handler for it, so SIGUSR1's default action killed it
+  (status -10, reported by launcher.launch as 143) while its ranks were saving, and a batch script never saw 75;
 - a rank killed by a signal is named (`rank 1 (pid N) killed by SIGKILL`) and the exit status is 128 + that
   signal, never 0; when every rank exited 75 so does this launcher (DeepSpeed would exit 1 or 75 by timing).
 """
@@ -42,9 +48,14 @@ def main() -> int:
             return p
 
     def stop_all(_pid: int) -> None:
-        """DeepSpeed calls this once per rank; the first call stops every live rank at once."""
+        """DeepSpeed calls this once per rank; the first call stops every live rank at once. Further SIGTERMs and
+        SIGINTs are ignored from then on: SLURM signals every process of the job step and launcher.launch forwards
+        the same signal, so a second one arrives while this waits, and DeepSpeed's handler, run again, would exit 1
+        at once with the ranks still saving (the run reported as failed, the state saved all the same)."""
         if stopped:
             return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         exited = [p.returncode for p, _ in ranks if p.poll() is not None]
         failed = any(c not in (0, PREEMPTED_EXIT) for c in exited)
         live = [p for p, _ in ranks if p.poll() is None]
@@ -78,8 +89,18 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 pass
 
+    def forward(signum: int, _frame: object) -> None:
+        """SIGUSR1: the same preemption request to every live rank (not their children); keep waiting for them."""
+        for p, _ in ranks:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
     ds.subprocess = _Subprocess()
     ds.terminate_process_tree = stop_all
+    signal.signal(signal.SIGUSR1, forward)
     try:
         ds.main()
         code: int = 0

@@ -157,6 +157,35 @@ def test_sigterm_to_the_launcher_only_stops_every_process_of_the_job(tiny_tokens
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_every_process_of_the_job_saves_the_step_and_exits_75(tiny_tokens, tmp_path, sig):
+    """What SLURM delivers to a job step (`scancel`: SIGTERM; `scancel --signal=USR1`, a batch script's trap before
+    the time limit: SIGUSR1), to every process of it at once: the launcher, the per-node launcher and the ranks, the
+    launcher forwarding its copy too. The ranks save, every process exits 75, nothing reports a failure. Before
+    launcher/node_launch.py handled them, SIGUSR1 killed DeepSpeed's per-node launcher (default action, status
+    -10: the launcher exited 143) and the second SIGTERM re-ran DeepSpeed's handler, which exited 1 without waiting
+    for the ranks (the launcher exited 1): either way a batch script saw no 75 and did not requeue
+    (tests/e2e/test_slurm_batch.py found both on a real SLURM)."""
+    run = tmp_path / "run"
+    proc = _start(_args(tiny_tokens, run))
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(proc, _logged(run, 2))
+        tree = _tree(proc)
+        assert len(_ranks(proc)) == 2 and any("launcher.node_launch" in p.cmdline() for p in tree)
+        for p in [psutil.Process(proc.pid), *tree]:
+            p.send_signal(sig)
+        rc, err = _finish(proc)
+        left = _none_alive(tree)
+    finally:
+        _cleanup(proc, tree)
+    assert rc == PREEMPTED_EXIT, err[-3000:]
+    assert not left, f"left running: {left}"
+    assert f"preempted ({sig.name}) at step " in err and "training state saved at" in err, err[-3000:]
+    assert "terminated (" not in err and "killed by" not in err, err[-3000:]
+
+
+@pytest.mark.slow
 def test_a_killed_per_node_launcher_is_named_and_leaves_no_rank(tiny_tokens, tmp_path):
     """SIGKILL to DeepSpeed's per-node launcher (launcher/node_launch.py): DeepSpeed's runner would exit 0 with the
     ranks training on; the launcher names it, exits non-zero and stops the orphaned ranks."""

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,10 @@ import pytest
 from launcher.distributed import free_port
 from launcher.metrics import read_metrics
 from tests.e2e.test_train import _launch
+from tests.harness import slurm
 
 REPO = Path(__file__).resolve().parents[2]
+slurm_cluster = slurm.slurm_cluster  # the fixture (tests/harness/slurm.py)
 MPIRUN = shutil.which("mpirun")
 OMPI_INFO = shutil.which("ompi_info")  # what DeepSpeed's OpenMPIRunner asks for
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -142,105 +143,8 @@ def test_torchrun_ranks_train_as_launch_does(tiny_tokens, tmp_path, launched):
     _same_world_and_losses(run, launched, out)
 
 
-SLURM_PROGRAMS = ("slurmctld", "slurmd", "srun", "sinfo", "munged")
-NO_SLURM = (
-    f"SLURM is not installed (needs {', '.join(SLURM_PROGRAMS)}: apt-get install slurmctld slurmd munge)"
-)
-HAVE_SLURM = all(shutil.which(p) or Path("/usr/sbin", p).is_file() for p in SLURM_PROGRAMS)
-
-
-def _stop(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, 15)
-        except ProcessLookupError:
-            pass
-
-
-@pytest.fixture
-def slurm_cluster(tmp_path):
-    """A one-node SLURM cluster on loopback (munged, slurmctld, slurmd; configuration and state in tmp_path, the ports
-    free ones), stopped by PID afterwards; yields the environment srun needs (SLURM_CONF)."""
-    if os.geteuid() != 0:
-        pytest.skip("the one-node SLURM cluster runs its daemons as root")
-    d = tmp_path / "slurm"
-    for sub in ("state", "spool", "munge"):
-        (d / sub).mkdir(parents=True)
-    (d / "munge").chmod(0o700)
-    key = d / "munge" / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o400)
-    sock = d / "munge" / "sock"
-    munged = shutil.which("munged") or "/usr/sbin/munged"
-    subprocess.run(
-        [munged, "--force", f"--key-file={key}", f"--socket={sock}", f"--pid-file={d / 'munge/pid'}"]
-        + [f"--log-file={d / 'munge/log'}", f"--seed-file={d / 'munge/seed'}"],
-        check=True,
-        timeout=30,
-    )
-    pids = [int((d / "munge" / "pid").read_text())]
-    conf = d / "slurm.conf"
-    conf.write_text(
-        "\n".join(
-            [
-                "ClusterName=demixtest",
-                "SlurmctldHost=localhost(127.0.0.1)",
-                f"SlurmctldPort={free_port()}",
-                f"SlurmdPort={free_port()}",
-                "SlurmUser=root",
-                "SlurmdUser=root",
-                "AuthType=auth/munge",
-                f"AuthInfo=socket={sock}",
-                "CredType=cred/munge",
-                f"StateSaveLocation={d / 'state'}",
-                f"SlurmdSpoolDir={d / 'spool'}",
-                f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-                f"SlurmdPidFile={d / 'slurmd.pid'}",
-                f"SlurmctldLogFile={d / 'slurmctld.log'}",
-                f"SlurmdLogFile={d / 'slurmd.log'}",
-                "ProctrackType=proctrack/linuxproc",
-                "TaskPlugin=task/none",
-                "MpiDefault=none",
-                "SelectType=select/cons_tres",
-                "SelectTypeParameters=CR_CPU",
-                "ReturnToService=2",
-                "JobAcctGatherType=jobacct_gather/none",
-                f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={max(2, os.cpu_count() or 1)} State=UNKNOWN",
-                "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
-                "",
-            ]
-        )
-    )
-    env = dict(os.environ, SLURM_CONF=str(conf))
-    daemons = [
-        subprocess.Popen(
-            [shutil.which(name) or f"/usr/sbin/{name}", "-D", *extra, "-f", str(conf)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for name, extra in (("slurmctld", []), ("slurmd", ["-N", "localhost"]))
-    ]
-    pids += [p.pid for p in daemons]
-    try:
-        for _ in range(60):
-            up = subprocess.run(
-                ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
-            )
-            if up.stdout.strip() == "idle":
-                break
-            time.sleep(1)
-        else:
-            pytest.skip(f"the one-node SLURM cluster did not come up: {up.stdout}{up.stderr}"[:500])
-        yield {"SLURM_CONF": str(conf)}
-    finally:
-        _stop(pids)
-        for p in daemons:
-            p.wait(timeout=30)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_SLURM, reason=NO_SLURM)
+@pytest.mark.skipif(not slurm.HAVE_SLURM, reason=slurm.NO_SLURM)
 def test_launch_with_slurm_on_a_one_node_cluster(tiny_tokens, tmp_path, launched, slurm_cluster):
     """`launch --hostfile (localhost slots=2) --launcher slurm` inside the allocation srun makes: DeepSpeed's
     SlurmRunner runs `srun -n 2 python -u launcher/_rank_entry.py ...` (with `--module` it ran a file that does not
