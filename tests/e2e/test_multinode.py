@@ -56,6 +56,7 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_as_one_node(tiny_tokens, tmp_path):
     """DEMix, 2 domains on 4 ranks: 2 nodes x 2 ranks (--no-ssh, one launcher per node) vs 1 node x 4 ranks."""
@@ -212,6 +213,7 @@ def test_impossible_multi_node_launches_fail_before_anything_starts(tiny_tokens,
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_slurm_script_on_localhost_with_slurms_environment_simulated(tiny_tokens, tmp_path):
     """scripts/slurm_node.sh as srun runs it (one task per node), for a 2-node allocation: SLURM's variables set,
@@ -266,6 +268,7 @@ def test_slurm_script_outside_slurm_says_so():
     assert proc.returncode != 0 and "not inside a SLURM job" in proc.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_torchrun_two_nodes_on_localhost(tiny_tokens, tmp_path):
     """The trainer reads the standard environment: `torchrun --nnodes 2` (one agent per node) runs it as is."""
@@ -440,6 +443,7 @@ def test_mpi_and_slurm_launches_tell_the_ranks_the_rendezvous(tmp_path, launcher
     assert "--master-port" not in pdsh  # DeepSpeed's own launch sets RANK and MASTER_* on every pdsh rank
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["openmpi", "srun"])
 def test_mpi_or_srun_ranks_train_as_one_world(tiny_tokens, tmp_path, launcher):

@@ -28,6 +28,8 @@ from tests.e2e.test_train import _launch
 from tests.harness.processes import is_rank_command
 from tests.harness.sshd import Sshd, missing, running_sshd, sshd  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.long  # real cluster programs: make test-long
+
 REPO = Path(__file__).resolve().parents[2]
 # Two names of this machine that DeepSpeed takes for two hosts and pdsh logs in to separately.
 HOSTS = ("localhost", "127.0.0.1")

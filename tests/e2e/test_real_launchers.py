@@ -17,6 +17,8 @@ from launcher.metrics import read_metrics
 from tests.e2e.test_train import _launch
 from tests.harness import slurm
 
+pytestmark = pytest.mark.long  # real cluster programs: make test-long
+
 REPO = Path(__file__).resolve().parents[2]
 slurm_cluster = slurm.slurm_cluster  # the fixture (tests/harness/slurm.py)
 MPIRUN = shutil.which("mpirun")

@@ -21,7 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm_demix.sbatch"
 STEPS = 30
 slurm_cluster = slurm.slurm_cluster  # the fixture
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not slurm.HAVE_SLURM, reason=slurm.NO_SLURM)]
+pytestmark = [
+    pytest.mark.long,
+    pytest.mark.slow,
+    pytest.mark.skipif(not slurm.HAVE_SLURM, reason=slurm.NO_SLURM),
+]
 # The states of a job that has not ended (squeue(1), "JOB STATE CODES"); a requeued job is PENDING again
 ACTIVE = (
     "PENDING",

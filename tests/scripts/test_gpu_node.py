@@ -110,6 +110,7 @@ def test_a_venv_made_by_a_python_inside_a_virtualenv_sees_its_packages(tmp_path)
     assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "outer"
 
 
+@pytest.mark.long
 @no_cuda
 def test_gpu_checks_without_cuda_fail_and_record_nothing_but_the_node_facts(tmp_path):
     out = tmp_path / "out"
@@ -141,6 +142,7 @@ def _unshare_works() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(["unshare", "-n", "true"]).returncode == 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @no_cuda
 def test_the_one_call_on_a_simulated_node_reaches_no_cuda_with_every_module_imported(tmp_path):
@@ -195,6 +197,7 @@ def test_requirement_marker_helper_sees_the_dev_extra():
     assert {"pytest", "pytest-timeout", "deepspeed"} <= roots and "wandb" not in roots
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @no_cuda
 def test_the_steps_after_the_cuda_check_write_their_results_in_a_cpu_dry_run(tmp_path):
@@ -234,6 +237,7 @@ def test_the_steps_after_the_cuda_check_write_their_results_in_a_cpu_dry_run(tmp
     assert (out / "pytest.xml").is_file() and (out / "node.txt").is_file()
 
 
+@pytest.mark.long
 @no_cuda
 def test_the_gpu_test_files_the_script_finds_are_every_file_with_a_gpu_test():
     """gpu_checks.sh collects only the files that mention `pytest.mark.gpu` (collecting tests/ costs ~20 s of the
