@@ -16,7 +16,8 @@ later) and what `#SBATCH --signal=...USR1@N` sends N seconds before the limit. I
 A watchdog thread bounds it: a second signal (one arriving `DUPLICATE_WINDOW_S` or more after the first: SLURM, the
 launchers and DeepSpeed's per-node launcher deliver the same SIGTERM several times within milliseconds), or
 `train.preempt_grace_s` seconds after the first signal without a finished save, ends the rank at once with
-`ABORTED_EXIT` (143), rank 0 saying that the state of the step in progress was not saved and which state is the last.
+`ABORTED_EXIT` (143), rank 0 saying that the state of the step in progress was not saved (or that it was still
+starting, or past the last step in the final export: `begin`, `end`) and which state is the last.
 A signal after the save has finished changes nothing: the rank is exiting with 75 anyway.
 
 Exit statuses: 75 is sysexits.h's EX_TEMPFAIL ("temporary failure, retry later"): nothing is wrong with the run, it
@@ -92,7 +93,8 @@ class PreemptWatch:
     def __init__(self, grace_s: float, rank: int, run_dir: Optional[Path]) -> None:
         self.grace_s, self.rank, self.run_dir = grace_s, rank, run_dir
         self.signum = 0  # the first preemption signal this rank received (0: none)
-        self.step = 0  # the step in progress, for the abort message
+        self.step: Optional[int] = None  # the step in progress, for the abort message (None: start-up)
+        self.final = False  # the loop is over: the final evaluation, save and export are under way
         self.saved = False
         self._rsock, self._wsock = socket.socketpair()
         self._wsock.setblocking(False)
@@ -143,10 +145,23 @@ class PreemptWatch:
         except CheckpointError:
             last = None
         where = f"the last saved state is {last}" if last is not None else "no training state was saved yet"
-        return (
-            f"preempted ({signal_name(self.signum or signal.SIGTERM)}) and aborted ({reason}): the state of step "
-            f"{self.step} was not saved; {where}"
-        )
+        if self.step is None:
+            lost = "during start-up, before the first step"
+        elif self.final:
+            lost = f"after the last step ({self.step}), during the final evaluation, save and export"
+        else:
+            lost = f"the state of step {self.step} was not saved"
+        return f"preempted ({signal_name(self.signum or signal.SIGTERM)}) and aborted ({reason}): {lost}; {where}"
+
+    def begin(self, start: int) -> None:
+        """The training loop starts after step `start` (0, or the step resumed from): step `start + 1` is in
+        progress."""
+        self.step = start + 1
+
+    def end(self, last: int) -> None:
+        """The training loop is over at step `last`: the final evaluation, save and export follow (a signal now
+        ends nothing unless the grace period runs out)."""
+        self.step, self.final = last, True
 
     def requested(self, device: object) -> int:
         """The preemption signal any rank received (0: none): an all-reduce MAX, collective."""

@@ -362,6 +362,8 @@ class Trainer:
         window_t, window_steps = time.perf_counter(), 0
         self.comm.take()  # from here on, only the steps' own communication is counted
         preempt = preempt_watch()
+        if preempt is not None:  # the step an abort names
+            preempt.begin(self.start)
         for step in range(self.start, cfg.train.steps):
             if step == self.start + 1:  # start-up and the first step (compilation, lazy state) are behind
                 set_comm_timeout(cfg.parallel.comm_timeout_s, TRAIN_TIMEOUT_KEY)
@@ -409,6 +411,8 @@ class Trainer:
                     except Preempted:
                         self.log.close()
                         raise
+        if preempt is not None:
+            preempt.end(cfg.train.steps)
         self.guard.check(rank, world)
         final = evaluate(self.bundle, plan, rank, self.device)
         self.log.log({"kind": "eval", "step": cfg.train.steps, **final})

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -127,70 +128,157 @@ def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> "
     raise AssertionError(f"rank {rank} never started")
 
 
-@pytest.mark.slow
-def test_a_frozen_rank_ends_the_job_after_the_timeout(tiny_tokens, tmp_path):
-    """SIGSTOP rank 1 of a 2-rank launch once training runs: rank 0's next collective gives up after
-    parallel.comm_timeout_s (5 s), it prints one line naming the key, the launch exits 4, and DeepSpeed's launcher
-    kills the stopped rank (SIGTERM stays pending in a stopped process: SIGKILL after its 30 s grace)."""
-    import psutil
+FROZEN_TIMEOUT_S = 5  # parallel.comm_timeout_s of the frozen-rank test
+# when that job must have ended: the timeout, DeepSpeed's SIGTERM grace, start-up slack on busy cores
+FROZEN_DEADLINE_S = FROZEN_TIMEOUT_S + 30 + 20
 
-    run = tmp_path / "frozen"
-    args = [
-        "--nproc",
-        "2",
-        "--run-dir",
-        str(run),
-        *_overrides(tiny_tokens, kind="dense", steps=10_000, zero=0),
-        "--set",
-        "train.save_interval=0",
-        "--set",
-        "parallel.comm_timeout_s=5",
-    ]
-    proc = subprocess.Popen(
+
+def timeout_end_problems(rc: Optional[int], err: str, ended: float) -> list[str]:
+    """What is wrong with a 2-rank job whose rank 1 froze `ended` seconds ago (rc None: still running), for "the
+    collective timeout ended it": not exit status 4, not one `error:` line of rank 0 naming the key, its value and
+    how to change it, or later than FROZEN_DEADLINE_S."""
+    problems = []
+    if rc is None:
+        problems.append(f"still running {ended:.0f} s after the freeze")
+    elif rc != 4:
+        problems.append(f"exit status {rc}, not 4")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    want = f" waited {FROZEN_TIMEOUT_S} s (parallel.comm_timeout_s)"
+    if len(lines) != 1 or want not in lines[0] or "--set parallel.comm_timeout_s=SECONDS" not in lines[0]:
+        problems.append(f"not one line {want!r}...: {lines}")
+    # what rank 0 waited in, and when: a collective of torch.distributed on a named group, in a training step
+    elif not re.match(
+        r"error: rank 0: \w+ on the [\w -]+ group \(ranks .*\) during training step \d+ waited", lines[0]
+    ):
+        problems.append(f"the line does not name the collective, its group and the step: {lines[0]}")
+    if ended >= FROZEN_DEADLINE_S:
+        problems.append(f"ended {ended:.0f} s after the freeze")
+    return problems
+
+
+def _frozen_args(tokens: Path, run: Path, *sets: str) -> list[str]:
+    args = ["--nproc", "2", "--run-dir", str(run), *_overrides(tokens, kind="dense", steps=10_000, zero=0)]
+    return args + [a for s in sets for a in ("--set", s)]
+
+
+def _start_launch(args: list[str], stderr: object) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "launcher.launch", *args],
         cwd=REPO,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         start_new_session=True,
     )
+
+
+def _wait_for_step(proc: subprocess.Popen, run: Path, step: int) -> None:
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600  # start-up only: slow on a loaded machine
+    while not (metrics.is_file() and f'"kind": "train", "step": {step},' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"training never reached step {step}"
+        time.sleep(0.1)
+
+
+def _end(proc: subprocess.Popen, frozen: object) -> None:
+    """Never leave a stopped process behind."""
+    import psutil
+
+    if frozen is not None:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                frozen.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_frozen_rank_ends_the_job_after_the_timeout(tiny_tokens, tmp_path):
+    """SIGSTOP rank 1 of a 2-rank launch once training runs: rank 0's next collective gives up after
+    parallel.comm_timeout_s (5 s), it prints one line naming the key, the launch exits 4, and DeepSpeed's launcher
+    kills the stopped rank (SIGTERM stays pending in a stopped process: SIGKILL after its 30 s grace). The control,
+    where the timeout is long and the job does not end by itself: the first half of
+    test_a_second_sigterm_to_a_rank_waiting_for_a_frozen_peer_aborts_it_unsaved."""
+    import psutil
+
+    run = tmp_path / "frozen"
+    args = _frozen_args(
+        tiny_tokens, run, "train.save_interval=0", f"parallel.comm_timeout_s={FROZEN_TIMEOUT_S}"
+    )
+    proc = _start_launch(args, subprocess.PIPE)
     frozen = None
     try:
         frozen = _find_rank(proc, 1)
-        metrics = run / "metrics.jsonl"
-        deadline = time.monotonic() + 600  # start-up only: slow on a loaded machine
-        while not (
-            metrics.is_file() and '"step": 2,' in metrics.read_text()
-        ):  # the training timeout is in force
-            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 2"
-            time.sleep(0.1)
+        _wait_for_step(proc, run, 2)  # the training timeout is in force
         frozen.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         _, err = proc.communicate(timeout=120)
         ended = time.monotonic() - stopped_at
     finally:
-        if frozen is not None:  # never leave a stopped process behind
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    frozen.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 4, err[-3000:]
-    assert len(lines) == 1 and " waited 5 s (parallel.comm_timeout_s)" in lines[0], lines
-    # what rank 0 waited in, and when: a collective of torch.distributed on a named group, in a training step
-    assert re.match(
-        r"error: rank 0: \w+ on the [\w -]+ group \(ranks .*\) during training step \d+ waited", lines[0]
-    )
-    assert "--set parallel.comm_timeout_s=SECONDS" in lines[0]
-    assert ended < 5 + 30 + 20, ended  # the timeout, DeepSpeed's SIGTERM grace, start-up slack on busy cores
+        _end(proc, frozen)
+    assert timeout_end_problems(proc.returncode, err, ended) == [], err[-3000:]
     assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
     last = max(r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train")
     assert last >= 2
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_second_sigterm_to_a_rank_waiting_for_a_frozen_peer_aborts_it_unsaved(tiny_tokens, tmp_path):
+    """Rank 1 SIGSTOPped, parallel.comm_timeout_s long (300 s): rank 0 waits in a collective.
+
+    First, the control of test_a_frozen_rank_ends_the_job_after_the_timeout: 15 s after the freeze (3 times the
+    5 s after which that job's rank 0 gives up) this job still runs and has said nothing, so there it is the
+    timeout that ends the job. Then SIGTERM to the waiting rank 0, and again 3 s later (a second request, past
+    DUPLICATE_WINDOW_S): rank 0 cannot save (the save is collective), and the second signal ends it at once with
+    143 and one line naming the second SIGTERM, the step in progress and the last saved state; the per-node
+    launcher then stops the frozen rank and the launch exits 143."""
+    import psutil
+
+    from launcher.preemption import ABORTED_EXIT, DUPLICATE_WINDOW_S
+    from launcher.state_discovery import latest_checkpoint
+
+    run = tmp_path / "run"
+    args = _frozen_args(tiny_tokens, run, "train.save_interval=2", "parallel.comm_timeout_s=300")
+    err_file = tmp_path / "stderr"
+    with open(err_file, "w") as err_out:
+        proc = _start_launch(args, err_out)
+    frozen = None
+    try:
+        frozen, waiting = _find_rank(proc, 1), _find_rank(proc, 0)
+        _wait_for_step(proc, run, 3)  # a state saved (step 2), and the training timeout in force
+        frozen.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(3 * FROZEN_TIMEOUT_S)
+        control = timeout_end_problems(proc.poll(), err_file.read_text(), time.monotonic() - stopped_at)
+        waiting.send_signal(signal.SIGTERM)
+        time.sleep(DUPLICATE_WINDOW_S + 1)
+        assert proc.poll() is None, "the first SIGTERM ended the job"
+        waiting.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        proc.wait(timeout=120)
+        ended = time.monotonic() - signalled
+    finally:
+        _end(proc, frozen)
+    err = err_file.read_text()
+    assert len(control) == 2 and control[0].startswith("still running"), control  # the control
+    assert control[1].startswith("not one line"), control
+    assert proc.returncode == ABORTED_EXIT, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("preempted (")]
+    last = latest_checkpoint(run)
+    assert last is not None and len(lines) == 1, err[-3000:]
+    head = "preempted (SIGTERM) and aborted (a second SIGTERM): the state of step "
+    assert lines[0].startswith(head) and lines[0].endswith(f" was not saved; the last saved state is {last}")
+    step = int(lines[0].removeprefix(head).split()[0])
+    logged = max(r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train")
+    assert step in (logged, logged + 1) and step > int(last.name.split("_")[1]), (step, logged, last)
+    assert ended < 5 + 20, ended  # the abort, then the per-node launcher's 5 s for the others after a failure
+    assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
 
 
 # ----------------------------------------------------------------------------------------------------

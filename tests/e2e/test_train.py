@@ -113,11 +113,29 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"}
 
 
+def unpublished_problems(run: Path, step: int, latest: str) -> list[str]:
+    """What is wrong after a kill during the save of `step`, for "a half-written state is never published": the
+    state of `step` exists, or the `latest` pointer names another state than `latest` (the one before)."""
+    ck = run / "checkpoints"
+    problems = [f"{ck / f'step_{step:08d}'} exists"] if (ck / f"step_{step:08d}").exists() else []
+    pointer = (ck / "latest").read_text().strip() if (ck / "latest").is_file() else None
+    if pointer != latest:
+        problems.append(f"latest is {pointer}, not {latest}")
+    return problems
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_path):
     """3 domains on 3 ranks, ZeRO 1: SIGKILL after step 3 (checkpoint at step 2), resume; SIGKILL again while the
     step-4 checkpoint is being written, resume; the losses are the uninterrupted run's (the same trainer on 3
-    forked ranks, `reference_run`), exactly."""
+    forked ranks, `reference_run`), exactly.
+
+    Two controls on the same runs: the first kill is the control of the preemption test's checks
+    (tests/e2e/test_preemption.py `saved_preemption_problems`: a SIGKILLed run loses the steps after its last
+    save, and they say so), and the finished resume that of the kill-during-save checks (`unpublished_problems`:
+    once the save of step 4 completed, they see it published)."""
+    from tests.e2e.test_preemption import saved_preemption_problems
+
     full, killed = tmp_path / "full", tmp_path / "killed"
     reference_run(_overrides(tiny_tokens), 3, full)
     proc = _launch_and_kill_after_step(
@@ -125,6 +143,8 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     )
     assert proc.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    lost = saved_preemption_problems(proc.returncode, "", killed)  # the control: steps 3.. are lost, and seen
+    assert any(p.startswith("steps lost: trained to step ") and p.endswith(" step 2") for p in lost), lost
     assert not (killed / "model").exists()  # the run really died before the end
     port = (killed / "command.sh").read_text().split("--master_port ")[1].split()[0]
     # even SIGKILL leaks no shm
@@ -136,8 +156,7 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
     assert proc.returncode != 0 and writing.is_dir(), (
         "the kill did not land inside the step-4 checkpoint write"
     )
-    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    assert not (killed / "checkpoints" / "step_00000004").exists()  # a half-written state is never published
+    assert unpublished_problems(killed, 4, "step_00000002") == []  # a half-written state is never published
     _launch(
         [
             "--nproc",
@@ -149,6 +168,11 @@ def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_pat
             "train.keep_checkpoints=2",
         ]
     )
+    # the control: the resumed run's save of step 4 completed, and the same checks see it published
+    assert unpublished_problems(killed, 4, "step_00000002") == [
+        f"{killed / 'checkpoints' / 'step_00000004'} exists",
+        "latest is step_00000006, not step_00000002",
+    ]
     a, b = _losses(full), _losses(killed)
     assert sorted(a) == list(range(1, 7))
     assert max(abs(a[s] - b[s]) for s in range(1, 7)) == 0.0, (a, b)  # steps 3.. recomputed after each resume
