@@ -69,6 +69,7 @@ from parallel.comm_timeout import (
     current_comm_timeout,
     failed_collective,
     is_comm_timeout,
+    is_peer_lost,
     set_activity,
     set_comm_timeout,
     timeout_of,
@@ -485,6 +486,22 @@ def comm_timeout_line(rank: int, exc: BaseException) -> str:
     )
 
 
+# Exit status of a rank whose collective failed because another rank's process went away (a crash's status: the
+# launcher reports the dead rank's own, e.g. 137)
+EXIT_PEER_LOST = 1
+
+
+def peer_lost_line(rank: int, exc: BaseException) -> str:
+    """The one line of a rank whose collective failed because another rank died: what it was doing, the collective
+    and its group, and where to look (the launcher names the dead rank and its signal)."""
+    collective = failed_collective(exc)
+    return (
+        f"rank {rank}: {collective or 'a collective'} during {current_activity()} lost another rank (its process "
+        f"died or its host went away; the launcher's line names it and how it ended), so this rank stops too; "
+        f"`--resume auto` continues from the last saved state [{str(exc).splitlines()[0][-120:]}]"
+    )
+
+
 def resume_line(ckpt: Path, step: int, steps: int) -> str:
     """The console line of a resume (rank 0)."""
     return f"resuming from {ckpt} at step {step} (of {steps} steps)"
@@ -692,6 +709,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except NonFiniteError as e:
             return report_nonfinite(e, run_dir, plan.cfg)
         except RuntimeError as e:
+            if is_peer_lost(
+                e
+            ):  # another rank died: the launcher names it; one line here, not gloo's traceback
+                print(
+                    f"error: {peer_lost_line(int(os.environ.get('RANK', '0')), e)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return EXIT_PEER_LOST
             if not is_comm_timeout(e):
                 raise
             print(

@@ -73,6 +73,16 @@ def current_comm_timeout() -> Optional[tuple[float, str]]:
     return _current
 
 
+# gloo: "Connection closed by peer [127.0.0.1]:1234", "Connection reset by peer", "Broken pipe"; NCCL: "remote process
+# exited or there was a network error"
+_PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process exited", re.IGNORECASE)
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another rank's process or host went away (it died)."""
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
+
+
 def is_comm_timeout(exc: BaseException) -> bool:
     """Whether `exc` is a collective (or the rendezvous store) giving up on another rank after its timeout."""
     return isinstance(exc, RuntimeError) and bool(_TIMEOUT.search(str(exc)))

@@ -461,6 +461,14 @@ def test_the_two_messages_name_what_to_change(tmp_path):
         "rank 3: a collective during start-up waited 7 s (parallel.comm_timeout_s) for another rank and gave up"
     )  # no collective frame in this exception's traceback: failed_collective names none
     assert "--set parallel.comm_timeout_s=SECONDS" in line and "Timed out waiting 7000ms" in line
+    from launcher.train import peer_lost_line
+
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234")
+    assert comm_timeout.is_peer_lost(closed) and not comm_timeout.is_peer_lost(gloo)
+    assert not comm_timeout.is_comm_timeout(closed)
+    line = peer_lost_line(0, closed)
+    assert line.startswith("rank 0: a collective during ") and "lost another rank" in line, line
+    assert "`--resume auto`" in line and "Connection closed by peer" in line and "\n" not in line
     cfg = load_run_config(None, ["train.lr=2e-3"])
     err = NonFiniteError(9, "loss nan, grad norm 1 on rank 0 (not finite)")
     state = tmp_path / "checkpoints" / "step_00000008"

@@ -124,6 +124,7 @@ def unpublished_problems(run: Path, step: int, latest: str) -> list[str]:
     return problems
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_killed_run_resumes_on_the_uninterrupted_trajectory(tiny_tokens, tmp_path):
     """3 domains on 3 ranks, ZeRO 1: SIGKILL after step 3 (checkpoint at step 2), resume; SIGKILL again while the
