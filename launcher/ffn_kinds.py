@@ -30,8 +30,8 @@ import torch.nn as nn
 from launcher.config import RunConfig
 from model.gpt import expert_of_key, split_by_expert
 from parallel.cse import CSEController
-from parallel.engine import build_engine
-from parallel.expert_grads import distribute_demix_experts
+from parallel.demix_sync import distribute_demix_experts
+from parallel.engine import EngineBundle, build_engine
 from parallel.gshard import (
     apply_gshard,
     gshard_export_parts,
@@ -121,7 +121,7 @@ class FFNKind:
         per-step expert gradient scale, if the kind has one."""
         return None
 
-    def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any:
+    def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> EngineBundle:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
         return build_engine(
             model,

@@ -2,7 +2,7 @@
 the trainer does around the engine's step (global norm, clipping, fp16 loss scale).
 
 `build_engine` applies tensor parallelism (parallel/tensor_parallel.py), lets the FFN kind make its experts
-distributed (e.g. parallel/expert_grads.py `distribute_demix_experts`), builds AdamW over the same parameter-group
+distributed (e.g. parallel/demix_sync.py `distribute_demix_experts`), builds AdamW over the same parameter-group
 structure on every rank (parallel/optim_groups.py), generates the DeepSpeed config (parallel/ds_config.py) with the
 bucket size and overlap the ranks agreed on (parallel/grad_reduce.py), and wraps the model in a DeepSpeed engine.
 
@@ -26,9 +26,9 @@ import torch.nn as nn
 
 from model.gpt import GPT
 from parallel.config import ParallelConfig, TrainConfig
+from parallel.demix_sync import ExpertGradScale, OverlappedGradReduce, expert_replicas, is_expert_param
 from parallel.ds_config import deepspeed_config, lr_lambda
-from parallel.expert_grads import ExpertGradScale, expert_replicas, is_expert_param
-from parallel.grad_reduce import GradReducePlan, OverlappedGradReduce, plan_grad_reduce
+from parallel.grad_reduce import GradReducePlan, plan_grad_reduce
 from parallel.groups import DeepSpeedMPU, ProcessGroups
 from parallel.optim_groups import optimizer_param_groups
 
