@@ -4,9 +4,9 @@ where in the code, with which scale, for every ZeRO stage and FFN kind.
 DEMix §3.4: shared parameters are all-reduced over all ranks, expert e's only over the ranks of its domain. Here
 expert parameters are tagged (`tag_expert_parameters`: `allreduce=False`, `group_name`), DeepSpeed's
 expert-data-parallel group of that name is bound to this rank's domain group (`register_with_deepspeed`), a
-parameter-free marker switches DeepSpeed's expert paths on (`_moe_marker`), expert gradients are rescaled to
-their domain's mean (`ExpertGradScale`), and ZeRO 0's reduction runs here (`OverlappedGradReduce`); at ZeRO 1/2
-DeepSpeed's optimizer reduces by the same tags and groups. One training step (`SYNC_TABLE`, rendered by
+parameter-free marker switches DeepSpeed's expert paths on (ds_private.py `moe_marker`), expert gradients are
+rescaled to their domain's mean (`ExpertGradScale`), and ZeRO 0's reduction runs here (`OverlappedGradReduce`);
+at ZeRO 1/2 DeepSpeed's optimizer reduces by the same tags and groups. One training step (`SYNC_TABLE`, rendered by
 `sync_table`; tests/multirank/test_sync_table.py counts the collectives of a real step on 4 gloo ranks, 2 domains
 x 2 ranks, and checks the gradient rows):
 
@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model.gpt import GPT
+from parallel import ds_private
 from parallel.groups import ProcessGroups
 
 
@@ -172,9 +173,7 @@ def is_expert_param(p: torch.Tensor) -> bool:
 def expert_replicas(p: torch.Tensor) -> int:
     """How many data-parallel ranks hold (and after reduction agree on) this expert parameter's gradient:
     the size of its expert-data-parallel group (DEMix registers its domain groups there too)."""
-    from deepspeed.utils import groups as ds_groups
-
-    return dist.get_world_size(ds_groups._get_expert_data_parallel_group(p.group_name))
+    return ds_private.expert_group_size(p.group_name)
 
 
 class ExpertGradScale:
@@ -218,19 +217,18 @@ class ExpertGradScale:
 def register_with_deepspeed(groups: ProcessGroups) -> None:
     """Bind DeepSpeed's expert-data-parallel group name to this rank's domain group.
 
-    DeepSpeed reduces a parameter tagged `allreduce=False, group_name=N` over
-    `deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP[N]`, at ZeRO 0 (engine) and 1/2 (optimizer).
+    DeepSpeed reduces a parameter tagged `allreduce=False, group_name=N` over its expert-data-parallel group N, at
+    ZeRO 0 (engine) and 1/2 (optimizer). ZeRO only checks that an expert-parallel group exists, and the fp16
+    overflow check reduces over it; DEMix has no all-to-all, the closest meaning is the data-parallel group (the
+    ranks that hold the other domains' experts), which also makes an overflow in any expert skip the step everywhere.
     """
-    from deepspeed.utils import groups as ds_groups
-
-    name = groups.expert_group_name
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = groups.expert_group
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(groups.expert_ranks)
-    # ZeRO only checks that an expert-parallel group exists, and the fp16 overflow check reduces over it;
-    # DEMix has no all-to-all, the closest meaning is the data-parallel group (the ranks that hold the other
-    # domains' experts), which also makes an overflow in any expert skip the step everywhere.
-    ds_groups._EXPERT_PARALLEL_GROUP[name] = groups.dp_group
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(groups.dp_ranks)
+    ds_private.bind_expert_groups(
+        groups.expert_group_name,
+        groups.expert_group,
+        list(groups.expert_ranks),
+        groups.dp_group,
+        list(groups.dp_ranks),
+    )
 
 
 def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> ExpertGradScale:
@@ -246,30 +244,6 @@ def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> Ex
     return scale
 
 
-def _moe_marker(num_experts: int, group_name: str) -> nn.Module:
-    """A parameter-free module that makes DeepSpeed switch on its expert-parameter paths.
-
-    The engine enables expert-group reduction (and hands the expert groups to ZeRO) only when the model
-    contains a `deepspeed.moe.layer.MoE`. DEMix needs those paths but not that layer (no gate, no
-    all-to-all), so parallel/ attaches this marker; the model itself stays plain PyTorch.
-    """
-    from deepspeed.moe.layer import MoE
-
-    class DemixExpertGroups(MoE):
-        def __init__(self) -> None:
-            nn.Module.__init__(self)
-            self.num_experts = num_experts
-            self.expert_group_name = group_name
-
-        def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
-            pass  # groups were registered from our topology (parallel/groups.py)
-
-        def forward(self, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError("the DEMix expert-group marker is not a layer")
-
-    return DemixExpertGroups()
-
-
 def distribute_demix_experts(
     model: GPT, num_experts: int, groups: ProcessGroups, scaling: str
 ) -> ExpertGradScale:
@@ -278,7 +252,7 @@ def distribute_demix_experts(
     DeepSpeed's expert paths. Returns the scale (its factors are set every step)."""
     register_with_deepspeed(groups)
     scale = tag_expert_parameters(model, groups, scaling)
-    model.ds_expert_groups = _moe_marker(num_experts, groups.expert_group_name)
+    model.ds_expert_groups = ds_private.moe_marker(num_experts, groups.expert_group_name)
     return scale
 
 
@@ -319,24 +293,21 @@ class OverlappedGradReduce:
     """
 
     def __init__(self, engine: Any, elements: int) -> None:
-        from deepspeed.moe.utils import is_moe_param
-        from deepspeed.utils import groups as ds_groups
-
         self.engine = engine
-        shared_group = ds_groups._get_sequence_data_parallel_group()
+        shared_group = ds_private.sequence_data_parallel_group()
         # engine._reduce_non_expert_gradients / _reduce_expert_gradients: the same divisors, float and int
         shared_world = dist.get_world_size(shared_group) / float(engine.sequence_parallel_size)
-        expert_world = dist.get_world_size(ds_groups._get_data_parallel_group())
+        expert_world = dist.get_world_size(ds_private.data_parallel_group())
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, _Bucket] = {}
         open_buckets: dict[tuple, _Bucket] = {}
         params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
         for p in reversed(params):
-            expert = is_moe_param(p)
+            expert = is_expert_param(p)
             key = ("expert", p.group_name, p.dtype) if expert else ("shared", p.dtype)
             b = open_buckets.get(key)
             if b is None or sum(q.numel() for q in b.params) + p.numel() > elements:
-                group = ds_groups._get_expert_data_parallel_group(p.group_name) if expert else shared_group
+                group = ds_private.expert_data_parallel_group(p.group_name) if expert else shared_group
                 b = _Bucket([], group, expert_world if expert else shared_world)
                 open_buckets[key] = b
                 self.buckets.append(b)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model.gpt import GPT
+from parallel import ds_private
 from parallel.config import ParallelConfig, TrainConfig
 from parallel.demix_sync import ExpertGradScale, OverlappedGradReduce, expert_replicas, is_expert_param
 from parallel.ds_config import deepspeed_config, lr_lambda
@@ -120,9 +121,7 @@ def attach_backward_prologue(engine: Any) -> None:
     def hook(module: nn.Module, args: Any, out: Any) -> None:
         if is_dataclass(out) and torch.is_grad_enabled():
             register_output_backward_hooks(
-                [getattr(out, f.name) for f in fields(out)],
-                preprocess_once_fn=engine._backward_prologue,
-                preprocess_per_tensor_fn=engine._backward_prologue_per_tensor,
+                [getattr(out, f.name) for f in fields(out)], **ds_private.backward_prologue_hooks(engine)
             )
 
     engine.module.register_forward_hook(hook)
