@@ -28,7 +28,7 @@ the batches an uninterrupted run would. Three layers:
        holds the same number of domains (e.g. 4 domains on 2 ranks), unequal otherwise (3 domains on 2 ranks:
        25 %, 25 %, 50 %).
      Whatever the shares, each expert's gradient is the mean over its own domain's tokens of the step
-     (parallel/expert_grads.py:ExpertGradScale); the shares decide how much data each expert sees.
+     (parallel/demix_sync.py:ExpertGradScale); the shares decide how much data each expert sees.
    - "natural" / "domain_token" (Dense, +Domain-Token): every rank reads every domain on shard = its
      data-parallel rank. A mixture epoch has one slot per owned block of every domain (quota q_d = m_d), shuffled
      by (seed, shard, epoch): blocks come in their natural proportions, one pass over the shard per epoch.

@@ -16,7 +16,9 @@ the dry run, the export and the expert tools ask the strategy instead of branchi
     kind.state_names(model, topo, rank)       # parameter -> plain-model name, and the ranks that can write its state
     kind.step_hook(model, cfg, groups, optimizer, domain_names)
 
-A fifth kind is one subclass here plus its layer in `model/`; `register_kind` adds it to `KINDS`.
+A fifth kind is declared once (model/config.py `declare_ffn_kind`, with its traits), gets its layer in `model/`
+(model/ffn.py `register_ffn`) and, where it behaves unlike dense outside the model, one subclass here
+(`register_kind` adds it to `KINDS`); a declared kind without a strategy behaves as dense does here.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import torch
 import torch.nn as nn
 
 from launcher.config import RunConfig
+from model.config import FFN_KINDS
 from model.gpt import expert_of_key, split_by_expert
 from parallel.cse import CSEController
-from parallel.engine import build_engine
-from parallel.expert_grads import distribute_demix_experts
+from parallel.demix_sync import distribute_demix_experts
+from parallel.engine import EngineBundle, build_engine
 from parallel.gshard import (
     apply_gshard,
     gshard_export_parts,
@@ -121,7 +124,7 @@ class FFNKind:
         per-step expert gradient scale, if the kind has one."""
         return None
 
-    def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any:
+    def build_engine(self, model: nn.Module, cfg: RunConfig, groups: Any) -> EngineBundle:
         """parallel.engine.build_engine with this kind's `prepare_parallel` (an EngineBundle)."""
         return build_engine(
             model,
@@ -321,7 +324,8 @@ KINDS: dict[str, FFNKind] = {}
 
 
 def register_kind(kind: FFNKind) -> FFNKind:
-    """Add a strategy to the registry under its `name`."""
+    """Add a strategy to the registry under its `name` (a kind model/config.py declares: without a strategy of its
+    own, a declared kind behaves as dense here)."""
     KINDS[kind.name] = kind
     return kind
 
@@ -333,9 +337,8 @@ for _kind in (Dense(), Demix(), GShard(), CSE()):
 def ffn_kind(cfg: RunConfig | str) -> FFNKind:
     """The strategy of a run config's `model.ffn.kind` (or of a kind's name)."""
     name = cfg if isinstance(cfg, str) else cfg.model.ffn.kind
-    try:
+    if name in KINDS:
         return KINDS[name]
-    except KeyError:
-        raise ValueError(
-            f"feed-forward kind {name!r} has no strategy registered; known: {sorted(KINDS)}"
-        ) from None
+    if name in FFN_KINDS:  # declared with no strategy of its own: dense's behaviour, under its name
+        return type(f"Declared_{name}", (Dense,), {"name": name})()
+    raise ValueError(f"feed-forward kind {name!r} has no strategy registered; known: {sorted(KINDS)}")

@@ -74,7 +74,7 @@ from parallel.comm_timeout import (
     set_comm_timeout,
     timeout_of,
 )
-from parallel.engine import backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
+from parallel.engine import EngineBundle, backward_loss_factor, clip_grads_, global_grad_norm, loss_scale
 from parallel.groups import ProcessGroups
 from parallel.overflow import install_norm_overflow_check, set_step_norm
 
@@ -94,7 +94,7 @@ def domain_loss_sums(
     return out
 
 
-def reduce_domain_sums(sums: torch.Tensor, bundle: Any) -> torch.Tensor:
+def reduce_domain_sums(sums: torch.Tensor, bundle: EngineBundle) -> torch.Tensor:
     """Sum over ranks; tensor-parallel replicas of the same batch count once."""
     import torch.distributed as dist
 
@@ -104,7 +104,7 @@ def reduce_domain_sums(sums: torch.Tensor, bundle: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(bundle: Any, plan: Plan, rank: int, device: torch.device) -> dict[str, float]:
+def evaluate(bundle: EngineBundle, plan: Plan, rank: int, device: torch.device) -> dict[str, float]:
     """Validation loss per training domain: each rank scores the first `eval_batches` micro-batches of its
     domains' validation blocks (disjoint shards within a domain group), summed over ranks.
 
@@ -212,7 +212,7 @@ def build_rank_model(plan: Plan, rank: int) -> GPT:
     return model
 
 
-def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> Any:
+def build_rank_engine(plan: Plan, model: GPT, groups: ProcessGroups) -> EngineBundle:
     """The FFN kind's DeepSpeed engine bundle (parallel/engine.py) on `model`, with activation recompute as planned,
     fp16's overflow test from the step's global norm at ZeRO 0 (parallel/overflow.py) and `train.compile`.
     The process group must exist (`start_distributed`)."""
@@ -261,7 +261,7 @@ class Trainer:
     run_dir: Path
     rank: int
     device: torch.device
-    bundle: Any  # parallel.engine.EngineBundle
+    bundle: EngineBundle
     sampler: Any  # data.sampler's sampler for this rank
     log: MetricsLogger
     start: int  # the first step to run (> 0 after a resume)
@@ -513,7 +513,7 @@ def train(plan: Plan, run_dir: Path, resume: str = "auto") -> dict[str, Any]:
 
 
 def train_step(
-    bundle: Any, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int
+    bundle: EngineBundle, cfg: RunConfig, micro: list[dict[str, torch.Tensor]], n_domains: int
 ) -> StepResult:
     """One optimizer update over `grad_accum` micro-batches: forward, loss (+aux), backward, (clip), step.
 
@@ -566,7 +566,7 @@ def train_step(
 
 
 def step_record(
-    out: StepResult, bundle: Any, plan: Plan, sums: torch.Tensor, t0: float, steps: int
+    out: StepResult, bundle: EngineBundle, plan: Plan, sums: torch.Tensor, t0: float, steps: int
 ) -> dict[str, Any]:
     """The per-interval training record: loss (overall and per domain), lr, grad norm, throughput, memory."""
     import torch.distributed as dist

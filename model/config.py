@@ -7,6 +7,7 @@ value problem found (never raises), so that the run-level validator can report a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import field
 from typing import Annotated, Any
@@ -32,7 +33,33 @@ def _number_from_string(value: Any) -> Any:
 # ints and "3e-4" yes, bools no, nan/inf no (an lr of nan would pass here and fail in every rank minutes later)
 Float = Annotated[float, Strict(), AllowInfNan(False), BeforeValidator(_number_from_string)]
 
-FFN_KINDS: tuple[str, ...] = ("dense", "demix", "gshard", "cse")
+
+@dataclasses.dataclass(frozen=True)
+class FFNTraits:
+    """What code below launcher/ (parallel/'s memory model and tracing) needs to know of an FFN kind, so that it
+    asks this table instead of comparing kind names; launcher/ffn_kinds.py holds the rest, one strategy per kind."""
+
+    domain_routed: bool = False  # routed by the batch's domain ids (DEMix): the trainer passes domain_ids_B
+    deepspeed_moe: bool = False  # a learned top-k gate that training swaps for DeepSpeed's MoE layer (GShard)
+
+
+# The one declaration of the feed-forward kinds: config validation, model/ffn.py's builders and traits and
+# launcher/ffn_kinds.py's strategies all derive from it. `declare_ffn_kind` adds one.
+FFN_KINDS: dict[str, FFNTraits] = {
+    "dense": FFNTraits(),
+    "demix": FFNTraits(domain_routed=True),
+    "gshard": FFNTraits(deepspeed_moe=True),
+    "cse": FFNTraits(),
+}
+
+
+def declare_ffn_kind(name: str, traits: FFNTraits = FFNTraits()) -> FFNTraits:
+    """Declare a feed-forward kind (its layer: model/ffn.py `register_ffn`; its strategy outside the model, if it
+    differs from dense's: launcher/ffn_kinds.py `register_kind`)."""
+    FFN_KINDS[name] = traits
+    return traits
+
+
 SECOND_EXPERT_POLICIES: tuple[str, ...] = ("sampling", "all", "random")
 
 

@@ -7,17 +7,17 @@ Shape legend: B batch (sequences), T tokens per sequence, D model dim, F ffn dim
 E experts, G domains, N routed rows.
 
 Every FFN kind is an `nn.Module` with `forward(x_BTD, domain_ids_B) -> FFNOutput`. New kinds register
-a builder with `register_ffn(kind)`; `build_ffn` is the only constructor the model calls.
+a builder with `register_ffn(kind)` (the kind itself, and its traits, are declared once in model/config.py
+`FFN_KINDS`); `build_ffn` is the only constructor the model calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch.nn as nn
 
-from model.config import ModelConfig
+from model.config import FFN_KINDS, FFNTraits, ModelConfig
 from model.cse import build_cse
 from model.demix import DemixFFN
 from model.gshard import GShardFFN
@@ -36,29 +36,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class FFNTraits:
-    """What code below launcher/ (parallel/'s memory model and tracing) needs to know of an FFN kind, so that it
-    asks this table instead of comparing kind names; launcher/ffn_kinds.py holds the rest, one strategy per kind."""
-
-    domain_routed: bool = False  # routed by the batch's domain ids (DEMix): the trainer passes domain_ids_B
-    deepspeed_moe: bool = False  # a learned top-k gate that training swaps for DeepSpeed's MoE layer (GShard)
-
-
-FFN_TRAITS: dict[str, FFNTraits] = {
-    "dense": FFNTraits(),
-    "demix": FFNTraits(domain_routed=True),
-    "gshard": FFNTraits(deepspeed_moe=True),
-    "cse": FFNTraits(),
-}
-
-
 def ffn_traits(kind: str) -> FFNTraits:
-    """The traits of FFN kind `kind` (a KeyError names the known kinds)."""
+    """The traits of FFN kind `kind` (model/config.py `FFN_KINDS`; a KeyError names the known kinds)."""
     try:
-        return FFN_TRAITS[kind]
+        return FFN_KINDS[kind]
     except KeyError:
-        raise KeyError(f"feed-forward kind {kind!r} has no traits; known: {sorted(FFN_TRAITS)}") from None
+        raise KeyError(f"feed-forward kind {kind!r} has no traits; known: {sorted(FFN_KINDS)}") from None
 
 
 FFNBuilder = Callable[[ModelConfig, int, Sequence[int]], nn.Module]
@@ -66,7 +49,12 @@ _FFN_BUILDERS: dict[str, FFNBuilder] = {}
 
 
 def register_ffn(kind: str) -> Callable[[FFNBuilder], FFNBuilder]:
-    """Register a builder `(cfg, layer_idx, expert_ids) -> module` for an FFN kind's expert layers."""
+    """Register a builder `(cfg, layer_idx, expert_ids) -> module` for a declared FFN kind's expert layers (a kind
+    without one has dense layers only)."""
+    if kind not in FFN_KINDS:
+        raise ValueError(
+            f"feed-forward kind {kind!r} is not declared: model/config.py declare_ffn_kind first"
+        )
 
     def deco(fn: FFNBuilder) -> FFNBuilder:
         _FFN_BUILDERS[kind] = fn
@@ -94,10 +82,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int, expert_ids: Sequence[int]) -> nn
     """The FFN of layer `layer_idx`: the kind's expert layer where the kind puts one, else dense."""
     if layer_idx not in cfg.moe_layer_ids():
         return DenseFFN(cfg)
-    try:
-        builder = _FFN_BUILDERS[cfg.ffn.kind]
-    except KeyError:
-        raise ValueError(
-            f"feed-forward kind {cfg.ffn.kind!r} has no builder registered; known: {sorted(_FFN_BUILDERS) + ['dense']}"
-        ) from None
-    return builder(cfg, layer_idx, expert_ids)
+    if cfg.ffn.kind not in FFN_KINDS:
+        raise ValueError(f"feed-forward kind {cfg.ffn.kind!r} is not declared; known: {sorted(FFN_KINDS)}")
+    builder = _FFN_BUILDERS.get(cfg.ffn.kind)
+    return DenseFFN(cfg) if builder is None else builder(cfg, layer_idx, expert_ids)

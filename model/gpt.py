@@ -255,11 +255,13 @@ class GPT(nn.Module):
     def expert_parameters(self) -> dict[int, list[nn.Parameter]]:
         """Parameters of each global expert id held here (empty for dense)."""
         by_expert: dict[int, list[nn.Parameter]] = {}
-        for block in self.blocks:
-            experts = getattr(block.ffn, "experts", None)
-            if isinstance(experts, nn.ModuleDict):
-                for key, mod in experts.items():
-                    by_expert.setdefault(int(key), []).extend(mod.parameters())
+        for (
+            name,
+            p,
+        ) in self.named_parameters():  # `expert_of_key` is the one answer to "whose parameter is this?"
+            e = expert_of_key(name)
+            if e is not None:
+                by_expert.setdefault(e, []).append(p)
         return by_expert
 
     def num_parameters(self) -> int:

@@ -29,7 +29,7 @@ class ParallelConfig:
     expert_grad_scaling: "domain_mean" averages an expert's gradient over its domain group (default);
     "global" divides by the whole data-parallel world, as the reference fairseq code does.
     grad_reduce: "overlap" (default) reduces the gradients bucket by bucket while the backward of the
-    accumulation boundary still runs (ZeRO 0: parallel/grad_reduce.py `OverlappedGradReduce`; ZeRO 1/2:
+    accumulation boundary still runs (ZeRO 0: parallel/demix_sync.py `OverlappedGradReduce`; ZeRO 1/2:
     DeepSpeed's `overlap_comm`); "after_backward" reduces them all once the backward has finished (DeepSpeed's own
     ZeRO-0 path).
     bucket_elements: gradient elements per bucket; None = parallel/grad_reduce.py `bucket_elements`' rule

@@ -67,6 +67,7 @@ import torch.nn as nn
 
 from model.config import CSEConfig
 from model.cse import CSEFFN, cse_layers
+from parallel import ds_private
 
 BatchFn = Callable[[int], dict]
 
@@ -265,7 +266,7 @@ def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> Option
     Found through the storage of the fp32 master fragment, which is a view into the same flat partition that the
     torch optimizer's state is keyed by. (deepspeed.utils.safe_get_full_optimizer_state misses the state of some
     groups in DeepSpeed 0.19 - e.g. the no-decay biases - whose fragments are linked with no optimizer keys.)"""
-    m = p._hp_mapping
+    m = ds_private.hp_mapping(p)
     if m is None or m.hp_fragment.numel() == 0:
         return None
     storage = m.hp_fragment.untyped_storage().data_ptr()
@@ -279,32 +280,32 @@ def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str])
     """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective)."""
     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
     frag = (
-        (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None)
+        (ds_private.hp_mapping(p).hp_fragment if ds_private.hp_mapping(p) is not None else None)
         if key is None
         else _flat_state(p, opt, key)
     )
     if frag is not None:
-        a = p._hp_mapping.lp_fragment_address
+        a = ds_private.hp_mapping(p).lp_fragment_address
         buf.narrow(0, a.start, a.numel).copy_(frag.flatten())
-    dist.all_reduce(buf, group=p._dp_group)
+    dist.all_reduce(buf, group=ds_private.param_dp_group(p))
     return buf
 
 
 def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str], value: torch.Tensor) -> None:
     frag = (
-        (p._hp_mapping.hp_fragment if p._hp_mapping is not None else None)
+        (ds_private.hp_mapping(p).hp_fragment if ds_private.hp_mapping(p) is not None else None)
         if key is None
         else _flat_state(p, opt, key)
     )
     if frag is not None:
-        a = p._hp_mapping.lp_fragment_address
+        a = ds_private.hp_mapping(p).lp_fragment_address
         frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
 
 
 def partitioned_state(p: torch.Tensor, optimizer: Any, key: Optional[str] = None) -> Optional[torch.Tensor]:
     """Full fp32 master weight (key None) or optimizer state of a parameter of a ZeRO 1/2 / bf16 optimizer
     (collective over its data-parallel group); None for parameters such an optimizer does not partition."""
-    if not hasattr(p, "_hp_mapping"):
+    if not ds_private.has_hp_mapping(p):
         return None
     return _full_state(p, _torch_optimizer(optimizer), key).view_as(p)
 
@@ -382,7 +383,7 @@ def copy_expert(src: nn.Module, dst: nn.Module, optimizer: Any = None) -> None:
         p_dst.data.copy_(p_src.data)
         if opt is None:
             continue
-        if hasattr(p_src, "_hp_mapping"):  # ZeRO 1/2, bf16 optimizer: flat fp32 partitions
+        if ds_private.has_hp_mapping(p_src):  # ZeRO 1/2, bf16 optimizer: flat fp32 partitions
             for key in (None, "exp_avg", "exp_avg_sq"):
                 _set_state(p_dst, opt, key, _full_state(p_src, opt, key))
         else:  # the parameter is its own master, unless a ZeRO-0 fp16 wrapper holds one

@@ -2,7 +2,7 @@
 the trainer does around the engine's step (global norm, clipping, fp16 loss scale).
 
 `build_engine` applies tensor parallelism (parallel/tensor_parallel.py), lets the FFN kind make its experts
-distributed (e.g. parallel/expert_grads.py `distribute_demix_experts`), builds AdamW over the same parameter-group
+distributed (e.g. parallel/demix_sync.py `distribute_demix_experts`), builds AdamW over the same parameter-group
 structure on every rank (parallel/optim_groups.py), generates the DeepSpeed config (parallel/ds_config.py) with the
 bucket size and overlap the ranks agreed on (parallel/grad_reduce.py), and wraps the model in a DeepSpeed engine.
 
@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model.gpt import GPT
+from parallel import ds_private
 from parallel.config import ParallelConfig, TrainConfig
+from parallel.demix_sync import ExpertGradScale, OverlappedGradReduce, expert_replicas, is_expert_param
 from parallel.ds_config import deepspeed_config, lr_lambda
-from parallel.expert_grads import ExpertGradScale, expert_replicas, is_expert_param
-from parallel.grad_reduce import GradReducePlan, OverlappedGradReduce, plan_grad_reduce
+from parallel.grad_reduce import GradReducePlan, plan_grad_reduce
 from parallel.groups import DeepSpeedMPU, ProcessGroups
 from parallel.optim_groups import optimizer_param_groups
 
@@ -120,9 +121,7 @@ def attach_backward_prologue(engine: Any) -> None:
     def hook(module: nn.Module, args: Any, out: Any) -> None:
         if is_dataclass(out) and torch.is_grad_enabled():
             register_output_backward_hooks(
-                [getattr(out, f.name) for f in fields(out)],
-                preprocess_once_fn=engine._backward_prologue,
-                preprocess_per_tensor_fn=engine._backward_prologue_per_tensor,
+                [getattr(out, f.name) for f in fields(out)], **ds_private.backward_prologue_hooks(engine)
             )
 
     engine.module.register_forward_hook(hook)

@@ -2,8 +2,8 @@
 
 `ProcessGroups.create(topo)` calls `torch.distributed.new_group` for every tensor-parallel group, every
 data-parallel group and every domain's expert group, on every rank and in the same order (a requirement of
-`new_group`), and keeps the ones this rank belongs to. `register_with_deepspeed` then makes DeepSpeed's
-expert-data-parallel machinery use *our* domain groups: all of a rank's expert parameters carry one group
+`new_group`), and keeps the ones this rank belongs to. parallel/demix_sync.py `register_with_deepspeed` then makes
+DeepSpeed's expert-data-parallel machinery use *our* domain groups: all of a rank's expert parameters carry one group
 name (`ProcessGroups.expert_group_name`, the same string on every rank), bound on each rank to that rank's
 own domain group. Every rank therefore has the same optimizer param-group names (which ZeRO's collective
 norm computation needs), whatever the allocation (even, uneven, or several domains per rank).
@@ -128,21 +128,3 @@ class DeepSpeedMPU:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
-
-
-def register_with_deepspeed(groups: ProcessGroups) -> None:
-    """Bind DeepSpeed's expert-data-parallel group name to this rank's domain group.
-
-    DeepSpeed reduces a parameter tagged `allreduce=False, group_name=N` over
-    `deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP[N]`, at ZeRO 0 (engine) and 1/2 (optimizer).
-    """
-    from deepspeed.utils import groups as ds_groups
-
-    name = groups.expert_group_name
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = groups.expert_group
-    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(groups.expert_ranks)
-    # ZeRO only checks that an expert-parallel group exists, and the fp16 overflow check reduces over it;
-    # DEMix has no all-to-all, the closest meaning is the data-parallel group (the ranks that hold the other
-    # domains' experts), which also makes an overflow in any expert skip the step everywhere.
-    ds_groups._EXPERT_PARALLEL_GROUP[name] = groups.dp_group
-    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(groups.dp_ranks)

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
 from model.mlp import MLP, FFNOutput
+from parallel import ds_private
 from parallel.ds_expert_groups import deepspeed_moe_groups
 
 
@@ -245,9 +246,7 @@ class DistributedGShardFFN(nn.Module):
         self._groups_checked = False
 
     def _check_groups(self) -> None:
-        from deepspeed.utils import groups as ds_groups
-
-        got = tuple(sorted(ds_groups._get_expert_parallel_group_ranks(self.layout.group_name)))
+        got = tuple(sorted(ds_private.expert_parallel_group_ranks(self.layout.group_name)))
         if got != self.layout.ep_ranks:
             raise RuntimeError(
                 f"DeepSpeed's expert-parallel group {got} differs from the layout's {self.layout.ep_ranks}: the "

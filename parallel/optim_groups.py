@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.expert_grads import is_expert_param
+from parallel.demix_sync import is_expert_param
 
 
 def _split_max_numel() -> Optional[int]:

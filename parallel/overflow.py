@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from parallel import ds_private
+
 
 def overflowed(norm: torch.Tensor) -> bool:
     """Whether the step's global gradient norm is inf or nan: the fp16 step's one device-to-host read."""
@@ -64,7 +66,7 @@ def step_with_norm(self: Any, closure: Optional[Any] = None) -> bool:
         return FP16_UnfusedOptimizer.step(self, closure)
     self.overflow = overflowed(norm)
     if self.overflow:
-        return self._skip_invalid_grad_norm()
+        return ds_private.skip_invalid_grad_norm(self)
     for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
         # the fp32 copies of the gradients, as DeepSpeed
         for fp32_param, fp16_param in zip(fp32_group, fp16_group):
@@ -74,8 +76,10 @@ def step_with_norm(self: Any, closure: Optional[Any] = None) -> bool:
                 )
             else:
                 fp32_param.grad = fp16_param.grad.to(fp32_param.dtype)
-    self._global_grad_norm = norm  # what engine.get_global_grad_norm() returns: the norm the trainer computed
-    self._update_scale(False)
+    ds_private.set_global_grad_norm(
+        self, norm
+    )  # what engine.get_global_grad_norm() returns: the norm the trainer computed
+    ds_private.update_loss_scale(self, False)
     self.unscale_and_clip_grads(norm)  # clip_grad is 0: divides by the loss scale only, the norm is not read
     self.optimizer.step()
     for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):

@@ -28,6 +28,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from parallel import ds_private
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FP32 = "fp32"
 
@@ -65,7 +67,7 @@ class ParamStates:
     def get(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         """{"fp32": master weight, "exp_avg": ..., "exp_avg_sq": ...} of `p` (moments absent before the first
         step and for frozen parameters). At ZeRO 1/2 a collective over p's data-parallel group."""
-        if self.zero and getattr(p, "_hp_mapping", "absent") != "absent":
+        if self.zero and ds_private.has_hp_mapping(p):
             from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
             out = {FP32: safe_get_full_fp32_param(p)}
@@ -81,7 +83,7 @@ class ParamStates:
 
     def keys(self, p: torch.nn.Parameter) -> tuple[str, ...]:
         """The keys `get(p)` returns, found without a collective: the same on every rank that holds `p`."""
-        if self.zero and getattr(p, "_hp_mapping", "absent") != "absent":
+        if self.zero and ds_private.has_hp_mapping(p):
             return (FP32, *MOMENTS) if self._has_moments() else (FP32,)
         if id(p) not in self._masters:
             return (FP32,)
@@ -126,19 +128,19 @@ class ParamStates:
             for flat in self.opt.single_partition_of_fp32_groups:
                 inner.state[flat] = _adam_state(flat, step, _group_of(inner, flat))
             self._link_moments()
-            self.opt._hp_optimizer_states_linked = True
+            ds_private.mark_hp_states_linked(self.opt)
             return
         for master, opt in self._masters.values():
             opt.state[master] = _adam_state(master, step, _group_of(opt, master))
 
     def set(self, p: torch.nn.Parameter, values: dict[str, torch.Tensor]) -> None:
         """Write `values` (as `get` returns them, at p's shape) into p's master, moments and the parameter."""
-        if self.zero and getattr(p, "_hp_mapping", "absent") != "absent":
+        if self.zero and ds_private.has_hp_mapping(p):
             from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
             safe_set_full_fp32_param(p, values[FP32].to(p.device))
             for key in MOMENTS:
-                if key in values and getattr(p, "_hp_mapping", None) is not None:
+                if key in values and ds_private.hp_mapping(p) is not None:
                     safe_set_full_optimizer_state(p, values[key].to(p.device), key)
             return
         with torch.no_grad():

@@ -191,8 +191,8 @@ def _ffn_kind_names() -> frozenset[str]:
 
 
 # Files allowed to branch on the FFN kind, with the reason. Only ever shrink. (parallel/ asks model/ffn.py's
-# FFN_TRAITS, the table at its own level; model/ is not scanned: model/ffn.py and model/config.py are the model's
-# registry.)
+# ffn_traits, over model/config.py's FFN_KINDS, the table at its own level; model/ is not scanned: model/ffn.py and
+# model/config.py are the model's registry.)
 KIND_BRANCH_EXCEPTIONS: dict[str, str] = {}
 
 

@@ -222,7 +222,8 @@ def test_checkpoint_domains_and_step_hooks():
 def test_the_models_traits_agree_with_the_strategies() -> None:
     """model/ffn.py's FFN_TRAITS (what parallel/ may ask) covers exactly the kinds of the config and of the strategy
     registry, and says the same as the strategies where both speak."""
-    from model.ffn import FFN_TRAITS, ffn_traits
+    from model.config import FFN_KINDS as FFN_TRAITS
+    from model.ffn import ffn_traits
 
     assert set(FFN_TRAITS) == set(FFN_KINDS) == set(KINDS)
     for name, strategy in KINDS.items():

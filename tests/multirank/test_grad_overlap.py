@@ -1,7 +1,7 @@
 """Gradient reduction overlapping the backward, on real processes over gloo.
 
 ZeRO 0 issues its all-reduces from gradient hooks while the accumulation boundary's backward runs
-(parallel/engine.py `OverlappedGradReduce`), ZeRO 1/2 through DeepSpeed's `overlap_comm`; `parallel.grad_reduce:
+(parallel/demix_sync.py `OverlappedGradReduce`), ZeRO 1/2 through DeepSpeed's `overlap_comm`; `parallel.grad_reduce:
 after_backward` keeps DeepSpeed's reduce-after-backward. On two ranks (a sum of two is the same in either order) the
 two give bitwise the same training, for DEMix with unequal experts per rank, fp16 (DeepSpeed's CPU guard lifted as in
 tests/multirank/test_device_placement.py) and GShard; a recorder of the collectives against the backward's progress
@@ -51,7 +51,7 @@ def _train(
     from launcher.ffn_kinds import ffn_kind
     from launcher.train import train_step
     from model.gpt import GPT
-    from parallel.expert_grads import is_expert_param
+    from parallel.demix_sync import is_expert_param
     from parallel.groups import ProcessGroups
     from parallel.memory import RankParams, buffer_bytes
     from parallel.topology import build_topology

@@ -1,7 +1,7 @@
 """Direct tests of the engine's pure parts, in one process with no process group: the generated DeepSpeed config
 and the keys the framework owns (parallel/ds_config.py), the learning-rate schedule, the gradient bucket plan
 (parallel/grad_reduce.py), the optimizer's parameter groups and their chunking (parallel/optim_groups.py), the
-expert gradient scale (parallel/expert_grads.py), and AdamW's options and gradient clipping (parallel/engine.py).
+expert gradient scale (parallel/demix_sync.py), and AdamW's options and gradient clipping (parallel/engine.py).
 Real models, configs and DeepSpeed functions throughout; the multi-rank behaviour is in test_demix_sync.py and
 test_grad_overlap.py."""
 
@@ -17,9 +17,9 @@ import torch.nn as nn
 from launcher.config import ConfigError, load_run_config
 from model.gpt import GPT
 from parallel.config import ParallelConfig, TrainConfig
+from parallel.demix_sync import ExpertGradScale, is_expert_param, tag_expert_parameters
 from parallel.ds_config import OWNED_DEEPSPEED_KEYS, deepspeed_config, extra_deepspeed_problems, lr_lambda
 from parallel.engine import adamw_options, clip_grads_
-from parallel.expert_grads import ExpertGradScale, is_expert_param, tag_expert_parameters
 from parallel.grad_reduce import GradReducePlan, bucket_elements, plan_grad_reduce
 from parallel.groups import ProcessGroups
 from parallel.optim_groups import _exactly, _greedy_chunks, _split_max_numel, optimizer_param_groups
