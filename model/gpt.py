@@ -98,7 +98,7 @@ class TokenCrossEntropy(nn.Module):
 
 # A chunk of the loss holds at most this many logits: 2^26, i.e. 256 MiB as float32 (1334 rows of a 50,304-entry
 # vocabulary). Whole-vocabulary logits at micro-batch 8 x 2048 are 824 M entries: 6.1 GiB of loss temporaries
-# plus ~3 GiB saved for backward at gpt3-small (benchmarks/results/loss_memory.md); one chunk's temporaries
+# plus ~3 GiB saved for backward at gpt3-small (experiments/results/loss_memory.md); one chunk's temporaries
 # measured 0.59 GiB (bf16 logits, fp32 copy, log-softmax and its gradient, ~9.4 bytes per entry), while
 # 1334 x 50k x d matmuls are still large enough to run at full speed on a GPU (M >= 1024). Smaller budgets save
 # little more (the model's other activations are GiBs) and launch more, smaller kernels.

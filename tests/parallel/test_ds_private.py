@@ -16,7 +16,7 @@ import pytest
 from parallel.ds_private import PRIVATE_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("launcher", "parallel", "model", "data", "benchmarks", "scripts")
+SCANNED = ("launcher", "parallel", "model", "data", "benchmarks", "experiments", "scripts")
 ADAPTER = ROOT / "parallel" / "ds_private.py"
 PRIVATE = {name for _, _, name in PRIVATE_NAMES}
 
