@@ -103,9 +103,10 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -311,7 +312,7 @@ def _reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_gib(device: torch.device) -> Optional[float]:
+def _peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
@@ -436,7 +437,7 @@ def predict_memory(cfg) -> dict[str, Any]:
     }
 
 
-def planner_skip(predicted_gib: Optional[float], memory_gib: Optional[float]) -> Optional[str]:
+def planner_skip(predicted_gib: float | None, memory_gib: float | None) -> str | None:
     """Why a phase is not tried: the planner's prediction exceeds the device's memory (None: try it)."""
     if predicted_gib is None or memory_gib is None or predicted_gib <= memory_gib:
         return None
@@ -503,7 +504,7 @@ def not_run(reason: str) -> dict[str, Any]:
     return {"status": reason.split(":")[0], "reason": reason}
 
 
-def deadline_reason(deadline: Optional[float], clock: Callable[[], float] = time.monotonic) -> Optional[str]:
+def deadline_reason(deadline: float | None, clock: Callable[[], float] = time.monotonic) -> str | None:
     """Why nothing more starts: the deadline (a `clock` time) has passed (None: go on)."""
     if deadline is None or clock() < deadline:
         return None
@@ -516,8 +517,8 @@ def run_cell(
     a: argparse.Namespace,
     device: torch.device,
     device_label: str,
-    memory_gib: Optional[float],
-    deadline: Optional[float] = None,
+    memory_gib: float | None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Both phases of one (size, arm) on the same batches, framework first, each on its own model built on the
     device from the same seed; OOM-safe. A phase the planner predicts does not fit `memory_gib` is recorded as
@@ -561,7 +562,7 @@ class ResultWriter:
     JSON line appended to `<record>.jsonl` (flushed and synced), and the markdown table at `record` and the .json
     beside it rewritten whole (each written to a temporary file and renamed over the old). No `record`: nothing."""
 
-    def __init__(self, record: Optional[Path]) -> None:
+    def __init__(self, record: Path | None) -> None:
         self.record = record
         if record is not None:
             record.parent.mkdir(parents=True, exist_ok=True)
@@ -600,7 +601,7 @@ def sweep(
     measure: Callable[[str, Arm], dict[str, Any]],
     result: dict[str, Any],
     writer: ResultWriter,
-    deadline: Optional[float] = None,
+    deadline: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """`measure` each cell in turn into `result["rows"]`, each written as soon as it is done; a cell not started
@@ -622,7 +623,7 @@ def run(
     cells: Sequence[tuple[str, Arm]],
     result: dict[str, Any],
     writer: ResultWriter,
-    deadline: Optional[float] = None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """The sweep in this process, a world of one (NCCL on the GPU, gloo on the CPU), into `result`."""
     from benchmarks.machine import OtherLoad, gpu_versions, machine_info, uptime
@@ -676,7 +677,7 @@ def _fmt(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _gib_or_dash(v: Optional[float]) -> str:
+def _gib_or_dash(v: float | None) -> str:
     return "-" if v is None else gib(v)
 
 
@@ -778,7 +779,7 @@ def select_cells(a: argparse.Namespace) -> list[tuple[str, str]]:
     every arm; `all` names every one); else the preset, `QUICK_CELLS` with --quick, `DEFAULT_CELLS` without."""
     preset = QUICK_CELLS if a.quick else DEFAULT_CELLS
 
-    def names(arg: Optional[str], every: Sequence[str]) -> list[str]:
+    def names(arg: str | None, every: Sequence[str]) -> list[str]:
         given = [n.strip() for n in (arg or "").split(",") if n.strip()]
         return list(every) if not given or given == ["all"] else given
 
@@ -790,7 +791,7 @@ def select_cells(a: argparse.Namespace) -> list[tuple[str, str]]:
     return [(size, arm) for size in names(a.sizes, SIZES) for arm in names(a.arms, ARMS)]
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_throughput",
         description=__doc__,
@@ -855,7 +856,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return a
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     a = parse_args(argv)
     if not a.tiny and not torch.cuda.is_available():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 def machine_info() -> dict[str, Any]:
@@ -49,7 +49,7 @@ def uptime() -> str:
         return ""
 
 
-def _busy_jiffies() -> Optional[tuple[int, int]]:
+def _busy_jiffies() -> tuple[int, int] | None:
     """(all busy jiffies, of which niced) summed over every CPU, from /proc/stat's aggregate line; None where
     there is no /proc/stat."""
     try:
@@ -77,17 +77,17 @@ class OtherLoad:
         ol.result()  # {"others_cores": 0.03, "niced_cores": 0.0, "own_cores": 1.98, "wall_s": 2.1}
     """
 
-    def __enter__(self) -> "OtherLoad":
+    def __enter__(self) -> OtherLoad:
         self._t0, self._own0, self._busy0 = time.perf_counter(), _own_cpu(), _busy_jiffies()
         return self
 
     def __exit__(self, *exc) -> None:
         self._t1, self._own1, self._busy1 = time.perf_counter(), _own_cpu(), _busy_jiffies()
 
-    def result(self) -> dict[str, Optional[float]]:
+    def result(self) -> dict[str, float | None]:
         wall = max(self._t1 - self._t0, 1e-9)
         own = (self._own1 - self._own0) / wall
-        out: dict[str, Optional[float]] = {
+        out: dict[str, float | None] = {
             "others_cores": None,
             "niced_cores": None,
             "own_cores": round(own, 3),
@@ -113,7 +113,7 @@ def gpu_versions() -> dict[str, Any]:
 
     import torch
 
-    def _version(module: str) -> Optional[str]:
+    def _version(module: str) -> str | None:
         try:
             return __import__(module.replace("-", "_")).__version__
         except Exception:  # noqa: BLE001 - information only

@@ -23,9 +23,10 @@ import json
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from launcher.tables import markdown_table
 
@@ -72,7 +73,7 @@ class Para:
     text: str
 
 
-Block = Union[Table, Figure, Heading, Para]
+Block = Table | Figure | Heading | Para
 
 
 def num(v: Any, unit: str = "") -> str:
@@ -91,11 +92,11 @@ def num(v: Any, unit: str = "") -> str:
     return s + unit
 
 
-def pct(v: Optional[float], signed: bool = False) -> str:
+def pct(v: float | None, signed: bool = False) -> str:
     return "–" if v is None else (f"{100 * v:+.1f}%" if signed else f"{100 * v:.1f}%")
 
 
-def params(v: Optional[float]) -> str:
+def params(v: float | None) -> str:
     if v is None:
         return "–"
     for div, suf in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
@@ -299,7 +300,7 @@ def paper_layout_tables(rows: list[dict]) -> list[Table]:
     return tables
 
 
-def scaling_table(rows: list[dict]) -> Optional[Table]:
+def scaling_table(rows: list[dict]) -> Table | None:
     ok = [r for r in rows if r["status"] == "ok"]
     worlds = sorted({r["world_size"] for r in ok})
     if len(worlds) < 2:
@@ -341,7 +342,7 @@ def scaling_table(rows: list[dict]) -> Optional[Table]:
     )
 
 
-def failed_table(rows: list[dict]) -> Optional[Table]:
+def failed_table(rows: list[dict]) -> Table | None:
     bad = [r for r in rows if r["status"] != "ok"]
     if not bad:
         return None
@@ -432,7 +433,7 @@ def _point_model(r: dict, padded: bool = False) -> Any:
     return replace(cfg, vocab_size=cfg.padded_vocab_size()) if padded else cfg
 
 
-def comm_table(rows: list[dict]) -> Optional[Table]:
+def comm_table(rows: list[dict]) -> Table | None:
     """Measured bytes per update and group (rank 0, the trainer's counters) beside the cost model's formulas."""
     from benchmarks.costmodel.layout import comm_bytes_per_update
 
@@ -481,7 +482,7 @@ def comm_table(rows: list[dict]) -> Optional[Table]:
     )
 
 
-def cluster_predictions(results: dict) -> Optional[Table]:
+def cluster_predictions(results: dict) -> Table | None:
     """Measured vs the cost model for each point, when the sweep names a cluster preset; the cost model prices
     the bytes each point measured (`predict(measured_bytes=)`), not its byte formulas."""
     cluster_name = results.get("sweep", {}).get("cluster")
@@ -703,7 +704,7 @@ def reused_note(rows: list[dict]) -> str:
     )
 
 
-def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tuple[list[Block], list[Figure]]:
+def build_blocks(results: dict, cm: dict | None, render_command: str) -> tuple[list[Block], list[Figure]]:
     rows = results["points"]
     s = results.get("sweep", {})
     n_ok = sum(r["status"] == "ok" for r in rows)
@@ -767,7 +768,7 @@ def build_blocks(results: dict, cm: Optional[dict], render_command: str) -> tupl
 
 
 def render(
-    sweep_dir: Path, out: Optional[Path] = None, costmodel: Optional[Path] = COSTMODEL_JSON, command: str = ""
+    sweep_dir: Path, out: Path | None = None, costmodel: Path | None = COSTMODEL_JSON, command: str = ""
 ) -> dict[str, Path]:
     """Write report.md, report.html and the PNGs for `<sweep_dir>/results.json` into `out` (default sweep_dir)."""
     out = out or sweep_dir
@@ -787,7 +788,7 @@ def render(
     return paths
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", help="a directory with results.json (written by benchmarks.sweep)")
     p.add_argument("--out", help="output directory (default: the sweep dir)")

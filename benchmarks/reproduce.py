@@ -47,9 +47,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,11 +86,11 @@ class Budget:
     eval_blocks: int = 64
     cached_blocks: int = 100
     save_interval: int = 50
-    dapt_domain: Optional[str] = "speeches"
+    dapt_domain: str | None = "speeches"
     dapt_steps: int = 0  # 0: no DAPT
 
     @classmethod
-    def load(cls, path: Path) -> "Budget":
+    def load(cls, path: Path) -> Budget:
         raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
@@ -224,7 +225,7 @@ def modularity(runs: dict[str, dict[int, Path]], budget: Budget, data: str, out:
     return res
 
 
-def gating(runs: dict[str, dict[int, Path]], data: str) -> Optional[dict[str, Any]]:
+def gating(runs: dict[str, dict[int, Path]], data: str) -> dict[str, Any] | None:
     """GShard seed 1's per-domain gate distributions (gating.json)."""
     from launcher.evaluation.gating import main as gating_main
 
@@ -237,7 +238,7 @@ def gating(runs: dict[str, dict[int, Path]], data: str) -> Optional[dict[str, An
     return json.loads(path.read_text())
 
 
-def cse_record(runs: dict[str, dict[int, Path]]) -> Optional[dict[str, Any]]:
+def cse_record(runs: dict[str, dict[int, Path]]) -> dict[str, Any] | None:
     """The CSE arm's clustering record from its metrics.jsonl (the trainer logs it at the warm-up boundary)."""
     from launcher.metrics import read_metrics
 
@@ -267,7 +268,7 @@ def _pooled(res: dict[str, Any], mode: str, domains: Sequence[str]) -> tuple[lis
     return nll, tok
 
 
-def _avg(res: dict[str, Any], mode: str, role: str = "train") -> Optional[tuple[float, float, float]]:
+def _avg(res: dict[str, Any], mode: str, role: str = "train") -> tuple[float, float, float] | None:
     blocks = [
         (r["block_nll"][mode], r["block_tokens"])
         for r in res["domains"].values()
@@ -286,7 +287,7 @@ def _seed_pairs(evals: dict[str, dict[int, dict]], mode: str, role: str):
         yield seed, dm, dn, paired_ratio(a, b, tok)
 
 
-def _ppl(res: dict[str, Any], mode: str, domain: str) -> Optional[float]:
+def _ppl(res: dict[str, Any], mode: str, domain: str) -> float | None:
     """One domain's test perplexity under `mode` from its per-block NLL sums (None when not evaluated)."""
     r = res["domains"].get(domain, {})
     nll = r.get("block_nll", {}).get(mode)
@@ -298,7 +299,7 @@ def _mode(res: dict[str, Any]) -> str:
 
 
 def _claim(
-    name: str, paper: str, verdict: Optional[bool], numbers: dict[str, Any], why: str = ""
+    name: str, paper: str, verdict: bool | None, numbers: dict[str, Any], why: str = ""
 ) -> dict[str, Any]:
     v = "not evaluated" if verdict is None else ("reproduced" if verdict else "not reproduced")
     return {"claim": name, "paper": paper, "verdict": v, "numbers": numbers, "reason": why}
@@ -311,12 +312,12 @@ def _missing(name: str, paper: str, what: str) -> dict[str, Any]:
 Evals = dict[str, dict[int, dict]]
 
 
-def _demix_first_seed(evals: Evals) -> Optional[dict[str, Any]]:
+def _demix_first_seed(evals: Evals) -> dict[str, Any] | None:
     """DEMix's evaluation at its lowest seed (what Table 5 and Figure 4 read), None without the demix arm."""
     return evals["demix"][min(evals["demix"])] if evals.get("demix") else None
 
 
-def _precondition(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _precondition(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Every arm well below the unigram floor."""
     rows = {}
     for arm, by_seed in evals.items():
@@ -335,9 +336,7 @@ def _precondition(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: 
     ]
 
 
-def _demix_beats_dense(
-    evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
-) -> list[dict]:
+def _demix_beats_dense(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Tables 3/4: DEMix (naive) beats Dense in-domain for every seed pair."""
     if not (evals.get("demix") and evals.get("dense")):
         return [_missing("DEMix beats Dense in-domain", "Tables 3/4", "needs the dense and demix arms")]
@@ -366,9 +365,7 @@ def _demix_beats_dense(
     ]
 
 
-def _novel_ordering(
-    evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
-) -> list[dict]:
+def _novel_ordering(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Table 5: on novel domains cached <= updating <= uniform < average."""
     name = "novel domains: cached <= updating <= uniform < average"
     res = _demix_first_seed(evals)
@@ -389,9 +386,7 @@ def _novel_ordering(
     return [_claim(name, "Table 5", ok, nums, "" if ok else "an ordering is reversed beyond its interval")]
 
 
-def _novel_vs_dense(
-    evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
-) -> list[dict]:
+def _novel_vs_dense(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Table 5 vs Dense: DEMix's cached mixture beats Dense on novel domains for every seed pair."""
     name = "DEMix (cached mixture) beats Dense on novel domains"
     res = _demix_first_seed(evals)
@@ -419,7 +414,7 @@ def _novel_vs_dense(
     ]
 
 
-def _cached_prior(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _cached_prior(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Figure 4: the cached prior puts its largest mass on the domain's own expert."""
     name = "the cached prior picks the domain's own expert"
     res = _demix_first_seed(evals)
@@ -436,7 +431,7 @@ def _cached_prior(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: 
     return [_claim(name, "Figure 4", ok if own else None, own, why)]
 
 
-def _removal(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _removal(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Table 7: removing an expert hurts its own domain far more than the others."""
     name = "removing an expert hurts its domain, barely the others"
     rem = mod.get("removal")
@@ -463,7 +458,7 @@ def _removal(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optio
     ]
 
 
-def _dapt(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _dapt(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Table 13: DEMix-DAPT leaves the training domains unchanged while Dense-DAPT forgets them."""
     name = "DEMix-DAPT does not forget, Dense-DAPT does"
     if not ("demix_dapt_eval" in mod and evals.get("dense") and evals.get("demix")):
@@ -503,7 +498,7 @@ def _dapt(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional
     ]
 
 
-def _gating(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _gating(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """Figure 6: GShard's per-domain gate distributions are nearly uniform."""
     name = "GShard's gating is nearly domain-agnostic"
     if not gate:
@@ -521,7 +516,7 @@ def _gating(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Option
     ]
 
 
-def _cse(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]) -> list[dict]:
+def _cse(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict]:
     """CSE: its clusters recover the true domains, and it beats Dense."""
     clusters, beats = "clustered domains recover the true ones", "CSE beats Dense"
     if not (cse is not None and evals.get("cse") and evals.get("dense")):
@@ -553,7 +548,7 @@ def _cse(evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[
 
 
 # The claims in report order, each (evals, modularity, gating, cse clustering) -> its claim records.
-CLAIMS: tuple[Callable[[Evals, dict[str, Any], Optional[dict], Optional[dict]], list[dict]], ...] = (
+CLAIMS: tuple[Callable[[Evals, dict[str, Any], dict | None, dict | None], list[dict]], ...] = (
     _precondition,
     _demix_beats_dense,
     _novel_ordering,
@@ -566,9 +561,7 @@ CLAIMS: tuple[Callable[[Evals, dict[str, Any], Optional[dict], Optional[dict]], 
 )
 
 
-def claims(
-    evals: Evals, mod: dict[str, Any], gate: Optional[dict], cse: Optional[dict]
-) -> list[dict[str, Any]]:
+def claims(evals: Evals, mod: dict[str, Any], gate: dict | None, cse: dict | None) -> list[dict[str, Any]]:
     """Every claim of the module docstring with its verdict, numbers (intervals as [lo, hi]) and a reason."""
     return [record for claim in CLAIMS for record in claim(evals, mod, gate, cse)]
 
@@ -624,8 +617,8 @@ def markdown(report: dict[str, Any]) -> str:
 def build_report(
     evals: dict[str, dict[int, dict]],
     mod: dict,
-    gate: Optional[dict],
-    cse: Optional[dict],
+    gate: dict | None,
+    cse: dict | None,
     budget: Budget,
     budget_file: str,
     seconds: float,
@@ -653,9 +646,7 @@ def build_report(
     }
 
 
-def run(
-    budget_file: str, out: Path, arms: Sequence[str], data: str, record: Optional[Path]
-) -> dict[str, Any]:
+def run(budget_file: str, out: Path, arms: Sequence[str], data: str, record: Path | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     budget = Budget.load(ROOT / budget_file if not Path(budget_file).is_absolute() else Path(budget_file))
     unknown = [a for a in arms if a not in ARMS]
@@ -691,7 +682,7 @@ def run(
     return report
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.reproduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="configs/reproduce/full.yaml")
     p.add_argument("--out", default=str(ROOT / "runs" / "reproduce"))

@@ -32,9 +32,10 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from benchmarks import costmodel, report, sweep
 from data.catalog import DataError
@@ -70,7 +71,7 @@ class BenchPaths:
 
 
 def bench_paths(
-    name: str, record: bool = False, sweep_dir: Optional[str] = None, out: Optional[str] = None
+    name: str, record: bool = False, sweep_dir: str | None = None, out: str | None = None
 ) -> BenchPaths:
     """The outputs of a bench of sweep `name`: under runs/bench/ (ignored by git), or with `record` under
     benchmarks/results/ (the tracked copies); `sweep_dir` and `out` override theirs."""
@@ -82,7 +83,7 @@ def bench_paths(
     )
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/sweeps/cpu.yaml", help="the sweep YAML")
@@ -129,7 +130,7 @@ def load_bench_sweep(args: argparse.Namespace) -> sweep.SweepConfig:
     return sweep.with_data(cfg, args.data, args.tokenizer) if args.data else cfg
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "make bench  # = python -m benchmarks.run" + (" " + shlex.join(argv) if argv else "")

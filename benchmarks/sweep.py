@@ -52,9 +52,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import yaml
 from pydantic import StrictBool, StrictInt
@@ -98,7 +99,7 @@ class SizeSpec:
     """One model size: a preset from configs/model/ and/or `model.*` overrides (e.g. {n_layers: 2})."""
 
     name: str
-    preset: Optional[str] = None
+    preset: str | None = None
     model: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,7 +108,7 @@ class LaunchSpec:
     """How points are started. Without a hostfile every point is N local processes; with one, a world size
     of W runs on ceil(W / gpus_per_node) nodes with min(W, gpus_per_node) processes each."""
 
-    hostfile: Optional[str] = None
+    hostfile: str | None = None
     gpus_per_node: StrictInt = 8
     timeout_s: StrictInt = 900  # per point; the point is recorded as failed when it runs longer
 
@@ -129,7 +130,7 @@ class SweepConfig:
     mixture: dict[str, str] = field(default_factory=dict)  # per arch; missing archs use DEFAULT_MIXTURE
     set: list[str] = field(default_factory=list)  # extra KEY=VALUE overrides for every point
     launch: LaunchSpec = field(default_factory=LaunchSpec)
-    cluster: Optional[str] = None  # a cost-model cluster preset: the report adds predicted TFLOPs/GPU
+    cluster: str | None = None  # a cost-model cluster preset: the report adds predicted TFLOPs/GPU
     keep_checkpoints: StrictBool = (
         False  # checkpoints and exports are deleted after a point (benchmarks need neither)
     )
@@ -248,8 +249,8 @@ class Point:
     size: str
     arch: str
     world_size: int
-    zero_stage: Optional[int]
-    tensor_parallel: Optional[int]
+    zero_stage: int | None
+    tensor_parallel: int | None
 
     @property
     def id(self) -> str:
@@ -302,7 +303,7 @@ def point_overrides(cfg: SweepConfig, point: Point) -> list[str]:
 
 
 def launch_command(
-    cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False, master_port: Optional[int] = None
+    cfg: SweepConfig, point: Point, run_dir: Path, dry_run: bool = False, master_port: int | None = None
 ) -> list[str]:
     """The `launcher.launch` command line of one point; `master_port`: its rendezvous port (None: the launcher's)."""
     cmd = [
@@ -329,7 +330,7 @@ def launch_command(
     return cmd + (["--dry-run"] if dry_run else [])
 
 
-def resolve_tokenizer(path: str | Path, tokenizer: Optional[str] = None) -> Optional[str]:
+def resolve_tokenizer(path: str | Path, tokenizer: str | None = None) -> str | None:
     """`tokenizer`, or the only tokenizer with a token manifest under `path` (None when there is none). DataError
     when several are there and none was chosen."""
     if tokenizer is not None:
@@ -342,7 +343,7 @@ def resolve_tokenizer(path: str | Path, tokenizer: Optional[str] = None) -> Opti
     return found[0] if found else None
 
 
-def with_data(cfg: SweepConfig, path: str | Path, tokenizer: Optional[str] = None) -> SweepConfig:
+def with_data(cfg: SweepConfig, path: str | Path, tokenizer: str | None = None) -> SweepConfig:
     """`cfg` with every point training on the prepared corpus at `path` (`<path>/<tokenizer>/manifest.json`, as
     data/prepare.py writes it): `data.path`, `data.tokenizer` and `model.vocab_size` (the tokenizer's vocabulary
     plus one domain token per training domain, as the demo configs count it) are added last to the sweep's `set`.
@@ -398,7 +399,7 @@ def reserved_port() -> Iterator[int]:
         sock.close()
 
 
-def point_port(cfg: SweepConfig) -> contextlib.AbstractContextManager[Optional[int]]:
+def point_port(cfg: SweepConfig) -> contextlib.AbstractContextManager[int | None]:
     """The rendezvous port of a point for the `with` block around its launch: reserved here for a local point;
     None (the launcher chooses) for a multi-node one, whose rendezvous is on the hostfile's first host."""
     return contextlib.nullcontext(None) if cfg.launch.hostfile else reserved_port()
@@ -463,7 +464,7 @@ def _launch_key(command: Sequence[str]) -> list[str]:
     return out
 
 
-def reusable_row(cfg: SweepConfig, point: Point, run_dir: Path) -> Optional[dict[str, Any]]:
+def reusable_row(cfg: SweepConfig, point: Point, run_dir: Path) -> dict[str, Any] | None:
     """The row of `run_dir/point.json` when that point finished ok with the launch this sweep would make now (same
     config, overrides and ranks), marked `reused_from` (when it finished); else None (run it)."""
     summary = run_dir / "point.json"
@@ -515,7 +516,7 @@ def error_tail(log: Path, lines: int = 15) -> str:
     return "\n".join([t for t in text if t.strip()][-lines:])
 
 
-def _mean(values: list[float]) -> Optional[float]:
+def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -705,7 +706,7 @@ def add_reuse_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--force", action="store_true", help="re-time every point (the default)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="sweep YAML (configs/sweeps/...)")
     p.add_argument(

@@ -15,7 +15,7 @@ offsets), data/anonymise_pipeline.py (the steps in order) and data/anonymise_eva
 from __future__ import annotations
 
 import argparse
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
 
 from data.anonymise_eval import (
     _load_anonymiser,
@@ -53,7 +53,7 @@ def add_counts(total: dict[str, int], counts: Mapping[str, int]) -> dict[str, in
     return total
 
 
-AnonymisePolicy = Union[bool, Mapping[str, bool]]
+AnonymisePolicy = bool | Mapping[str, bool]
 
 
 def resolve_policy(policy: AnonymisePolicy, domains: Iterable[str], default: bool = True) -> dict[str, bool]:
@@ -84,7 +84,7 @@ def anonymise_many(texts: Iterable[str], enabled: bool = True) -> tuple[list[str
     return out, total
 
 
-def parse_policy_args(on: Optional[bool], off_domains: Iterable[str]) -> AnonymisePolicy:
+def parse_policy_args(on: bool | None, off_domains: Iterable[str]) -> AnonymisePolicy:
     """CLI helper: `--no-anonymise` -> False; `--anonymise-off code` (repeatable) -> {"code": False}."""
     off = list(off_domains)
     if on is False:
@@ -93,7 +93,7 @@ def parse_policy_args(on: Optional[bool], off_domains: Iterable[str]) -> Anonymi
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m data.anonymise --evaluate FILE`: a precision/recall table (0), or one error line (2)."""
     p = argparse.ArgumentParser(
         prog="python -m data.anonymise", description=evaluate_spans.__doc__.split("\n")[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Callable, Iterable, Mapping, Optional, Union
+from collections.abc import Callable, Iterable, Mapping
 
 from data.anonymise_pass import Span
 from data.anonymise_patterns import CATEGORIES, TOKENS
@@ -14,11 +14,11 @@ from data.anonymise_pipeline import find_spans
 from data.cli import import_module_file
 from data.readers import utf8_lines
 
-SpanLike = Union[Span, tuple[int, int, str]]
+SpanLike = Span | tuple[int, int, str]
 _TOKEN = re.compile("|".join(re.escape(t) for t in TOKENS.values()))
 
 
-def load_labelled(path: Union[str, os.PathLike]) -> list[dict]:
+def load_labelled(path: str | os.PathLike) -> list[dict]:
     """Read a labelled JSONL file: one `{"text": str, "spans": [{"start", "end", "category"}, ...]}` per line.
 
     Raises ValueError naming `file:line` for a malformed line (not UTF-8, with its byte offset; bad JSON, a span
@@ -75,7 +75,7 @@ def _overlaps(a: SpanLike, b: SpanLike) -> bool:
 def evaluate_spans(
     records: Iterable[Mapping],
     find: Callable[[str], Iterable[SpanLike]] = find_spans,
-    errors: Optional[list[tuple[str, str, str]]] = None,
+    errors: list[tuple[str, str, str]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Span-level precision and recall of `find` against gold spans, per category and `"overall"` (micro).
 

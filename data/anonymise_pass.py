@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Callable, Iterable, NamedTuple, Optional
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from data.anonymise_patterns import TOKENS
 from data.anonymise_prescreen import _Shape
@@ -26,10 +27,10 @@ class _Pass:
     def __init__(self, text: str, track: bool) -> None:
         self.text, self.track = text, track
         self.counts: dict[str, int] = {}
-        self.spans: list[Optional[Span]] = []  # None: absorbed by a later, wider match
+        self.spans: list[Span | None] = []  # None: absorbed by a later, wider match
         self._tokens: list[tuple[int, int, int]] = []
         self._starts: list[int] = []
-        self._shape: Optional[_Shape] = None
+        self._shape: _Shape | None = None
 
     def _to_input(self, s: int, e: int) -> tuple[int, int]:
         """Map the range [s, e) of the current text to the input; a range touching a token covers its input."""
@@ -59,7 +60,7 @@ class _Pass:
         tokens.extend((a + shift, b + shift, k) for a, b, k in old[i:])
         self._tokens, self._starts = tokens, [t[0] for t in tokens]
 
-    def shape(self) -> "_Shape":
+    def shape(self) -> _Shape:
         """The byte shape of the current text (made again only after a step changed the text)."""
         if self._shape is None or self._shape.text is not self.text:
             self._shape = _Shape(self.text)
@@ -70,7 +71,7 @@ class _Pass:
         cat: str,
         pattern: re.Pattern,
         accept: Callable[[re.Match], bool] = lambda m: True,
-        matches: Optional[Iterable[re.Match]] = None,
+        matches: Iterable[re.Match] | None = None,
     ) -> None:
         """Replace each accepted match of `pattern` (only its `v` or `v2` group when set) by the category's token.
 

@@ -6,7 +6,7 @@ pattern are in docs/anonymise.md."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 CATEGORIES: tuple[str, ...] = (
     "EMAIL",

@@ -17,7 +17,7 @@ tests/data/test_anonymise.py compares the two pipelines and pins outputs at ever
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator, Optional, Union
+from collections.abc import Iterable, Iterator
 
 from data.anonymise_patterns import _EMAIL, _MAIL_PROVIDERS, _PROFILE_URL, _email_ok
 
@@ -73,15 +73,15 @@ class _Shape:
 
     __slots__ = ("text", "b", "_anchors", "_anchor_matches", "_kinds", "_slashes")
 
-    def __init__(self, text: str, b: Optional[bytes] = None) -> None:
+    def __init__(self, text: str, b: bytes | None = None) -> None:
         self.text = text
         self.b = text.encode("ascii", "replace").translate(_SHAPE) if b is None else b
-        self._anchors: Optional[list[int]] = None
+        self._anchors: list[int] | None = None
         self._anchor_matches: list[re.Match] = []
-        self._kinds: Optional[dict[str, list[int]]] = None
-        self._slashes: Optional[dict[str, list[int]]] = None
+        self._kinds: dict[str, list[int]] | None = None
+        self._slashes: dict[str, list[int]] | None = None
 
-    def spliced(self, text: str, replaced: list[tuple[int, int]], token: str) -> "_Shape":
+    def spliced(self, text: str, replaced: list[tuple[int, int]], token: str) -> _Shape:
         """The shape of `text`: this one with each range of `replaced` turned into `token` (ASCII, no digit)."""
         parts, last, tok = [], 0, token.lower().encode()
         for s, e in replaced:
@@ -145,7 +145,7 @@ def _matches_at(pattern: re.Pattern, text: str, starts: Iterable[int]) -> Iterat
             yield m
 
 
-def _occurrences(hay: Union[str, bytes], needle: Union[str, bytes]) -> list[int]:
+def _occurrences(hay: str | bytes, needle: str | bytes) -> list[int]:
     out, i = [], hay.find(needle)
     while i >= 0:
         out.append(i)
@@ -164,7 +164,7 @@ _EMAIL_MASK = bytes(
 )
 
 
-_EMAIL_WINDOWS: dict[Union[str, tuple[int, str]], tuple[tuple[int, int], ...]] = {}  # see `_email_spans`
+_EMAIL_WINDOWS: dict[str | tuple[int, str], tuple[tuple[int, int], ...]] = {}  # see `_email_spans`
 _EMAIL_WINDOWS_MAX = 4096
 
 

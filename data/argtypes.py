@@ -19,10 +19,10 @@ import argparse
 import ipaddress
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
-Number = Union[int, float]
+Number = int | float
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Range:
     """An argparse `type=`: parse an int (or a finite float) and require it in [lo, hi] (ends open where asked)."""
 
     kind: type = int  # int or float
-    lo: Optional[Number] = None
-    hi: Optional[Number] = None
+    lo: Number | None = None
+    hi: Number | None = None
     lo_open: bool = False
     hi_open: bool = False
 
@@ -62,7 +62,7 @@ class Range:
             raise argparse.ArgumentTypeError(f"{text!r} is not {self.describe()} ({problem})")
         return value
 
-    def parse(self, text: Union[str, Number], what: str) -> Number:
+    def parse(self, text: str | Number, what: str) -> Number:
         """The same parse and rule for a value from elsewhere (a key=value string, a file); ValueError naming `what`."""
         try:
             return self(str(text))
@@ -70,7 +70,7 @@ class Range:
             raise ValueError(f"{what}={e}") from None
 
 
-def check_range(value: Number, rng: Range) -> Optional[str]:
+def check_range(value: Number, rng: Range) -> str | None:
     """The rule: why `value` is outside `rng` (not finite, below, above), or None when it is inside."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN and infinity are refused"
@@ -107,7 +107,7 @@ unit_closed = Range(float, lo=0, hi=1)  # [0, 1]
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
-def host_problem(name: str) -> Optional[str]:
+def host_problem(name: str) -> str | None:
     """The rule for host names: why `name` is neither an RFC 1123 host name nor an IP address, or None."""
     if not isinstance(name, str) or not name:
         return "empty"

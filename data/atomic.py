@@ -26,9 +26,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 # errno values that mean "no room for these bytes": the filesystem is full, or the user's quota is spent
 DISK_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
@@ -51,9 +52,9 @@ class DiskFullError(OSError):
         path: Path,
         code: int,
         reason: str,
-        mount: Optional[Path],
-        free: Optional[int],
-        total: Optional[int],
+        mount: Path | None,
+        free: int | None,
+        total: int | None,
     ) -> None:
         self.path, self.reason, self.mount, self.free, self.total = Path(path), reason, mount, free, total
         if mount is None:
@@ -72,12 +73,12 @@ class DiskFullError(OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
-    def renamed(self, path: Path) -> "DiskFullError":
+    def renamed(self, path: Path) -> DiskFullError:
         """The same failure, naming `path` (the output a staged file belonged to) instead."""
         return DiskFullError(path, self.errno, self.reason, self.mount, self.free, self.total)
 
 
-def _human(n: Optional[int]) -> str:
+def _human(n: int | None) -> str:
     if n is None:
         return "?"
     size = float(n)
@@ -119,7 +120,7 @@ def _inside(path: Path, roots: Iterable[Path]) -> bool:
     return any(p == r or r in p.parents for r in (Path(os.path.abspath(x)) for x in roots))
 
 
-def disk_full_error(exc: BaseException, path: Path, staged: Iterable[Path] = ()) -> Optional[DiskFullError]:
+def disk_full_error(exc: BaseException, path: Path, staged: Iterable[Path] = ()) -> DiskFullError | None:
     """The DiskFullError that `exc`, raised while writing output `path`, stands for; None when it is another error.
 
     Recognised: an OSError with errno ENOSPC or EDQUOT anywhere in the exception's chain (Python writes, and torch
@@ -198,7 +199,7 @@ def _remove_made(made: list[Path]) -> None:
 
 
 @contextmanager
-def discard_on_failure(final: Path, *staged: Path, made: Optional[list[Path]] = None) -> Iterator[None]:
+def discard_on_failure(final: Path, *staged: Path, made: list[Path] | None = None) -> Iterator[None]:
     """The failure half of the rule: if the block raises anything (KeyboardInterrupt included), remove `staged`
     (files or directories) and the directories in `made` (from `_make_parents`), and raise a full disk as a
     DiskFullError naming `final` (see `disk_full_error`); other errors go on unchanged."""
@@ -221,7 +222,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     directories made for it) and a full disk is raised as a DiskFullError naming `path`."""
     path = Path(path)
     made: list[Path] = []
-    tmp: Optional[Path] = None
+    tmp: Path | None = None
     try:
         made += _make_parents(path.parent)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -256,7 +257,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def output_path_problem(path: Path) -> Optional[str]:
+def output_path_problem(path: Path) -> str | None:
     """Why `path` cannot be (or become) an output directory, or None: it is a file, a dangling symbolic link, a
     symbolic link loop, or lies under a file. The clause completes "<path> ..."; data/cli.py `check_output_dir`
     refuses such a path before any work."""
@@ -317,7 +318,7 @@ def commit_dir(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def _merge_dir(tmp: Path, final: Path, last: Optional[str]) -> None:
+def _merge_dir(tmp: Path, final: Path, last: str | None) -> None:
     """Move every entry of `tmp` into the existing directory `final` (`last` moved last), replacing entries of the
     same name and leaving the others; if a move fails, the entries already moved are taken back out and the
     replaced ones put back."""
@@ -343,7 +344,7 @@ def _merge_dir(tmp: Path, final: Path, last: Optional[str]) -> None:
 
 
 @contextmanager
-def staged_dir(final: Path, manifest: Optional[str] = None, shared: bool = False) -> Iterator[Path]:
+def staged_dir(final: Path, manifest: str | None = None, shared: bool = False) -> Iterator[Path]:
     """The shared rule for a writer of a whole output directory: yield a fresh temporary sibling of `final` to write
     everything into; when the block succeeds, publish it, and on any failure remove it.
 

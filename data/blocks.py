@@ -17,8 +17,9 @@ is a target exactly once per epoch. Reads go through `megatron.core.datasets.ind
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Protocol, Sequence, Union
+from typing import Protocol
 
 import numpy as np
 
@@ -31,7 +32,7 @@ SPLITS: tuple[str, ...] = ("train", "valid", "test")
 class DocumentSource(Protocol):
     sequence_lengths: np.ndarray
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray: ...
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
 
 
 class InMemoryDocuments:
@@ -44,17 +45,17 @@ class InMemoryDocuments:
     def __len__(self) -> int:
         return len(self._docs)
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         d = self._docs[idx]
         return d[offset:] if length is None else d[offset : offset + length]
 
 
-def split_prefix(root: Union[str, Path], tokenizer: str, domain: str, split: str) -> Path:
+def split_prefix(root: str | Path, tokenizer: str, domain: str, split: str) -> Path:
     """`<root>/<tokenizer>/<domain>/<split>` (add .bin / .idx): the layout `data.prepare` writes."""
     return Path(root) / tokenizer / domain / split
 
 
-def open_indexed(prefix: Union[str, Path]) -> DocumentSource:
+def open_indexed(prefix: str | Path) -> DocumentSource:
     """megatron-core's memory-mapped `IndexedDataset` for `<prefix>.bin/.idx` (imported lazily: it is slow)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -67,9 +68,7 @@ def open_indexed(prefix: Union[str, Path]) -> DocumentSource:
 class BlockDataset:
     """Blocks of `seq_len + 1` tokens over one domain's split; see the module docstring for the layout."""
 
-    def __init__(
-        self, source: Union[str, Path, DocumentSource], seq_len: int = DEFAULT_SEQ_LEN, name: str = ""
-    ):
+    def __init__(self, source: str | Path | DocumentSource, seq_len: int = DEFAULT_SEQ_LEN, name: str = ""):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be >= 1")
         self.source = open_indexed(source) if isinstance(source, (str, Path)) else source
@@ -83,12 +82,12 @@ class BlockDataset:
     @classmethod
     def from_prepared(
         cls,
-        root: Union[str, Path],
+        root: str | Path,
         tokenizer: str,
         domain: str,
         split: str = "train",
         seq_len: int = DEFAULT_SEQ_LEN,
-    ) -> "BlockDataset":
+    ) -> BlockDataset:
         """Open `<root>/<tokenizer>/<domain>/<split>` after checking the prepare manifest lists it."""
         manifest_path = Path(root) / tokenizer / "manifest.json"
         if manifest_path.is_file():

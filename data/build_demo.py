@@ -24,9 +24,9 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Optional
 
 from data.argtypes import nonneg_float, positive_int
 from data.atomic import atomic_path, write_json_atomic
@@ -40,7 +40,7 @@ MANIFEST_FORMAT = 1
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ufeff]")
 
 
-def normalise(text: Optional[str]) -> str:
+def normalise(text: str | None) -> str:
     """Unix newlines, no control characters or trailing spaces, at most one blank line in a row, stripped."""
     text = (text or "").replace("\r\n", "\n").replace("\r", "\n")
     text = _CONTROL.sub("", text)
@@ -49,7 +49,7 @@ def normalise(text: Optional[str]) -> str:
 
 
 def write_domain(
-    domain: str, docs: Iterable[str], path: Path, max_docs: Optional[int], max_bytes: Optional[int]
+    domain: str, docs: Iterable[str], path: Path, max_docs: int | None, max_bytes: int | None
 ) -> dict:
     """Normalise, drop empty and exactly duplicated documents, number them in order, and write JSONL until a
     cap is reached (the document that would cross ``max_bytes`` is not written). Atomic: temp file then
@@ -78,11 +78,11 @@ def write_domain(
     return {"documents": n, "bytes": size, "sha256": h.hexdigest(), "truncated": truncated}
 
 
-def recipe(source: Source, max_docs: Optional[int], max_bytes: Optional[int]) -> dict:
+def recipe(source: Source, max_docs: int | None, max_bytes: int | None) -> dict:
     return {**source.recipe, "max_docs": max_docs, "max_bytes": max_bytes}
 
 
-def is_current(entry: Optional[dict], corpus_dir: Path, want: dict) -> bool:
+def is_current(entry: dict | None, corpus_dir: Path, want: dict) -> bool:
     """A built domain is reused when its recipe and caps are unchanged and its file still hashes to the
     recorded sha256 (size is checked first, so a truncated file costs no hashing)."""
     if not entry or entry.get("status") != "ok" or entry.get("recipe") != want:
@@ -118,7 +118,7 @@ def fetch_all(fetcher: Fetcher, packages: list[Package]) -> dict[Package, Path |
 
 
 def build_one(
-    source: Source, fetched: dict, corpus_dir: Path, max_docs: Optional[int], max_bytes: Optional[int]
+    source: Source, fetched: dict, corpus_dir: Path, max_docs: int | None, max_bytes: int | None
 ) -> dict:
     """Manifest entry for one domain: built, or failed with the reason."""
     entry = {
@@ -170,10 +170,10 @@ def load_manifest(path: Path) -> dict:
 def build_corpus(
     out: Path,
     domains: list[str],
-    max_docs: Optional[int],
-    max_mb: Optional[float],
+    max_docs: int | None,
+    max_mb: float | None,
     rebuild: bool = False,
-    fetcher: Optional[Fetcher] = None,
+    fetcher: Fetcher | None = None,
     sources: dict[str, Source] = SOURCES_BY_DOMAIN,
 ) -> dict:
     """Build (or reuse) the requested domains; returns the manifest, also written to corpus/manifest.json."""
@@ -245,7 +245,7 @@ def run_prepare(
         prepare_corpus(corpus_dir, out_dir=out_dir, tokenizer=tok, force=force, anonymise=True)
 
 
-def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TRAIN_DOMAINS) -> Optional[str]:
+def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TRAIN_DOMAINS) -> str | None:
     """The error message when fewer than ``min_train`` (or all requested, if fewer) training domains were
     built; None when the build may continue."""
     entries = manifest["domains"]
@@ -265,7 +265,7 @@ def too_few_training(manifest: dict, domains: list[str], min_train: int = MIN_TR
     )
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data.build_demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--out", type=Path, default=Path("artifacts/demo"), help="output root (default artifacts/demo)"
@@ -310,7 +310,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 @cli_main
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     domains = args.domains or [s.domain for s in SOURCES]
     t0 = time.perf_counter()

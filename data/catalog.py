@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.readers import InputFileError, read_json_object
 
@@ -34,7 +34,7 @@ class Catalog:
     novel_domains: tuple[str, ...]
     counts: dict  # domain -> split -> {"documents", "tokens", ...}
     tokenizer_sha256: str = ""  # `tokenizer_fingerprint` of the tokenizer that made these tokens
-    eod_id: Optional[int] = None  # end-of-document id (manifests before it was recorded: None)
+    eod_id: int | None = None  # end-of-document id (manifests before it was recorded: None)
 
     def total_vocab_size(self, with_domain_tokens: bool) -> int:
         """Token ids the model must cover: the tokenizer's, plus one domain token per training domain."""
@@ -44,7 +44,7 @@ class Catalog:
         return int(self.counts[domain][split]["tokens"])
 
 
-def load_catalog(path: str | Path, tokenizer: str, domains: Optional[Sequence[str]] = None) -> Catalog:
+def load_catalog(path: str | Path, tokenizer: str, domains: Sequence[str] | None = None) -> Catalog:
     """The catalog of a prepared token directory; `domains` (the config's list) picks and orders the
     training domains, else every domain whose corpus role is not "novel"."""
     root = Path(path) / tokenizer
@@ -149,7 +149,7 @@ def read_token_manifest(path: Path) -> dict:
 
 
 def check_tokenizer(
-    data_manifest: dict, model_fingerprint: Optional[str], model_vocab: Optional[int], where: str
+    data_manifest: dict, model_fingerprint: str | None, model_vocab: int | None, where: str
 ) -> None:
     """DataError when tokens were made by another tokenizer than the model was trained with (scores on them would
     be meaningless): the fingerprints differ, or the data's vocabulary is larger than the model's."""

@@ -27,9 +27,9 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -174,7 +174,7 @@ def read_chunk(chunk: Chunk) -> Iterator[tuple[int, int, bytes]]:
 
 
 def chunk_documents(
-    chunk: Chunk, log: ProblemLog, lines: Optional[list[int]] = None
+    chunk: Chunk, log: ProblemLog, lines: list[int] | None = None
 ) -> Iterator[tuple[Document, str]]:
     """The chunk's valid documents with their split key (the record's id, else "@<byte offset>"); problems go to
     `log` with chunk-relative line numbers (`absolute_problems` makes them absolute). `lines[0]` is set to the
@@ -401,7 +401,7 @@ def check_chunk(chunk: Chunk, keep: int) -> dict:
     }
 
 
-def read_record(parts: Union[str, Path], chunk: Chunk, plan_key: str) -> Optional[dict]:
+def read_record(parts: str | Path, chunk: Chunk, plan_key: str) -> dict | None:
     """The finished record of `chunk` in `parts`, or None when the chunk is not finished for this plan: no record,
     another plan's, or a part file missing or of another size than recorded (it is then redone)."""
     stem = Path(parts) / chunk.domain / f"{chunk.index:05d}"
@@ -444,7 +444,7 @@ def absolute_problems(records: Sequence[dict], keep: int) -> ProblemLog:
 
 
 def split_texts(
-    files: dict[str, Path], split: dict, code: int, policy: dict[str, bool], max_docs: Optional[int] = None
+    files: dict[str, Path], split: dict, code: int, policy: dict[str, bool], max_docs: int | None = None
 ) -> dict[str, list[str]]:
     """The texts of split `code` (0 train, 1 valid, 2 test) of every domain, exactly as `prepare_corpus` assigned
     and anonymised them: `split` is the manifest's "split" record (seed, fractions, chunk_bytes). The first
@@ -466,7 +466,7 @@ def by_domain(chunks: Sequence[Chunk]) -> dict[str, list[Chunk]]:
     return out
 
 
-def _split_docs(chunks: Sequence[Chunk], split: dict, code: int, limit: Optional[int]) -> Iterator[str]:
+def _split_docs(chunks: Sequence[Chunk], split: dict, code: int, limit: int | None) -> Iterator[str]:
     """Texts (not anonymised) of split `code` of one domain's chunks, in corpus order, at most `limit`."""
     seed, vf, tf = split["seed"], split["valid_fraction"], split["test_fraction"]
     if limit is not None and limit <= 0:
@@ -476,7 +476,7 @@ def _split_docs(chunks: Sequence[Chunk], split: dict, code: int, limit: Optional
         if c.exact:  # the permutation needs the number of documents first: one pass to count them
             total = sum(1 for _ in chunk_documents(c, ProblemLog(0)))
             codes = iter(split_documents(total, c.domain, seed, vf, tf).tolist())
-            pick = lambda key: next(codes)  # noqa: E731
+            pick = lambda key, codes=codes: next(codes)  # noqa: E731
         else:
             splitter = HashSplit(c.domain, seed, vf, tf)
             pick = splitter.code

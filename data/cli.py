@@ -21,9 +21,10 @@ import os
 import pickle
 import sys
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
+from typing import Any, NoReturn
 
 from data.atomic import output_path_problem
 
@@ -52,7 +53,7 @@ def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
     """Wrap `main(argv, **kw) -> int`: expected failures become one `error:` message and exit status 2 (see module)."""
 
     @functools.wraps(fn)
-    def main(argv: Optional[Sequence[str]] = None, **kw: Any) -> int:
+    def main(argv: Sequence[str] | None = None, **kw: Any) -> int:
         args = list(sys.argv[1:] if argv is None else argv)
         debug = _wants_debug(args)
         args = [a for a in args if a != "--debug"]
@@ -72,7 +73,7 @@ def cli_main(fn: Callable[..., int]) -> Callable[..., int]:
     return main
 
 
-def exit_process(status: Optional[int]) -> NoReturn:
+def exit_process(status: int | None) -> NoReturn:
     """`sys.exit(status)` without the interpreter's teardown of every imported module: the atexit callbacks run
     (logging, wandb, multiprocessing, temporary folders) and stdout/stderr are flushed, then the process ends. With
     torch, DeepSpeed (which imports torch._dynamo) and megatron-core loaded, that teardown frees objects one by one
@@ -148,7 +149,7 @@ def _import_failure(e: BaseException, path: str) -> str:
     return f"{type(e).__name__}{': ' + text if text else ''}{f' (line {line})' if line else ''}"
 
 
-def read_manifest_format(path: Path) -> Optional[str]:
+def read_manifest_format(path: Path) -> str | None:
     """The `format` of a JSON manifest, or None when the file is not a JSON object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

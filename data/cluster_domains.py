@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -134,7 +134,7 @@ class Clusterer:
         p = np.exp(logits)
         return p / p.sum(1, keepdims=True)
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         np.savez(
@@ -151,7 +151,7 @@ class Clusterer:
         return path
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "Clusterer":
+    def load(cls, path: str | Path) -> Clusterer:
         path = Path(path)
         meta = read_json_object(
             path / "meta.json", {"format": str, "vocabulary": dict, "options": dict}, what="clusterer"
@@ -251,7 +251,7 @@ def composition(
 # ----------------------------------------------------------------------------------------------------
 
 
-def record_problem(record: object) -> Optional[str]:
+def record_problem(record: object) -> str | None:
     """Why `record` (one line of a corpus file, parsed) cannot be clustered and written out, or None: it must be an
     object with an `id` (a string or an integer) and a `text` (a string), as data.ingest writes them."""
     if not isinstance(record, dict):
@@ -269,7 +269,7 @@ def record_problem(record: object) -> Optional[str]:
     return None
 
 
-def read_corpus(corpus: Union[str, Path], domains: Optional[Sequence[str]] = None) -> list[dict]:
+def read_corpus(corpus: str | Path, domains: Sequence[str] | None = None) -> list[dict]:
     """Every record of the corpus's training domains (manifest `split_role: train`; all when no manifest). Each is
     checked (`record_problem`) as it is read, so a bad record is refused before the clustering is fitted."""
     corpus = Path(corpus)
@@ -304,9 +304,9 @@ def write_clustered_corpus(
     records: Sequence[dict],
     labels: np.ndarray,
     clusterer: Clusterer,
-    out: Union[str, Path],
-    source: Optional[str] = None,
-    report: Optional[dict] = None,
+    out: str | Path,
+    source: str | None = None,
+    report: dict | None = None,
 ) -> dict:
     """`<out>/<cluster>.jsonl` + manifest.json (split_role train), the clusterer under `<out>/clusterer` and, given,
     `report` as `<out>/cluster_report.json`. All of it is staged and published together (data/atomic.py
@@ -355,10 +355,10 @@ def write_clustered_corpus(
 
 
 def cluster_corpus(
-    corpus: Union[str, Path],
+    corpus: str | Path,
     k: int,
-    out: Union[str, Path],
-    domains: Optional[Sequence[str]] = None,
+    out: str | Path,
+    domains: Sequence[str] | None = None,
     **fit_kwargs,
 ) -> dict:
     """The CLI's work: read, fit with labels hidden, label by nearest centre, write, report agreement."""
@@ -386,11 +386,11 @@ def cluster_corpus(
 
 
 def relabel_prepared(
-    tokens_root: Union[str, Path],
+    tokens_root: str | Path,
     tokenizer: str,
-    out_root: Union[str, Path],
+    out_root: str | Path,
     k: int,
-    domains: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
     splits: Iterable[str] = ("train", "valid", "test"),
     **fit_kwargs,
 ) -> dict:
@@ -458,7 +458,7 @@ def relabel_prepared(
 
 
 def _prepared_documents(
-    tokens_root: Union[str, Path], tokenizer: str, domains: Sequence[str], counts: dict, splits: Iterable[str]
+    tokens_root: str | Path, tokenizer: str, domains: Sequence[str], counts: dict, splits: Iterable[str]
 ) -> dict[str, list[tuple[str, np.ndarray]]]:
     """Per split, every document of `domains` in a prepared dataset with its domain: ([bos] + token ids)."""
     from data.blocks import open_indexed, split_prefix
@@ -504,7 +504,7 @@ def _write_clusters(
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="directory of <domain>.jsonl (+ manifest.json)")
     p.add_argument("--k", type=positive_int, required=True, help="number of clusters")

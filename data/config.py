@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import ConfigDict, StrictInt
 from pydantic.dataclasses import dataclass
 
@@ -20,7 +18,7 @@ class DataConfig:
     (+Domain-Token: natural mix with a domain token prepended to every block)."""
 
     path: str = "artifacts/demo/tokens"  # directory of per-domain, per-split indexed datasets
-    domains: Optional[list[str]] = None  # None = every training domain found in the manifest
+    domains: list[str] | None = None  # None = every training domain found in the manifest
     mixture: str = "by_domain"
     tokenizer: str = "gpt2"
     seed: StrictInt = 1234

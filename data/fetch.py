@@ -16,9 +16,9 @@ import sys
 import tarfile
 import threading
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from data.atomic import commit_dir, discard_on_failure
 
@@ -56,7 +56,7 @@ class Package:
         )
 
 
-def _only_entry(directory: Path) -> Optional[Path]:
+def _only_entry(directory: Path) -> Path | None:
     """The one artefact in a completed cache directory, or None if the directory is absent or empty."""
     if not directory.is_dir():
         return None
@@ -83,7 +83,7 @@ class Fetcher:
         self._apt_updated = False
         self._lock = threading.Lock()
 
-    def cached(self, pkg: Package) -> Optional[Path]:
+    def cached(self, pkg: Package) -> Path | None:
         if pkg.registry == "local":
             return None
         found = _only_entry(self.cache_dir / pkg.registry / pkg.cache_key)
@@ -92,7 +92,7 @@ class Fetcher:
             return found if found.is_dir() else None
         return found
 
-    def fetch(self, pkg: Package) -> Optional[Path]:
+    def fetch(self, pkg: Package) -> Path | None:
         """Path of the cached artefact (an archive, or for apt the unpacked package root); None for local."""
         if pkg.registry == "local":
             return None
@@ -167,7 +167,7 @@ class Fetcher:
         debs[0].unlink()  # keep only the unpacked tree; its name still carries the version
 
 
-def package_version(pkg: Package, artefact: Optional[Path]) -> str:
+def package_version(pkg: Package, artefact: Path | None) -> str:
     if pkg.registry == "apt" and artefact is not None:
         return deb_version(
             Path(artefact.name[: -len(".d")] if artefact.name.endswith(".d") else artefact.name)

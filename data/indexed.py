@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, Union
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _copy_hashed(src: Path, out, sha) -> int:
     return n
 
 
-def merge_parts(stems: Sequence[Union[str, Path]], prefix: Union[str, Path], dtype: np.dtype) -> dict:
+def merge_parts(stems: Sequence[str | Path], prefix: str | Path, dtype: np.dtype) -> dict:
     """Write `<prefix>.bin` and `<prefix>.idx` from the parts `<stem>.bin`/`<stem>.len` in order; returns
     {"documents", "tokens", "bin_bytes", "idx_bytes", "bin_sha256"}."""
     dtype = np.dtype(dtype)
@@ -88,7 +88,7 @@ def merge_parts(stems: Sequence[Union[str, Path]], prefix: Union[str, Path], dty
     }
 
 
-def write_indexed(prefix: Union[str, Path], arrays, dtype: type) -> tuple[int, int]:
+def write_indexed(prefix: str | Path, arrays, dtype: type) -> tuple[int, int]:
     """One megatron-core sequence + document per array, with megatron-core's own builder (for a dataset that fits
     in memory anyway, e.g. data/cluster_domains.py's); returns (documents, tokens)."""
     import torch

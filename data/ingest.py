@@ -24,9 +24,9 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from data.argtypes import nonneg_int
 from data.atomic import staged_dir, write_json_atomic
@@ -114,7 +114,7 @@ class CorpusError(ValueError):
         )
 
 
-def domain_name_problem(domain: str) -> Optional[str]:
+def domain_name_problem(domain: str) -> str | None:
     """Why `domain` cannot be a domain name (it becomes a file and folder name), or None."""
     if DOMAIN_NAME.fullmatch(domain) and ".." not in domain:
         return None
@@ -136,11 +136,11 @@ def _parse_line(
     text_field: str,
     domain_field: str,
     id_field: str,
-    domains: Optional[frozenset[str]],
-    default_domain: Optional[str],
-    fallback_id: Optional[str] = None,
+    domains: frozenset[str] | None,
+    default_domain: str | None,
+    fallback_id: str | None = None,
     offset: int = 0,
-) -> Union[Document, Problem]:
+) -> Document | Problem:
     """One JSONL line (at byte `offset` of its file) as a Document, or the Problem that keeps it out. A record
     without an id gets `fallback_id`, by default "<file name>:<line>"."""
     try:
@@ -182,14 +182,14 @@ def _parse_line(
 
 
 def read_jsonl(
-    path: Union[str, Path],
+    path: str | Path,
     *,
     text_field: str = "text",
     domain_field: str = "domain",
     id_field: str = "id",
-    domains: Optional[Iterable[str]] = None,
-    default_domain: Optional[str] = None,
-) -> Iterator[Union[Document, Problem]]:
+    domains: Iterable[str] | None = None,
+    default_domain: str | None = None,
+) -> Iterator[Document | Problem]:
     """Yield a `Document` or a `Problem` for each non-blank line of a JSONL file (read as bytes, so non-UTF-8
     lines are reported with their number instead of aborting the file)."""
     allowed = frozenset(domains) if domains is not None else None
@@ -213,9 +213,7 @@ def read_jsonl(
             )
 
 
-def read_text_dir(
-    root: Union[str, Path], domains: Optional[Iterable[str]] = None
-) -> Iterator[Union[Document, Problem]]:
+def read_text_dir(root: str | Path, domains: Iterable[str] | None = None) -> Iterator[Document | Problem]:
     """Yield documents from `root/<domain>/**/*.txt` (one file = one document)."""
     root = Path(root)
     allowed = frozenset(domains) if domains is not None else None
@@ -262,13 +260,13 @@ def read_text_dir(
 
 
 def iter_source(
-    source: Union[str, Path],
+    source: str | Path,
     *,
     text_field: str = "text",
     domain_field: str = "domain",
     id_field: str = "id",
-    domains: Optional[Sequence[str]] = None,
-) -> Iterator[Union[Document, Problem]]:
+    domains: Sequence[str] | None = None,
+) -> Iterator[Document | Problem]:
     """Documents and problems from a JSONL file, a directory of JSONL files, or a directory of domain folders.
     Domain names are unique ignoring case (they become file names, and macOS and Windows file systems ignore
     case): a document whose domain differs from an earlier one only in case is a `domain_case_clash` problem."""
@@ -287,8 +285,8 @@ def iter_source(
 
 
 def _iter_source(
-    source: Path, text_field: str, domain_field: str, id_field: str, domains: Optional[Sequence[str]]
-) -> Iterator[Union[Document, Problem]]:
+    source: Path, text_field: str, domain_field: str, id_field: str, domains: Sequence[str] | None
+) -> Iterator[Document | Problem]:
     if source.is_file():
         files = [source]
     elif source.is_dir():
@@ -314,7 +312,7 @@ class IngestReport:
         return {"documents": self.documents, "problems": self.problems.to_json()}
 
 
-def scan(records: Iterable[Union[Document, Problem]], keep: int = 20) -> ProblemLog:
+def scan(records: Iterable[Document | Problem], keep: int = 20) -> ProblemLog:
     """Validate only (the cheap pass `on_error="fail"` runs before anything is written)."""
     log = ProblemLog(keep)
     for r in records:
@@ -324,13 +322,13 @@ def scan(records: Iterable[Union[Document, Problem]], keep: int = 20) -> Problem
 
 
 def ingest(
-    source: Union[str, Path],
-    out_dir: Union[str, Path],
+    source: str | Path,
+    out_dir: str | Path,
     *,
     text_field: str = "text",
     domain_field: str = "domain",
     id_field: str = "id",
-    domains: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
     on_error: str = "skip",
     max_report: int = 20,
     novel: Sequence[str] = (),
@@ -393,7 +391,7 @@ def ingest(
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m data.ingest SOURCE --out DIR`: 0 with a JSON summary on stdout, 2 with one error line."""
     p = argparse.ArgumentParser(
         prog="python -m data.ingest",

@@ -45,10 +45,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 from tqdm import tqdm
@@ -107,12 +107,12 @@ def available_cores() -> int:
 # ---------------------------------------------------------------- running chunks ------------------------------
 
 
-def _warm(spec: Optional[TokenizerSpec]) -> None:
+def _warm(spec: TokenizerSpec | None) -> None:
     if spec is not None:
         spec.load()
 
 
-def _pool(workers: int, warm: Optional[TokenizerSpec]) -> ProcessPoolExecutor:
+def _pool(workers: int, warm: TokenizerSpec | None) -> ProcessPoolExecutor:
     """Worker processes that do not fork this (possibly torch-threaded) process: forkserver where available."""
     import multiprocessing as mp
 
@@ -122,7 +122,7 @@ def _pool(workers: int, warm: Optional[TokenizerSpec]) -> ProcessPoolExecutor:
     )
 
 
-def _run(fn, tasks: Sequence[tuple], workers: int, bar: Optional[tqdm], size) -> list:
+def _run(fn, tasks: Sequence[tuple], workers: int, bar: tqdm | None, size) -> list:
     """`fn(*task)` for every task, on `workers` processes (here when one suffices), results in task order; the
     first failure cancels what has not started and is raised (finished chunks stay finished)."""
     if workers <= 1 or len(tasks) <= 1:
@@ -193,17 +193,17 @@ def _policy_line(policy: dict[str, bool]) -> str:
 
 
 def prepare_corpus(
-    corpus_dir: Union[str, Path],
-    out_dir: Union[str, Path],
+    corpus_dir: str | Path,
+    out_dir: str | Path,
     tokenizer: str = "gpt2",
-    workers: Optional[int] = None,
+    workers: int | None = None,
     seed: int = 1234,
     valid_fraction: float = 0.05,
     test_fraction: float = 0.05,
     anonymise: AnonymisePolicy = False,
     sp_vocab_size: int = 8192,
     on_error: str = "skip",
-    domains: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
     force: bool = False,
     progress: bool = True,
     max_report: int = 20,
@@ -211,7 +211,7 @@ def prepare_corpus(
     num_shards: int = 1,
     shard_index: int = 0,
     merge: bool = False,
-    novel: Optional[Sequence[str]] = None,
+    novel: Sequence[str] | None = None,
 ) -> PrepareResult:
     """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
     docstring for the layout, the manifest, sharding (`num_shards`, `shard_index`, `merge`) and resuming.
@@ -477,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     if a.anonymise_off and not a.anonymise:

@@ -8,8 +8,8 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm

@@ -8,9 +8,9 @@ import fcntl
 import json
 import shutil
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 from data.anonymise import AnonymisePolicy, resolve_policy
 from data.ingest import MANIFEST_FORMAT as INGEST_FORMAT
@@ -29,7 +29,7 @@ class _Plan:
     files: dict[str, Path]
     roles: dict[str, str]
     policy: dict[str, bool]
-    manifest_sha: Optional[str]
+    manifest_sha: str | None
     tokenizer: str
     seed: int
     valid_fraction: float
@@ -63,8 +63,8 @@ class _Plan:
 
 def _make_plan(
     corpus_dir: Path,
-    domains: Optional[Sequence[str]],
-    novel: Optional[Sequence[str]],
+    domains: Sequence[str] | None,
+    novel: Sequence[str] | None,
     anonymise: AnonymisePolicy,
     tokenizer: str,
     seed: int,
@@ -114,7 +114,7 @@ def _make_plan(
     return replace(plan, key=key)
 
 
-def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[str, Path]:
+def _corpus_files(corpus_dir: Path, domains: Sequence[str] | None) -> dict[str, Path]:
     """`<domain>.jsonl` of the corpus by domain, checked before any work: every file a valid domain name, no two
     names equal but for case (their token folders would be one folder on macOS and Windows file systems), and, where
     the corpus has ingest's manifest, exactly the domains it lists (no file of an earlier ingest or a stray copy)."""
@@ -161,7 +161,7 @@ def _corpus_files(corpus_dir: Path, domains: Optional[Sequence[str]]) -> dict[st
     return {d: found[d] for d in domains}
 
 
-def _ingested_domains(corpus_manifest: Path) -> Optional[list[str]]:
+def _ingested_domains(corpus_manifest: Path) -> list[str] | None:
     """The domains data.ingest's manifest lists, or None where there is no such manifest (a corpus written by
     hand)."""
     if not corpus_manifest.is_file():
@@ -195,7 +195,7 @@ def _fingerprint(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _up_to_date(tok_dir: Path, plan_key: str) -> Optional[dict]:
+def _up_to_date(tok_dir: Path, plan_key: str) -> dict | None:
     path = tok_dir / "manifest.json"
     if not path.is_file():
         return None

@@ -7,7 +7,8 @@ import bz2
 import lzma
 import struct
 import zlib
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from data.fetch import decompress
 
@@ -19,7 +20,7 @@ class RSymbol(str):
 class RVector(list):
     """An R vector as a Python list, with its R attributes (names, class, ...) in ``attrs``."""
 
-    def __init__(self, items: Iterable = (), attrs: Optional[dict] = None):
+    def __init__(self, items: Iterable = (), attrs: dict | None = None):
         super().__init__(items)
         self.attrs = attrs or {}
 

@@ -20,8 +20,9 @@ so every CLI reports it as one `error:` line (data/cli.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any
 
 import yaml
 
@@ -101,7 +102,7 @@ def load_yaml(text: str, source: str) -> Any:
         raise InputFileError(f"{source} is not valid YAML: nested too deeply") from None
 
 
-def read_yaml(path: Union[str, Path]) -> Any:
+def read_yaml(path: str | Path) -> Any:
     """The YAML document of file `path` (`load_yaml`); InputFileError naming it when missing or unreadable."""
     return load_yaml(read_text(path), str(Path(path)))
 
@@ -116,7 +117,7 @@ def not_utf8_at(raw: bytes, e: UnicodeDecodeError, first_line: int = 1, offset: 
     return line, f"byte offset {offset + e.start}: {raw[e.start : e.start + 4]!r}"
 
 
-def decode_utf8(raw: bytes, source: Union[str, Path], first_line: int = 1, offset: int = 0) -> str:
+def decode_utf8(raw: bytes, source: str | Path, first_line: int = 1, offset: int = 0) -> str:
     """`raw` (bytes of file `source` from line `first_line`, byte `offset`) as text; InputFileError
     "SOURCE:LINE: not UTF-8 at byte offset N" (`not_utf8_at`) when it is not UTF-8."""
     try:
@@ -126,7 +127,7 @@ def decode_utf8(raw: bytes, source: Union[str, Path], first_line: int = 1, offse
         raise InputFileError(f"{source}:{line}: not UTF-8 at {where}") from None
 
 
-def read_text(path: Union[str, Path], what: str = "") -> str:
+def read_text(path: str | Path, what: str = "") -> str:
     """The UTF-8 text of file `path`; InputFileError naming it (and `what` it should be) when missing or
     unreadable, and its line and byte offset when it is not UTF-8."""
     path = Path(path)
@@ -140,7 +141,7 @@ def read_text(path: Union[str, Path], what: str = "") -> str:
     return decode_utf8(raw, path)
 
 
-def utf8_lines(path: Union[str, Path]) -> Iterator[tuple[int, str]]:
+def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line of file `path`, read as bytes and decoded one line at a time
     (`decode_utf8`: a non-UTF-8 line is named with its byte offset in the file); OSError when unreadable."""
     offset = 0
@@ -195,7 +196,7 @@ def shape_problems(data: Any, shape: Shape, prefix: str = "") -> list[str]:
     return out
 
 
-def read_json(path: Union[str, Path], what: str = "") -> Any:
+def read_json(path: str | Path, what: str = "") -> Any:
     """The JSON value of file `path`; InputFileError naming it (and `what` it should be) when missing or not JSON."""
     path = Path(path)
     label = f"{path}{f' ({what})' if what else ''}"
@@ -206,7 +207,7 @@ def read_json(path: Union[str, Path], what: str = "") -> Any:
         raise InputFileError(f"{label} is not valid JSON ({e})") from None
 
 
-def check_shape(data: Any, shape: Shape, path: Union[str, Path], what: str = "") -> None:
+def check_shape(data: Any, shape: Shape, path: str | Path, what: str = "") -> None:
     """InputFileError naming file `path` (holding `what`) and every key of `data` that does not have `shape`."""
     problems = shape_problems(data, shape)
     if problems:
@@ -215,7 +216,7 @@ def check_shape(data: Any, shape: Shape, path: Union[str, Path], what: str = "")
         )
 
 
-def read_json_object(path: Union[str, Path], shape: Optional[Shape] = None, what: str = "") -> dict[str, Any]:
+def read_json_object(path: str | Path, shape: Shape | None = None, what: str = "") -> dict[str, Any]:
     """The JSON object of file `path`, checked against `shape` (module docstring; default: any object); one
     InputFileError naming the file and every key that is missing or of the wrong type."""
     data = read_json(path, what)

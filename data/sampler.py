@@ -47,7 +47,8 @@ tokens per sequence equal the other mixtures'); loss_mask is 1 everywhere becaus
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -141,7 +142,7 @@ class DomainSampler:
         micro_batch: int,
         grad_accum: int,
         identity: dict,
-        domain_token_base: Optional[int] = None,
+        domain_token_base: int | None = None,
     ):
         self.datasets, self.schedule, self.streams = datasets, schedule, streams
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
@@ -183,7 +184,7 @@ class DomainSampler:
             "block_ids_B": torch.from_numpy(block_ids_B),
         }
 
-    def __iter__(self) -> "DomainSampler":
+    def __iter__(self) -> DomainSampler:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -217,9 +218,9 @@ def build_sampler(
     shard: int,
     num_shards: int,
     micro_batch: int,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     grad_accum: int = 1,
-    domain_token_base: Optional[int] = None,
+    domain_token_base: int | None = None,
 ) -> DomainSampler:
     """The one entry point. `datasets` maps global domain id -> that domain's BlockDataset (only the domains this
     rank reads are needed). by_domain: `rank_domains` are the domains this rank serves and (shard, num_shards)

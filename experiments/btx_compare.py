@@ -61,8 +61,9 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from benchmarks.machine import uptime
 from data.argtypes import positive_int, random_seed
@@ -74,7 +75,7 @@ ARM_ROOTS = (ROOT / "runs" / "reproduce" / "arms", ROOT / "runs" / "reproduce-15
 LAYOUTS = ("every_other", "all")
 
 
-def default_checkpoint(arm: str) -> Optional[Path]:
+def default_checkpoint(arm: str) -> Path | None:
     """The first `<root>/<arm>/model` among ARM_ROOTS that is a finished consolidated checkpoint."""
     for root in ARM_ROOTS:
         if (root / arm / "model" / "meta.json").is_file():
@@ -86,7 +87,7 @@ def _meta(ckpt: Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / "meta.json").read_text())
 
 
-def train_tokens(ckpt: Path) -> Optional[int]:
+def train_tokens(ckpt: Path) -> int | None:
     """Tokens a checkpoint was trained on: its meta's `train_tokens`, else steps x batch x world size from the run's
     config and metrics (`start` record) next to it."""
     meta = _meta(ckpt)
@@ -161,7 +162,7 @@ def upcycle_arms(
     out: Path,
     steps: int,
     nproc: int,
-    stages: "Stages",
+    stages: Stages,
     extra_sets: Sequence[str] = (),
 ) -> tuple[dict[str, Any], dict[str, tuple[Path, Path]]]:
     """(b0) and (b) of every layout: `demix` upcycled into `out`/upcycled-<layout> (reused when made from the same
@@ -204,7 +205,7 @@ class Stages:
 
 def _reusable(
     path: Path, ckpt: Path, settings: dict[str, Any], modes: Sequence[str]
-) -> Optional[dict[str, Any]]:
+) -> dict[str, Any] | None:
     """An eval.json at `path` made of `ckpt`'s step with these settings and modes, else None."""
     if not path.is_file():
         return None
@@ -256,9 +257,9 @@ def _row(
     name: str,
     res: dict[str, Any],
     mode: str,
-    extra: Optional[int],
-    total: Optional[int],
-    nocap: Optional[dict[str, Any]] = None,
+    extra: int | None,
+    total: int | None,
+    nocap: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     t = res["tables"]
     row = {
@@ -441,7 +442,7 @@ def markdown_seeded(rep: dict[str, Any]) -> str:
     return "\n".join(lines + _footer(rep)) + "\n"
 
 
-def _finish(rep: dict[str, Any], out: Path, record: Optional[str], render: Any, t0: float) -> dict[str, Any]:
+def _finish(rep: dict[str, Any], out: Path, record: str | None, render: Any, t0: float) -> dict[str, Any]:
     """Add the closing load and time, write report.json / report.md (and `record`), print the markdown."""
     from launcher.checkpoint import write_json_atomic
 
@@ -467,7 +468,7 @@ def _start(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def _upcycled_rows(
-    args: argparse.Namespace, res: dict[str, Any], extra: int, base_d: Optional[int], base_g: Optional[int]
+    args: argparse.Namespace, res: dict[str, Any], extra: int, base_d: int | None, base_g: int | None
 ) -> list[dict[str, Any]]:
     """The table's rows: (a) DEMix cached and naive, (b0)/(b) BTX per layout, (c0)/(c) GShard."""
     rows = [
@@ -688,7 +689,7 @@ def _seeded_plan(
 def _seeded_rows(
     args: argparse.Namespace,
     res: dict[str, Any],
-    base: Optional[int],
+    base: int | None,
     extra: dict[str, int],
     dense_steps: int,
     notes: list[str],
@@ -846,7 +847,7 @@ def run_seeded(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return _finish(rep, out, args.record, markdown_seeded, t0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         prog="python -m experiments.btx_compare", description=__doc__.split("\n\n")[0]

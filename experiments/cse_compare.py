@@ -27,8 +27,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from data.argtypes import positive_int, random_seed
 
@@ -64,7 +65,7 @@ def cluster_load_series(metrics: Sequence[dict]) -> dict[str, list[tuple[int, li
     return out
 
 
-def cse_plots(run_dir: Path, out_dir: Optional[Path] = None) -> dict[str, Any]:
+def cse_plots(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     """From `<run_dir>/metrics.jsonl`: cluster sizes over time, inter-centre distances and domain share per
     cluster (the `cse` record written at the warm-up boundary) -> JSON + PNGs. Returns the summary."""
     import numpy as np
@@ -274,7 +275,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--nproc", type=positive_int, default=4)

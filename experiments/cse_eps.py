@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,7 @@ def compare(
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.cse_eps", description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--data", default="artifacts/demo/tokens")

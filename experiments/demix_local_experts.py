@@ -20,9 +20,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ def reference_demix_hidden(ffn: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: tor
 
 
 def reference_forward(
-    self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None
+    self: DemixFFN, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None
 ) -> FFNOutput:
     """DemixFFN.forward before the grouped forward (`reference_demix_hidden`)."""
     if len(self.expert_ids) == 1:
@@ -137,7 +137,7 @@ def gpt_case(experts: int, B: int, T: int, repeats: int) -> dict[str, list[float
     return _alternate(step, repeats)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=positive_int, default=7)
     ap.add_argument("--experts", type=positive_int, default=8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections import deque
-from typing import Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -104,12 +104,12 @@ def _chunks(texts: Sequence[str], chunk_chars: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _warm(spec: Optional[TokenizerSpec]) -> None:
+def _warm(spec: TokenizerSpec | None) -> None:
     if spec is not None:
         spec.load()
 
 
-def make_pool(workers: int, warm: Optional[TokenizerSpec] = None):
+def make_pool(workers: int, warm: TokenizerSpec | None = None):
     """A process pool that does not fork this (possibly torch-threaded) process: forkserver where available.
     `warm` loads that tokenizer in every worker at start-up, off the clock of the first tasks."""
     if workers <= 1:
@@ -124,7 +124,7 @@ def tokenize_documents(
     dtype: str,
     pool=None,
     chunk_chars: int = CHUNK_CHARS,
-    progress: Optional[tqdm] = None,
+    progress: tqdm | None = None,
 ) -> Iterator[np.ndarray]:
     """[bos] + ids for every text, in order, encoded by `pool` (or in this process when None)."""
     tasks = ((spec, c, dtype) for c in _chunks(texts, chunk_chars))

@@ -37,9 +37,10 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from data.argtypes import positive_int
 
@@ -65,7 +66,7 @@ class Layout:
 
     label: str
     world_size: int
-    domains: Optional[int]
+    domains: int | None
     sets: tuple[str, ...]
 
 

@@ -41,8 +41,9 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -100,16 +101,16 @@ def _require_mergeable(c: Consolidated, source: str) -> None:
 def domain_merge_quality(
     c: Consolidated,
     model: torch.nn.Module,
-    data: Union[str, Path],
+    data: str | Path,
     tokenizer: str,
     domain: str,
     *,
     split: str = "test",
     dev_split: str = "valid",
-    max_blocks: Optional[int] = 64,
+    max_blocks: int | None = 64,
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
     batch_size: int = 4,
-) -> Optional[dict[str, Any]]:
+) -> dict[str, Any] | None:
     """One domain's row (`merge_quality`'s "domains" entry), or None without test or development blocks. The
     experts' log-likelihoods, the cached prior and the mixture come from launcher.evaluation.evaluate's building
     blocks (the calls `evaluate_model` makes in mode `cached`), so the mixture is its number."""
@@ -148,14 +149,14 @@ def domain_merge_quality(
 
 
 def merge_quality(
-    ckpt: Union[str, Path, Consolidated],
-    data: Union[str, Path],
+    ckpt: str | Path | Consolidated,
+    data: str | Path,
     *,
-    tokenizer: Optional[str] = None,
-    max_blocks: Optional[int] = 64,
+    tokenizer: str | None = None,
+    max_blocks: int | None = 64,
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,
     batch_size: int = 4,
-    domains: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Mixture vs fixed-weight mixture vs merged vs top-1 perplexity of every domain of the data (default: all in
@@ -304,7 +305,7 @@ def markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "checkpoints", nargs="+", metavar="CKPT", help="consolidated DEMix checkpoints (RUN_DIR/model)"
@@ -330,7 +331,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.machine import machine_info, uptime
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -51,8 +51,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -141,7 +141,7 @@ def _probe_memory(args: argparse.Namespace) -> dict:
     return {"peak_extra_mib": round((_proc_status()["VmHWM"] - before) / 1024, 1)}
 
 
-def _peak_memory(args: argparse.Namespace, path: str, E: int) -> Optional[float]:
+def _peak_memory(args: argparse.Namespace, path: str, E: int) -> float | None:
     if not Path("/proc/self/clear_refs").exists():
         return None
     cmd = [
@@ -210,7 +210,11 @@ def gemm_rates(
         a = torch.randn(M, K, generator=g).to(device)
         b = torch.randn(N, K, generator=g).to(device) if nt else torch.randn(K, N, generator=g).to(device)
         c = torch.empty(M, N, device=device)
-        fn = (lambda: torch.mm(a, b.t(), out=c)) if nt else (lambda: torch.mm(a, b, out=c))
+        fn = (
+            (lambda a=a, b=b, c=c: torch.mm(a, b.t(), out=c))
+            if nt
+            else (lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
+        )
         fn()
         sync()
         t0 = time.perf_counter()
@@ -514,7 +518,7 @@ def _rate_table(rows: list[dict], gm: dict) -> list[str]:
     return lines
 
 
-def _mib(v: Optional[float]) -> str:
+def _mib(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.1f}"
 
 
@@ -556,7 +560,7 @@ def _notes(result: dict) -> list[str]:
         "`--fanout-tokens` sets it). At E = 1 the batched and sequential columns run the same computation, so "
         "their ratio there is timing noise.",
         "",
-        "Cost growth relative to E = %d (batched): " % base["experts"]
+        f"Cost growth relative to E = {base['experts']:d} (batched): "
         + ", ".join(f"E={r['experts']}: {r['batched_s'] / base['batched_s']:.2f}x" for r in rows)
         + ". A top-k mixture with "
         "experts chosen by the cached prior runs only k experts, so its cost is the row E = k; choosing top-k per "
@@ -618,11 +622,11 @@ def _section(result: dict) -> list[str]:
     ]
 
 
-def _cores(v: Optional[float]) -> str:
+def _cores(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     from benchmarks.machine import machine_info
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

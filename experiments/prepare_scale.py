@@ -41,8 +41,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import psutil
 
@@ -213,7 +214,7 @@ def _write_domain(
     return {"bytes": size, "documents": n, "sha256": sha.hexdigest()}
 
 
-def _cached(corpus: Path, want: dict[str, Any], verify: bool) -> Optional[dict[str, Any]]:
+def _cached(corpus: Path, want: dict[str, Any], verify: bool) -> dict[str, Any] | None:
     """The marker of `corpus` when it matches `want` and every file has its recorded size (and sha256 if `verify`)."""
     try:
         marker = json.loads((corpus / MARKER).read_text())
@@ -242,7 +243,7 @@ def generate_corpus(
     seed: int = 0,
     *,
     pool_bytes: int = POOL_BYTES,
-    pools: Optional[dict[str, list[str]]] = None,
+    pools: dict[str, list[str]] | None = None,
     verify: bool = False,
 ) -> dict[str, Any]:
     """Write (or reuse) the 8-domain corpus of about `size` bytes in `corpus`; returns its marker, with
@@ -420,7 +421,7 @@ def _best(fn: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
 
 
 def _prepare_once(
-    corpus: Path, tmp_dir: Optional[str], tokenizer: str, anonymise: bool, workers: int, timeout: float
+    corpus: Path, tmp_dir: str | None, tokenizer: str, anonymise: bool, workers: int, timeout: float
 ) -> dict[str, Any]:
     """One `python -m data.prepare` run into a fresh temporary --out, read its manifest's counts, remove it."""
     out = Path(tempfile.mkdtemp(prefix="prepare_scale_out_", dir=tmp_dir))
@@ -453,9 +454,7 @@ def _prepare_once(
     return run
 
 
-def _derive(
-    run: dict[str, Any], input_bytes: int, workers: int, cores: int, base_mbs: Optional[float]
-) -> None:
+def _derive(run: dict[str, Any], input_bytes: int, workers: int, cores: int, base_mbs: float | None) -> None:
     """Add MB/s, MB/s per core and the ratio to the loop's MB/s to a run (None where either run failed)."""
     mbs = input_bytes / 1e6 / run["wall_s"] if run["rc"] == 0 else None
     run["mb_per_s"] = round(mbs, 3) if mbs else None
@@ -488,7 +487,10 @@ def measure_size(
         for anonymise in (True, False):
             for w in a.workers:
                 run = _best(
-                    lambda: _prepare_once(corpus, a.tmp_dir, tok, anonymise, w, a.run_timeout), a.repeats
+                    lambda tok=tok, anonymise=anonymise, w=w: _prepare_once(
+                        corpus, a.tmp_dir, tok, anonymise, w, a.run_timeout
+                    ),
+                    a.repeats,
                 )
                 _derive(run, input_bytes, w, cores, base_mbs)
                 if tok == "gpt2" and not anonymise and "tokens" in run and base.get("tokens") is not None:
@@ -712,7 +714,7 @@ def _sizes(text: str) -> list[tuple[str, int]]:
     return [(s.strip(), parse_size(s)) for s in text.split(",") if s.strip()]
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m experiments.prepare_scale", description=__doc__.split("\n\n")[0]
     )
@@ -763,7 +765,7 @@ def make_corpora(sizes: list[tuple[str, int]], seed: int, cache_dir: Path) -> li
     return corpora
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Generate (or reuse) the corpora, run the matrix, write the report; returns the result."""
     a = _parse(argv)
     if a.baseline:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import queue as queue_lib
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 

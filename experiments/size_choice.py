@@ -22,9 +22,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ def tokens_per_byte(max_docs: int = 20) -> dict[str, float]:
     return {name: sum(len(tok.encode(t)) for t in docs) / nbytes for name, tok in toks.items()}
 
 
-def loss_at(recs: list[dict[str, Any]], seconds: float, log_interval: int = 10) -> Optional[float]:
+def loss_at(recs: list[dict[str, Any]], seconds: float, log_interval: int = 10) -> float | None:
     """Training loss (mean of the last 3 logged intervals) after `seconds` of training steps (sum of step times)."""
     done, losses = 0.0, []
     for r in recs:
@@ -158,7 +159,7 @@ def train(shape: Shape, steps: int, out: Path, reuse: bool = False) -> dict[str,
     return _summary(list(read_metrics(run / "metrics.jsonl")), steps, wall)
 
 
-def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> dict[str, Any]:
+def _summary(recs: list[dict[str, Any]], steps: int, wall: float | None) -> dict[str, Any]:
     ev = [r for r in recs if r.get("kind") == "eval"][-1]
     losses = [v for k, v in ev.items() if k.startswith("val_loss/")]
     train_s = sum(r["step_time_s"] * 10 for r in recs if r.get("kind") == "train" and "step_time_s" in r)
@@ -171,7 +172,7 @@ def _summary(recs: list[dict[str, Any]], steps: int, wall: Optional[float]) -> d
     }
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m experiments.size_choice", description=__doc__.split("\n\n")[0]
     )
@@ -187,7 +188,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def _cost_lines(
-    argv: Optional[Sequence[str]], m0: dict, tpb: dict[str, float], rates: dict[tuple[str, str], float]
+    argv: Sequence[str] | None, m0: dict, tpb: dict[str, float], rates: dict[tuple[str, str], float]
 ) -> list[str]:
     """The heading and part 1: the update rate of every shape and vocabulary."""
     lines = [
@@ -275,7 +276,7 @@ def _verdict_lines(at: dict[str, float], m0: dict, m1: dict) -> list[str]:
     ]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Part 1 (cost per update), part 2 (learning per second); print the markdown and write it with --record."""
     a = _parse(argv)
     torch.set_num_threads(1)

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ class Consolidated:
     step: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def build_model(self, expert_ids: Optional[list[int]] = None):
+    def build_model(self, expert_ids: list[int] | None = None):
         """A plain GPT holding `expert_ids` (default all) with these weights."""
         from model.gpt import GPT
 
@@ -222,7 +223,7 @@ def finish_consolidated(
     cfg: RunConfig,
     domains: list[str],
     step: int = 0,
-    extra: Optional[dict[str, Any]] = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Check every shard is there, write meta.json with the shard index, and move `tmp` into place."""
     _write_meta(tmp, final, cfg, domains, step, extra)
@@ -231,7 +232,7 @@ def finish_consolidated(
 
 
 def _write_meta(
-    tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int, extra: Optional[dict[str, Any]]
+    tmp: Path, final: Path, cfg: RunConfig, domains: list[str], step: int, extra: dict[str, Any] | None
 ) -> None:
     """Check every shard of the checkpoint being built in `tmp` is there; write its meta.json with the shard index."""
     _check_domain_names(cfg, domains)
@@ -267,7 +268,7 @@ def save_consolidated(
     cfg: RunConfig,
     domains: list[str],
     step: int = 0,
-    extra: Optional[dict[str, Any]] = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write a consolidated checkpoint directory atomically, from a state dict with every tensor: staged beside
     `path` and published whole (data/atomic.py `staged_dir`); a failure (a full disk included) leaves nothing."""
@@ -338,7 +339,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
     return meta
 
 
-def load_consolidated(path: str | Path, experts: Optional[Iterable[int]] = None) -> Consolidated:
+def load_consolidated(path: str | Path, experts: Iterable[int] | None = None) -> Consolidated:
     """Read a consolidated checkpoint (weights only: safe on files from elsewhere). `experts` limits which
     DEMix experts' shards are read (default all), e.g. the ones a run starting from it trains."""
     root = Path(path)

@@ -10,7 +10,7 @@ raw texts of a prepared split. Below both launcher/evaluation/ and launcher/modu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,10 +23,10 @@ from launcher.typed import from_dict
 
 
 def data_manifest(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     tokenizer: str,
-    model_tokenizer_sha256: Optional[str] = None,
-    model_vocab: Optional[int] = None,
+    model_tokenizer_sha256: str | None = None,
+    model_vocab: int | None = None,
 ) -> dict[str, Any]:
     """The token manifest of `data_root/tokenizer`, refusing (DataError) tokens of another tokenizer than the
     model's (its consolidated checkpoint records the fingerprint): perplexities on them would be meaningless."""
@@ -63,7 +63,7 @@ def domain_token_count(cfg: RunConfig, domains: list[str]) -> int:
 
 
 def check_checkpoint_data(
-    c: Union[Consolidated, str, Path], data_root: Union[str, Path], tokenizer: Optional[str] = None
+    c: Consolidated | str | Path, data_root: str | Path, tokenizer: str | None = None
 ) -> dict[str, Any]:
     """`data_manifest` for checkpoint `c` (its tokenizer fingerprint and vocabulary size) and `check_token_ids`
     against its model's vocabulary; a path reads only its meta.json, so a CLI checks the data before loading any
@@ -77,7 +77,7 @@ def check_checkpoint_data(
     return manifest
 
 
-def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) -> tuple[str, str]:
+def data_source(c: Consolidated, data: str | None, tokenizer: str | None) -> tuple[str, str]:
     """Where the domain data lives: given, else the checkpoint's own training data; refused (DataError) when its
     tokens come from another tokenizer than the checkpoint's."""
     data, tokenizer = data or c.cfg.data.path, tokenizer or c.cfg.data.tokenizer
@@ -86,9 +86,9 @@ def data_source(c: Consolidated, data: Optional[str], tokenizer: Optional[str]) 
 
 
 def checkpoint_data(
-    checkpoint: Union[Consolidated, str, Path],
-    data: Optional[Union[str, Path]] = None,
-    tokenizer: Optional[str] = None,
+    checkpoint: Consolidated | str | Path,
+    data: str | Path | None = None,
+    tokenizer: str | None = None,
 ) -> tuple[str, str]:
     """(data root, tokenizer) to evaluate or generate with: the ones given, else the checkpoint's own - the data.path
     and data.tokenizer its run config recorded, by `data_source` (the rule `launcher.modular` uses too) -
@@ -121,12 +121,12 @@ def checkpoint_data(
 
 
 def load_blocks(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     tokenizer: str,
     domain: str,
     split: str,
     seq_len: int,
-    max_blocks: Optional[int],
+    max_blocks: int | None,
 ) -> np.ndarray:
     """The first `max_blocks` blocks (N x (T+1) tokens, in stream order) of a domain's split; N may be 0."""
     try:
@@ -138,12 +138,12 @@ def load_blocks(
 
 
 def count_blocks(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     tokenizer: str,
     domain: str,
     split: str,
     seq_len: int,
-    max_blocks: Optional[int],
+    max_blocks: int | None,
 ) -> int:
     """How many blocks `load_blocks` returns, without reading them."""
     try:
@@ -153,7 +153,7 @@ def count_blocks(
     return n if max_blocks is None else min(n, max_blocks)
 
 
-def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+def block_inputs(blocks_NT1: np.ndarray, domain_token: int | None = None) -> tuple[torch.Tensor, ...]:
     """(tokens_NT, targets_NT, mask_NT) as the sampler builds them (data/sampler.py)."""
     x = torch.from_numpy(blocks_NT1.astype(np.int64))
     if domain_token is None:
@@ -167,7 +167,7 @@ def block_inputs(blocks_NT1: np.ndarray, domain_token: Optional[int] = None) -> 
     return tokens.contiguous(), targets.contiguous(), torch.ones(targets.shape, dtype=torch.float32)
 
 
-def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = None) -> Any:
+def load_export_tokenizer(c: Consolidated, data: str | Path | None = None) -> Any:
     """The tokenizer `c` was trained with, from the prepared data root `data` (default: the checkpoint's
     `data.path`), checked against the checkpoint's tokenizer fingerprint. GPT-2 needs no data (offline files)."""
     from data.tokenizer import load_prepared_tokenizer, load_tokenizer
@@ -186,7 +186,7 @@ def load_export_tokenizer(c: Consolidated, data: Optional[Union[str, Path]] = No
 
 
 def split_documents_text(
-    data_root: Union[str, Path], prepared: str, split: str = "test", max_docs: Optional[int] = None
+    data_root: str | Path, prepared: str, split: str = "test", max_docs: int | None = None
 ) -> tuple[dict[str, list[str]], dict]:
     """The texts of one split of every domain, exactly as `data.prepare` tokenised them: the corpus the token
     manifest `<data_root>/<prepared>/manifest.json` names, read, validated and split by prepare's own code

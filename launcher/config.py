@@ -10,9 +10,10 @@ A run YAML names a model preset (`model: {preset: gpt3-small, ffn: {kind: demix}
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass
@@ -36,8 +37,8 @@ class LoggingConfig:
     progress_bar: StrictBool = True
     wandb_mode: str = "offline"  # never required; "online" only when configured
     wandb_project: str = "demix"
-    wandb_entity: Optional[str] = None
-    wandb_group: Optional[str] = None  # e.g. one group per comparison (dense vs DEMix vs GShard)
+    wandb_entity: str | None = None
+    wandb_group: str | None = None  # e.g. one group per comparison (dense vs DEMix vs GShard)
     wandb_tags: list[str] = field(default_factory=list)
 
     def problems(self, prefix: str = "logging") -> list[str]:
@@ -123,7 +124,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
 
 
 def load_run_config(
-    path: Optional[str | Path] = None, overrides: Sequence[str] = (), check: bool = True
+    path: str | Path | None = None, overrides: Sequence[str] = (), check: bool = True
 ) -> RunConfig:
     """Load, merge overrides, type-check and validate a run config; raise one ConfigError with every problem.
 

@@ -16,8 +16,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from data.argtypes import positive_int
 from launcher.checkpoint import write_json_atomic
@@ -60,7 +61,7 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return int(meta.get("step", -1)) == steps
 
 
-def throughput(run_dir: Path) -> dict[str, Optional[float]]:
+def throughput(run_dir: Path) -> dict[str, float | None]:
     """Mean tokens/s and TFLOPs/GPU (both conventions) over the logged intervals after the first."""
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     recs = recs[1:] or recs  # the first interval includes start-up
@@ -139,12 +140,12 @@ def build_report(
     }
 
 
-def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
+def _mean(xs: Sequence[float | None]) -> float | None:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else None
 
 
-def _f(v: Optional[float], spec: str = ".1f") -> str:
+def _f(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
@@ -203,7 +204,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--nproc",
@@ -223,7 +224,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     from data.build_demo import main as build_data

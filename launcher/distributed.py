@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ def free_port() -> int:
 # Launchers that start every rank themselves and say who it is in their own variables, not torch's RANK/WORLD_SIZE
 # (DeepSpeed's --launcher openmpi|mvapich|mpich|impi|slurm, a bare mpirun or srun): (name, rank, world size,
 # local rank, local world size or None). Checked in this order; the first whose rank and size are both set wins.
-SCHEDULER_ENVS: tuple[tuple[str, str, str, str, Optional[str]], ...] = (
+SCHEDULER_ENVS: tuple[tuple[str, str, str, str, str | None], ...] = (
     (
         "Open MPI",
         "OMPI_COMM_WORLD_RANK",
@@ -92,7 +92,7 @@ def scheduler_env(environ: Mapping[str, str]) -> dict[str, str]:
                 "not set: this rank cannot know its GPU; set LOCAL_RANK (its index on the node)"
             )
         return {"LOCAL_RANK": local or "0"}
-    for name, rank, size, local, local_size in SCHEDULER_ENVS:
+    for name, rank, size, local, local_size in SCHEDULER_ENVS:  # noqa: B007 (used after the loop's break)
         if rank in environ and size in environ:
             break
     else:
@@ -132,7 +132,7 @@ def check_rendezvous(addr: str, port: str, where: str) -> None:
         raise LaunchEnvError(str(e)) from None
 
 
-def ensure_env(master_addr: Optional[str] = None, master_port: Optional[int] = None) -> int:
+def ensure_env(master_addr: str | None = None, master_port: int | None = None) -> int:
     """Give DeepSpeed the torch.distributed environment of this process before anything reads it, and return the
     world size. A launcher's own variables are translated (`scheduler_env`); a bare `python -m launcher.train`
     is a world of one. `master_addr`/`master_port` (the trainer's --master-addr/--master-port, passed by
@@ -177,7 +177,7 @@ def local_device_index(local_rank: int, visible: int) -> int:
     )
 
 
-def start_distributed(timeout_s: Optional[float] = None) -> tuple[int, int]:
+def start_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); returns (rank, world size).
     `timeout_s`: how long the rendezvous and the world group's collectives wait for the other ranks (None:
     DeepSpeed's default, `DEEPSPEED_TIMEOUT` minutes or 10)."""

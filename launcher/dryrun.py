@@ -21,8 +21,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,7 @@ DEFAULT_OUT = "runs/dryrun/summary.json"
 DeepSpeedConfigFn = Callable[[RunConfig, Topology], dict]
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launcher.dryrun", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="run YAML (default: the built-in defaults plus --set overrides)")
     p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs to lay out")
@@ -89,7 +90,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_domains(cfg: RunConfig, domains: Optional[int]) -> tuple[list[str], list[str]]:
+def resolve_domains(cfg: RunConfig, domains: int | None) -> tuple[list[str], list[str]]:
     """Domain names (from data.domains, else domain0..N-1) and any disagreement between the two sources."""
     named = cfg.data.domains
     if named is not None and domains is not None and len(named) != domains:
@@ -103,14 +104,14 @@ def resolve_domains(cfg: RunConfig, domains: Optional[int]) -> tuple[list[str], 
     return [f"domain{g}" for g in range(n)], []
 
 
-def data_path_set(config: Optional[str], overrides: Sequence[str]) -> bool:
+def data_path_set(config: str | None, overrides: Sequence[str]) -> bool:
     """Whether the run names its data: data.path in the config file or in an override (the built-in default,
     which launch would read too, does not count: a dry run for a cluster need not have the data here)."""
     raws = [read_yaml(config) if config else {}, parse_overrides(overrides)]
     return any(isinstance(r, dict) and isinstance(r.get("data"), dict) and "path" in r["data"] for r in raws)
 
 
-def plan_with_data(cfg: RunConfig, world_size: int, domains: Optional[int]) -> tuple[Layout, dict[str, Any]]:
+def plan_with_data(cfg: RunConfig, world_size: int, domains: int | None) -> tuple[Layout, dict[str, Any]]:
     """The layout planned as launch plans it (`make_plan`, which reads data.path's token manifest with
     data/catalog.py `load_catalog`), and what the data is: its path, tokenizer, vocabulary, training and novel
     domains. Problems (the data's, the vocabulary's with its fix, the layout's) are in the Layout."""
@@ -146,9 +147,7 @@ def plan_with_data(cfg: RunConfig, world_size: int, domains: Optional[int]) -> t
     return Layout(pcfg, plan.topo, problems, plan.notes), data
 
 
-def plan_without_data(
-    cfg: RunConfig, world_size: int, domains: Optional[int]
-) -> tuple[Layout, dict[str, Any]]:
+def plan_without_data(cfg: RunConfig, world_size: int, domains: int | None) -> tuple[Layout, dict[str, Any]]:
     """The data-free layout (`plan_layout`) over data.domains or invented domain0..N-1, with a note saying which
     and that no tokenizer was checked."""
     names, problems = resolve_domains(cfg, domains)
@@ -269,7 +268,7 @@ def _print_report(cfg: RunConfig, topo: Topology, ranks: list[dict], elapsed: fl
 
 
 def memory_report(
-    cfg: RunConfig, topo: Topology, ranks: list[dict], device: Optional[str], gpu_memory_gb: Optional[float]
+    cfg: RunConfig, topo: Topology, ranks: list[dict], device: str | None, gpu_memory_gb: float | None
 ) -> dict:
     """Per-GPU memory by ZeRO stage (parallel/memory.py) for the summarised rank holding the most parameters,
     against the GPU's memory (`--gpu-memory-gb`, else the device table's, else no verdict)."""
@@ -381,7 +380,7 @@ def _print_data(data: dict[str, Any]) -> None:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None, deepspeed_config: Optional[DeepSpeedConfigFn] = None) -> int:
+def main(argv: Sequence[str] | None = None, deepspeed_config: DeepSpeedConfigFn | None = None) -> int:
     """Returns 0 on success, 2 (after printing every problem to stderr) when the config or layout is impossible."""
     args = parse_args(argv)
     start = time.perf_counter()

@@ -8,9 +8,10 @@ experts to keep, a checkpoint without some of them, and the opt-out load that ne
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from launcher.ffn_kinds import ffn_kind
 from launcher.typed import from_dict
 
 EXPERT_KEY = re.compile(r"^(blocks\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
-CkptLike = Union[str, Path, Consolidated]
+CkptLike = str | Path | Consolidated
 
 
 def _load(ckpt: CkptLike) -> Consolidated:
@@ -44,7 +45,7 @@ def _with_experts(
 
 
 def _keep_indices(
-    domains: Sequence[str], experts: Optional[Sequence[str]] = None, without: Sequence[str] = ()
+    domains: Sequence[str], experts: Sequence[str] | None = None, without: Sequence[str] = ()
 ) -> list[int]:
     names = list(domains)
     unknown = [e for e in list(experts or []) + list(without) if e not in names]

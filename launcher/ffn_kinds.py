@@ -23,8 +23,9 @@ A fifth kind is declared once (model/config.py `declare_ffn_kind`, with its trai
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -53,7 +54,7 @@ class StepHook(Protocol):
 
     def after_step(
         self, step: int, batch_fn: Callable[[int], dict[str, torch.Tensor]]
-    ) -> Optional[dict[str, Any]]: ...
+    ) -> dict[str, Any] | None: ...
 
 
 class FFNKind:
@@ -96,13 +97,13 @@ class FFNKind:
         """The 'domains' the topology lays over the data-parallel ranks: one group of everything by default."""
         return ["all"]
 
-    def data_note(self, topo: Topology) -> Optional[str]:
+    def data_note(self, topo: Topology) -> str | None:
         """A layout that is allowed but worth announcing (None: nothing to say)."""
         return None
 
     def rank_experts(
         self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         """The expert ids this rank's model holds (None: no expert layers)."""
         return None
 
@@ -119,7 +120,7 @@ class FFNKind:
         info = topo.rank_info(rank)
         return list(range(num_domains)), info.dp_rank, topo.dp_size
 
-    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
+    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any | None:
         """Make the (tensor-parallel) model's experts distributed before the optimizer exists; returns the
         per-step expert gradient scale, if the kind has one."""
         return None
@@ -165,7 +166,7 @@ class FFNKind:
 
     def step_hook(
         self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any, domain_names: Sequence[str]
-    ) -> Optional[StepHook]:
+    ) -> StepHook | None:
         """Something to run after every optimizer step (None: nothing)."""
         return None
 
@@ -207,12 +208,12 @@ class Demix(FFNKind):
     def topology_domains(self, domain_names: Sequence[str]) -> list[str]:
         return list(domain_names)
 
-    def data_note(self, topo: Topology) -> Optional[str]:
+    def data_note(self, topo: Topology) -> str | None:
         return unequal_data_note(topo)
 
     def rank_experts(
         self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         return [expert_of_domain[d] for d in topo.rank_info(rank).domains]
 
     def rank_expert_groups(self, cfg: RunConfig, topo: Topology, rank: int) -> dict[str, list[int]]:
@@ -225,7 +226,7 @@ class Demix(FFNKind):
         info = topo.rank_info(rank)
         return list(info.domains), info.shard_index, info.num_shards
 
-    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
+    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any | None:
         return distribute_demix_experts(
             model, cfg.model.ffn.num_experts, groups, cfg.parallel.expert_grad_scaling
         )
@@ -274,7 +275,7 @@ class GShard(FFNKind):
 
     def rank_experts(
         self, cfg: RunConfig, topo: Topology, rank: int, expert_of_domain: Sequence[int]
-    ) -> Optional[list[int]]:
+    ) -> list[int] | None:
         return list(gshard_layout_for(cfg.model, topo, rank).local_experts)  # init is per parameter name
 
     def expert_replicas(self, cfg: RunConfig, topo: Topology, rank: int) -> int:
@@ -284,7 +285,7 @@ class GShard(FFNKind):
         lay = gshard_layout_for(cfg.model, topo, rank)
         return {"expert_parallel": list(lay.ep_ranks), "expert_data_parallel": list(lay.edp_ranks)}
 
-    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Optional[Any]:
+    def prepare_parallel(self, model: nn.Module, cfg: RunConfig, groups: Any) -> Any | None:
         apply_gshard(model, cfg.model, groups)  # swaps the plain top-k layers for DeepSpeed's MoE layer
         return None
 
@@ -313,7 +314,7 @@ class CSE(FFNKind):
 
     def step_hook(
         self, model: nn.Module, cfg: RunConfig, groups: Any, optimizer: Any, domain_names: Sequence[str]
-    ) -> Optional[StepHook]:
+    ) -> StepHook | None:
         # warm-up, then cluster sequence embeddings and copy the FFN (CSE Alg. 1)
         return CSEController(
             model, cfg.model.ffn.cse, cfg.train.steps, groups, optimizer=optimizer, domain_names=domain_names

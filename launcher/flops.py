@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.argtypes import positive_float, positive_int
 from data.cli import cli_main, exit_process, usage_error
@@ -126,7 +126,7 @@ def _load(config: str, overrides: Sequence[str]) -> RunConfig:
     return load_run_config(config, overrides)
 
 
-def _resolve_experts(cfg: RunConfig, gpus: int) -> Optional[int]:
+def _resolve_experts(cfg: RunConfig, gpus: int) -> int | None:
     """Experts per expert layer when the config says 0 (= derive), as the trainer resolves them
     (launcher/ffn_kinds.py): domains for DEMix (from data.domains), one per GPU for GShard, slots for CSE."""
     kind, ffn = ffn_kind(cfg), cfg.model.ffn
@@ -212,7 +212,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     problems = _problems(args)

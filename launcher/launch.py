@@ -34,8 +34,9 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 import yaml
@@ -264,7 +265,7 @@ def build_command(args: argparse.Namespace, run_dir: Path, port: int) -> list[st
     return cmd + [str(RANK_ENTRY), *user]
 
 
-def ssh_check_problem(args: argparse.Namespace, timeout_s: float = 30.0) -> Optional[str]:
+def ssh_check_problem(args: argparse.Namespace, timeout_s: float = 30.0) -> str | None:
     """DeepSpeed's check that the first host answers passwordless ssh, made here so that its failure says how to skip
     it; None when it passes or does not apply: a local or --no-ssh launch, --no-ssh-check, `--launcher slurm` (srun
     reaches the nodes through slurmd, never ssh)."""
@@ -388,7 +389,7 @@ def launch_env(nproc_per_node: int, ranks_run_here: bool = True) -> dict[str, st
     return env
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -536,7 +537,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, st
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run_dir, cmd, env = prepare_run(args)
@@ -734,7 +735,7 @@ class _RecordingSubprocess:
         return p
 
 
-def run_runner(cmd: list[str], env: dict[str, str], started: Optional[list] = None) -> int:
+def run_runner(cmd: list[str], env: dict[str, str], started: list | None = None) -> int:
     """Run `cmd` (`python -m deepspeed.launcher.runner ...`, as command.sh records it) in this process, with the
     environment and working directory the subprocess would have had; return its exit status. DeepSpeed's runner
     only parses its arguments, starts the per-node launcher (or pdsh/mpirun/srun) as a subprocess and waits: run in

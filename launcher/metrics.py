@@ -32,7 +32,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -59,7 +59,7 @@ class MetricsLogger:
         self, run_dir: Path, cfg: RunConfig, is_main: bool, total_steps: int, start_step: int = 0
     ) -> None:
         self.is_main = is_main
-        self.world_size: Optional[int] = None  # from the latest `start` record (`with_per_gpu_rate`)
+        self.world_size: int | None = None  # from the latest `start` record (`with_per_gpu_rate`)
         self.path = run_dir / "metrics.jsonl"
         self.bar = None
         self.wandb = None
@@ -120,7 +120,7 @@ class MetricsLogger:
                 pass
 
 
-def with_per_gpu_rate(record: dict[str, Any], world_size: Optional[int]) -> dict[str, Any]:
+def with_per_gpu_rate(record: dict[str, Any], world_size: int | None) -> dict[str, Any]:
     """`record` with `tokens_per_s_per_gpu` (= the global `tokens_per_s` / `world_size`) right after
     `tokens_per_s`; unchanged without a world size, without a numeric `tokens_per_s`, or when it has one already."""
     tps = record.get("tokens_per_s")
@@ -170,7 +170,7 @@ def drop_replayed_records(path: Path, start_step: int) -> int:
 WANDB_ID_FILE = "wandb_run_id"
 
 
-def _start_wandb(run_dir: Path, cfg: RunConfig) -> Optional[Any]:
+def _start_wandb(run_dir: Path, cfg: RunConfig) -> Any | None:
     """Start (or, in a run directory that has one, continue) the run's wandb run: the id is kept in
     `run_dir/wandb_run_id`, so a resumed training run logs into the same wandb run."""
     try:

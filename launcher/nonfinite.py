@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -118,7 +118,7 @@ class NonFiniteGuard:
             raise NonFiniteError(int(step), describe(self.precision, loss, norm, r))
 
 
-def nonfinite_line(err: NonFiniteError, run_dir: Path, cfg: Any, resume_from: Optional[Path]) -> str:
+def nonfinite_line(err: NonFiniteError, run_dir: Path, cfg: Any, resume_from: Path | None) -> str:
     """The one line rank 0 prints: what happened, that nothing from it was saved, what to do, and the state to resume
     from (`resume_from`, the newest intact one, or None)."""
     if resume_from is not None:

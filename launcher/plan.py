@@ -12,9 +12,9 @@ Both report every problem at once (`ConfigError`), each with the fix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.catalog import Catalog, DataError, load_catalog
 from launcher.checkpoint import read_meta
@@ -46,7 +46,7 @@ class Layout:
     """The data-free result of planning: resolved config, topology (None when impossible), problems, notes."""
 
     cfg: RunConfig
-    topo: Optional[Topology]
+    topo: Topology | None
     problems: list[str]
     notes: tuple[str, ...] = ()
 

@@ -35,8 +35,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 PREEMPTED_EXIT = 75  # state of the last step saved: requeue and resume
 ABORTED_EXIT = 143  # signalled, and the state of the step in progress was not saved
@@ -65,7 +65,7 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def resume_command(argv: Optional[Sequence[str]] = None) -> str:
+def resume_command(argv: Sequence[str] | None = None) -> str:
     """$DEMIX_RESUME_COMMAND, else this process's command (`python -m launcher.train ...`) without `--resume`
     (its default, `auto`, picks the newest intact state), run from the current directory."""
     if os.environ.get(RESUME_ENV):
@@ -90,16 +90,16 @@ def drop_resume(args: list[str]) -> list[str]:
 class PreemptWatch:
     """One rank's preemption state: the signal handlers, the watchdog thread and the per-step agreement."""
 
-    def __init__(self, grace_s: float, rank: int, run_dir: Optional[Path]) -> None:
+    def __init__(self, grace_s: float, rank: int, run_dir: Path | None) -> None:
         self.grace_s, self.rank, self.run_dir = grace_s, rank, run_dir
         self.signum = 0  # the first preemption signal this rank received (0: none)
-        self.step: Optional[int] = None  # the step in progress, for the abort message (None: start-up)
+        self.step: int | None = None  # the step in progress, for the abort message (None: start-up)
         self.final = False  # the loop is over: the final evaluation, save and export are under way
         self.saved = False
         self._rsock, self._wsock = socket.socketpair()
         self._wsock.setblocking(False)
 
-    def install(self) -> "PreemptWatch":
+    def install(self) -> PreemptWatch:
         """Handlers for SIGTERM and SIGUSR1 and the watchdog; main thread only."""
         for sig in SIGNALS:
             signal.signal(sig, self._handler)
@@ -112,7 +112,7 @@ class PreemptWatch:
             self.signum = signum
 
     def _watch(self) -> None:
-        first: Optional[float] = None
+        first: float | None = None
         while True:
             timeout = None if first is None else max(0.0, first + self.grace_s - time.monotonic())
             ready, _, _ = select.select([self._rsock], [], [], timeout)
@@ -196,16 +196,16 @@ class PreemptWatch:
         )
 
 
-_current: Optional[PreemptWatch] = None
+_current: PreemptWatch | None = None
 
 
-def install(grace_s: float, rank: int, run_dir: Optional[Path]) -> PreemptWatch:
+def install(grace_s: float, rank: int, run_dir: Path | None) -> PreemptWatch:
     """This process's watch (the trainer's `main`); `current()` returns it to the loop."""
     global _current
     _current = PreemptWatch(grace_s, rank, run_dir).install()
     return _current
 
 
-def current() -> Optional[PreemptWatch]:
+def current() -> PreemptWatch | None:
     """The installed watch, or None (ranks not started through `launcher.train`'s main: tests, notebooks)."""
     return _current

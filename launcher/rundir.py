@@ -19,8 +19,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Iterable, Mapping, MutableMapping, Optional
 
 from data.atomic import write_json_atomic
 from data.cli import check_output_dir
@@ -76,14 +76,14 @@ def mark_run_dir(run_dir: Path) -> None:
 LAUNCHER_ENV = "DEMIX_LAUNCHER"
 
 
-def out_dir_override(run_dir: Optional[str]) -> list[str]:
+def out_dir_override(run_dir: str | None) -> list[str]:
     """The `--set` override that makes a run's config record its actual run directory (`--run-dir`) as
     `logging.out_dir` (none without one): the saved config.yaml and the exported model's config then name where
     the run is, not the config file's default."""
     return [f"logging.out_dir={json.dumps(str(run_dir))}"] if run_dir else []
 
 
-def interrupted_line(run_dir: Optional[Path]) -> str:
+def interrupted_line(run_dir: Path | None) -> str:
     """One line for a run stopped by Ctrl-C: where its last checkpoint is (or that none was written) and how to
     continue from it."""
     if run_dir is None:
@@ -113,7 +113,7 @@ SHM_OP = "deepspeed_shm_comm"
 SHM_OP_BUILD_SECONDS = 100
 
 
-def default_extensions_dir() -> Optional[Path]:
+def default_extensions_dir() -> Path | None:
     """Where JIT-built ops are cached when TORCH_EXTENSIONS_DIR is unset: `torch_extensions` inside the virtual
     environment that runs Python (the project's `.venv/torch_extensions`, which the Makefile exports too): per
     machine and per torch build, never shared. None outside a writable virtualenv (torch's own per-user default,
@@ -124,7 +124,7 @@ def default_extensions_dir() -> Optional[Path]:
     return prefix / "torch_extensions"
 
 
-def use_extensions_dir(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+def use_extensions_dir(environ: MutableMapping[str, str] | None = None) -> str | None:
     """Set TORCH_EXTENSIONS_DIR in `environ` (default: this process's) to `default_extensions_dir()` unless it
     is set already (an explicit value is kept); returns the value in effect (None: torch's default)."""
     environ = os.environ if environ is None else environ
@@ -136,7 +136,7 @@ def use_extensions_dir(environ: Optional[MutableMapping[str, str]] = None) -> Op
     return environ[EXTENSIONS_ENV]
 
 
-def extensions_root(environ: Optional[Mapping[str, str]] = None) -> Path:
+def extensions_root(environ: Mapping[str, str] | None = None) -> Path:
     """The folder torch builds JIT ops in, one sub-folder per op: $TORCH_EXTENSIONS_DIR, or torch's default
     (torch/utils/cpp_extension.py `_get_build_directory`: <user cache>/torch_extensions/py<ver>_<accelerator>)."""
     environ = os.environ if environ is None else environ
@@ -157,8 +157,8 @@ def extensions_root(environ: Optional[Mapping[str, str]] = None) -> Path:
 
 
 def clear_stale_build_lock(
-    environ: Optional[Mapping[str, str]] = None, op: str = SHM_OP, min_age_s: float = 60.0
-) -> Optional[str]:
+    environ: Mapping[str, str] | None = None, op: str = SHM_OP, min_age_s: float = 60.0
+) -> str | None:
     """Remove the `lock` a killed JIT build left in `op`'s build folder, and say so; None when there is none or a
     build may be under way. torch's FileBaton waits for that file to disappear, with no timeout: one build killed
     by a signal (a preempted job, a killed test) hangs every later run at the process group's start. The lock is
@@ -189,8 +189,8 @@ def _busy(folder: Path) -> bool:
 
 
 def op_build_notice(
-    op: str = SHM_OP, environ: Optional[Mapping[str, str]] = None, seconds: int = SHM_OP_BUILD_SECONDS
-) -> Optional[str]:
+    op: str = SHM_OP, environ: Mapping[str, str] | None = None, seconds: int = SHM_OP_BUILD_SECONDS
+) -> str | None:
     """The line to print before DeepSpeed builds `op`, or None when the cache already holds the built library
     (`<root>/<op>/<op>.so`, what torch loads instead of building)."""
     root = extensions_root(environ)

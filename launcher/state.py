@@ -24,9 +24,10 @@ import os
 import random
 import shutil
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -218,7 +219,7 @@ class _BackgroundWrites:
         self.digests[path] = future.result()
         self.written[path] = path.stat().st_size
 
-    def __enter__(self) -> "_BackgroundWrites":
+    def __enter__(self) -> _BackgroundWrites:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -381,7 +382,7 @@ def staged_together(
     `.step_<n>.tmp` that the next save of that step replaces."""
     import torch.distributed as dist
 
-    failure: Optional[BaseException] = None
+    failure: BaseException | None = None
     try:
         # a full disk named as DiskFullError; nothing removed yet: the other ranks may still be writing into
         # `staged`, and removing it under them would turn their writes into FileNotFoundError (below, after all agree)
@@ -591,7 +592,7 @@ def load_init_weights(model: torch.nn.Module, cfg: RunConfig) -> None:
     model.load_state_dict(wanted)
 
 
-def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int) -> Optional[Path]:
+def export_consolidated(bundle: Any, plan: Plan, rank: int, out: Path, step: int) -> Path | None:
     """The plain, single-process model with all experts, written as a sharded consolidated checkpoint.
 
     Every rank calls it. Tensor-parallel shards are gathered inside each TP group; rank 0 writes the shared

@@ -10,7 +10,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ def complete_states(ckdir: Path) -> list[Path]:
     )
 
 
-def state_damage(ckpt: Path) -> Optional[str]:
+def state_damage(ckpt: Path) -> str | None:
     """Why the training state `ckpt` cannot be resumed from (unreadable meta.json, another format, a file
     missing or of another size than when it was written: a truncated copy, a full disk), or None when intact.
     Cheap: sizes only (meta.json's `files`), no tensor is read."""
@@ -58,7 +58,7 @@ def state_damage(ckpt: Path) -> Optional[str]:
     return None
 
 
-def checksum_damage(ckpt: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+def checksum_damage(ckpt: Path, rank: int = 0, world_size: int = 1) -> str | None:
     """Why `ckpt`'s files fail the sha256 checksums meta.json recorded when they were written (bytes changed in
     place at the same size, which `state_damage` cannot see), or None. Reads the files: with `world_size` > 1 only
     this rank's share of them (balanced by bytes, `assign_writers`), so that the ranks split the work
@@ -118,15 +118,13 @@ def resume_candidates(run_dir: Path, checksums: bool = False) -> list[Path]:
     return newest_first
 
 
-def latest_checkpoint(run_dir: Path, checksums: bool = False) -> Optional[Path]:
+def latest_checkpoint(run_dir: Path, checksums: bool = False) -> Path | None:
     """The training state to resume from (the first of `resume_candidates`), or None when there is none."""
     candidates = resume_candidates(run_dir, checksums)
     return candidates[0] if candidates else None
 
 
-def verified_state(
-    candidates: list[Path], rank: int, world_size: int, device: torch.device
-) -> Optional[Path]:
+def verified_state(candidates: list[Path], rank: int, world_size: int, device: torch.device) -> Path | None:
     """The first of `candidates` whose every file matches its recorded checksum, read by all ranks together (each
     its share, `checksum_damage`), or None. A damaged one is skipped with a warning naming the file. Collective:
     every rank calls it with the same candidates and gets the same answer (one all-reduce per candidate tried)."""

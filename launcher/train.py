@@ -19,10 +19,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,7 +187,7 @@ class StepResult:
 
     domain_sums: torch.Tensor  # [2, domains]: summed token loss and scored tokens per data domain (this rank)
     grad_norm: torch.Tensor  # the global gradient norm (unscaled)
-    aux_loss: Optional[torch.Tensor] = None  # mean over the micro-batches (GShard's load-balancing loss)
+    aux_loss: torch.Tensor | None = None  # mean over the micro-batches (GShard's load-balancing loss)
     # routing statistics, means over micro-batches
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # False when DeepSpeed reported no norm (grad_norm is then NaN for the record, not a divergence)
@@ -265,15 +266,15 @@ class Trainer:
     sampler: Any  # data.sampler's sampler for this rank
     log: MetricsLogger
     start: int  # the first step to run (> 0 after a resume)
-    resumed_from: Optional[Path] = None
-    hook: Optional[StepHook] = None  # the FFN kind's after-step hook (CSE)
+    resumed_from: Path | None = None
+    hook: StepHook | None = None  # the FFN kind's after-step hook (CSE)
     # bytes, calls and time of every collective, per group (parallel/comm_stats.py)
-    comm: Optional[CommStats] = None
+    comm: CommStats | None = None
     # the first step with a non-finite loss or gradient norm, and the decision to stop (launcher/nonfinite.py)
-    guard: Optional[NonFiniteGuard] = None
+    guard: NonFiniteGuard | None = None
 
     @classmethod
-    def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> "Trainer":
+    def setup(cls, plan: Plan, run_dir: Path, resume: str = "auto") -> Trainer:
         """Check the resume point, start the process group, build the model and the engine, restore state."""
         cfg, kind = plan.cfg, ffn_kind(plan.cfg)
         ckpt = (
@@ -336,9 +337,7 @@ class Trainer:
             NonFiniteGuard(cfg.train.precision, training_device(), cfg.train.stop_on_nonfinite),
         )
 
-    def batches(
-        self, step: int, first: int = 0, count: Optional[int] = None
-    ) -> list[dict[str, torch.Tensor]]:
+    def batches(self, step: int, first: int = 0, count: int | None = None) -> list[dict[str, torch.Tensor]]:
         """Model inputs of micro-batches `first`.. of `step` (past the step's last they continue into the next)."""
         ga = self.plan.cfg.train.grad_accum
         count = ga if count is None else count
@@ -408,7 +407,9 @@ class Trainer:
             ):  # SIGTERM/SIGUSR1 to any rank: this step's state, then exit (preemption.py)
                 with self.comm.paused():
                     try:
-                        preempt.at_step_end(done, self.device, lambda: saved or self._preempt_save(done))
+                        preempt.at_step_end(
+                            done, self.device, lambda d=done, s=saved: s or self._preempt_save(d)
+                        )
                     except Preempted:
                         self.log.close()
                         raise
@@ -525,7 +526,7 @@ def train_step(
     if bundle.expert_scale is not None:  # each expert's gradient = the mean over its domain's tokens
         bundle.expert_scale.set_step_tokens(*step_expert_tokens(micro))
     sums = torch.zeros(2, n_domains, dtype=torch.float64, device=device)
-    aux_total: Optional[torch.Tensor] = None
+    aux_total: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(micro):
         out = engine(
@@ -594,7 +595,7 @@ def step_record(
 # ----------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="run YAML (configs/...)")
     p.add_argument(
@@ -643,7 +644,7 @@ def prepare_op_cache() -> None:
         print(note, file=sys.stderr, flush=True)
 
 
-def report_interrupt(run_dir: Optional[Path]) -> int:
+def report_interrupt(run_dir: Path | None) -> int:
     """Ctrl-C in a rank: exit status 130 and no traceback; global rank 0 prints one line saying where the last
     checkpoint is and how to resume, unless launcher.launch started the ranks (it says so itself once they have
     ended, launcher/launch.py `run_and_report`). Every other rank is silent; a second Ctrl-C is ignored."""
@@ -675,13 +676,13 @@ def report_nonfinite(err: NonFiniteError, run_dir: Path, cfg: RunConfig) -> int:
     return EXIT_NONFINITE
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Train one rank: exit status 0, 2 for an input problem (one `error:` line), 3 when the loss, gradient norm or
     weights stop being finite (launcher/nonfinite.py), 4 when a collective gives up waiting for another rank
     (`parallel.comm_timeout_s`), 75 when SIGTERM or SIGUSR1 stopped it with the step's state saved, 143 when such
     a stop could not save (launcher/preemption.py), 130 on Ctrl-C."""
     args = parse_args(argv)
-    run_dir: Optional[Path] = Path(args.run_dir) if args.run_dir else None
+    run_dir: Path | None = Path(args.run_dir) if args.run_dir else None
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Optional, TypeVar, Union, get_args, get_origin
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -95,7 +95,7 @@ def _purge(data: Any) -> Any:
     return data
 
 
-def build_lenient(cls: type[T], data: dict, prefix: str = "") -> tuple[Optional[T], list[str]]:
+def build_lenient(cls: type[T], data: dict, prefix: str = "") -> tuple[T | None, list[str]]:
     """Build `cls` from `data`, returning (object, problems). On problems the object is built from what is
     valid (broken entries dropped, their defaults apply) so that semantic checks can still run and every
     problem is reported at once; it is None when that is impossible (e.g. a required field is broken).

@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ def convert(src: Path, out: Path) -> Path:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("state", type=Path, help="a training state (RUN/checkpoints/step_N) or a run directory")
     p.add_argument("--out", type=Path, required=True, help="where to write the consolidated fp32 checkpoint")

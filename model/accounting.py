@@ -68,8 +68,8 @@ GShard 1.0003 / 0.9704, CSE 1.0209 / 0.9839; each equals the formula plus the te
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from model.config import ModelConfig
 
@@ -99,7 +99,7 @@ class ParamCounts:
     expert_layers: int
 
 
-def resolved_num_experts(cfg: ModelConfig, num_experts: Optional[int] = None) -> int:
+def resolved_num_experts(cfg: ModelConfig, num_experts: int | None = None) -> int:
     """Experts per expert layer: the explicit argument, else `cfg.ffn.num_experts`, at least 1 (as GPT does).
     CSE builds `cse.max_clusters` expert slots when no count is given (model/cse.py `num_expert_slots`)."""
     if cfg.ffn.kind == "dense":
@@ -132,7 +132,7 @@ def gate_params(cfg: ModelConfig, num_experts: int) -> int:
 
 
 def param_counts(
-    cfg: ModelConfig, num_experts: Optional[int] = None, vocab_size: Optional[int] = None
+    cfg: ModelConfig, num_experts: int | None = None, vocab_size: int | None = None
 ) -> ParamCounts:
     """Count parameters of the GPT `cfg` describes, holding every expert.
 
@@ -250,9 +250,9 @@ def logit_forward_flops(cfg: ModelConfig, global_batch: int, seq_len: int, vocab
 def flops_per_update(
     cfg: ModelConfig,
     global_batch: int,
-    seq_len: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    num_experts: Optional[int] = None,
+    seq_len: int | None = None,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
 ) -> FlopsReport:
     """FLOPs of one update of `global_batch` sequences (Narayanan et al. 2021, eq. 3), summed per layer.
 
@@ -339,9 +339,9 @@ class DeviceSpec:
     label: str
     peaks: tuple[tuple[str, float], ...]  # (precision, TFLOP/s); empty for a CPU
     pattern: str  # regex matched against a torch device name (word-bounded, case-insensitive)
-    memory_gb: Optional[float] = None  # the common (largest) variant's memory, GiB; the dry run's default
+    memory_gb: float | None = None  # the common (largest) variant's memory, GiB; the dry run's default
 
-    def peak(self, precision: str) -> Optional[float]:
+    def peak(self, precision: str) -> float | None:
         """Peak TFLOP/s in `precision`, or None where the device has no such peak (e.g. V100 bf16, CPU)."""
         return dict(self.peaks).get(normalise_precision(precision))
 
@@ -410,7 +410,7 @@ def normalise_precision(precision: str) -> str:
         ) from None
 
 
-def match_device_name(name: str) -> Optional[DeviceSpec]:
+def match_device_name(name: str) -> DeviceSpec | None:
     """The device a free-form name denotes: a table key ('h100-sxm', 'v100'), or a torch device name
     ('NVIDIA H100 80GB HBM3' -> H100 SXM, 'Tesla V100-SXM2-32GB' -> V100 SXM2). Patterns are
     word-bounded so 'A100' is not 'A10', 'A10G' is not 'A10' and 'L40S' is not 'L4'. None if unknown."""
@@ -433,14 +433,14 @@ def lookup_device(name: str) -> DeviceSpec:
     return dev
 
 
-def peak_tflops(device: str | DeviceSpec, precision: str) -> Optional[float]:
+def peak_tflops(device: str | DeviceSpec, precision: str) -> float | None:
     """Dense peak TFLOP/s of `device` in `precision`; None for a CPU, an unknown device, or a precision the
     device has no tensor peak for."""
     dev = device if isinstance(device, DeviceSpec) else match_device_name(device)
     return None if dev is None else dev.peak(precision)
 
 
-def mfu(achieved_tflops_per_gpu: float, device: str | DeviceSpec, precision: str) -> Optional[float]:
+def mfu(achieved_tflops_per_gpu: float, device: str | DeviceSpec, precision: str) -> float | None:
     """Model FLOPs utilisation: achieved TFLOP/s per GPU / the device's dense peak (None without a peak)."""
     peak = peak_tflops(device, precision)
     return None if peak is None else achieved_tflops_per_gpu / peak
@@ -510,7 +510,7 @@ def paper_num_experts(arch: str, gpus: int) -> int:
 
 
 def accounting_row(
-    cfg: ModelConfig, gpus: int, micro_batch: int, grad_accum: int, num_experts: Optional[int] = None
+    cfg: ModelConfig, gpus: int, micro_batch: int, grad_accum: int, num_experts: int | None = None
 ) -> dict[str, float | int | str]:
     """Parameters and FLOPs of one configuration as a flat, JSON-ready dict (B = gpus x micro x accum)."""
     params = param_counts(cfg, num_experts)

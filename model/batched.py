@@ -48,7 +48,7 @@ sequential pass for expert j. `sequential_log_likelihoods` is the reference thro
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[
 def expert_hidden_states(
     model: torch.nn.Module,
     tokens_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None,
+    expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Final (post ln_f) hidden states of `model` routed to each of `expert_ids` (default: all it holds),
     E B T D. For a model without DEMix layers E = 1 and `expert_ids` must be None."""
@@ -139,7 +139,7 @@ def target_log_probs(
     model: torch.nn.Module,
     h_ND: torch.Tensor,
     targets_N: torch.Tensor,
-    logit_budget: Optional[int] = None,
+    logit_budget: int | None = None,
     rows: int = DEFAULT_HEAD_ROWS,
 ) -> torch.Tensor:
     """log p(target | h) for each row, N (float32), through the tied LM head, in blocks of at most
@@ -207,8 +207,8 @@ def expert_log_likelihoods(
     model: torch.nn.Module,
     tokens_BT: torch.Tensor,
     targets_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None,
-    logit_budget: Optional[int] = None,
+    expert_ids: Sequence[int] | None = None,
+    logit_budget: int | None = None,
     fanout_tokens: int = DEFAULT_FANOUT_TOKENS,
 ) -> torch.Tensor:
     """ll[e, b, t] = log p(targets[b, t] | tokens[b, :t+1], D = expert_ids[e]), E B T, in one batched pass.
@@ -218,7 +218,7 @@ def expert_log_likelihoods(
     held = demix_expert_ids(model)
     experts = held if expert_ids is None else list(expert_ids)
     B, T = targets_BT.shape
-    groups: list[Optional[Sequence[int]]] = [expert_ids]  # one group (checked by expert_hidden_states)
+    groups: list[Sequence[int] | None] = [expert_ids]  # one group (checked by expert_hidden_states)
     if held and experts:
         per = max(1, fanout_tokens // (B * T))
         groups = [experts[i : i + per] for i in range(0, len(experts), per)]
@@ -243,7 +243,7 @@ def sequential_log_likelihoods(
     model: torch.nn.Module,
     tokens_BT: torch.Tensor,
     targets_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None,
+    expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The reference: E ordinary forward passes (GPT.forward: full B x T x V logits, cross-entropy), pass e
     routing every sequence to expert_ids[e], E B T."""
@@ -262,7 +262,7 @@ def sequential_log_likelihoods(
 def next_token_log_probs(
     model: torch.nn.Module,
     tokens_BT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None,
+    expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Each expert's next-token distribution after the last position, log-softmaxed, E B V (for generation)."""
     h_EBD = expert_hidden_states(model, tokens_BT, expert_ids)[:, :, -1]

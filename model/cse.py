@@ -49,7 +49,7 @@ FLOPs) or gather a weight copy per sequence. (DEMix reads nothing: its ids come 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -91,7 +91,7 @@ def ema_centres(
 class CSEFFN(nn.Module):
     """A CSE expert layer: E MLP copies, sequence routing by normalised distance to cluster centres."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, num_slots: Optional[int] = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, num_slots: int | None = None) -> None:
         super().__init__()
         c = cfg.ffn.cse
         self.alpha = float(c.centre_momentum)
@@ -131,7 +131,7 @@ class CSEFFN(nn.Module):
             self._active, self._active_stamp = int(self.num_active), stamp
         return self._active
 
-    def _num_active_stamp(self) -> Optional[tuple[int, int]]:
+    def _num_active_stamp(self) -> tuple[int, int] | None:
         """(identity, in-place writes) of the `num_active` buffer, both known on the host; None for a tensor made in
         `torch.inference_mode`, which counts no writes (then `active` reads the buffer every time)."""
         try:
@@ -177,7 +177,7 @@ class CSEFFN(nn.Module):
         self.pending_sum_EP.zero_()
         self.pending_count_E.zero_()
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None) -> FFNOutput:
         ids_B, v_BP = self.assign(x_BTD)
         k = self.active
         if self.training and k and torch.is_grad_enabled():

@@ -16,7 +16,8 @@ row still gets an all-zero gradient (`touch_idle_experts`): gradient reduction m
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,7 @@ class _ZeroGradFor(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (grad, *(torch.zeros_like(p) for p in ctx.saved_tensors))
 
 
@@ -49,7 +50,7 @@ def touch_idle_experts(out: torch.Tensor, idle: Sequence[nn.Module]) -> torch.Te
 
 
 def run_grouped(
-    x_BTD: torch.Tensor, experts: Sequence[nn.Module], counts: Sequence[int], order_B: Optional[torch.Tensor]
+    x_BTD: torch.Tensor, experts: Sequence[nn.Module], counts: Sequence[int], order_B: torch.Tensor | None
 ) -> torch.Tensor:
     """h = FFN_{e(b)}(x_b) for every sequence b, given the routing as a permutation (see the module docstring).
 
@@ -94,7 +95,7 @@ class DemixFFN(nn.Module):
             {str(e): MLP(cfg.d_model, cfg.d_ffn, cfg.dropout) for e in self.expert_ids}
         )
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None) -> FFNOutput:
         if domain_ids_B is None:
             raise ValueError("a DEMix layer routes by domain: pass domain_ids (one per sequence)")
         if len(self.expert_ids) == 1:

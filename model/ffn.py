@@ -13,7 +13,7 @@ a builder with `register_ffn(kind)` (the kind itself, and its traits, are declar
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch.nn as nn
 

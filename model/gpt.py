@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,10 +31,10 @@ from model.ffn import FFNOutput, build_ffn
 class GPTOutput:
     """Named results of a forward pass."""
 
-    logits: Optional[torch.Tensor]  # B T V (V local under tensor parallelism); None when not requested
-    loss: Optional[torch.Tensor] = None  # mean LM loss over scored tokens
-    token_loss: Optional[torch.Tensor] = None  # B T, per-token negative log-likelihood (0 where unscored)
-    aux_loss: Optional[torch.Tensor] = None  # sum of the FFN layers' auxiliary losses (weighted)
+    logits: torch.Tensor | None  # B T V (V local under tensor parallelism); None when not requested
+    loss: torch.Tensor | None = None  # mean LM loss over scored tokens
+    token_loss: torch.Tensor | None = None  # B T, per-token negative log-likelihood (0 where unscored)
+    aux_loss: torch.Tensor | None = None  # sum of the FFN layers' auxiliary losses (weighted)
     ffn_stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -68,7 +68,7 @@ class Block(nn.Module):
         self.ffn = build_ffn(cfg, layer_idx, expert_ids)
 
     def forward(
-        self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor]
+        self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None
     ) -> tuple[torch.Tensor, FFNOutput]:
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
         f = self.ffn(self.ln2(x_BTD), domain_ids_B)
@@ -146,10 +146,10 @@ class GPT(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        expert_ids: Optional[Sequence[int]] = None,
+        expert_ids: Sequence[int] | None = None,
         tensor_parallel: int = 1,
-        init_seed: Optional[int] = None,
-        vocab_rows: Optional[int] = None,
+        init_seed: int | None = None,
+        vocab_rows: int | None = None,
     ) -> None:
         super().__init__()
         if init_seed is None:  # follows torch.manual_seed; drawn before module construction consumes the RNG
@@ -203,9 +203,9 @@ class GPT(nn.Module):
     def forward(
         self,
         tokens_BT: torch.Tensor,
-        domain_ids_B: Optional[torch.Tensor] = None,
-        targets_BT: Optional[torch.Tensor] = None,
-        loss_mask_BT: Optional[torch.Tensor] = None,
+        domain_ids_B: torch.Tensor | None = None,
+        targets_BT: torch.Tensor | None = None,
+        loss_mask_BT: torch.Tensor | None = None,
         return_logits: bool = True,
     ) -> GPTOutput:
         """Run the decoder. With `targets_BT`, also the LM loss (mean over tokens where `loss_mask_BT`
@@ -272,7 +272,7 @@ class GPT(nn.Module):
 _EXPERT_KEY = re.compile(r"\.ffn\.experts\.(\d+)\.")
 
 
-def expert_of_key(key: str) -> Optional[int]:
+def expert_of_key(key: str) -> int | None:
     """The expert id a state-dict key belongs to (`blocks.<i>.ffn.experts.<id>.`), else None."""
     m = _EXPERT_KEY.search(key)
     return int(m.group(1)) if m else None

@@ -43,8 +43,8 @@ With one expert the layer is exactly the dense FFN (every token, weight 1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -197,7 +197,7 @@ class GShardFFN(nn.Module):
     forward needs all of them.
     """
 
-    def __init__(self, cfg: ModelConfig, expert_ids: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, cfg: ModelConfig, expert_ids: Sequence[int] | None = None) -> None:
         super().__init__()
         self.num_experts = max(1, cfg.ffn.num_experts)
         self.gcfg: GShardConfig = cfg.ffn.gshard
@@ -228,7 +228,7 @@ class GShardFFN(nn.Module):
             self.capacity_multiple,
         )
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None) -> FFNOutput:
         if len(self.expert_ids) != self.num_experts:
             raise ValueError(
                 f"this GShard layer holds experts {self.expert_ids} of {self.num_experts}: a single-process forward "

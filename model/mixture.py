@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -76,13 +76,13 @@ CACHED_ESTIMATORS: tuple[str, ...] = ("mean", "ewm", "updating")
 CACHED_PRIOR_FORMAT = "demix-cached-prior/1"
 
 
-def _mask(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor]) -> torch.Tensor:
+def _mask(ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
     if mask_BT is None:
         return torch.ones(ll_EBT.shape[1:], dtype=torch.float64, device=ll_EBT.device)
     return mask_BT.to(torch.float64)
 
 
-def _masked_ll(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor]) -> torch.Tensor:
+def _masked_ll(ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
     """ll in float64 with unscored positions set to 0 (a masked -inf must not poison the sums)."""
     m_BT = _mask(ll_EBT, mask_BT)
     return torch.where(m_BT.bool(), ll_EBT.to(torch.float64), torch.zeros((), dtype=torch.float64))
@@ -108,14 +108,14 @@ def _check_posterior(posterior: str) -> None:
         raise ValueError(f"posterior={posterior!r}: choose one of {', '.join(POSTERIORS)}")
 
 
-def prefix_log_likelihood(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> torch.Tensor:
+def prefix_log_likelihood(ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """log p(x_<t | D = j) = sum_{s < t} mask_s ll[j, b, s] (exclusive cumulative sum over the block), E B T."""
     cum_EBT = torch.cumsum(_masked_ll(ll_EBT, mask_BT), dim=2)
     return torch.cat([torch.zeros_like(cum_EBT[..., :1]), cum_EBT[..., :-1]], dim=2)
 
 
 def evidence_log_likelihood(
-    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix"
+    ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None = None, posterior: str = "prefix"
 ) -> torch.Tensor:
     """The log-likelihood the posterior at each position conditions on, E B T: the whole prefix (eqs. 7-8) or
     the previous token only (mask_{t-1} ll[j, b, t-1]; 0 at t = 0)."""
@@ -127,7 +127,7 @@ def evidence_log_likelihood(
 
 
 def end_of_block_evidence(
-    ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None, posterior: str = "prefix"
+    ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None = None, posterior: str = "prefix"
 ) -> torch.Tensor:
     """The evidence after the last token of each block, E B: all its scored tokens (prefix) or the last scored
     one (previous_token)."""
@@ -146,7 +146,7 @@ def end_of_block_evidence(
 def log_posterior(
     ll_EBT: torch.Tensor,
     log_prior: torch.Tensor,
-    mask_BT: Optional[torch.Tensor] = None,
+    mask_BT: torch.Tensor | None = None,
     posterior: str = "prefix",
 ) -> torch.Tensor:
     """log p(D = j | evidence before t) at every position, E B T: eqs. 7-8 over the whole prefix, or the previous
@@ -166,7 +166,7 @@ def mixture_log_probs(ll_EBT: torch.Tensor, log_weights_EBT: torch.Tensor) -> to
 def posterior_mixture_log_probs(
     ll_EBT: torch.Tensor,
     log_prior: torch.Tensor,
-    mask_BT: Optional[torch.Tensor] = None,
+    mask_BT: torch.Tensor | None = None,
     posterior: str = "prefix",
 ) -> torch.Tensor:
     """Eq. 6 with g_j = the posterior (eqs. 7-8, or previous-token) under `log_prior` (E or E B), B T."""
@@ -195,7 +195,7 @@ class UpdatingPrior:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay λ={decay}: must be in (0, 1]")
         self.num_experts, self.decay = num_experts, decay
-        self.log_s_E: Optional[torch.Tensor] = None  # None: no block seen yet (empty sum)
+        self.log_s_E: torch.Tensor | None = None  # None: no block seen yet (empty sum)
         self.blocks = 0
 
     def log_prior(self) -> torch.Tensor:
@@ -214,9 +214,9 @@ class UpdatingPrior:
 
 def updating_priors(
     ll_EBT: torch.Tensor,
-    mask_BT: Optional[torch.Tensor] = None,
+    mask_BT: torch.Tensor | None = None,
     decay: float = UPDATING_DECAY,
-    state: Optional[UpdatingPrior] = None,
+    state: UpdatingPrior | None = None,
     posterior: str = "prefix",
 ) -> UpdatingPriors:
     """Run eq. 9 over the blocks b = 0..B-1 in order (each block's posterior uses the prior from the blocks
@@ -250,7 +250,7 @@ class CachedPrior:
     estimator: str = "updating"  # how it was estimated (CACHED_ESTIMATORS); files without it were "updating"
     posterior: str = "prefix"  # the posterior mode of the end-of-block posteriors (POSTERIORS)
 
-    def log_prior(self, domains: Optional[Sequence[str]] = None) -> torch.Tensor:
+    def log_prior(self, domains: Sequence[str] | None = None) -> torch.Tensor:
         """log p(D = j), E; in the order of `domains` if given (names must match)."""
         order = list(domains) if domains is not None else self.domains
         if sorted(order) != sorted(self.domains):
@@ -258,7 +258,7 @@ class CachedPrior:
         by_name = dict(zip(self.domains, self.probs))
         return torch.log(torch.tensor([by_name[d] for d in order], dtype=torch.float64))
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
@@ -279,7 +279,7 @@ class CachedPrior:
         return path
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "CachedPrior":
+    def load(cls, path: str | Path) -> CachedPrior:
         """Read a prior `save` wrote; ValueError naming the file when it is not one, or its probabilities are not
         finite, non-negative with a positive sum (`mixture_weights`)."""
         data = read_json_object(
@@ -328,9 +328,9 @@ def mixture_weights(weights: Sequence[float], what: str) -> list[float]:
 def estimate_cached_prior(
     dev_ll_EBT: torch.Tensor,
     domains: Sequence[str],
-    mask_BT: Optional[torch.Tensor] = None,
+    mask_BT: torch.Tensor | None = None,
     max_blocks: int = CACHED_PRIOR_BLOCKS,
-    decay: Optional[float] = None,
+    decay: float | None = None,
     estimator: str = "mean",
     posterior: str = "prefix",
 ) -> CachedPrior:
@@ -383,7 +383,7 @@ def topk_experts(log_prior_E: torch.Tensor, k: int) -> list[int]:
 @dataclass
 class TopKResult:
     log_probs_BT: torch.Tensor
-    experts: Optional[list[int]]  # the experts kept for the whole stream (select="prior"); None per token
+    experts: list[int] | None  # the experts kept for the whole stream (select="prior"); None per token
     experts_evaluated: int  # experts whose forward pass is needed per token
 
 
@@ -391,7 +391,7 @@ def topk_mixture_log_probs(
     ll_EBT: torch.Tensor,
     log_prior_E: torch.Tensor,
     k: int,
-    mask_BT: Optional[torch.Tensor] = None,
+    mask_BT: torch.Tensor | None = None,
     select: str = "prior",
     posterior: str = "prefix",
 ) -> TopKResult:
@@ -417,21 +417,19 @@ def topk_mixture_log_probs(
     raise ValueError(f"select={select!r}: choose prior or posterior")
 
 
-def perplexity(log_probs_BT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> float:
+def perplexity(log_probs_BT: torch.Tensor, mask_BT: torch.Tensor | None = None) -> float:
     """exp(- sum mask * log p / sum mask)."""
     m = _mask(log_probs_BT[None], mask_BT)
     lp = torch.where(m.bool(), log_probs_BT.to(torch.float64), torch.zeros((), dtype=torch.float64))
     return math.exp(-float(lp.sum()) / max(float(m.sum()), 1.0))
 
 
-def expert_perplexities(ll_EBT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None) -> list[float]:
+def expert_perplexities(ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None = None) -> list[float]:
     """Perplexity of each expert alone, E (the naive baseline's candidates; Figure 2's cells)."""
     return [perplexity(ll_EBT[j], mask_BT) for j in range(ll_EBT.shape[0])]
 
 
-def naive_expert(
-    ll_EBT: torch.Tensor, known: Optional[int] = None, mask_BT: Optional[torch.Tensor] = None
-) -> int:
+def naive_expert(ll_EBT: torch.Tensor, known: int | None = None, mask_BT: torch.Tensor | None = None) -> int:
     """The naive baseline's expert: the known domain's expert if given, else the best single expert on this data."""
     if known is not None:
         return known

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -17,7 +16,7 @@ class FFNOutput:
     """What a feed-forward layer returns: hidden states, an auxiliary loss, routing statistics."""
 
     hidden: torch.Tensor
-    aux_loss: Optional[torch.Tensor] = None
+    aux_loss: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -42,11 +41,11 @@ class DenseFFN(nn.Module):
         super().__init__()
         self.mlp = MLP(cfg.d_model, cfg.d_ffn, cfg.dropout)
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None) -> FFNOutput:
         return FFNOutput(hidden=self.mlp(x_BTD))
 
 
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype torch.autocast computes matmuls in on `device_type` now, None where autocast is off (or the
     device has no autocast, e.g. meta)."""
     on = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)

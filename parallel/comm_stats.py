@@ -25,7 +25,8 @@ import functools
 import inspect
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def _nbytes(x: Any) -> int:
 class CommStats:
     """Counters of every collective since the last `take`, per (group name, collective)."""
 
-    def __init__(self, names: Optional[dict[tuple[int, ...], str]] = None) -> None:
+    def __init__(self, names: dict[tuple[int, ...], str] | None = None) -> None:
         self.names = dict(names or {})
         self._ranks: dict[int, tuple[int, ...]] = {}
         self.counts: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -73,7 +74,7 @@ class CommStats:
             self.counting = was
 
     @classmethod
-    def for_groups(cls, groups: Any) -> "CommStats":
+    def for_groups(cls, groups: Any) -> CommStats:
         """Names from a `parallel.groups.ProcessGroups`. Groups with the same ranks get one name, by priority
         data_parallel > expert > tensor_parallel > world: one rank alone is data_parallel (its gradient
         all-reduces); a one-rank expert group beside it (several domains per rank) is expert. Any other group of
@@ -88,7 +89,7 @@ class CommStats:
         names[tuple(groups.dp_ranks)] = "data_parallel"
         return cls(names)
 
-    def _group_name(self, group: Optional[dist.ProcessGroup]) -> str:
+    def _group_name(self, group: dist.ProcessGroup | None) -> str:
         key = id(group)
         if key not in self._ranks:
             self._ranks[key] = (
@@ -99,7 +100,7 @@ class CommStats:
         ranks = self._ranks[key]
         return self.names.get(ranks, "local" if len(ranks) == 1 else "ranks_" + "_".join(map(str, ranks)))
 
-    def install(self) -> "CommStats":
+    def install(self) -> CommStats:
         """Wrap torch.distributed's collectives (idempotent); returns self."""
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 # "Timeout", NCCL's watchdog (when it raises rather than aborts): "Watchdog caught collective operation timeout"
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # (seconds, where they come from) of the latest `set_comm_timeout` in this process
-_current: Optional[tuple[float, str]] = None
+_current: tuple[float, str] | None = None
 # id(group) -> (group, name) for the groups the project made (parallel/groups.py); the group is kept so its id stays
 _names: dict[int, tuple[dist.ProcessGroup, str]] = {}
 # what this rank is doing (the trainer: "start-up", "training step 12", "saving step 10"), for the message
@@ -68,7 +67,7 @@ def set_comm_timeout(seconds: float, source: str = "") -> int:
     return done
 
 
-def current_comm_timeout() -> Optional[tuple[float, str]]:
+def current_comm_timeout() -> tuple[float, str] | None:
     """(seconds, source) of the latest `set_comm_timeout` in this process, or None."""
     return _current
 
@@ -104,7 +103,7 @@ def current_activity() -> str:
     return _activity
 
 
-def describe_group(group: Optional[dist.ProcessGroup]) -> str:
+def describe_group(group: dist.ProcessGroup | None) -> str:
     """A group as a message names it: its name (`name_group`; the world group), and its ranks."""
     world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     if group is None or group is world or group is dist.group.WORLD:
@@ -117,10 +116,10 @@ def describe_group(group: Optional[dist.ProcessGroup]) -> str:
     return f"{named[1]} ({ranks})" if named is not None and named[0] is group else f"a group of {ranks}"
 
 
-def failed_collective(exc: BaseException) -> Optional[str]:
+def failed_collective(exc: BaseException) -> str | None:
     """ "all_reduce on the data-parallel group (ranks [0, 1])": the innermost torch.distributed collective in `exc`'s
     traceback and the group it was given; None when no such frame is there (e.g. a timeout of the rendezvous)."""
-    found: Optional[str] = None
+    found: str | None = None
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame

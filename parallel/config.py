@@ -3,8 +3,6 @@ allocation) and the training recipe the DeepSpeed engine is built with (optimize
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import StrictBool, StrictInt
 from pydantic.dataclasses import dataclass
 
@@ -42,10 +40,10 @@ class ParallelConfig:
 
     tensor_parallel: StrictInt = 1
     zero_stage: StrictInt = 0
-    allocation: Optional[list[StrictInt]] = None
+    allocation: list[StrictInt] | None = None
     expert_grad_scaling: str = "domain_mean"
     grad_reduce: str = "overlap"
-    bucket_elements: Optional[StrictInt] = None
+    bucket_elements: StrictInt | None = None
     comm_init_timeout_s: Float = 600.0
     comm_timeout_s: Float = 300.0
 
@@ -97,7 +95,7 @@ class TrainConfig:
     precision: str = "fp32"
     activation_checkpointing: str = "none"
     seed: StrictInt = 1234
-    init_from: Optional[str] = None  # a consolidated checkpoint to start from (DAPT, continued training)
+    init_from: str | None = None  # a consolidated checkpoint to start from (DAPT, continued training)
     trainable: str = "all"  # "all", or "experts": freeze everything but the experts (DEMix-DAPT, §6)
     eval_interval: StrictInt = 0  # 0 = only at the end
     eval_batches: StrictInt = 4
@@ -110,7 +108,7 @@ class TrainConfig:
     # communication_data_type fp32, and at ZeRO 2 also data_types.grad_accum_dtype fp32 (parallel/ds_config.py
     # `deepspeed_config`). Recommended when grad_accum x data-parallel ranks >= 32 (the sum's bf16 rounding grows
     # with the number of terms); costs twice the gradient bytes on the wire.
-    grad_reduce_dtype: Optional[str] = None
+    grad_reduce_dtype: str | None = None
     # After SIGTERM/SIGUSR1 (preemption, launcher/preemption.py): seconds to finish the step and save its state
     # before the rank aborts unsaved. Below SLURM's KillWait (30 s by default) between SIGTERM and SIGKILL.
     preempt_grace_s: Float = 25.0

@@ -57,8 +57,9 @@ the model. All three read the k-distances d_i (distance of sample i to its `dbsc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class ClusterResult:
     dbscan_labels_N: np.ndarray  # DBSCAN's label per sample after re-indexing by size (-1: noise or dropped)
     eps: float
     eps_method: str = "fixed"  # fixed (configured) or the automatic method that chose it
-    eps_scan: Optional[list[dict[str, float]]] = (
+    eps_scan: list[dict[str, float]] | None = (
         None  # dbscan_auto=target: every candidate's eps, clusters, noise
     )
 
@@ -215,7 +216,7 @@ def purity(clusters_N: np.ndarray, domains_N: np.ndarray) -> float:
 
 
 def cluster_record(
-    res: ClusterResult, v_NP: torch.Tensor, domains_N: Optional[np.ndarray], domain_names: Sequence[str] = ()
+    res: ClusterResult, v_NP: torch.Tensor, domains_N: np.ndarray | None, domain_names: Sequence[str] = ()
 ) -> dict[str, Any]:
     """What a practitioner reads about one layer's clustering: sizes, radii, inter-centre distances, domain shares."""
     from model.cse import dispatch
@@ -253,14 +254,14 @@ def cluster_record(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     opt = optimizer
     while opt is not None and not isinstance(opt, torch.optim.Optimizer):
         opt = getattr(opt, "optimizer", None)
     return opt
 
 
-def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> Optional[torch.Tensor]:
+def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> torch.Tensor | None:
     """The slice of the flat fp32 optimizer state `key` that holds this rank's fragment of `p` (None if no fragment).
 
     Found through the storage of the fp32 master fragment, which is a view into the same flat partition that the
@@ -276,7 +277,7 @@ def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> Option
     return None
 
 
-def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str]) -> torch.Tensor:
+def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str | None) -> torch.Tensor:
     """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective)."""
     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
     frag = (
@@ -291,7 +292,7 @@ def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str])
     return buf
 
 
-def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str], value: torch.Tensor) -> None:
+def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str | None, value: torch.Tensor) -> None:
     frag = (
         (ds_private.hp_mapping(p).hp_fragment if ds_private.hp_mapping(p) is not None else None)
         if key is None
@@ -302,7 +303,7 @@ def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: Optional[str], 
         frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
 
 
-def partitioned_state(p: torch.Tensor, optimizer: Any, key: Optional[str] = None) -> Optional[torch.Tensor]:
+def partitioned_state(p: torch.Tensor, optimizer: Any, key: str | None = None) -> torch.Tensor | None:
     """Full fp32 master weight (key None) or optimizer state of a parameter of a ZeRO 1/2 / bf16 optimizer
     (collective over its data-parallel group); None for parameters such an optimizer does not partition."""
     if not ds_private.has_hp_mapping(p):
@@ -418,13 +419,13 @@ class CSEController:
         self.optimizer = optimizer
         self.domain_names = list(domain_names)
         self.boundary = max(1, int(round(self.cse.warmup_fraction * steps)))  # of the run's `steps`
-        self.clustered_at: Optional[int] = None
+        self.clustered_at: int | None = None
         # Read the layers' buffers once (a host sync); afterwards the flag changes only in `initialise`, so the
         # per-step check costs no device round trip.
         self._clustered = bool(self.layers) and all(int(layer.num_active) > 0 for layer in self.layers)
 
     # -- distributed helpers ------------------------------------------------------------------------
-    def _dp(self) -> tuple[Optional[Any], int]:
+    def _dp(self) -> tuple[Any | None, int]:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
         group = self.groups.dp_group if self.groups is not None else None
@@ -435,7 +436,7 @@ class CSEController:
         return self._clustered
 
     # -- the hook -----------------------------------------------------------------------------------
-    def after_step(self, step: int, batch_fn: BatchFn) -> Optional[dict[str, Any]]:
+    def after_step(self, step: int, batch_fn: BatchFn) -> dict[str, Any] | None:
         """Call after optimizer step `step` (1-based count of steps done). Returns a record when it clustered."""
         if not self.layers:
             return None

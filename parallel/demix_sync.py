@@ -46,7 +46,7 @@ x 2 ranks, and checks the gradient rows):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -318,10 +318,10 @@ class OverlappedGradReduce:
         self.peak_in_flight = 0  # the most there ever were (parallel/memory.py buffer_bytes bounds it)
         self._cap = 2 * elements
         self._next = 0  # the first bucket not yet issued in this backward
-        self._task: Optional[int] = None  # the autograd graph task of the current backward
+        self._task: int | None = None  # the autograd graph task of the current backward
         self._boundary = False
 
-    def install(self) -> "OverlappedGradReduce":
+    def install(self) -> OverlappedGradReduce:
         """Hook every bucketed parameter and switch the engine's after-backward all-reduce off."""
         for b in self.buckets:
             for p in b.params:

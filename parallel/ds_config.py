@@ -9,7 +9,8 @@ before any rank starts, and the run configuration (launcher/config.py) checks `e
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from parallel.config import ParallelConfig, TrainConfig
 
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
 def deepspeed_config(
     t: TrainConfig,
     parallel: ParallelConfig,
-    extra: Optional[dict[str, Any]] = None,
-    grad_reduce: Optional[GradReducePlan] = None,
+    extra: dict[str, Any] | None = None,
+    grad_reduce: GradReducePlan | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON config derived from the typed training recipe and layout (written into the run
     directory by the launcher), with `extra` (the run config's `extra_deepspeed`: comms logger, flops profiler,

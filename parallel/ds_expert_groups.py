@@ -10,7 +10,6 @@ or touches `torch.distributed`: the groups are data, checked in tests for any wo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from parallel.topology import Group, Topology
 
@@ -152,7 +151,7 @@ def deepspeed_moe_groups(
     )
 
 
-def deepspeed_equivalent(topo: Topology) -> Optional[dict]:
+def deepspeed_equivalent(topo: Topology) -> dict | None:
     """DeepSpeed MoE settings whose groups should reproduce `topo`, or None when none can (uneven allocation:
     register custom groups per domain instead). Check with `deepspeed_mismatches`."""
     if len(set(topo.allocation)) != 1:
@@ -170,7 +169,7 @@ def deepspeed_equivalent(topo: Topology) -> Optional[dict]:
 def deepspeed_mismatches(
     topo: Topology,
     ds: DeepSpeedExpertGroups,
-    num_experts: Optional[int] = None,
+    num_experts: int | None = None,
 ) -> list[str]:
     """Where DeepSpeed's groups `ds` disagree with `topo` (empty = identical): for every rank, the experts it
     holds (its position in its sorted expert-parallel group) must be its domains, and its expert-data-parallel

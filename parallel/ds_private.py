@@ -9,7 +9,7 @@ that no other file of the project uses one of them).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ import torch.nn as nn
 
 # (DeepSpeed module, class or None, private name): what this file uses. A class attribute set in __init__ (not on
 # the class itself) is checked in the class's source.
-PRIVATE_NAMES: tuple[tuple[str, Optional[str], str], ...] = (
+PRIVATE_NAMES: tuple[tuple[str, str | None, str], ...] = (
     ("deepspeed.utils.groups", None, "_EXPERT_DATA_PARALLEL_GROUP"),
     ("deepspeed.utils.groups", None, "_EXPERT_DATA_PARALLEL_GROUP_RANKS"),
     ("deepspeed.utils.groups", None, "_EXPERT_PARALLEL_GROUP"),

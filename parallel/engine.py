@@ -17,8 +17,9 @@ bucket size and overlap the ranks agreed on (parallel/grad_reduce.py), and wraps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,9 +134,9 @@ class EngineBundle:
     groups: ProcessGroups
     model: GPT
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    expert_scale: Optional[ExpertGradScale] = None  # DEMix: per-step expert gradient factors
-    grad_reduce: Optional[GradReducePlan] = None  # bucket size and overlap (`plan_grad_reduce`)
-    reducer: Optional[OverlappedGradReduce] = None  # ZeRO 0 with parallel.grad_reduce: overlap
+    expert_scale: ExpertGradScale | None = None  # DEMix: per-step expert gradient factors
+    grad_reduce: GradReducePlan | None = None  # bucket size and overlap (`plan_grad_reduce`)
+    reducer: OverlappedGradReduce | None = None  # ZeRO 0 with parallel.grad_reduce: overlap
     deepspeed_config: dict[str, Any] = field(default_factory=dict)  # the config the engine was built with
 
 
@@ -148,7 +149,7 @@ def adamw_options(t: TrainConfig, device_type: str) -> dict[str, Any]:
     )
 
 
-PrepareFn = Callable[[nn.Module], Optional[ExpertGradScale]]
+PrepareFn = Callable[[nn.Module], ExpertGradScale | None]
 
 
 def build_engine(
@@ -156,8 +157,8 @@ def build_engine(
     t: TrainConfig,
     parallel: ParallelConfig,
     groups: ProcessGroups,
-    prepare: Optional[PrepareFn] = None,
-    extra_deepspeed: Optional[dict[str, Any]] = None,
+    prepare: PrepareFn | None = None,
+    extra_deepspeed: dict[str, Any] | None = None,
 ) -> EngineBundle:
     """Tensor-parallelise `model`, let `prepare` make its experts distributed (the FFN kind's step, e.g.
     `distribute_demix_experts` or `parallel.gshard.apply_gshard`), and wrap it in a DeepSpeed engine."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ BUCKET_PER_RANK_ELEMENTS = 1_000_000
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 
 
-def bucket_elements(rank_params: int, dp_size: int, override: Optional[int] = None) -> int:
+def bucket_elements(rank_params: int, dp_size: int, override: int | None = None) -> int:
     """Gradient elements per reduction bucket (ZeRO 0's `OverlappedGradReduce`, ZeRO 1/2's `reduce_bucket_size` and
     `allgather_bucket_size`):
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -44,12 +43,12 @@ class ProcessGroups:
 
     topo: Topology
     rank: int
-    tp_group: Optional[dist.ProcessGroup]
+    tp_group: dist.ProcessGroup | None
     tp_ranks: Group
-    dp_group: Optional[dist.ProcessGroup]
+    dp_group: dist.ProcessGroup | None
     dp_ranks: Group
     # the ranks that share this rank's experts (same domain(s), same tp rank)
-    expert_group: Optional[dist.ProcessGroup]
+    expert_group: dist.ProcessGroup | None
     expert_ranks: Group
 
     @property
@@ -67,8 +66,8 @@ class ProcessGroups:
 
     @classmethod
     def create(
-        cls, topo: Topology, rank: Optional[int] = None, timeout: Optional[timedelta] = None
-    ) -> "ProcessGroups":
+        cls, topo: Topology, rank: int | None = None, timeout: timedelta | None = None
+    ) -> ProcessGroups:
         """Make every group (collective: all ranks must call this with the same topology). `timeout`: how long each
         group's collectives wait for the other ranks (None: torch's default, 30 minutes; parallel/comm_timeout.py)."""
         if not dist.is_initialized():
@@ -80,7 +79,7 @@ class ProcessGroups:
             raise ValueError(
                 f"the topology is for {topo.world_size} ranks but {dist.get_world_size()} processes were started"
             )
-        mine: dict[str, tuple[Optional[dist.ProcessGroup], Group]] = {}
+        mine: dict[str, tuple[dist.ProcessGroup | None, Group]] = {}
 
         def make(kind: str, groups: list[Group]) -> None:
             for ranks in groups:

@@ -48,7 +48,7 @@ gradient norm and ours (parallel/engine.global_grad_norm) count them on every TP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -254,7 +254,7 @@ class DistributedGShardFFN(nn.Module):
             )
         self._groups_checked = True
 
-    def forward(self, x_BTD: torch.Tensor, domain_ids_B: Optional[torch.Tensor] = None) -> FFNOutput:
+    def forward(self, x_BTD: torch.Tensor, domain_ids_B: torch.Tensor | None = None) -> FFNOutput:
         if not self._groups_checked and self.layout.ep_size > 1:
             self._check_groups()
         if self.layout.tensor_parallel > 1:
@@ -390,13 +390,13 @@ def gshard_export_parts(
     return shared, experts, writer
 
 
-def gshard_state_names(model: nn.Module) -> dict[str, tuple[str, Optional[tuple[int, ...]]]]:
+def gshard_state_names(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     """For the parameters of the distributed MoE layers: engine name -> (plain GPT name, the ranks holding it, None
     for the replicated gate: the caller's rule for shared parameters). DeepSpeed names experts by local index
     (`moe.deepspeed_moe.experts.deepspeed_experts.<j>`); the plain model by global id (`experts.<e>`), which is what
     lets another layout load them. An expert is held whole by every rank of its expert-data-parallel group (its
     training state is written by one of them)."""
-    out: dict[str, tuple[str, Optional[tuple[int, ...]]]] = {}
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, DistributedGShardFFN):
             continue

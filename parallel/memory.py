@@ -49,9 +49,9 @@ parallel/grad_reduce.py's `bucket_elements`, one or two of them, 16-bit or fp32 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,7 +81,7 @@ def state_bytes_per_param(precision: str, zero_stage: int) -> tuple[int, int, in
 
 
 def model_state_bytes(
-    p: RankParams, precision: str, zero_stage: int, grad_reduce_dtype: Optional[str] = None
+    p: RankParams, precision: str, zero_stage: int, grad_reduce_dtype: str | None = None
 ) -> dict[str, float]:
     """Params, grads and optimizer states on this rank, bytes (eq. Z on each part). bf16 at ZeRO 2 with
     `train.grad_reduce_dtype: fp32` keeps its gradient partition in fp32 (DeepSpeed's `grad_accum_dtype`, set by
@@ -103,7 +103,7 @@ def activation_bytes(
     tensor_parallel: int,
     recompute: bool,
     precision: str,
-    vocab_padded: Optional[int] = None,
+    vocab_padded: int | None = None,
 ) -> float:
     """Activation memory of one micro-batch on one rank, bytes (eqs. A1, A2 and the logits)."""
     s, b, h, a, t = m.seq_len, micro_batch, m.d_model, m.n_heads, tensor_parallel
@@ -117,7 +117,7 @@ def activation_bytes(
     return scale * layers + logits
 
 
-def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, Optional[torch.dtype]]:
+def trace_dtypes(precision: str, zero_stage: int) -> tuple[torch.dtype, torch.dtype | None]:
     """(parameter dtype, autocast dtype) of training as parallel/ds_config.py's DeepSpeed config runs it: bf16 at
     ZeRO 0 is torch autocast over fp32 weights; otherwise DeepSpeed casts the parameters themselves."""
     from parallel.precision import AUTOCAST_DTYPES
@@ -138,7 +138,7 @@ def rank_batch(m: ModelConfig, micro_batch: int) -> dict:
     }
 
 
-def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Sequence[int]]) -> dict:
+def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Sequence[int] | None) -> dict:
     """DEMix's domain ids, on the host as the trainer passes them: the micro-batch spread evenly over the rank's
     domains ({} for other kinds)."""
     if not ffn_traits(m.ffn.kind).domain_routed:
@@ -150,11 +150,11 @@ def rank_domain_ids(m: ModelConfig, micro_batch: int, expert_ids: Optional[Seque
 def trace_peak(
     m: ModelConfig,
     micro_batch: int,
-    expert_ids: Optional[Sequence[int]],
+    expert_ids: Sequence[int] | None,
     recompute: bool,
     dtype: torch.dtype = torch.bfloat16,
-    autocast: Optional[torch.dtype] = None,
-    loss_chunk_logits: Optional[int] = None,
+    autocast: torch.dtype | None = None,
+    loss_chunk_logits: int | None = None,
     memtracker: bool = False,
     preallocate_grads: bool = True,
 ) -> dict[str, int]:
@@ -177,11 +177,11 @@ def trace_peak(
 def trace_peaks(
     m: ModelConfig,
     micro_batch: int,
-    expert_ids: Optional[Sequence[int]],
+    expert_ids: Sequence[int] | None,
     recompute: Sequence[bool] = (False, True),
     dtype: torch.dtype = torch.bfloat16,
-    autocast: Optional[torch.dtype] = None,
-    loss_chunk_logits: Optional[int] = None,
+    autocast: torch.dtype | None = None,
+    loss_chunk_logits: int | None = None,
     memtracker: bool = False,
     preallocate_grads: bool = True,
 ) -> dict[bool, dict[str, int]]:
@@ -217,7 +217,7 @@ def trace_peaks(
     return out
 
 
-def training_model_on_meta(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> torch.nn.Module:
+def training_model_on_meta(m: ModelConfig, expert_ids: Sequence[int] | None) -> torch.nn.Module:
     """This rank's GPT with the layers training runs (`with_training_layers`), on the meta device: no
     initialisation work (built under FakeTensorMode, its random init was a third of a gpt3-xl trace's time)."""
     import warnings
@@ -272,7 +272,7 @@ def _materialise(model: torch.nn.Module, fake: TorchDispatchMode) -> None:
                 module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
 
 
-def depth_unit(m: ModelConfig) -> Optional[int]:
+def depth_unit(m: ModelConfig) -> int | None:
     """Layers per repeating group of the model's blocks, from which of them are expert layers
     (`moe_layer_ids`): 1 when all or none are (dense, DEMix), `moe_every` for GShard when it divides the depth;
     None where the pattern does not repeat (CSE clusters only its last layers)."""
@@ -283,7 +283,7 @@ def depth_unit(m: ModelConfig) -> Optional[int]:
     return None
 
 
-def traced_depths(m: ModelConfig) -> Optional[tuple[int, int]]:
+def traced_depths(m: ModelConfig) -> tuple[int, int] | None:
     """The two shallower depths the dry run traces instead of the whole model (None: trace it whole)."""
     unit = depth_unit(m)
     if unit is None or m.n_layers <= 4 * unit:
@@ -295,9 +295,9 @@ def traced_depths(m: ModelConfig) -> Optional[tuple[int, int]]:
 def _cached_traces(
     m: ModelConfig,
     micro_batch: int,
-    expert_ids: Optional[tuple[int, ...]],
+    expert_ids: tuple[int, ...] | None,
     dtype: torch.dtype,
-    autocast: Optional[torch.dtype],
+    autocast: torch.dtype | None,
 ) -> dict[bool, int]:
     """Activation bytes by recompute mode. A deep model is traced at two shallower depths `traced_depths` and
     extrapolated linearly over its depth, each phase of the step on its own: at the forward's peak and at the
@@ -327,8 +327,8 @@ def _cached_traces(
 
 
 def trace_fallback_reason(
-    m: ModelConfig, expert_ids: Optional[Sequence[int]], tensor_parallel: int
-) -> Optional[str]:
+    m: ModelConfig, expert_ids: Sequence[int] | None, tensor_parallel: int
+) -> str | None:
     """Why this rank's activations cannot be traced in one process (None: they can)."""
     if tensor_parallel > 1:
         return f"tensor_parallel={tensor_parallel}: the tensor-parallel layers need their process group"
@@ -349,7 +349,7 @@ class ActivationEstimate:
     """Activation bytes of one micro-batch by (ZeRO stage, recompute), and how they were obtained."""
 
     method: str  # "traced" or "formula"
-    reason: Optional[str]  # why the formula was used
+    reason: str | None  # why the formula was used
     seconds: float
     bytes: dict[tuple[int, bool], float]
 
@@ -362,7 +362,7 @@ def estimate_activations(
     micro_batch: int,
     tensor_parallel: int,
     precision: str,
-    expert_ids: Optional[Sequence[int]] = None,
+    expert_ids: Sequence[int] | None = None,
     stages: Sequence[int] = (0, 1, 2),
 ) -> ActivationEstimate:
     """Traced activations for every ZeRO stage and recompute mode (one trace per distinct precision setup, cached),
@@ -392,10 +392,10 @@ def estimate_activations(
 def buffer_bytes(
     precision: str,
     zero_stage: int,
-    params: Optional[RankParams] = None,
+    params: RankParams | None = None,
     grad_reduce: str = "overlap",
-    bucket_override: Optional[int] = None,
-    grad_reduce_dtype: Optional[str] = None,
+    bucket_override: int | None = None,
+    grad_reduce_dtype: str | None = None,
 ) -> float:
     """The gradient-reduction buffers the engine allocates on this rank, bytes, for n = parallel/grad_reduce.py's
     `bucket_elements(P, N_dp)` (P = `params`' shared + expert parameters) and G bytes per gradient:
@@ -444,11 +444,11 @@ def memory_rows(
     micro_batch: int,
     tensor_parallel: int,
     precision: str,
-    gpu_bytes: Optional[float],
-    activations: Optional[Callable[[int, bool], float]] = None,
+    gpu_bytes: float | None,
+    activations: Callable[[int, bool], float] | None = None,
     grad_reduce: str = "overlap",
-    bucket_override: Optional[int] = None,
-    grad_reduce_dtype: Optional[str] = None,
+    bucket_override: int | None = None,
+    grad_reduce_dtype: str | None = None,
 ) -> list[dict]:
     """One row per ZeRO stage (0, 1, 2): model states, buffers, activations with and without recompute, totals,
     and whether each total fits `gpu_bytes` (None: unknown GPU, no verdict). `activations(zero_stage, recompute)`

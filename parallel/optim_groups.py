@@ -8,7 +8,7 @@ each rank splits or merges its chunks to reach it (`optimizer_param_groups`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,14 @@ import torch.nn as nn
 from parallel.demix_sync import is_expert_param
 
 
-def _split_max_numel() -> Optional[int]:
+def _split_max_numel() -> int | None:
     """DeepSpeed's threshold for splitting expert parameters into optimizer groups (its default argument)."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
 
     return split.__defaults__[0] if split.__defaults__ else None
 
 
-def _greedy_chunks(params: list[nn.Parameter], max_numel: Optional[int]) -> list[list[nn.Parameter]]:
+def _greedy_chunks(params: list[nn.Parameter], max_numel: int | None) -> list[list[nn.Parameter]]:
     """DeepSpeed's split: consecutive parameters while the running size stays <= max_numel."""
     chunks: list[list[nn.Parameter]] = []
     size = 0

@@ -23,7 +23,7 @@ takes the same decision, as the norm is the world's.
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -55,7 +55,7 @@ def set_step_norm(optimizer: Any, norm: torch.Tensor) -> None:
         optimizer.step_norm = norm
 
 
-def step_with_norm(self: Any, closure: Optional[Any] = None) -> bool:
+def step_with_norm(self: Any, closure: Any | None = None) -> bool:
     """FP16_UnfusedOptimizer.step (DeepSpeed 0.19.8, not the legacy fused-LAMB path, `clip_grad` 0) deciding overflow
     from the norm given by `set_step_norm` (module docstring); without one, DeepSpeed's own step. Returns the
     overflow."""

@@ -6,7 +6,7 @@ FakeTensorMode. parallel/memory.py traces each rank's training model with them (
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,7 +48,7 @@ class PlannedRouting(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def routing_share(m: ModelConfig, expert_ids: Optional[Sequence[int]]) -> float:
+def routing_share(m: ModelConfig, expert_ids: Sequence[int] | None) -> float:
     """The planned share of a routing mask's elements that select one expert (see PlannedRouting)."""
     if ffn_traits(m.ffn.kind).deepspeed_moe:
         return 1.0 / max(1, m.ffn.num_experts)
@@ -89,7 +89,7 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
-def _forward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> torch.Tensor:
+def _forward(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None) -> torch.Tensor:
     ctx = (
         torch.autocast("cpu", dtype=autocast)
         if autocast is not None
@@ -100,7 +100,7 @@ def _forward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype
     return out.loss if out.aux_loss is None else out.loss + out.aux_loss
 
 
-def _forward_backward(model: torch.nn.Module, batch: dict, autocast: Optional[torch.dtype]) -> None:
+def _forward_backward(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None) -> None:
     _forward(model, batch, autocast).backward()
 
 
@@ -113,7 +113,7 @@ def _preallocate_grads(model: torch.nn.Module) -> None:
 def count_peak(
     model: torch.nn.Module,
     batch: dict,
-    autocast: Optional[torch.dtype] = None,
+    autocast: torch.dtype | None = None,
     preallocate_grads: bool = True,
 ) -> dict[str, int]:
     """Peak bytes of one forward+backward with `PeakBytes`: `total` and `activations` (total - params - grads),
@@ -143,7 +143,7 @@ def count_peak(
 def measure_peak(
     model: torch.nn.Module,
     batch: dict,
-    autocast: Optional[torch.dtype] = None,
+    autocast: torch.dtype | None = None,
     preallocate_grads: bool = True,
 ) -> dict[str, int]:
     """Peak bytes of one forward+backward of `model(**batch, return_logits=False)` by torch's MemTracker kind

@@ -16,7 +16,7 @@ RNG and dropout, copying and saving a TP model): docs/tensor_parallel.md.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ IGNORE_INDEX = -100  # as F.cross_entropy: targets equal to it score 0 (TokenCro
 # ----------------------------------------------------------------------------------------------------
 
 
-def tensor_parallel_problems(cfg: ModelConfig, tp: int, vocab_size: Optional[int] = None) -> list[str]:
+def tensor_parallel_problems(cfg: ModelConfig, tp: int, vocab_size: int | None = None) -> list[str]:
     """Every reason a model of shape `cfg` (padded vocabulary `vocab_size`, default the one GPT(cfg,
     tensor_parallel=tp) pads to) cannot be split over `tp` tensor-parallel ranks. Never raises."""
     if tp < 1:
@@ -79,7 +79,7 @@ def tensor_parallel_problems(cfg: ModelConfig, tp: int, vocab_size: Optional[int
     return out
 
 
-def check_tensor_parallel_layout(cfg: ModelConfig, tp: int, vocab_size: Optional[int] = None) -> None:
+def check_tensor_parallel_layout(cfg: ModelConfig, tp: int, vocab_size: int | None = None) -> None:
     """Raise one ValueError naming every problem of `tensor_parallel_problems`."""
     problems = tensor_parallel_problems(cfg, tp, vocab_size)
     if problems:
@@ -222,7 +222,7 @@ def _shard(full: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     return full.chunk(group.size(), dim=dim)[group.rank()]
 
 
-def _copy_in(new: nn.Parameter, full: torch.Tensor, dim: Optional[int], group: ProcessGroup) -> None:
+def _copy_in(new: nn.Parameter, full: torch.Tensor, dim: int | None, group: ProcessGroup) -> None:
     """Copy this rank's shard of `full` along `dim` (None: the whole tensor) into `new`, and carry over
     the old parameter's own attributes (e.g. expert tags set by parallel/) and requires_grad."""
     with torch.no_grad():
@@ -348,10 +348,10 @@ def _gather(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.
 
 def _gather_named(
     items: list[tuple[str, torch.Tensor]],
-    pick: Callable[[torch.Tensor], Optional[torch.Tensor]],
+    pick: Callable[[torch.Tensor], torch.Tensor | None],
     group: ProcessGroup,
-) -> dict[str, Optional[torch.Tensor]]:
-    out: dict[str, Optional[torch.Tensor]] = {}
+) -> dict[str, torch.Tensor | None]:
+    out: dict[str, torch.Tensor | None] = {}
     for name, param in items:  # the same order on every rank: collectives line up
         t = pick(param)
         out[name] = None if t is None else _gather(t, param, group)
@@ -371,7 +371,7 @@ def gather_full_state_dict(model: nn.Module, tp_group: ProcessGroup) -> dict[str
     return gather_tensors(items, tp_group)
 
 
-def gather_full_grads(model: nn.Module, tp_group: ProcessGroup) -> dict[str, Optional[torch.Tensor]]:
+def gather_full_grads(model: nn.Module, tp_group: ProcessGroup) -> dict[str, torch.Tensor | None]:
     """Each parameter's gradient at full (TP=1) shape, by parameter name (None where there is none).
     A collective: every rank of the group must call it."""
     return _gather_named(list(model.named_parameters()), lambda p: p.grad, tp_group)

@@ -25,8 +25,8 @@ The data sampler uses `RankInfo.shard_index / num_shards`: the ranks of one doma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 RANKS_PER_DOMAIN = "ranks-per-domain"
 DOMAINS_PER_RANK = "domains-per-rank"
@@ -97,7 +97,7 @@ class Topology:
         self._check_rank(rank)
         return self.dp_domains[rank // self.tensor_parallel]
 
-    def ranks_of_domain(self, domain: int, tp_rank: Optional[int] = None) -> Group:
+    def ranks_of_domain(self, domain: int, tp_rank: int | None = None) -> Group:
         """Global ranks of a domain (all tp ranks, or only those with `tp_rank`)."""
         self._check_domain(domain)
         if tp_rank is not None:
@@ -191,7 +191,7 @@ def domain_data_shares(topo: Topology) -> list[float]:
     ]
 
 
-def unequal_data_note(topo: Topology) -> Optional[str]:
+def unequal_data_note(topo: Topology) -> str | None:
     """A line announcing unequal data per domain (allowed, but the paper gives every domain the same), or None."""
     shares = domain_data_shares(topo)
     if topo.num_domains < 2 or max(shares) - min(shares) < 1e-9:
@@ -256,8 +256,8 @@ def topology_problems(
     world_size: int,
     tensor_parallel: int,
     num_domains: int,
-    allocation: Optional[Sequence[int]] = None,
-    domain_names: Optional[Sequence[str]] = None,
+    allocation: Sequence[int] | None = None,
+    domain_names: Sequence[str] | None = None,
 ) -> list[str]:
     """Every reason the layout is impossible (empty = fine); each names the numbers and a fix."""
     out = []
@@ -310,8 +310,8 @@ def build_topology(
     world_size: int,
     tensor_parallel: int,
     num_domains: int,
-    allocation: Optional[list[int]] = None,
-    domain_names: Optional[list[str]] = None,
+    allocation: list[int] | None = None,
+    domain_names: list[str] | None = None,
 ) -> Topology:
     """The full layout; raises TopologyError (a ValueError) listing every problem before any group exists."""
     problems = topology_problems(world_size, tensor_parallel, num_domains, allocation, domain_names)

@@ -24,7 +24,8 @@ files are spread over those ranks by bytes, so a save's disk traffic is shared i
 from __future__ import annotations
 
 import heapq
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -217,7 +218,7 @@ def _adam_state(like: torch.Tensor, step: int, group: Mapping[str, Any]) -> dict
     }
 
 
-def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Optional[Any]) -> torch.Tensor:
+def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Any | None) -> torch.Tensor:
     """`t` (a value at p's shard shape) gathered over the tensor-parallel group to the plain model's shape.
     A collective over the TP group for sharded parameters. Without a TP group, `t` itself (detached, sharing
     its storage: copy before keeping it)."""
@@ -227,7 +228,7 @@ def full_tensor_parallel(t: torch.Tensor, p: torch.nn.Parameter, tp_group: Optio
 
 
 def assign_writers(
-    sizes: Mapping[str, int], ranks: Sequence[int], load: Optional[Mapping[int, int]] = None
+    sizes: Mapping[str, int], ranks: Sequence[int], load: Mapping[int, int] | None = None
 ) -> dict[str, int]:
     """Each file (name -> bytes) to one of `ranks`, balancing the bytes each rank writes: largest file first, each
     onto the rank with the fewest bytes so far (`load`: bytes a rank writes already; ties to the lower rank,

@@ -20,7 +20,6 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "model", "parallel", "data", "benchmarks", "experiments")
@@ -40,10 +39,10 @@ def project_modules() -> list[str]:
     return names
 
 
-def import_all(names: list[str]) -> dict[str, Optional[str]]:
+def import_all(names: list[str]) -> dict[str, str | None]:
     """module -> None when it imports, "optional: ..." when it needs an optional extra that is not installed,
     else the last line of the error."""
-    out: dict[str, Optional[str]] = {}
+    out: dict[str, str | None] = {}
     for name in names:
         try:
             importlib.import_module(name)
@@ -84,7 +83,7 @@ def unmet_requirements() -> list[str]:
     return problems
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="write the report here too")
     a = p.parse_args(argv)

@@ -32,7 +32,6 @@ import time
 import zipfile
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 from packaging.utils import canonicalize_name
 
@@ -178,7 +177,7 @@ def verdict(r: dict) -> list[str]:
     return bad
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--node-python", type=Path, help="the node's python3 (inside its virtualenv)")
     p.add_argument(

@@ -30,7 +30,6 @@ import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -70,15 +69,15 @@ class Selection:
 
     carry: dict[str, str] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
-    node_keeps: dict[str, Optional[Version]] = field(default_factory=dict)
+    node_keeps: dict[str, Version | None] = field(default_factory=dict)
     tested_with: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
-def read_node(path: Path) -> dict[str, Optional[Version]]:
+def read_node(path: Path) -> dict[str, Version | None]:
     """name -> version from a node description: `pip list --format=freeze` lines, or a bare name where the image is
     known to hold the package at an unknown version; `#` starts a comment."""
-    out: dict[str, Optional[Version]] = {}
+    out: dict[str, Version | None] = {}
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line or "@" in line:
@@ -99,21 +98,19 @@ def project_roots(py: str) -> list[Requirement]:
     return [r for r in map(Requirement, requirements(list(EXTRAS))) if _applies(r, envs)]
 
 
-def _version_here(name: str) -> Optional[str]:
+def _version_here(name: str) -> str | None:
     try:
         return metadata.distribution(name).version
     except metadata.PackageNotFoundError:
         return None
 
 
-def select(roots: list[Requirement], node: dict[str, Optional[Version]], py: str) -> Selection:
+def select(roots: list[Requirement], node: dict[str, Version | None], py: str) -> Selection:
     """Walk the requirements from `roots`; carry what the node lacks (at the version installed here), descending
     only into carried packages (a package the node has brings its own dependencies there)."""
     sel = Selection()
     envs = _env(py)
-    todo: list[tuple[Requirement, Optional[str]]] = [
-        (r, None) for r in roots
-    ]  # (requirement, carried requirer)
+    todo: list[tuple[Requirement, str | None]] = [(r, None) for r in roots]  # (requirement, carried requirer)
     while todo:
         req, requirer = todo.pop(0)
         name = canonicalize_name(req.name)
@@ -177,7 +174,7 @@ def wheel_sizes(folder: Path) -> dict[str, float]:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--python-version", default="3.12", help="the node's Python (default 3.12)")
     p.add_argument("--arch", default=platform.machine(), choices=("x86_64", "aarch64"), help="the node's CPU")

@@ -24,9 +24,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Optional
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -150,7 +150,7 @@ def download(pins: dict[str, str], dest: Path, py: str, arch: str) -> list[str]:
     if subprocess.run([*base, *pins.values()], capture_output=True).returncode == 0:
         return []
     failed = []
-    for name, pin in sorted(pins.items()):
+    for _name, pin in sorted(pins.items()):
         if subprocess.run([*base, pin], capture_output=True).returncode == 0:
             continue
         with tempfile.TemporaryDirectory() as tmp:  # no wheel published: build one (pure Python only)
@@ -187,7 +187,7 @@ def size_mb(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.glob("*.whl")) / 2**20
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--python-version",

@@ -7,9 +7,9 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Sequence
 
 from benchmarks.costmodel.cluster import ClusterSpec, cluster_presets, load_cluster
 from benchmarks.costmodel.fit import cluster_efficiency
@@ -157,7 +157,7 @@ def _one(args: argparse.Namespace, cluster: ClusterSpec, opts: CostOptions) -> N
         print(f"\ncluster {cluster.name}; {fitted_line(asdict(eff))}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; 0 on success, 2 on a configuration error (printed, no traceback)."""
     args = build_parser().parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)

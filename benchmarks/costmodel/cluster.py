@@ -4,7 +4,6 @@ configs/clusters/*.yaml and loading a cluster YAML. docs/costmodel.md."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from pydantic import StrictInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -52,11 +51,11 @@ class ClusterSpec:
     internode_gbits_per_s_per_node: Float  # e.g. 4 x 100 Gb/s EDR = 400
     internode_latency_us: Float
     precision: str = "fp16"
-    peak_tflops: Optional[Float] = None  # overrides the device table
-    efficiency_max: Optional[Float] = None  # compute efficiency e(h) for this device; None = V100 fit
-    efficiency_h_half: Optional[Float] = None
-    memory_gbytes_per_s: Optional[Float] = None  # HBM bandwidth per GPU; None = HBM_GBYTES_PER_S[device]
-    gpu_memory_gib: Optional[Float] = None  # memory per GPU; None = model/accounting's device table
+    peak_tflops: Float | None = None  # overrides the device table
+    efficiency_max: Float | None = None  # compute efficiency e(h) for this device; None = V100 fit
+    efficiency_h_half: Float | None = None
+    memory_gbytes_per_s: Float | None = None  # HBM bandwidth per GPU; None = HBM_GBYTES_PER_S[device]
+    gpu_memory_gib: Float | None = None  # memory per GPU; None = model/accounting's device table
     description: str = ""
 
     def problems(self) -> list[str]:
@@ -105,7 +104,7 @@ class ClusterSpec:
         return peak
 
     @property
-    def hbm_bytes_per_s(self) -> Optional[float]:
+    def hbm_bytes_per_s(self) -> float | None:
         """GPU memory bandwidth, bytes/s; None for a device we know no figure for (memory-bound terms are
         then left out)."""
         if self.memory_gbytes_per_s is not None:
@@ -115,7 +114,7 @@ class ClusterSpec:
         return None if gbps is None else gbps * 1e9
 
     @property
-    def gpu_memory_bytes(self) -> Optional[float]:
+    def gpu_memory_bytes(self) -> float | None:
         """Memory per GPU, bytes; None when unknown (no fits/doesn't-fit verdict)."""
         if self.gpu_memory_gib is not None:
             return self.gpu_memory_gib * 2**30

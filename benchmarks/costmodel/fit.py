@@ -3,8 +3,8 @@ predictions). docs/costmodel.md, "Step time"."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from benchmarks.costmodel.cluster import ClusterSpec, load_cluster
 from benchmarks.costmodel.options import EFFICIENCY_FORMS, CostOptions, Efficiency

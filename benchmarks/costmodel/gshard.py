@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from benchmarks.costmodel.cluster import ClusterSpec
 from benchmarks.costmodel.layout import params_per_gpu
@@ -54,7 +53,7 @@ def gating_bytes(tokens: int, num_experts: int, capacity: int, forward_passes: i
 
 
 def _roofline_excess(
-    flops: float, nbytes: float, matmul_flops_per_s: float, bytes_per_s: Optional[float]
+    flops: float, nbytes: float, matmul_flops_per_s: float, bytes_per_s: float | None
 ) -> float:
     """Seconds a kernel's memory time exceeds its compute time (0 when compute-bound or B unknown)."""
     return 0.0 if bytes_per_s is None else max(0.0, nbytes / bytes_per_s - flops / matmul_flops_per_s)

@@ -4,7 +4,7 @@ the gradient all-reduce plan, GShard's all-to-all volume, and the same bytes key
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from benchmarks.costmodel.options import DTYPE_BYTES, CostOptions
 from model import accounting as acc

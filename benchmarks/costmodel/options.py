@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from model import accounting as acc
 
@@ -35,7 +34,7 @@ class CostOptions:
     # parallel.grad_reduce, its bucket rule (parallel/grad_reduce.py bucket_elements, or `bucket_elements`) and the
     # hidden part derived (`exposed_allreduce_seconds`)
     grad_reduce: str = "fixed"
-    bucket_elements: Optional[int] = None  # the trainer's parallel.bucket_elements (None: the rule)
+    bucket_elements: int | None = None  # the trainer's parallel.bucket_elements (None: the rule)
     gshard_overheads: str = (
         "fairseq"  # t_gshard: the fairseq MoE's einsums, gating, padding, ...; "none": left out
     )

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 from benchmarks.costmodel.cluster import ClusterSpec
 from benchmarks.costmodel.collectives import (
@@ -61,7 +61,7 @@ def predict(
     cluster: ClusterSpec,
     eff: Efficiency,
     opts: CostOptions = CostOptions(),
-    measured_bytes: Optional[dict[str, float]] = None,
+    measured_bytes: dict[str, float] | None = None,
 ) -> Prediction:
     """Predicted step time and TFLOPs/GPU of one update of `cfg` data-parallel over `gpus` GPUs. With
     `measured_bytes` (a run's bytes per update and group, `plan_from_measured`) the communication is priced on

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from benchmarks.costmodel.cluster import ROOT
 from benchmarks.costmodel.gshard import GSHARD_TERM_KEYS
@@ -230,7 +230,7 @@ def write_paper_report(
     sens: list[dict],
     command: str,
     out_dir: Path,
-    gshard: Optional[tuple[list[dict], dict]] = None,
+    gshard: tuple[list[dict], dict] | None = None,
 ) -> tuple[Path, Path]:
     """benchmarks/results/costmodel_paper.{md,json}; `gshard` = (gshard_comparison, gshard_what_ifs)."""
     out_dir.mkdir(parents=True, exist_ok=True)

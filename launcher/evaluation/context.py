@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -14,7 +14,7 @@ class EvalContext:
     """What every stage of one evaluation (`evaluate_model`) shares."""
 
     model: torch.nn.Module
-    data_root: Union[str, Path]
+    data_root: str | Path
     tokenizer: str
     manifest: dict[str, Any]
     train_domains: list[str]
@@ -23,7 +23,7 @@ class EvalContext:
     split: str
     dev_split: str
     seq_len: int
-    max_blocks: Optional[int]
+    max_blocks: int | None
     batch_size: int
     precision: str
     cached_blocks: int

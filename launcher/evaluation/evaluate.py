@@ -51,9 +51,10 @@ cached_priors/<domain>.json, posteriors.png (Figure 4) and specialisation.png (F
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -81,12 +82,12 @@ from model.accounting import normalise_precision
 
 
 def check_eval_request(
-    checkpoint: Union[str, Path],
-    data_root: Union[str, Path],
-    tokenizer: Optional[str],
+    checkpoint: str | Path,
+    data_root: str | Path,
+    tokenizer: str | None,
     split: str,
-    domains: Optional[Sequence[str]],
-    seq_len: Optional[int],
+    domains: Sequence[str] | None,
+    seq_len: int | None,
     allow_missing: bool = False,
 ) -> None:
     """Refuse (ValueError), before a tensor is read, an evaluation whose tables would be nonsense: blocks longer than
@@ -121,14 +122,14 @@ def check_eval_request(
 
 
 def evaluate_checkpoint(
-    ckpt: Union[str, Path, Consolidated],
-    data_root: Union[str, Path],
+    ckpt: str | Path | Consolidated,
+    data_root: str | Path,
     exclude_experts: Sequence[str] = (),
-    device: Union[str, torch.device] = "auto",
+    device: str | torch.device = "auto",
     precision: str = "auto",
-    prior_cache: Union[bool, str, Path, PriorCache, None] = None,
-    options: Optional[EvalOptions] = None,
-    cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
+    prior_cache: bool | str | Path | PriorCache | None = None,
+    options: EvalOptions | None = None,
+    cached_priors: dict[str, mx.CachedPrior] | None = None,
     **option_fields: Any,
 ) -> EvalResult:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it, with `options`
@@ -282,7 +283,7 @@ def _run_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m launcher.evaluation.evaluate CKPT_DIR ...`: check the request, evaluate, print the tables."""
     ap = parser()
     args = ap.parse_args(argv)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def heatmap(
     cbar: str,
     fmt: str = "{:.2f}",
     cmap: str = "Blues",
-    rule_after: Optional[int] = None,
+    rule_after: int | None = None,
 ) -> Path:
     """One annotated heatmap written to `path` (PNG)."""
     plt = _pyplot()
@@ -177,7 +178,7 @@ def write_figures(results: dict[str, Any], out_dir: str | Path) -> dict[str, str
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="eval.json written by launcher.evaluation.evaluate")
     ap.add_argument("--out", help="directory for the PNGs (default: next to the JSON)")

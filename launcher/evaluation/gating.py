@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ def validation_batches(
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from launcher.checkpoint import load_consolidated, read_meta
 
     ap = argparse.ArgumentParser(

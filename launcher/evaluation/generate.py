@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -72,17 +73,17 @@ def generate(
     model: torch.nn.Module,
     prompt_ids: Sequence[int],
     *,
-    expert: Optional[int] = None,
+    expert: int | None = None,
     mixture: bool = False,
-    log_prior: Optional[torch.Tensor] = None,
+    log_prior: torch.Tensor | None = None,
     max_new_tokens: int = 50,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    stop_id: Optional[int] = None,
+    stop_id: int | None = None,
     prefix_ids: Sequence[int] = (),
-    vocab_limit: Optional[int] = None,
+    vocab_limit: int | None = None,
 ) -> Generation:
     """Sample `max_new_tokens` after `prompt_ids`. DEMix: `expert` (global id) or `mixture=True`; dense: neither.
     `prefix_ids` (e.g. a domain token) precede the prompt in the model's input but are not part of the output.
@@ -125,7 +126,7 @@ def generate(
 
 
 def checkpoint_tokenizer(
-    checkpoint: Union[str, Path], data: Optional[str] = None, tokenizer: Optional[str] = None
+    checkpoint: str | Path, data: str | None = None, tokenizer: str | None = None
 ) -> Any:
     """The tokenizer to generate with: from the data given, else from the data and tokenizer the checkpoint's run
     config recorded (evaluate's `checkpoint_data`, the rule every tool follows), checked against its fingerprint;
@@ -142,7 +143,7 @@ def checkpoint_tokenizer(
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="consolidated checkpoint directory")
     ap.add_argument(

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -43,12 +44,12 @@ def evaluate_model(
     model: torch.nn.Module,
     cfg: Any,
     train_domains: Sequence[str],
-    data_root: Union[str, Path],
+    data_root: str | Path,
     options: EvalOptions = EvalOptions(),
     *,
-    extra: Optional[dict[str, Any]] = None,
-    cached_priors: Optional[dict[str, mx.CachedPrior]] = None,
-    prior_cache: Optional[PriorCache] = None,
+    extra: dict[str, Any] | None = None,
+    cached_priors: dict[str, mx.CachedPrior] | None = None,
+    prior_cache: PriorCache | None = None,
 ) -> EvalResult:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data, on the model's device in
     `options.precision` (fp32, or bf16/fp16 autocast over fp32 weights: `forward_precision`). `cached_priors` maps a
@@ -101,7 +102,7 @@ def _context(
     model: torch.nn.Module,
     cfg: Any,
     train_domains: Sequence[str],
-    data_root: Union[str, Path],
+    data_root: str | Path,
     o: EvalOptions,
     extra: dict[str, Any],
 ) -> EvalContext:
@@ -165,9 +166,7 @@ def _empty_result(e: EvalContext, cfg: Any, o: EvalOptions, extra: dict[str, Any
     )
 
 
-def _blocks_plan(
-    e: EvalContext, domains: Optional[Sequence[str]], tell: Callable[..., None]
-) -> dict[str, int]:
+def _blocks_plan(e: EvalContext, domains: Sequence[str] | None, tell: Callable[..., None]) -> dict[str, int]:
     """{domain: test blocks to score} of the asked domains (default: the manifest's), those without a block left
     out with a note; ValueError when none has one."""
     all_domains = list(domains) if domains is not None else list(e.manifest["domains"])
@@ -222,7 +221,7 @@ def _say_plan(
 def _evaluate_domain(
     e: EvalContext,
     dom: str,
-    prior: Optional[dict[str, Any]],
+    prior: dict[str, Any] | None,
     prog: Progress,
     tell: Callable[..., None],
 ) -> DomainResult:
@@ -266,7 +265,7 @@ def _evaluate_domain(
 
 def _unigram(
     e: EvalContext, dom: str, targets: torch.Tensor, mask: torch.Tensor, tell: Callable[..., None]
-) -> Optional[dict[str, Any]]:
+) -> dict[str, Any] | None:
     """The domain's own add-k unigram baseline on the same targets (launcher/evaluation/unigram.py); None, with a
     note, where it has none."""
     try:

@@ -21,9 +21,10 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from data.atomic import write_json_atomic
 from data.readers import InputFileError, read_json_object
@@ -44,7 +45,7 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def checkpoint_fingerprint(ckpt_dir: Union[str, Path], excluded: Sequence[str] = ()) -> dict[str, Any]:
+def checkpoint_fingerprint(ckpt_dir: str | Path, excluded: Sequence[str] = ()) -> dict[str, Any]:
     """What identifies a consolidated checkpoint's weights, from its meta.json: the shard sums it recorded (each
     load checks the files against them), or the files' sha256 for a checkpoint written before sums were kept."""
     root = Path(ckpt_dir)
@@ -64,7 +65,7 @@ def checkpoint_fingerprint(ckpt_dir: Union[str, Path], excluded: Sequence[str] =
     }
 
 
-def data_fingerprint(data_root: Union[str, Path], tokenizer: str, dev_split: str) -> dict[str, Any]:
+def data_fingerprint(data_root: str | Path, tokenizer: str, dev_split: str) -> dict[str, Any]:
     """The token manifest's sha256 and the size and mtime of every domain's `dev_split` files."""
     tok = Path(data_root) / tokenizer
     manifest = tok / "manifest.json"
@@ -90,10 +91,10 @@ class PriorCache:
     @classmethod
     def beside(
         cls,
-        ckpt_dir: Union[str, Path],
+        ckpt_dir: str | Path,
         excluded: Sequence[str] = (),
-        directory: Optional[Union[str, Path]] = None,
-    ) -> "PriorCache":
+        directory: str | Path | None = None,
+    ) -> PriorCache:
         """The cache of checkpoint `ckpt_dir`: `directory`, default `CKPT_DIR/eval_prior_cache`."""
         return cls(
             Path(directory) if directory is not None else Path(ckpt_dir) / PRIOR_CACHE_DIR,
@@ -119,7 +120,7 @@ class PriorCache:
         """The cache file of `fingerprint`."""
         return self.directory / f"{_digest(fingerprint)[:16]}.json"
 
-    def read(self, fingerprint: dict[str, Any]) -> tuple[PriorEntries, Optional[str]]:
+    def read(self, fingerprint: dict[str, Any]) -> tuple[PriorEntries, str | None]:
         """The cached priors of `fingerprint` ({} when none), and why a file that is there was not used."""
         path = self.file(fingerprint)
         if not path.is_file():

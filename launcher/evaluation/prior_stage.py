@@ -4,7 +4,8 @@ planned before any work (the plan line's "prior: ..." clause) and cached once th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,10 +30,10 @@ def _agree_over_ranks(hits: list[str], need: list[str], device: torch.device) ->
 def prior_plan(
     e: EvalContext,
     domains: list[str],
-    given: Optional[dict[str, mx.CachedPrior]],
-    cache: Optional[PriorCache],
+    given: dict[str, mx.CachedPrior] | None,
+    cache: PriorCache | None,
     say: Callable[[str], None],
-) -> tuple[PriorEntries, dict[str, int], str, Optional[dict[str, Any]]]:
+) -> tuple[PriorEntries, dict[str, int], str, dict[str, Any] | None]:
     """The priors given or cached, the development blocks to score for the other domains, the plan line's
     "prior: ..." clause, and the cache key (None without a cache)."""
     entries: PriorEntries = {d: {"prior": given[d], "given": True} for d in domains if given and d in given}
@@ -111,8 +112,8 @@ def score_priors(e: EvalContext, to_score: dict[str, int], prog: Progress) -> Pr
 
 
 def save_priors(
-    cache: Optional[PriorCache],
-    key: Optional[dict[str, Any]],
+    cache: PriorCache | None,
+    key: dict[str, Any] | None,
     scored: PriorEntries,
     seconds: float,
     say: Callable[[str], None],

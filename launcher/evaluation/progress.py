@@ -11,7 +11,7 @@ divided over the ranks; it is an estimate (a shared machine, a first pass's star
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 
 def fmt_seconds(s: float) -> str:
@@ -41,7 +41,7 @@ def plan_line(
     prior_blocks: dict[str, int],
     dev_split: str,
     prior_note: str,
-    seconds_per_pass: Optional[float],
+    seconds_per_pass: float | None,
     timed_blocks: int,
     world: int = 1,
 ) -> str:
@@ -107,7 +107,7 @@ class Progress:
         if note or self.done != self.said:
             self.say(self.line(note))
 
-    def eta(self) -> Optional[float]:
+    def eta(self) -> float | None:
         """Seconds left at the rate so far (None before the first block)."""
         if not self.done:
             return None

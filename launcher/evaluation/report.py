@@ -5,8 +5,9 @@ estimated cached priors), all from the result dict (`EvalResult.to_dict()`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from launcher.evaluation.stats import bootstrap_mean_ppl, bootstrap_ppl
 EVAL_FILES = ("eval.json", "eval.md", "posteriors.png", "specialisation.png")
 
 
-def _mean(values: list[float]) -> Optional[float]:
+def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
@@ -61,7 +62,7 @@ def summary_tables(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fmt(v: Optional[float]) -> str:
+def _fmt(v: float | None) -> str:
     return "-" if v is None or not math.isfinite(v) else f"{v:.2f}"
 
 
@@ -182,7 +183,7 @@ def _expert_notes(doms: dict[str, Any]) -> list[str]:
 
 
 def write_outputs(
-    results: dict[str, Any], out_dir: Union[str, Path], cached_priors: Optional[dict[str, Any]] = None
+    results: dict[str, Any], out_dir: str | Path, cached_priors: dict[str, Any] | None = None
 ) -> dict[str, str]:
     """Write the report into `out_dir` (eval.json, eval.md, the figures, `cached_priors/<domain>.json` for each
     estimated prior); returns {name: path}. Staged and published together (data/atomic.py `staged_dir`): a failure

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from model import mixture as mx
 
@@ -45,18 +46,18 @@ class EvalOptions:
     `topk`, `posterior`, `cached_estimator`), the batched pass (`batch_size` blocks, `precision`), the report
     (`out_dir`, `unigram` baselines) and `progress` lines on stderr."""
 
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     split: str = "test"
     dev_split: str = "valid"
-    max_blocks: Optional[int] = None
+    max_blocks: int | None = None
     modes: Sequence[str] = DEMIX_MODES
-    domains: Optional[Sequence[str]] = None
+    domains: Sequence[str] | None = None
     batch_size: int = 4
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS
     decay: float = mx.UPDATING_DECAY
     topk: int = 2
-    seq_len: Optional[int] = None
-    out_dir: Optional[Union[str, Path]] = None
+    seq_len: int | None = None
+    out_dir: str | Path | None = None
     progress: bool = True
     posterior: str = "prefix"
     cached_estimator: str = "mean"
@@ -74,15 +75,15 @@ class DomainResult:
     blocks: int
     tokens: int
     ppl: dict[str, float] = field(default_factory=dict)
-    block_nll: Optional[dict[str, list[float]]] = None
-    block_tokens: Optional[list[int]] = None
-    unigram: Optional[dict[str, Any]] = None
-    cached_prior_variants: Optional[dict[str, dict[str, float]]] = None
-    expert_ppl: Optional[dict[str, float]] = None
-    naive_expert: Optional[str] = None
-    posterior: Optional[dict[str, dict[str, float]]] = None
-    topk: Optional[dict[str, Any]] = None
-    cached_prior: Optional[dict[str, Any]] = None
+    block_nll: dict[str, list[float]] | None = None
+    block_tokens: list[int] | None = None
+    unigram: dict[str, Any] | None = None
+    cached_prior_variants: dict[str, dict[str, float]] | None = None
+    expert_ppl: dict[str, float] | None = None
+    naive_expert: str | None = None
+    posterior: dict[str, dict[str, float]] | None = None
+    topk: dict[str, Any] | None = None
+    cached_prior: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as eval.json holds it (the keys in the order the three kinds of entry always had)."""
@@ -125,7 +126,7 @@ class PriorCacheUse:
     """Where the cached priors of a DEMix evaluation came from: the cache `file`, the domains read from it, and
     those scored here."""
 
-    file: Optional[str]
+    file: str | None
     from_cache: list[str]
     scored: list[str]
 
@@ -143,7 +144,7 @@ class EvalResult:
     split: str
     dev_split: str
     seq_len: int
-    max_blocks: Optional[int]
+    max_blocks: int | None
     modes: list[str]
     decay: float
     cached_blocks: int
@@ -154,10 +155,10 @@ class EvalResult:
     precision: str
     extra: dict[str, Any] = field(default_factory=dict)
     domains: dict[str, DomainResult] = field(default_factory=dict)
-    prior_cache: Optional[PriorCacheUse] = None
-    tables: Optional[dict[str, Any]] = None
-    seconds: Optional[float] = None
-    files: Optional[dict[str, str]] = None
+    prior_cache: PriorCacheUse | None = None
+    tables: dict[str, Any] | None = None
+    seconds: float | None = None
+    files: dict[str, str] | None = None
     format: str = EVAL_FORMAT
 
     def to_dict(self) -> dict[str, Any]:

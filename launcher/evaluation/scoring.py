@@ -6,7 +6,8 @@ DEMix eqs. 6-9). +Domain-Token models: the domain token plays the expert's part.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +26,10 @@ def stream_log_likelihoods(
     model: torch.nn.Module,
     tokens_NT: torch.Tensor,
     targets_NT: torch.Tensor,
-    expert_ids: Optional[Sequence[int]] = None,
+    expert_ids: Sequence[int] | None = None,
     batch_size: int = 4,
     precision: str = "fp32",
-    on_blocks: Optional[Callable[[int], None]] = None,
+    on_blocks: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """ll E x N x T (fp32, on the host) over a stream of N blocks, scored on the model's device in `precision`
     (`forward_precision`); blocks are sharded over ranks and summed back (all_reduce). `on_blocks(k)` after each
@@ -81,7 +82,7 @@ def _domain_token_ll(
     num_domains: int,
     batch_size: int,
     precision: str = "fp32",
-    on_blocks: Optional[Callable[[int], None]] = None,
+    on_blocks: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """+Domain-Token: ll under each domain token d (the token plays the expert's part), G x N x T."""
     out = []
@@ -102,8 +103,8 @@ def _cached_prior(
     estimator: str = "mean",
     posterior: str = "prefix",
     precision: str = "fp32",
-    on_blocks: Optional[Callable[[int], None]] = None,
-) -> tuple[Optional[mx.CachedPrior], dict[str, dict[str, float]]]:
+    on_blocks: Callable[[int], None] | None = None,
+) -> tuple[mx.CachedPrior | None, dict[str, dict[str, float]]]:
     """The cached prior of one domain from its development blocks (None without any), and every estimator x
     posterior variant of it on the same log-likelihoods ({"<estimator>/<posterior>": {expert: p}}, Figure 4 for
     each choice)."""
@@ -129,10 +130,10 @@ def _domain_token_entry(
     blocks,
     base: int,
     train_domains: list[str],
-    own: Optional[int],
+    own: int | None,
     batch_size: int,
     precision: str = "fp32",
-    on_blocks: Optional[Callable[[int], None]] = None,
+    on_blocks: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """+Domain-Token: own token in-domain, the best token on a novel domain (DEMix §5.3)."""
     ll = _domain_token_ll(model, blocks, base, len(train_domains), batch_size, precision, on_blocks)

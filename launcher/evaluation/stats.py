@@ -17,7 +17,7 @@ these blocks). Seeds are summarised by their mean, sample standard deviation, mi
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ LEVEL = 0.95
 
 
 def block_sums(
-    log_probs_BT: torch.Tensor, mask_BT: Optional[torch.Tensor] = None
+    log_probs_BT: torch.Tensor, mask_BT: torch.Tensor | None = None
 ) -> tuple[list[float], list[int]]:
     """Per-block NLL sums (nats, float64) and scored-token counts of B x T token log-probabilities."""
     lp = log_probs_BT.to(torch.float64)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ def _nll_counts(counts_V: np.ndarray, k: float, dev_counts_V: np.ndarray) -> flo
 
 
 def fit_unigram_counts(
-    train_counts_V: np.ndarray, vocab_size: int, dev_counts_V: Optional[np.ndarray] = None
+    train_counts_V: np.ndarray, vocab_size: int, dev_counts_V: np.ndarray | None = None
 ) -> tuple[np.ndarray, float]:
     """(log p over the vocabulary, k) from per-token-id counts of the training targets (and of the development
     targets: k from ADD_K_GRID by their NLL; the middle of the grid, 0.1, without any). Counts may be shorter than
@@ -73,7 +73,7 @@ def _bincount_ids(targets: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def fit_unigram(
-    train_targets: np.ndarray, vocab_size: int, dev_targets: Optional[np.ndarray] = None
+    train_targets: np.ndarray, vocab_size: int, dev_targets: np.ndarray | None = None
 ) -> tuple[np.ndarray, float]:
     """(log p over the vocabulary, k): counts of the training targets, k from ADD_K_GRID by development NLL (the
     middle of the grid, 0.1, without development tokens). `fit_unigram_counts` on the tokens' bincounts."""
@@ -87,7 +87,7 @@ def unigram_log_probs(log_p_V: np.ndarray, targets_BT: torch.Tensor) -> torch.Te
 
 
 def domain_unigram(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     tokenizer: str,
     domain: str,
     seq_len: int,
@@ -109,7 +109,7 @@ def domain_unigram(
 
 
 def bin_token_counts(
-    path: Union[str, Path], dtype: Union[str, np.dtype], vocab_size: int, block_tokens: Optional[int] = None
+    path: str | Path, dtype: str | np.dtype, vocab_size: int, block_tokens: int | None = None
 ) -> np.ndarray:
     """Occurrences of each token id in a token file (a megatron-core .bin: the tokens back to back), int64 of
     length `vocab_size`, read `block_tokens` (default `_BLOCK_TOKENS`) at a time; ValueError naming the file for
@@ -193,7 +193,7 @@ def _stored_counts(tok_dir: Path, rel: Any, entries: dict) -> np.ndarray:
 
 
 def _split_counts(
-    tok_dir: Path, manifest: dict, entries: dict, split: str, vocab_size: int, stored: Optional[np.ndarray]
+    tok_dir: Path, manifest: dict, entries: dict, split: str, vocab_size: int, stored: np.ndarray | None
 ) -> np.ndarray:
     """Counts per token id of one prepared split (all zeros when the split has no tokens): the stored row when
     there is one, else counted from the .bin."""

@@ -5,8 +5,9 @@ stock `hf` model on that expert's export (launcher/harness/hf_parity.py)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from launcher.checkpoint import read_meta
 from launcher.ffn_kinds import ffn_kind
@@ -23,11 +24,11 @@ SHARED_ARGS = ("posterior", "cached_estimator", "cached_blocks", "decay", "topk"
 
 def check(
     ckpt: str,
-    tasks_dir: Union[str, Path],
+    tasks_dir: str | Path,
     data: str,
-    domains: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
     modes: Sequence[str] = ("cached", "naive"),
-    hf_domain: Optional[str] = None,
+    hf_domain: str | None = None,
     batch_size: int = 8,
     extra_args: str = "",
 ) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def _compare_rows(
     ev_mode: dict[str, str],
     docs: dict[str, list[str]],
     tasks: Sequence[str],
-    tasks_dir: Union[str, Path],
+    tasks_dir: str | Path,
 ) -> list[dict[str, Any]]:
     """One row per mode and domain: the harness's token perplexity (one lm-eval run per mode) and evaluate's."""
     rows = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.argtypes import nonneg_float, positive_int, random_seed
 from data.atomic import write_json_atomic
@@ -20,7 +20,7 @@ DESCRIPTION = "The DEMix mixture inside EleutherAI's lm-evaluation-harness (lm_e
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m launcher.harness tasks|run|check ...`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # everything after `run` is lm-eval's
@@ -83,7 +83,7 @@ def _tasks(a: argparse.Namespace) -> int:
         a.seed,
         a.docs_from,
     )
-    for d, r in rec["domains"].items():
+    for _d, r in rec["domains"].items():
         print(f"{r['task']}: {r['documents']} documents, {r['tokens']} tokens")
     print(f"{MC_TASK}: {rec['continuation']['documents']} documents")
     print(f"written: {a.out} (lm-eval --include_path {a.out} --tasks {PPL_GROUP},{MC_TASK})")

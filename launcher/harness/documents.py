@@ -4,8 +4,9 @@ perplexity must equal (`check`: 1e-4 relative)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 from launcher.checkpoint import Consolidated, load_consolidated
 from launcher.checkpoint_data import check_checkpoint_data, load_blocks, load_export_tokenizer
@@ -18,8 +19,8 @@ from model.batched import demix_expert_ids
 
 
 def evaluate_documents(
-    ckpt: Union[str, Path, Consolidated],
-    data_root: Union[str, Path],
+    ckpt: str | Path | Consolidated,
+    data_root: str | Path,
     texts: Mapping[str, Sequence[str]],
     *,
     modes: Sequence[str] = DEMIX_MODES,

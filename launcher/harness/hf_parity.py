@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ def relative_difference(a: float, b: float) -> float:
 
 def hf_parity(
     ckpt: str,
-    tasks_dir: Union[str, Path],
+    tasks_dir: str | Path,
     data: str,
     docs: dict[str, list[str]],
     ev: dict[str, Any],
@@ -87,8 +88,8 @@ def hf_parity(
 def padding_log_mass(
     c: Consolidated,
     texts: Sequence[str],
-    data: Union[str, Path],
-    expert: Optional[str] = None,
+    data: str | Path,
+    expert: str | None = None,
     batch_size: int = 8,
 ) -> float:
     """Mean over the scored tokens (lm_eval windows) of log Z_all - log Z_real: the log-probability mass our model

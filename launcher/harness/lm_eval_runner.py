@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from launcher.harness.task_folder import verify_tasks_dir
 
@@ -15,8 +16,8 @@ def harness_metrics(
     model: str,
     model_args: str,
     tasks: Sequence[str],
-    tasks_dir: Union[str, Path],
-    limit: Optional[int] = None,
+    tasks_dir: str | Path,
+    limit: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """lm_eval.simple_evaluate on the task folder (its tasks only, offline); returns results per task with the
     ",none" filter suffix dropped from metric names."""

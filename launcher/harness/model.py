@@ -5,7 +5,8 @@ Importing this module registers it with lm_eval."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's stock models, e.g. hf, registered lazily: as its CLI has them)
 import torch
@@ -24,7 +25,7 @@ from model import mixture as mx
 from model.batched import demix_expert_ids, expert_hidden_states
 
 
-def _domain_of(req: Any) -> Optional[str]:
+def _domain_of(req: Any) -> str | None:
     """A request's domain: its document's `domain` field, else `<d>` of a task named demix_ppl_<d>, else None."""
     doc = getattr(req, "doc", None)
     if isinstance(doc, Mapping) and doc.get("domain"):
@@ -52,7 +53,7 @@ class DemixLM(LM):
         self.batch_size = args.batch_size
         self._device = torch.device("cpu")
         self._load(args)
-        self._priors: dict[Optional[str], Optional[mx.CachedPrior]] = {}
+        self._priors: dict[str | None, mx.CachedPrior | None] = {}
 
     def _load(self, args: DemixArgs) -> None:
         """The checkpoint (without the excluded experts, whose shards are never read), its tokenizer, and its
@@ -72,7 +73,7 @@ class DemixLM(LM):
         self.expert_ids = [self.experts.index(self.expert)] if self.expert is not None else None
         self.mode = ("expert" if self.expert else (args.mode or "cached")) if self.experts else "dense"
         try:
-            self.manifest: Optional[dict[str, Any]] = check_checkpoint_data(
+            self.manifest: dict[str, Any] | None = check_checkpoint_data(
                 c, self.data, self.prepared_tokenizer
             )
         except (FileNotFoundError, ValueError) as e:  # e.g. gpt2 without prepared data: no cached priors
@@ -193,13 +194,13 @@ class DemixLM(LM):
         whole = self.tok.encode(context + continuation)
         return ctx, whole[len(ctx) :]
 
-    def _streams(self, requests: Sequence[Any]) -> dict[tuple[Optional[str], Optional[str]], list[int]]:
+    def _streams(self, requests: Sequence[Any]) -> dict[tuple[str | None, str | None], list[int]]:
         """Request indices grouped by (task, domain), each in document order: the stream an updating prior runs
         over and the set a naive oracle is chosen on."""
-        groups: dict[tuple[Optional[str], Optional[str]], list[int]] = {}
+        groups: dict[tuple[str | None, str | None], list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault((getattr(req, "task_name", None), _domain_of(req)), []).append(i)
-        for key, idxs in groups.items():
+        for _key, idxs in groups.items():
             idxs.sort(key=lambda i: (getattr(requests[i], "doc_id", None) or 0, i))
         return groups
 
@@ -207,7 +208,7 @@ class DemixLM(LM):
         """ll E x N x T of the experts this model mixes (one for expert=NAME or dense), evaluate's batched pass."""
         return stream_log_likelihoods(self.model, tokens_NT, targets_NT, self.expert_ids, self.batch_size)
 
-    def _cached(self, domain: Optional[str]) -> Optional[mx.CachedPrior]:
+    def _cached(self, domain: str | None) -> mx.CachedPrior | None:
         """The domain's cached prior, estimated once on its development blocks (evaluate's `_cached_prior`); None
         for a domain unknown to the data or without development blocks."""
         if domain not in self._priors:
@@ -240,8 +241,8 @@ class DemixLM(LM):
         return self._priors[domain]
 
     def _mixture(
-        self, ll: torch.Tensor, W: Windows, domain: Optional[str], rolling: bool
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, ll: torch.Tensor, W: Windows, domain: str | None, rolling: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p of every target, N x T, from model/mixture.py; the log mixing weights E x N x T, None for a
         single model) under this model's mode for a stream of `domain` (docs/harness.md)."""
         E = ll.shape[0]
@@ -280,7 +281,7 @@ class DemixLM(LM):
         )
 
     @torch.no_grad()
-    def _greedy(self, W: Windows, log_w: Optional[torch.Tensor]) -> list[bool]:
+    def _greedy(self, W: Windows, log_w: torch.Tensor | None) -> list[bool]:
         """Whether every scored target is the argmax (over the real tokens) of the next-token distribution: one
         model's, or the mixture's, logsumexp_j [log p_j(v | x_<t) + log g_j(t)] (eq. 6)."""
         out = []

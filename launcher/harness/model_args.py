@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from data.argtypes import positive_int, unit_left_open
 from launcher.checkpoint import read_meta
@@ -25,13 +25,13 @@ class DemixArgs:
     """The checked model_args (`exclude`: the experts never read; `batch_size`: windows per batched pass)."""
 
     checkpoint: str
-    data: Optional[str]
-    mode: Optional[str]
+    data: str | None
+    mode: str | None
     posterior: str
     cached_estimator: str
     cached_blocks: int
     decay: float
-    expert: Optional[str]
+    expert: str | None
     topk: int
     exclude: list[str]
     batch_size: int
@@ -68,20 +68,20 @@ def batch_size_arg(value: Any) -> int:
 
 def parse_model_args(
     checkpoint: str,
-    data: Optional[str] = None,
-    mode: Optional[str] = None,
+    data: str | None = None,
+    mode: str | None = None,
     posterior: str = "prefix",
     cached_estimator: str = "mean",
     cached_blocks: Any = mx.CACHED_PRIOR_BLOCKS,
     decay: Any = mx.UPDATING_DECAY,
-    expert: Optional[str] = None,
+    expert: str | None = None,
     topk: Any = 0,
     exclude_experts: Any = None,
     batch_size: Any = 4,
     windows: str = "blocks",
     dev_split: str = "valid",
     max_gen_toks: Any = 256,
-    device: Optional[str] = None,
+    device: str | None = None,
     **unknown: Any,
 ) -> DemixArgs:
     """The model_args of `DemixLM`, checked in this order: names, the checkpoint (meta.json only), the excluded
@@ -160,7 +160,7 @@ def _kept_experts(
     return kept
 
 
-def _check_choices(mode: Optional[str], posterior: str, cached_estimator: str, windows: str) -> None:
+def _check_choices(mode: str | None, posterior: str, cached_estimator: str, windows: str) -> None:
     if mode is not None and mode not in MODES:
         raise ValueError(f"demix model_args: mode={mode!r}: choose one of {', '.join(MODES)}")
     if posterior not in mx.POSTERIORS:
@@ -183,7 +183,7 @@ def _check_expert(
     expert: Any,
     kept: list[str],
     exclude: list[str],
-    mode: Optional[str],
+    mode: str | None,
 ) -> None:
     """expert=NAME: a kept expert of a DEMix checkpoint, without a mode."""
     if not is_demix:

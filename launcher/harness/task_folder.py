@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from data.readers import check_shape, read_json_object
 
@@ -20,7 +21,7 @@ TASKS_FORMAT = (
 OLD_TASKS_FORMATS = ("demix-harness-tasks/1",)  # replaced by `tasks`, refused by `check`
 
 
-def file_hashes(root: Union[str, Path]) -> dict[str, str]:
+def file_hashes(root: str | Path) -> dict[str, str]:
     """sha256 of every file under `root` by relative POSIX path, the folder's record (demix_tasks.json) excepted;
     a symbolic link to a directory is listed as "<link>" (never followed)."""
     root, out = Path(root), {}
@@ -33,7 +34,7 @@ def file_hashes(root: Union[str, Path]) -> dict[str, str]:
     return out
 
 
-def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
+def verify_tasks_dir(tasks_dir: str | Path) -> dict[str, Any]:
     """The record of a task folder, after checking that its files are exactly those `write_tasks` wrote, unchanged
     (the sha256 it recorded). lm-eval imports the folder's utils.py for the `!function` of its task YAMLs (and Python
     would load a `__pycache__` beside it instead), so a changed or added .py, .yaml or bytecode file would run code:
@@ -64,9 +65,7 @@ def verify_tasks_dir(tasks_dir: Union[str, Path]) -> dict[str, Any]:
     return rec
 
 
-def read_task_documents(
-    tasks_dir: Union[str, Path], domains: Optional[Sequence[str]] = None
-) -> dict[str, list[str]]:
+def read_task_documents(tasks_dir: str | Path, domains: Sequence[str] | None = None) -> dict[str, list[str]]:
     """{domain: texts} of the perplexity tasks in a folder written by `write_tasks` (the documents they score)."""
     rec = read_json_object(
         Path(tasks_dir) / "demix_tasks.json", {"domains": dict}, what="harness task folder record"

@@ -9,8 +9,9 @@ import json
 import random
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import yaml
 
@@ -112,7 +113,7 @@ def mc_task_yaml(data_file: Path) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-def _span(tok: Any, ids: Sequence[int], text: str, start: int, stop: int) -> Optional[tuple[str, str]]:
+def _span(tok: Any, ids: Sequence[int], text: str, start: int, stop: int) -> tuple[str, str] | None:
     """(text of ids[:start], text of ids[start:stop]) as a prefix and the next piece of `text`; None when the
     decoded tokens are not a prefix of the text (a cut inside a character) or the piece is blank."""
     head, full = tok.decode(list(ids[:start])), tok.decode(list(ids[:stop]))
@@ -168,14 +169,14 @@ def continuation_docs(
 
 
 def write_tasks(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     tokenizer: str,
-    out: Union[str, Path],
+    out: str | Path,
     split: str = "test",
-    max_docs: Optional[int] = None,
-    domains: Optional[Sequence[str]] = None,
+    max_docs: int | None = None,
+    domains: Sequence[str] | None = None,
     seed: int = 0,
-    docs_from: Optional[str] = None,
+    docs_from: str | None = None,
 ) -> dict[str, Any]:
     """Write the task folder `out` (docs/harness.md): <task>.yaml, utils.py, data/*.jsonl and demix_tasks.json
     (the record, returned). Documents: the first `max_docs` of each domain's `split`, with their token count under
@@ -228,11 +229,11 @@ def write_tasks(
 
 
 def _task_texts(
-    data_root: Union[str, Path],
+    data_root: str | Path,
     docs_from: str,
     split: str,
-    max_docs: Optional[int],
-    domains: Optional[Sequence[str]],
+    max_docs: int | None,
+    domains: Sequence[str] | None,
     manifest: Path,
 ) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """{domain: texts} of the split (the asked domains, those with documents) and `split_documents_text`'s notes;

@@ -3,8 +3,8 @@ token once (evaluate's blocks, or lm-eval's rolling windows), `pack_windows` pad
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

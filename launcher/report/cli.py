@@ -13,8 +13,9 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from data.atomic import staged_dir
 from data.cli import check_output_dir, cli_main
@@ -27,8 +28,8 @@ REPORT_FILES = ("report.md", "report.html", "report.json", "loss.png", "loss_dom
 
 
 def write_report(
-    run_dirs: Sequence[Union[str, Path]],
-    out: Union[str, Path],
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
     evals: Sequence[str] = (),
     own_command: str = "",
     title: str = "Run report",
@@ -55,7 +56,7 @@ def write_report(
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line: write the report and print its files' paths (status 2 and one `error:` line on bad input)."""
     ap = argparse.ArgumentParser(prog="python -m launcher.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (launcher.launch --run-dir)")

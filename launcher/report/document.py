@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class Block:
     level: int = 0
     header: tuple[str, ...] = ()
     rows: tuple[tuple[str, ...], ...] = ()
-    code: Optional[str] = None
-    image: Optional[str] = None
+    code: str | None = None
+    image: str | None = None
 
 
 def to_markdown(blocks: Sequence[Block]) -> str:

@@ -13,7 +13,7 @@ import math
 import re
 import shlex
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 from launcher.report.runs import Run
 
@@ -34,7 +34,7 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def world_size_of(run: Run) -> Optional[int]:
+def world_size_of(run: Run) -> int | None:
     """The run's world size: its latest `start` record's, else the `# world size N` line of command.sh."""
     starts = [
         r["world_size"] for r in run.records if r.get("kind") == "start" and is_number(r.get("world_size"))

@@ -13,9 +13,10 @@ config, an eval file that is not the evaluator's JSON.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from data.readers import InputFileError, check_shape, read_json, read_yaml
 
@@ -32,11 +33,11 @@ class Run:
     config_source: str
     records: list[dict[str, Any]]
     skipped_lines: int = 0
-    command: Optional[str] = None
+    command: str | None = None
     node_commands: dict[str, str] = field(default_factory=dict)
     label: str = ""
-    evaluation: Optional[dict[str, Any]] = None
-    eval_path: Optional[Path] = None
+    evaluation: dict[str, Any] | None = None
+    eval_path: Path | None = None
 
 
 def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -80,7 +81,7 @@ def _run_config(path: Path) -> tuple[dict[str, Any], str]:
     )
 
 
-def load_run(path: Union[str, Path]) -> Run:
+def load_run(path: str | Path) -> Run:
     """Read run directory `path`; InputFileError naming what is missing when it is not one."""
     path = Path(path)
     if not path.is_dir():
@@ -104,7 +105,7 @@ def load_run(path: Union[str, Path]) -> Run:
     return Run(path, cfg, source, records, skipped, command, nodes)
 
 
-def load_eval(path: Union[str, Path]) -> tuple[dict[str, Any], Path]:
+def load_eval(path: str | Path) -> tuple[dict[str, Any], Path]:
     """An evaluation (eval.json, or a folder holding one) of launcher.evaluation.evaluate, checked; InputFileError
     when it is missing, not JSON, or not the evaluator's."""
     path = Path(path)
@@ -153,7 +154,7 @@ def label_runs(runs: list[Run]) -> None:
             run.label = f"{run.label} #{seen[run.label]}"
 
 
-def read_inputs(run_dirs: Sequence[Union[str, Path]], evals: Sequence[str] = ()) -> list[Run]:
+def read_inputs(run_dirs: Sequence[str | Path], evals: Sequence[str] = ()) -> list[Run]:
     """Every run directory and evaluation, checked (InputFileError on the first bad one), labelled."""
     seen = set()
     for p in run_dirs:

@@ -4,7 +4,7 @@ and report.json's data (every number shown, format `demix-run-report/1`)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from launcher.report.document import Block
 from launcher.report.numbers import eval_command, is_number, perplexities, run_summary, throughput
@@ -24,7 +24,7 @@ def _pct(v: Any) -> str:
     return f"{100 * v:.1f} %" if is_number(v) else "–"
 
 
-def _ppl(cell: Optional[dict[str, Any]]) -> str:
+def _ppl(cell: dict[str, Any] | None) -> str:
     if not cell or not is_number(cell.get("ppl")):
         return "–"
     ci = cell.get("ci")

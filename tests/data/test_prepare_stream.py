@@ -142,8 +142,7 @@ def test_merge_refuses_missing_chunks_and_writes_nothing(corpus, tmp_path):
     assert r.merged and (tmp_path / "tokens" / "gpt2" / "manifest.json").is_file()
 
 
-KILLER = (
-    """
+KILLER = """
 import os, signal, sys
 import data.chunks as chunks
 chunks.BATCH_CHARS = 800  # several batches per chunk: the kill lands inside one, with its parts half written
@@ -156,11 +155,9 @@ def dying(*a, **k):
     return encode(*a, **k)
 chunks.encode_concat = dying
 from data.prepare import prepare_corpus
-prepare_corpus(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=%d, seed=5, valid_fraction=0.1, test_fraction=0.1,
+prepare_corpus(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=NNN, seed=5, valid_fraction=0.1, test_fraction=0.1,
                anonymise={"code": False}, progress=False)
-"""
-    % CHUNK
-)
+""".replace("NNN", str(CHUNK))
 
 
 def test_killed_mid_domain_resumes_to_identical_files(corpus, tmp_path, capsys):

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_every_group_gives_up_after_the_timeout_set_on_it():
     assert got[1] == ["late", "late"]
 
 
-def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> "object":
+def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> object:
     """The psutil process of trainer rank `rank` below `launcher`."""
     import psutil
 
@@ -133,7 +132,7 @@ FROZEN_TIMEOUT_S = 5  # parallel.comm_timeout_s of the frozen-rank test
 FROZEN_DEADLINE_S = FROZEN_TIMEOUT_S + 30 + 20
 
 
-def timeout_end_problems(rc: Optional[int], err: str, ended: float) -> list[str]:
+def timeout_end_problems(rc: int | None, err: str, ended: float) -> list[str]:
     """What is wrong with a 2-rank job whose rank 1 froze `ended` seconds ago (rc None: still running), for "the
     collective timeout ended it": not exit status 4, not one `error:` line of rank 0 naming the key, its value and
     how to change it, or later than FROZEN_DEADLINE_S."""

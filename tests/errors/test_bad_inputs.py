@@ -14,10 +14,10 @@ import importlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -154,7 +154,7 @@ class Case:
     module: str
     argv: Argv
     expect: str  # a substring of the error message
-    setup: Optional[Callable[[SimpleNamespace, Path], None]] = None
+    setup: Callable[[SimpleNamespace, Path], None] | None = None
     code: int = 2
     writes: bool = False  # a handled case that goes on and writes its outputs (a warning, exit 0)
     # paths (relative to the case directory) that must not exist afterwards

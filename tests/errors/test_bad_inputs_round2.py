@@ -49,11 +49,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any
 
 import pytest
 
@@ -147,16 +148,16 @@ class Case:
     module: str
     argv: Argv
     expect: str  # a substring of the error message
-    setup: Optional[Callable[[SimpleNamespace, Path], None]] = None
-    env: Optional[dict[str, str]] = None  # environment variables set for the call
+    setup: Callable[[SimpleNamespace, Path], None] | None = None
+    env: dict[str, str] | None = None  # environment variables set for the call
     harness: bool = False  # needs lm-eval (and the task folder, copied to d/tasks)
     mutable: bool = (
         True  # safe to run with its rule disabled (the mutation tests); False: would hang, train or be slow
     )
-    rule: Optional[int] = (
+    rule: int | None = (
         None  # the mutation that disables its guard (default: its class's); 0: a check of its own
     )
-    fault: Optional[Callable[[pytest.MonkeyPatch, SimpleNamespace, Path], None]] = (
+    fault: Callable[[pytest.MonkeyPatch, SimpleNamespace, Path], None] | None = (
         None  # applied for the call only,
     )
     # after the setup (e.g. `_disk_full`); the expected text may name "{d}", the case's folder
@@ -389,7 +390,7 @@ class _FullDiskFile:
         for line in lines:
             self.write(line)
 
-    def __enter__(self) -> "_FullDiskFile":
+    def __enter__(self) -> _FullDiskFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -428,9 +429,7 @@ def _dangling(name: str = "out") -> Callable:
     return lambda w, d: (d / name).symlink_to(d / "gone" / "ckpt")
 
 
-def _training_state(
-    w: SimpleNamespace, d: Path, reshape: Optional[tuple[str, tuple[int, ...]]] = None
-) -> None:
+def _training_state(w: SimpleNamespace, d: Path, reshape: tuple[str, tuple[int, ...]] | None = None) -> None:
     """Setup: d/run, a run directory whose training state holds the world's DEMix model (what zero_to_fp32 reads);
     `reshape` (name, shape): that parameter's file holds zeros of another shape."""
     import torch
@@ -471,7 +470,7 @@ def _training_state(
     (d / "run" / "checkpoints" / "latest").write_text(state.name + "\n")
 
 
-def _corpus_line(line: Union[str, bytes]) -> Callable:
+def _corpus_line(line: str | bytes) -> Callable:
     """Setup: d/corpus, a copy of the world's corpus with `line` added to cooking.jsonl (its 9th line)."""
 
     def setup(w, d):
@@ -1625,9 +1624,9 @@ def _edit(path: Path, fn) -> None:
 
 @dataclass
 class Outcome:
-    rc: Optional[int]
+    rc: int | None
     err: str
-    error: Optional[BaseException] = None  # an exception that escaped main (a traceback for the user)
+    error: BaseException | None = None  # an exception that escaped main (a traceback for the user)
 
 
 def _run(case: Case, w: SimpleNamespace, d: Path, monkeypatch) -> Outcome:
@@ -1766,7 +1765,7 @@ def _plain_yaml(text: str, source: str):
 
 
 @contextmanager
-def _old_staged_dir(final: Path, manifest: Optional[str] = None, shared: bool = False) -> Iterator[Path]:
+def _old_staged_dir(final: Path, manifest: str | None = None, shared: bool = False) -> Iterator[Path]:
     """The writers before the class-3 rule: a temporary sibling, published on success, left behind on a failure."""
     from data.atomic import atomic_dir, commit_dir
 
@@ -1776,7 +1775,7 @@ def _old_staged_dir(final: Path, manifest: Optional[str] = None, shared: bool = 
 
 
 @contextmanager
-def _no_cleanup(final: Path, *staged: Path, made: Optional[list] = None) -> Iterator[None]:
+def _no_cleanup(final: Path, *staged: Path, made: list | None = None) -> Iterator[None]:
     yield
 
 

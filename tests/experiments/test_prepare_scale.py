@@ -3,6 +3,7 @@ and the tiktoken baseline loop, on a tiny corpus. The prepare matrix itself is n
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -31,7 +32,7 @@ def test_parse_size():
     assert ps.parse_size("200MB") == 200_000_000
     assert ps.parse_size("1.6GB") == 1_600_000_000
     assert ps.parse_size("2mb") == 2_000_000
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         ps.parse_size("lots")
 
 

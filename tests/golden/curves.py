@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 KINDS: tuple[str, ...] = ("dense", "demix", "gshard")
@@ -125,7 +126,7 @@ def environment() -> dict[str, str]:
 KERNEL_KEYS = ("torch", "deepspeed", "cpu_vendor", "cpu_capability")
 
 
-def other_kernels(recorded: dict[str, str], now: Optional[dict[str, str]] = None) -> Optional[str]:
+def other_kernels(recorded: dict[str, str], now: dict[str, str] | None = None) -> str | None:
     """Why this machine cannot be held to `recorded` bit for bit (torch or DeepSpeed of another version, another CPU
     vendor or kernel family: AVX2 and AVX-512 sum in another order), or None when it can. Tests must pass on any x86
     CPU: there the exact comparison is skipped with this reason, and the one-ulp self-test still runs."""
@@ -206,7 +207,7 @@ def _shown(path: Path) -> str:
 
 
 def make_record(
-    kind: str, losses: Sequence[float], tokens: Path, env: Optional[dict[str, str]] = None
+    kind: str, losses: Sequence[float], tokens: Path, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """The golden file's content for `kind`: the losses (hex, exact; decimal for reading), what produced them
     (`env`: `environment()` unless given)."""
@@ -244,16 +245,16 @@ def load_record(kind: str, golden_dir: Path = GOLDEN_DIR) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _fmt(v: Optional[float]) -> str:
+def _fmt(v: float | None) -> str:
     return "(none)" if v is None else f"{v!r} ({v.hex()})"
 
 
 def compare(
     kind: str,
     got: Sequence[float],
-    golden: Optional[dict[str, Any]] = None,
-    tokens: Optional[Path] = None,
-    env: Optional[dict[str, str]] = None,
+    golden: dict[str, Any] | None = None,
+    tokens: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Raise GoldenMismatch unless `got` (losses of steps 1..) equals the golden record exactly (`==`, every step),
     and, with `tokens`, the corpus is the recorded one. The message names every differing step (expected, got,

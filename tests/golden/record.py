@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from tests.golden.curves import (
     GOLDEN_DIR,
@@ -26,7 +26,7 @@ from tests.golden.curves import (
 )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.golden.record", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--out", type=Path, default=GOLDEN_DIR, help="where the JSON files go (default: tests/golden)"

@@ -21,8 +21,9 @@ import pickle
 import queue as queue_lib
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing import reduction
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 

@@ -19,9 +19,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
 
@@ -34,7 +34,7 @@ PDSH = shutil.which("pdsh")
 PRIVSEP_DIR = Path("/run/sshd")  # sshd refuses to start without its privilege separation directory
 
 
-def missing() -> Optional[str]:
+def missing() -> str | None:
     """Why a real sshd + pdsh cannot run here, or None."""
     programs = (("sshd", SSHD), ("ssh", SSH), ("ssh-keygen", SSH_KEYGEN), ("pdsh", PDSH))
     absent = [name for name, path in programs if path is None]
@@ -61,7 +61,7 @@ class Sshd:
         """PDSH_SSH_ARGS for pdsh's ssh module (its default is `-2 -a -x -l%u %h`), this server's port included."""
         return f"-F {self.client_config} -p {self.port} -l%u %h"
 
-    def env(self, environ: Optional[dict[str, str]] = None) -> dict[str, str]:
+    def env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
         """`environ` (default this process's) with `bin_dir` first on PATH."""
         environ = dict(os.environ if environ is None else environ)
         return dict(environ, PATH=os.pathsep.join([str(self.bin_dir), environ.get("PATH", os.defpath)]))

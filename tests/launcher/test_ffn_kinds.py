@@ -5,8 +5,6 @@ training state's writers."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from parallel.topology import build_topology
 DOMAINS = ["cooking", "sailing", "finance"]
 
 
-def _cfg(kind: str, *sets: str, mixture: Optional[str] = None) -> RunConfig:
+def _cfg(kind: str, *sets: str, mixture: str | None = None) -> RunConfig:
     mixture = mixture or ("by_domain" if kind == "demix" else "natural")
     return load_run_config(
         None,

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -45,7 +44,7 @@ class Loop:
                 stdout=out,
                 stderr=err,
             )
-        self.signalled: Optional[float] = None  # when the first signal was sent
+        self.signalled: float | None = None  # when the first signal was sent
 
     def lines(self) -> list[str]:
         return self.out.read_text().splitlines()

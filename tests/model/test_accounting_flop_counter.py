@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import pytest
 import torch
@@ -104,7 +103,7 @@ SIZES = (Size(2, 64, 64, 500, 4), Size(4, 128, 128, 1000, 2), Size(2, 256, 256, 
 KINDS = {"dense": 0, "demix": 3, "gshard": 4, "cse": 3}  # kind -> experts per expert layer
 
 
-def build(kind: str, size: Size, *extra: str, experts: Optional[int] = None) -> tuple[ModelConfig, GPT]:
+def build(kind: str, size: Size, *extra: str, experts: int | None = None) -> tuple[ModelConfig, GPT]:
     cfg = load_run_config(
         None,
         [

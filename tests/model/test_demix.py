@@ -100,7 +100,7 @@ def test_demix_grouped_matches_the_per_expert_scatter(ids: str, autocast: bool) 
     assert got[0].dtype == (torch.bfloat16 if autocast else torch.float32)
     for e in ffn.expert_ids:
         expected_zero = e not in IDS[ids]
-        for n, p in ffn.experts[str(e)].named_parameters():
+        for n, _p in ffn.experts[str(e)].named_parameters():
             assert (got[2][f"experts.{e}.{n}"].abs().sum() == 0) == expected_zero, (e, n)
 
 

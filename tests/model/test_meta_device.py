@@ -19,8 +19,9 @@ ops); nothing in forward or backward needs one. The routing alone is also run on
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ class OnMeta(torch.Tensor):
     """A tensor on the simulated accelerator: device `meta`, values in the CPU tensor `_values`."""
 
     @staticmethod
-    def __new__(cls, values: torch.Tensor) -> "OnMeta":
+    def __new__(cls, values: torch.Tensor) -> OnMeta:
         return torch.Tensor._make_wrapper_subclass(
             cls,
             values.shape,
@@ -98,7 +99,7 @@ def _wrap(x: Any) -> Any:
         return OnMeta(x)
 
 
-def _dispatch(func, args: tuple, kwargs: Optional[dict]) -> Any:
+def _dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     """Run `func` on the CPU values; reject host tensors meeting device ones; wrap results that are on the device."""
     kwargs = kwargs or {}
     tensors = list(_tensors((args, tuple(kwargs.values()))))
@@ -268,7 +269,7 @@ def _cfg(kind: str, num_experts: int = 0, **gshard: Any) -> ModelConfig:
 
 
 # name -> (config, expert ids held, routing ids per sequence (None: none passed), routing ids on the device, clusters)
-CASES: dict[str, tuple[ModelConfig, Optional[list[int]], Optional[list[int]], bool, int]] = {
+CASES: dict[str, tuple[ModelConfig, list[int] | None, list[int] | None, bool, int]] = {
     "dense": (_cfg("dense"), None, None, False, 0),
     "demix": (_cfg("demix", 3), None, [0, 2, 0], False, 0),  # ids on the host, as the trainer passes them
     "demix-device-ids": (_cfg("demix", 3), None, [2, 1, 2], True, 0),  # single-process evaluation
@@ -298,7 +299,7 @@ def _build(name: str) -> tuple[GPT, dict[str, Any]]:
     tokens = torch.randint(0, V, (B, T), generator=gen)
     for layer in cse_layers(model) if clusters else []:  # centres at the first sequences: they route apart
         seen = []
-        hook = layer.register_forward_pre_hook(lambda m, args: seen.append(m.embed(args[0])))
+        hook = layer.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(m.embed(args[0])))
         with torch.no_grad():
             model.eval()(tokens)
         hook.remove()

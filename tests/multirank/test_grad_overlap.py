@@ -177,7 +177,7 @@ def test_overlapped_reduction_equals_reduction_after_backward_and_runs_inside_it
     # first micro-batch's partial gradients (a stale accumulation-boundary flag) and the training differs
     planted, after = results[0][("demix2-z1", "no_prologue")], results[0][("demix2-z1", "after_backward")]
     assert planted["norms"] != after["norms"]
-    for name, kind, domains, zero, precision in VARIANTS:
+    for name, _kind, _domains, zero, _precision in VARIANTS:
         over, after = [r[(name, "overlap")] for r in results], [r[(name, "after_backward")] for r in results]
         for rank in range(2):
             assert over[rank]["norms"] == after[rank]["norms"], name

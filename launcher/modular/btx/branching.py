@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -53,9 +54,7 @@ def branch_source_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
-def branch_domains(
-    cfg: RunConfig, trained: Sequence[str], domains: Optional[Sequence[str]] = None
-) -> list[str]:
+def branch_domains(cfg: RunConfig, trained: Sequence[str], domains: Sequence[str] | None = None) -> list[str]:
     """The experts' domains in expert-id order: `domains` as given (each must be a domain of the dense run's data,
     `data.path`/`data.tokenizer`), else the dense run's training domains `trained` (its meta's order, the catalog's)."""
     if domains is None:
@@ -140,8 +139,8 @@ def branch_state(state: dict[str, torch.Tensor], num_experts: int, n_layers: int
 
 def branch(
     dense_ckpt: CkptLike,
-    out: Union[str, Path],
-    domains: Optional[Sequence[str]] = None,
+    out: str | Path,
+    domains: Sequence[str] | None = None,
     *,
     overwrite: bool = False,
 ) -> dict[str, Any]:

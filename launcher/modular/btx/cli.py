@@ -16,7 +16,7 @@ import argparse
 import json
 import shlex
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from data.argtypes import open_unit, positive_int
 from data.cli import cli_main, usage_error
@@ -26,7 +26,7 @@ from launcher.modular.btx.branching import branch
 from launcher.modular.btx.upcycling import LAYERS, ROUTER_INITS, upcycle
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The upcycle command's arguments (`[upcycle] CKPT --out DIR ...`)."""
     p = argparse.ArgumentParser(
         prog="python -m launcher.modular.btx [upcycle]",
@@ -109,7 +109,7 @@ def _branch_main(argv: Sequence[str]) -> int:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["branch"]:  # a checkpoint folder named `branch` is ./branch
         return _branch_main(argv[1:])

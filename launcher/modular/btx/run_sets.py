@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from launcher.checkpoint import CheckpointError, read_meta
 from launcher.ffn_kinds import ffn_kind
 from model.config import SHAPE_FIELDS
 
 
-def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
+def finetune_overrides(ckpt: str | Path) -> list[str]:
     """`--set` values that make a run config (e.g. configs/btx/finetune.yaml) start from upcycled checkpoint `ckpt`:
     its model shape, GShard expert count and MoE placement, its data, and `train.init_from`. The expert placement
     (`model.ffn.gshard.experts_per_rank`) is left to the run: it depends on the number of ranks."""
@@ -29,7 +29,7 @@ def finetune_overrides(ckpt: Union[str, Path]) -> list[str]:
     )
 
 
-def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
+def demix_overrides(ckpt: str | Path) -> list[str]:
     """`--set` values that make a DEMix run config (e.g. configs/demo/demix.yaml) train the experts of DEMix checkpoint
     `ckpt` (a branched one) on their domains: its model shape and expert count, the by-domain mixture over its experts'
     domains in its order (`data.domains`; null: the data's training domains, which are then the experts'), its data
@@ -55,7 +55,7 @@ def demix_overrides(ckpt: Union[str, Path]) -> list[str]:
     )
 
 
-def _start_from_sets(ckpt: Union[str, Path], meta: dict[str, Any], ffn_sets: list[str]) -> list[str]:
+def _start_from_sets(ckpt: str | Path, meta: dict[str, Any], ffn_sets: list[str]) -> list[str]:
     """`--set` values for a run starting from `ckpt` (meta `meta`): its model shape, then `ffn_sets`, then its data
     and `train.init_from`."""
     m, d = meta["config"]["model"], meta["config"]["data"]

@@ -4,9 +4,10 @@ new router per MoE layer (launcher/modular/btx/router.py) and the experts' mean 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def btx_config(cfg: RunConfig, layers: str = "every_other", experts_per_rank: in
     )
 
 
-def layout_problems(num_experts: int, experts_per_rank: int, world_size: Optional[int] = None) -> list[str]:
+def layout_problems(num_experts: int, experts_per_rank: int, world_size: int | None = None) -> list[str]:
     """Why E experts cannot be laid out `experts_per_rank` per rank (over `world_size` ranks, when given)."""
     if experts_per_rank < 1:
         return [f"--experts-per-rank={experts_per_rank}: must be >= 1"]
@@ -134,11 +135,11 @@ def _router_gates(
     c: Consolidated,
     moe_layers: Sequence[int],
     router_init: str,
-    data: Optional[str],
-    tokenizer: Optional[str],
+    data: str | None,
+    tokenizer: str | None,
     blocks: int,
     router_entropy: float,
-) -> tuple[dict[int, torch.Tensor], dict[str, dict[str, float]], Optional[str], Optional[str]]:
+) -> tuple[dict[int, torch.Tensor], dict[str, dict[str, float]], str | None, str | None]:
     """Each MoE layer's new router (E x D), its statistics per layer (`data`), and the data and tokenizer used."""
     E, D = len(c.domains), c.cfg.model.d_model
     if router_init == "zero":
@@ -155,16 +156,16 @@ def _router_gates(
 
 def upcycle(
     ckpt: CkptLike,
-    out: Union[str, Path],
+    out: str | Path,
     *,
     layers: str = "every_other",
     router_init: str = "data",
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
+    data: str | None = None,
+    tokenizer: str | None = None,
     blocks: int = 16,
     router_entropy: float = 0.5,
     experts_per_rank: int = 1,
-    world_size: Optional[int] = None,
+    world_size: int | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write the BTX-upcycled GShard checkpoint of DEMix checkpoint `ckpt` to `out` (docs/btx.md); returns a

@@ -32,8 +32,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.argtypes import positive_float, positive_int
 from data.cli import cli_main, usage_error
@@ -105,11 +105,11 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split(s: Optional[str]) -> list[str]:
+def _split(s: str | None) -> list[str]:
     return [x for x in (s or "").split(",") if x]
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="experts.py",  # what it was as a module: usage lines and errors unchanged
         description=__doc__,
@@ -276,7 +276,7 @@ def _report_remove(args: argparse.Namespace) -> None:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line: status 0, or 2 with one `error:` line for a bad input or a failed run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)

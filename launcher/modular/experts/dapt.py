@@ -7,8 +7,8 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import yaml
 
@@ -25,9 +25,9 @@ def dapt_overrides(
     init_from: str,
     domain: str,
     steps: int,
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
-    lr: Optional[float] = None,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    lr: float | None = None,
     lr_scale: float = 0.1,
 ) -> list[str]:
     """`--set` overrides of a DAPT run on top of the checkpoint's own run config. DEMix-DAPT (§6.1): only the
@@ -64,15 +64,15 @@ def dapt_overrides(
 
 
 def run_dapt(
-    ckpt: Union[str, Path],
+    ckpt: str | Path,
     arch: str,
     domain: str,
     steps: int,
-    run_dir: Union[str, Path],
+    run_dir: str | Path,
     nproc: int = 2,
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
-    lr: Optional[float] = None,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    lr: float | None = None,
     lr_scale: float = 0.1,
     extra_sets: Sequence[str] = (),
     dry_run: bool = False,

@@ -5,8 +5,9 @@ other tensor is copied unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from launcher.modular.lineage import inherited_meta
 from model import mixture as mx
 
 
-def save(c: Consolidated, out: Union[str, Path]) -> Path:
+def save(c: Consolidated, out: str | Path) -> Path:
     """Write `c` as a consolidated checkpoint, keeping the source's extra metadata (tokenizer, lineage)."""
     extra = inherited_meta(c.meta)
     return save_consolidated(out, c.state_dict, c.cfg, c.domains, c.step, extra=extra)
@@ -35,8 +36,8 @@ def save(c: Consolidated, out: Union[str, Path]) -> Path:
 def estimate_domain_prior(
     ckpt: CkptLike,
     domain: str,
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
+    data: str | None = None,
+    tokenizer: str | None = None,
     split: str = "valid",
     dev_blocks: int = mx.CACHED_PRIOR_BLOCKS,
     estimator: str = "mean",
@@ -76,12 +77,12 @@ def add_expert_state(c: Consolidated, domain: str, source: int) -> Consolidated:
 def add_expert(
     ckpt: CkptLike,
     domain: str,
-    out: Optional[Union[str, Path]],
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
+    out: str | Path | None,
+    data: str | None = None,
+    tokenizer: str | None = None,
     dev_blocks: int = mx.CACHED_PRIOR_BLOCKS,
     dev_split: str = "valid",
-    source: Optional[str] = None,
+    source: str | None = None,
 ) -> tuple[Consolidated, dict[str, Any]]:
     """DEMix §6, step 1-2: estimate the posterior on held-out blocks of `domain`, copy the most probable expert (or
     `source`, given by name) to a new expert id E; write the E+1-expert checkpoint to `out` (unless None). Returns
@@ -115,7 +116,7 @@ def add_expert(
     return new, {**record, "out": None if out is None else str(out), "domains": new.domains}
 
 
-def remove_experts(ckpt: CkptLike, names: Sequence[str], out: Union[str, Path]) -> dict[str, Any]:
+def remove_experts(ckpt: CkptLike, names: Sequence[str], out: str | Path) -> dict[str, Any]:
     new = remove_experts_state(_load(ckpt), names)
     save(new, out)
     return {"removed": list(names), "domains": new.domains, "out": str(out)}

@@ -4,7 +4,7 @@ JSON into a report folder."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from data.atomic import staged_dir
 from data.cli import check_output_dir
@@ -103,14 +103,12 @@ def removal_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_report_out(out: Union[str, Path], name: str, fmt: str) -> None:
+def check_report_out(out: str | Path, name: str, fmt: str) -> None:
     """The output rule (data/cli.py) for `report --out`: new, or holding this report's own `<name>.json`."""
     check_output_dir(Path(out), [fmt], [f"{name}.json", f"{name}.md"], manifest=f"{name}.json", what="--out")
 
 
-def write_report(
-    report: dict[str, Any], markdown: str, out: Union[str, Path], name: str
-) -> tuple[Path, Path]:
+def write_report(report: dict[str, Any], markdown: str, out: str | Path, name: str) -> tuple[Path, Path]:
     """Write `<out>/<name>.json` and `<out>/<name>.md` together (data/atomic.py `staged_dir`, into a folder other
     reports share): a failure, a full disk included, leaves neither."""
     out = Path(out)

@@ -4,8 +4,9 @@ per domain)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ def domain_log_likelihoods(
     tokenizer: str,
     domain: str,
     split: str,
-    max_blocks: Optional[int],
+    max_blocks: int | None,
     batch_size: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ll E x N x T of every expert on the first `max_blocks` blocks of a domain's split, and the mask N x T."""
@@ -67,15 +68,15 @@ def masked_mixture(
 @torch.no_grad()
 def evaluate_experts(
     ckpt: CkptLike,
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
+    data: str | None = None,
+    tokenizer: str | None = None,
     *,
-    domains: Optional[Sequence[str]] = None,
-    experts: Optional[Sequence[str]] = None,
+    domains: Sequence[str] | None = None,
+    experts: Sequence[str] | None = None,
     without: Sequence[str] = (),
     split: str = "test",
     dev_split: str = "valid",
-    max_blocks: Optional[int] = 16,
+    max_blocks: int | None = 16,
     cached_blocks: int = 16,
     estimator: str = "mean",
 ) -> dict[str, Any]:

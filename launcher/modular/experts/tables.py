@@ -3,7 +3,8 @@ domains before and after DAPT) and removal (Table 7, as a full matrix over remov
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +34,9 @@ def adaptation_report(
     dense_before: CkptLike,
     dense_after: CkptLike,
     new_domains: Sequence[str],
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
-    max_blocks: Optional[int] = 16,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    max_blocks: int | None = 16,
     cached_blocks: int = 16,
 ) -> dict[str, Any]:
     """Tables 6 and 13: perplexity on the training domains (T) and the new domains (N) before and after adaptation.
@@ -107,10 +108,10 @@ def adaptation_report(
 
 def removal_report(
     ckpt: CkptLike,
-    data: Optional[str] = None,
-    tokenizer: Optional[str] = None,
-    domains: Optional[Sequence[str]] = None,
-    max_blocks: Optional[int] = 16,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    domains: Sequence[str] | None = None,
+    max_blocks: int | None = 16,
     cached_blocks: int = 16,
 ) -> dict[str, Any]:
     """Table 7 as a full matrix: for each evaluated domain d (`domains`, default every expert's), the cached-prior

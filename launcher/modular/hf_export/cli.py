@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from data.argtypes import nonneg_float, positive_int
 from data.cli import check_output_dir, cli_main, usage_error
@@ -68,7 +68,7 @@ def _parse_weights(s: str) -> dict[str, float]:
     return out
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="hf_export.py",  # what it was as a module: usage lines and errors unchanged
         description=__doc__,
@@ -115,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 @cli_main
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line: status 0 with the record on stdout, or 2 with one `error:` line."""
     args = parse_args(argv)
     try:

@@ -5,7 +5,7 @@ demix_export.json (the record), staged and published whole."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from data.atomic import staged_dir
 from launcher.checkpoint import Consolidated, load_consolidated, write_json_atomic
@@ -19,15 +19,15 @@ READ_FORMATS = ("demix-hf-export/1", HF_EXPORT_FORMAT)  # an older export folder
 
 
 def export(
-    ckpt: Union[str, Path, Consolidated],
-    out: Union[str, Path],
-    domain: Optional[str] = None,
-    merge: Optional[dict[str, float]] = None,
+    ckpt: str | Path | Consolidated,
+    out: str | Path,
+    domain: str | None = None,
+    merge: dict[str, float] | None = None,
     check: bool = True,
-    merge_source: Optional[str] = None,
+    merge_source: str | None = None,
     tokenizer: Any = None,
-    eval_json: Optional[Union[str, Path]] = None,
-    source: Optional[str] = None,
+    eval_json: str | Path | None = None,
+    source: str | None = None,
 ) -> dict[str, Any]:
     """Write `out` (config.json, generation_config.json, model.safetensors via save_pretrained; with the project's
     `tokenizer`, the fast tokenizer files and a trimmed vocabulary; README.md; demix_export.json). Returns the record

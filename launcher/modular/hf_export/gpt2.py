@@ -17,7 +17,8 @@ Our GPT and GPT-2 are the same network up to layout:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from launcher.checkpoint import CheckpointError, Consolidated
 from launcher.modular.hf_export.merging import dense_model, dense_state_dict
 
 
-def special_ids(c: Consolidated, tok: Any = None) -> dict[str, Optional[int]]:
+def special_ids(c: Consolidated, tok: Any = None) -> dict[str, int | None]:
     """bos/eos/pad ids: the tokenizer's (pad = end of document: GPT-2 has no pad token), else the checkpoint's
     meta.json (written by the trainer), else None."""
     bos = tok.bos_id if tok is not None else c.meta.get("bos_id")
@@ -33,7 +34,7 @@ def special_ids(c: Consolidated, tok: Any = None) -> dict[str, Optional[int]]:
     return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}
 
 
-def gpt2_config(c: Consolidated, vocab_rows: int, ids: Optional[dict[str, Optional[int]]] = None) -> Any:
+def gpt2_config(c: Consolidated, vocab_rows: int, ids: dict[str, int | None] | None = None) -> Any:
     from transformers import GPT2Config
 
     m = c.cfg.model
@@ -86,7 +87,7 @@ def to_gpt2_state_dict(
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None, tok: Any = None) -> Any:
+def build_hf_model(c: Consolidated, weights_E: Sequence[float] | None = None, tok: Any = None) -> Any:
     """A GPT2LMHeadModel with the (single-domain or merged) weights of `c`, in eval mode; with the project's
     tokenizer `tok`, its vocabulary trimmed to the real tokens and its special ids set (generation config too)."""
     from transformers import GenerationConfig, GPT2LMHeadModel
@@ -130,8 +131,8 @@ def build_hf_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None,
 def max_logit_diff(
     c: Consolidated,
     hf_model: Any,
-    weights_E: Optional[Sequence[float]] = None,
-    tokens_BT: Optional[torch.Tensor] = None,
+    weights_E: Sequence[float] | None = None,
+    tokens_BT: torch.Tensor | None = None,
     seed: int = 0,
 ) -> float:
     """max |logits_ours - logits_hf| on `tokens_BT` (default: 2 random sequences of the full context)."""

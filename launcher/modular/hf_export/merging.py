@@ -6,8 +6,8 @@ agree."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Optional, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ _EXPERT_PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
 def expert_weights(
-    c: Consolidated, domain: Optional[str] = None, weights: Optional[dict[str, float]] = None
+    c: Consolidated, domain: str | None = None, weights: dict[str, float] | None = None
 ) -> list[float]:
     """Weights over the checkpoint's experts: one-hot on `domain`, or `weights` by name (normalised to sum 1)."""
     if (domain is None) == (weights is None):
@@ -47,7 +47,7 @@ def merge_weights_over(domains: Sequence[str], weights: dict[str, float]) -> lis
         raise CheckpointError(str(e)) from None
 
 
-def dense_state_dict(c: Consolidated, weights_E: Optional[Sequence[float]] = None) -> dict[str, torch.Tensor]:
+def dense_state_dict(c: Consolidated, weights_E: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint as a dense model's state dict (our names): shared tensors unchanged, each DEMix layer's FFN
     the weighted sum of its experts, sum_j w_j W_j (one-hot: one domain's expert, bit-exact)."""
     kind = ffn_kind(c.cfg)
@@ -73,7 +73,7 @@ def dense_state_dict(c: Consolidated, weights_E: Optional[Sequence[float]] = Non
     return out
 
 
-def dense_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None) -> torch.nn.Module:
+def dense_model(c: Consolidated, weights_E: Sequence[float] | None = None) -> torch.nn.Module:
     """Our own GPT (dense FFN) holding `dense_state_dict`: the reference the export must reproduce."""
     from model.gpt import GPT
 
@@ -84,7 +84,7 @@ def dense_model(c: Consolidated, weights_E: Optional[Sequence[float]] = None) ->
 
 
 def merge_weights_from_data(
-    c: Consolidated, domain: str, data: Optional[str], tokenizer: Optional[str], dev_blocks: int
+    c: Consolidated, domain: str, data: str | None, tokenizer: str | None, dev_blocks: int
 ) -> mx.CachedPrior:
     """The target domain's cached prior over the experts, estimated on its development blocks (§5.1)."""
     from launcher.modular.experts.editing import estimate_domain_prior

@@ -4,14 +4,15 @@ CKPT/eval/eval.json, else the run's CKPT/../eval/eval.json, or --eval-json)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 from data.readers import read_json_object
 from launcher.checkpoint import CheckpointError, Consolidated, read_meta
 
 
-def eval_json_candidates(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> list[Path]:
+def eval_json_candidates(checkpoint: str | Path, exclude: Sequence[str] = ()) -> list[Path]:
     """Where `launcher.evaluation.evaluate CKPT` leaves its eval.json, in the order the export looks: its default
     --out `CKPT/eval` (`CKPT/eval-without-<names>` for an evaluation with --exclude-experts, when the export opts
     the same experts out), then the run directory's `CKPT/../eval` (launcher/demo.py, reproduce.py; the export's
@@ -21,7 +22,7 @@ def eval_json_candidates(checkpoint: Union[str, Path], exclude: Sequence[str] = 
     return [*without, ckpt / "eval" / "eval.json", ckpt.parent / "eval" / "eval.json"]
 
 
-def find_eval_json(checkpoint: Union[str, Path], exclude: Sequence[str] = ()) -> Optional[Path]:
+def find_eval_json(checkpoint: str | Path, exclude: Sequence[str] = ()) -> Path | None:
     """The first `eval_json_candidates` that is a file, else None."""
     return next((p for p in eval_json_candidates(checkpoint, exclude) if p.is_file()), None)
 
@@ -49,7 +50,7 @@ def _blocks_phrase(res: dict[str, Any]) -> str:
     )
 
 
-def eval_table(eval_json: Optional[Path], domain: Optional[str], looked: Sequence[Path] = ()) -> list[str]:
+def eval_table(eval_json: Path | None, domain: str | None, looked: Sequence[Path] = ()) -> list[str]:
     """Markdown rows of the source model's test perplexities (launcher.evaluation.evaluate's eval.json); `looked`:
     where the default search looked, named when nothing was found."""
     if eval_json is None or not eval_json.is_file():
@@ -93,7 +94,7 @@ def eval_table(eval_json: Optional[Path], domain: Optional[str], looked: Sequenc
     return lines
 
 
-def _base_tokens(init_from: str) -> Optional[int]:
+def _base_tokens(init_from: str) -> int | None:
     """`train_tokens` of the checkpoint a run started from (train.init_from), None when it cannot be read."""
     try:
         tokens = read_meta(init_from).get("train_tokens")
@@ -102,7 +103,7 @@ def _base_tokens(init_from: str) -> Optional[int]:
     return tokens if isinstance(tokens, int) else None
 
 
-def training_tokens_line(c: Consolidated, domain: Optional[str]) -> str:
+def training_tokens_line(c: Consolidated, domain: str | None) -> str:
     """The model card's training-token line. An exported expert that `launcher.modular.experts add` appended (its
     `added_experts` record in meta.json) has none of its own: the count in meta.json is the model it was added to.
     A run started from a checkpoint (`train.init_from`: DAPT) counts only its own tokens in `train_tokens`: with
@@ -153,7 +154,7 @@ def training_tokens_line(c: Consolidated, domain: Optional[str]) -> str:
 
 
 def model_card(
-    c: Consolidated, record: dict[str, Any], eval_json: Optional[Path] = None, looked: Sequence[Path] = ()
+    c: Consolidated, record: dict[str, Any], eval_json: Path | None = None, looked: Sequence[Path] = ()
 ) -> str:
     """README.md of the export: what the model is, how to load it, what it was trained on, how well it does
     (`looked`: where the evaluation was searched for, named when none was found)."""

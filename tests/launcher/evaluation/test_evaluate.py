@@ -113,7 +113,7 @@ def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix
     assert res["experts"] == ["news", "code"] and res["step"] == 7 and res["modes"] == list(DEMIX_MODES)
     doms = res["domains"]
     assert {d: r["role"] for d, r in doms.items()} == {"code": "train", "legal": "novel", "news": "train"}
-    for d, r in doms.items():
+    for r in doms.values():
         assert set(r["ppl"]) == set(DEMIX_MODES)
         assert all(1.0 < v < 1e6 for v in r["ppl"].values())
         assert sum(r["posterior"]["updating_mean_end_of_block"].values()) == pytest.approx(1.0)

@@ -214,7 +214,9 @@ def _trainer_eval(rank: int, world: int, tokens: str, zeros: tuple) -> dict:
         module = bundle.engine.module
         seen = []
         hook = module.register_forward_pre_hook(
-            lambda m, a: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            lambda m, a, seen=seen: seen.append(
+                (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            )
         )
         metrics = evaluate(bundle, plan, rank, device)
         hook.remove()

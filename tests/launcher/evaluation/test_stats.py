@@ -103,7 +103,7 @@ def test_unigram_from_counts_equals_the_array_fit():
     V = 300
     rng = np.random.default_rng(7)
     ks = set()
-    for trial in range(12):
+    for _trial in range(12):
         # a Zipf-like training split over part of the vocabulary; dev with more or fewer unseen ids
         train = np.minimum(rng.zipf(1.3, size=int(rng.integers(50, 5000))), 200) - 1
         unseen = rng.integers(200, V, size=int(rng.integers(0, 400)))

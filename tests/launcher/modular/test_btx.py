@@ -13,7 +13,6 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -297,7 +296,7 @@ def _four_domain_demix(root: Path) -> tuple[Path, Path]:
     return tokens, ckpt
 
 
-def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, Optional[float]]:
+def _first_step_loss(btx: Path, run: Path, world: int) -> tuple[float, float | None]:
     """(loss over every rank's first micro-batch, rank 0's aux loss: None without one, e.g. DEMix) of checkpoint
     `btx` (upcycled, or branched: tests/launcher/modular/test_btx_branch.py) evaluated directly on the batches the
     trainer's samplers give each rank at step 0, in training mode with the run's routing settings (the deterministic
