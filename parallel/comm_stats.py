@@ -113,6 +113,12 @@ class CommStats:
             setattr(dist, name, self._wrap(name, fn))
         return self
 
+    def uninstall(self) -> None:
+        """Put torch.distributed's own collectives back (a later `install` would otherwise wrap these wrappers)."""
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+
     def _wrap(self, name: str, fn: Callable) -> Callable:
         signature = inspect.signature(fn)
 
