@@ -369,6 +369,7 @@ def _finite(path: Path) -> bool:
     return True
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_diverging_run_stops_before_saving_and_keeps_the_last_good_state(tiny_tokens, tmp_path):
     """The control: 3 steps at a normal lr (the trainer on 2 forked gloo ranks) pass every check, save (keeping 1

@@ -321,6 +321,7 @@ def test_a_trainer_started_with_a_run_dir_plans_with_it(tiny_tokens, tmp_path, m
     assert seen["run_dir"] == tmp_path / "r" and seen["cfg"].logging.out_dir == str(tmp_path / "r")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_launched_resume_is_announced_and_the_run_records_its_run_dir(tiny_tokens, tmp_path):
     """Two launches into one --run-dir: the second says on the console where it resumes from; the config and the

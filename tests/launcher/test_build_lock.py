@@ -56,6 +56,7 @@ def test_no_lock_no_message(tmp_path):
     assert clear_stale_build_lock({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) is None
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_launch_after_a_killed_build_starts_instead_of_hanging(tiny_tokens, tmp_path):
     """The built op and a lock left 10 minutes ago: without the rule every rank waits on the lock for ever (the

@@ -255,6 +255,7 @@ def moved(tiny_tokens, tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("before,after", [(2, 4), (4, 2)])
 def test_a_run_resumed_on_another_number_of_ranks_continues_its_loss(moved, before, after):
     """A state written on `before` ranks continues on `after` ranks (and another ZeRO stage for 2 -> 4) on the
@@ -272,6 +273,7 @@ def test_a_run_resumed_on_another_number_of_ranks_continues_its_loss(moved, befo
     assert start["world_size"] == after and start["resumed_from"].endswith(f"step_{source:08d}")
 
 
+@pytest.mark.long
 def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, moved, tmp_path, capsys):
     """`python -m launcher.zero_to_fp32 RUN` converts the latest training state of an fp32 ZeRO-2 run into a
     consolidated checkpoint equal to the run's own export, tensor for tensor, so both evaluate to the same
@@ -322,6 +324,7 @@ def test_zero_to_fp32_gives_the_model_the_export_holds(tiny_tokens, moved, tmp_p
     assert ppl["fp32"] == ppl["export"] and ppl["fp32"]["cooking"]["naive"] > 1
 
 
+@pytest.mark.long
 def test_what_cannot_change_on_resume_is_named_before_anything_starts(tiny_tokens, moved, tmp_path, capsys):
     """Another head count, tensor-parallel size or domain set cannot load a state: the launcher names each
     difference (before any rank starts: these are dry runs of `launcher.launch`); an old-format state says how to
