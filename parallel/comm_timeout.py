@@ -118,11 +118,22 @@ def describe_group(group: dist.ProcessGroup | None) -> str:
 
 def failed_collective(exc: BaseException) -> str | None:
     """ "all_reduce on the data-parallel group (ranks [0, 1])": the innermost torch.distributed collective in `exc`'s
-    traceback and the group it was given; None when no such frame is there (e.g. a timeout of the rendezvous)."""
+    traceback and the group it was given, or the innermost waiting object with a `collective` property ((op, group):
+    the wait of an asynchronous collective, whose call frame is gone); None when there is neither (e.g. a timeout of
+    the rendezvous)."""
     found: str | None = None
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if isinstance(
+            getattr(type(owner), "collective", None), property
+        ):  # waiting on an asynchronous collective
+            try:
+                op, group = owner.collective
+                found = f"{op} on {describe_group(group)}"
+            except Exception:  # a description is never worth a second error
+                pass
         if frame.f_code.co_filename.endswith("distributed_c10d.py") and not frame.f_code.co_name.startswith(
             "_"
         ):

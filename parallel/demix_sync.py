@@ -414,6 +414,11 @@ class _Pending:
     handle: Any
     copied: int  # elements of the flat copy (0: reduced in place)
 
+    @property
+    def collective(self) -> tuple[str, Any]:
+        """(op, group) of the collective this waits on, for a timeout's message (parallel/comm_timeout.py)."""
+        return "all_reduce", self.bucket.group
+
     def finish(self) -> None:
         from torch._utils import _unflatten_dense_tensors
 

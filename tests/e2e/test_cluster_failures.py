@@ -85,15 +85,30 @@ def _late_peer(rank: int, world: int) -> list:
     name_group(sub, "the test's group")
     dist.all_reduce(torch.ones(1), group=sub)  # both groups connected
     assert set_comm_timeout(1.0, "test") >= 2  # the world group and `sub`
+
+    class Pending:  # the wait of an asynchronous collective (parallel/demix_sync.py `_Pending`): no c10d frame left
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+
+        @property
+        def collective(self) -> tuple:
+            return "all_reduce", sub
+
+        def finish(self) -> None:
+            self.handle.wait()
+
     seen = []
-    for group in (None, sub):
+    for group in (None, sub, "async"):
         if rank == 1:
             time.sleep(3)
             seen.append("late")
             continue
         t0 = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(1), group=group)
+            if group == "async":
+                Pending(dist.all_reduce(torch.ones(1), group=sub, async_op=True)).finish()
+            else:
+                dist.all_reduce(torch.ones(1), group=group)
             seen.append("completed")
         except RuntimeError as e:
             seen.append((is_comm_timeout(e), round(time.monotonic() - t0), failed_collective(e)))
@@ -104,11 +119,13 @@ def test_every_group_gives_up_after_the_timeout_set_on_it():
     """torch's `_set_pg_timeout` reaches gloo's world group and a `new_group` made with another timeout (each group
     otherwise keeps the one it was made with: 30 minutes by default)."""
     got = run_ranks(_late_peer, 2, init_pg=True)
-    assert got[0] == [
+    assert got[0][:2] == [
         (True, 1, "all_reduce on the world group (ranks 0-1)"),
         (True, 1, "all_reduce on the test's group (ranks [0, 1])"),
     ], got
-    assert got[1] == ["late", "late"]
+    # the asynchronous one, waited in an object that names its collective (the group's pair already gave up once)
+    assert (got[0][2][0], got[0][2][2]) == (True, "all_reduce on the test's group (ranks [0, 1])"), got
+    assert got[1] == ["late", "late", "late"]
 
 
 def _find_rank(launcher: subprocess.Popen, rank: int, timeout: float = 600) -> object:
@@ -147,7 +164,8 @@ def timeout_end_problems(rc: int | None, err: str, ended: float) -> list[str]:
         problems.append(f"not one line {want!r}...: {lines}")
     # what rank 0 waited in, and when: a collective of torch.distributed on a named group, in a training step
     elif not re.match(
-        r"error: rank 0: \w+ on the [\w -]+ group \(ranks .*\) during training step \d+ waited", lines[0]
+        r"error: rank 0: \w+ on (the [\w -]+|a) group .*\(ranks .*\) during training step \d+ waited",
+        lines[0],
     ):
         problems.append(f"the line does not name the collective, its group and the step: {lines[0]}")
     if ended >= FROZEN_DEADLINE_S:
