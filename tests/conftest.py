@@ -41,12 +41,11 @@ def write_corpus(root: Path, docs_per_domain: int = 60, seed: int = 0) -> Path:
     return corpus
 
 
-@pytest.fixture(scope="session")
-def tiny_tokens(tmp_path_factory) -> Path:
-    """A prepared (GPT-2 BPE, indexed) 3-domain corpus; returns the tokens root for data.path."""
+def build_tiny_tokens(root: Path) -> Path:
+    """The tiny corpus written and prepared (GPT-2 BPE, indexed) under `root`; returns the tokens root for data.path.
+    The `tiny_tokens` fixture, and the golden curves' recorder outside pytest (tests/golden/record.py)."""
     from data.prepare import prepare_corpus
 
-    root = tmp_path_factory.mktemp("tiny_corpus")
     corpus = write_corpus(root)
     prepare_corpus(
         corpus,
@@ -58,6 +57,12 @@ def tiny_tokens(tmp_path_factory) -> Path:
         test_fraction=0.15,
     )
     return root / "tokens"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokens(tmp_path_factory) -> Path:
+    """A prepared (GPT-2 BPE, indexed) 3-domain corpus; returns the tokens root for data.path."""
+    return build_tiny_tokens(tmp_path_factory.mktemp("tiny_corpus"))
 
 
 def random_lm_batch(seed: int, micro_batch: int, seq_len: int, vocab: int) -> dict:

@@ -68,22 +68,11 @@ def overrides(kind: str, tokens: str = TOKENS_PLACEHOLDER) -> list[str]:
 
 
 def build_corpus(root: Path) -> Path:
-    """The `tiny_tokens` fixture's corpus (tests/conftest.py, the same calls and arguments) under `root`; returns
-    the tokens root. For the recording, which runs outside pytest; the test uses the fixture itself."""
-    from data.prepare import prepare_corpus
-    from tests.conftest import write_corpus
+    """The `tiny_tokens` fixture's corpus under `root` (tests/conftest.py `build_tiny_tokens`); returns the tokens
+    root. For the recording, which runs outside pytest; the test uses the fixture itself."""
+    from tests.conftest import build_tiny_tokens
 
-    corpus = write_corpus(root)
-    prepare_corpus(
-        corpus,
-        root / "tokens",
-        tokenizer="gpt2",
-        workers=1,
-        progress=False,
-        valid_fraction=0.15,
-        test_fraction=0.15,
-    )
-    return root / "tokens"
+    return build_tiny_tokens(root)
 
 
 def corpus_sha256(tokens: Path) -> str:
