@@ -9,9 +9,13 @@ gradients over the rank's domain group only, each `per step` times (1, or grad_a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
+import pytest
 import torch
 
-from parallel.demix_sync import sync_rows
+from parallel.demix_sync import SyncRow, sync_rows
 from tests.harness.multirank import run_ranks
 from tests.multirank.test_demix_sync import GAS, _batch, _cfg
 
@@ -56,10 +60,12 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
-def _expected(kind: str, zero: int, r: dict) -> dict[tuple[str, str], int]:
+def _expected(
+    kind: str, zero: int, r: dict, rows: Callable[[int, str], list[SyncRow]] = sync_rows
+) -> dict[tuple[str, str], int]:
     """(group, collective) -> gradient bytes per step, from the table's gradient rows."""
     want: dict[tuple[str, str], int] = {}
-    for row in sync_rows(zero, kind):
+    for row in rows(zero, kind):
         key = (r["groups"][row.group], row.collective)
         times = GAS if row.per_step == "grad_accum" else 1
         if row.gradients in ("shared", "expert e"):
@@ -69,14 +75,20 @@ def _expected(kind: str, zero: int, r: dict) -> dict[tuple[str, str], int]:
     return want
 
 
-def test_the_sync_table_matches_the_collectives_of_a_real_step():
-    results = run_ranks(_worker, 4)
+@pytest.fixture(scope="module")
+def results() -> list:
+    """Every rank's counts of one real step per (kind, ZeRO stage) of RUNS."""
+    return run_ranks(_worker, 4)
+
+
+def _problems(results: list, rows: Callable[[int, str], list[SyncRow]] = sync_rows) -> list[str]:
+    """Where the collectives counted in `results` differ from the table `rows` gives (none: they agree)."""
     problems = []
     for kind, zeros in RUNS:
         for zero in zeros:
             for rank, res in enumerate(results):
                 r = res[(kind, zero)]
-                want = _expected(kind, zero, r)
+                want = _expected(kind, zero, r, rows)
                 got = {k: b for k, (b, calls) in r["counts"].items()}
                 if set(got) != set(want):
                     problems.append(
@@ -89,7 +101,26 @@ def test_the_sync_table_matches_the_collectives_of_a_real_step():
                             f"{kind} ZeRO {zero} rank {rank}: {key} moved {got[key]} bytes, table's gradient rows "
                             f"{b} (+ < {SCALARS} of scalars)"
                         )
+    return problems
+
+
+def test_the_sync_table_matches_the_collectives_of_a_real_step(results):
+    problems = _problems(results)
     assert not problems, "\n".join(problems)
     # the layout is what the table's test needs: the domain group is a strict subset of the data-parallel group
     r = results[0][("demix", 0)]
     assert r["groups"]["e's domain"] == "ranks_0_1" and r["groups"]["data-parallel"] == "ranks_0_1_2_3"
+
+
+def test_the_control_a_table_reducing_experts_over_every_rank_is_caught(results):
+    """The same counts against a planted table whose expert rows reduce over the data-parallel group (what a dense
+    model does, and DEMix must not): the comparison reports it."""
+
+    def planted(zero: int, kind: str) -> list[SyncRow]:
+        return [
+            dataclasses.replace(row, group="data-parallel") if row.gradients == "expert e" else row
+            for row in sync_rows(zero, kind)
+        ]
+
+    problems = _problems(results, planted)
+    assert problems and all(p.startswith("demix ") for p in problems), problems
