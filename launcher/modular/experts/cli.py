@@ -10,6 +10,14 @@ baseline), remove experts, and report both in the paper's shape (Tables 6, 7, 13
     python -m launcher.modular.experts report remove CKPT --out DIR
     python -m launcher.modular.experts demo            # `make modular`: all of the above on the demo corpus
 
+Experts from owners who share no data (launcher/modular/owners/, docs/modular.md):
+
+    python -m launcher.modular.experts train-owner ANCHOR --domain D --data OWNER_TOKENS --steps N --out PKG \\
+        [--nproc 2 | --hostfile H] [--source EXPERT] [--tag licence=cc-by]
+    python -m launcher.modular.experts package CKPT --domain D --out PKG [--anchor ANCHOR] [--data DIR]
+    python -m launcher.modular.experts merge ANCHOR PKG [PKG ...] --out MERGED
+    python -m launcher.modular.experts verify MERGED --without D [--packages PKG ...] [--anchor A] [--out AUDIT.json]
+
 Expert ids are positions in the checkpoint's domain list (`meta.json` "domains"). Adding appends id E (domain list
 + [new]); removing renumbers the kept experts in their old order. Every other tensor is copied unchanged.
 
@@ -34,6 +42,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from data.argtypes import positive_float, positive_int
 from data.cli import cli_main, usage_error
@@ -170,6 +179,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     rep.add_argument("--cached-blocks", type=positive_int, default=16)
     rep.add_argument("--out", required=True)
     data_args(rep)
+    _owner_parsers(sub, data_args)
     m = sub.add_parser("demo", help="`make modular`: add, DEMix-DAPT vs Dense-DAPT, remove, tables")
     m.add_argument("--demix", default="runs/demo/demix/model")
     m.add_argument("--dense", default="runs/demo/dense/model")
@@ -181,6 +191,167 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--max-blocks", type=positive_int, default=8)
     m.add_argument("--out", default="runs/modular")
     return p.parse_args(argv)
+
+
+def _tags(pairs: Sequence[str]) -> dict[str, str]:
+    """`--tag key=value` pairs as a dict (a key given twice keeps the last value)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CheckpointError(f"--tag {pair!r}: expected KEY=VALUE, e.g. --tag licence=cc-by-4.0")
+        out[key.strip()] = value
+    return out
+
+
+def _owner_parsers(sub: Any, data_args: Any) -> None:
+    """The subcommands of owners who share no data: train-owner, package, merge, verify."""
+    t = sub.add_parser(
+        "train-owner",
+        help="train a new expert from ANCHOR on the owner's data alone (shared parameters frozen), then package it",
+    )
+    t.add_argument("anchor", help="the public anchor checkpoint (Dense or DEMix)")
+    t.add_argument("--domain", required=True, help="the owner's domain: the new expert's name")
+    t.add_argument("--data", required=True, help="the owner's prepared tokens root (python -m data.prepare)")
+    t.add_argument("--tokenizer", help="tokenizer directory name (default: the anchor's)")
+    t.add_argument("--steps", type=positive_int, required=True)
+    t.add_argument("--out", required=True, help="the package directory to write")
+    t.add_argument("--run-dir", help="the training run's directory (default: OUT.run)")
+    t.add_argument("--nproc", type=positive_int, default=2, help="local ranks (without --hostfile)")
+    t.add_argument("--hostfile", help="a DeepSpeed hostfile: train on those hosts (docs/cluster.md)")
+    t.add_argument(
+        "--launcher", help="with --hostfile: pdsh (default), openmpi, slurm, ... (launch --launcher)"
+    )
+    t.add_argument("--master-addr", help="with --hostfile: the first host's address")
+    t.add_argument("--source", help="a DEMix anchor's expert to start from (default: the most probable one)")
+    t.add_argument("--lr", type=positive_float, help="learning rate (default: lr-scale x the anchor's)")
+    t.add_argument("--lr-scale", type=positive_float, default=1.0)
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument(
+        "--tag", action="append", default=[], metavar="KEY=VALUE", help="e.g. licence=..., contact=..."
+    )
+    t.add_argument("--dev-blocks", type=positive_int, default=32, help="valid blocks for the dev perplexity")
+    t.add_argument(
+        "--router-blocks", type=positive_int, default=64, help="train blocks for the router vector"
+    )
+    t.add_argument("--overwrite", action="store_true", help="replace an existing package at --out")
+    t.add_argument("--dry-run", action="store_true", help="write the start and the run's plan; train nothing")
+    k = sub.add_parser("package", help="write one expert of a DEMix checkpoint as an expert package")
+    k.add_argument("checkpoint")
+    k.add_argument("--domain", required=True)
+    k.add_argument("--out", required=True)
+    k.add_argument(
+        "--anchor", help="check that the checkpoint's shared parameters are this anchor's, bit for bit"
+    )
+    k.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--dev-blocks", type=positive_int, default=32)
+    k.add_argument("--router-blocks", type=positive_int, default=64)
+    k.add_argument("--overwrite", action="store_true")
+    data_args(k)
+    g = sub.add_parser("merge", help="merge expert packages into the anchor: one DEMix checkpoint")
+    g.add_argument("anchor")
+    g.add_argument("packages", nargs="+")
+    g.add_argument("--out", required=True)
+    g.add_argument("--overwrite", action="store_true")
+    v = sub.add_parser("verify", help="prove an opt-out: MERGED without D equals a merge without D's package")
+    v.add_argument("merged")
+    v.add_argument("--without", required=True, help="comma-separated domains to opt out")
+    v.add_argument("--packages", nargs="+", help="the packages (default: those the merge recorded)")
+    v.add_argument("--anchor", help="the anchor (default: the one the merge recorded)")
+    v.add_argument("--out", help="write the audit record (JSON) here")
+
+
+def _train_owner(args: argparse.Namespace) -> None:
+    """`train-owner`: the owner's run and its package; prints the manifest's summary."""
+    from launcher.modular.owners.train_owner import train_owner
+
+    launch: list[str] = []
+    for flag, value in (
+        ("--hostfile", args.hostfile),
+        ("--launcher", args.launcher),
+        ("--master-addr", args.master_addr),
+    ):
+        if value:
+            launch += [flag, value]
+    m = train_owner(
+        args.anchor,
+        args.domain,
+        args.data,
+        args.out,
+        steps=args.steps,
+        nproc=args.nproc,
+        tokenizer=args.tokenizer,
+        source=args.source,
+        lr=args.lr,
+        lr_scale=args.lr_scale,
+        run_dir=args.run_dir,
+        launch_args=launch,
+        overrides=args.overrides,
+        tags=_tags(args.tag),
+        dev_blocks=args.dev_blocks,
+        router_blocks=args.router_blocks,
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+    )
+    print(json.dumps(_summary(m, args.out)))
+
+
+def _summary(m: dict[str, Any], out: str) -> dict[str, Any]:
+    if "manifest_sha256" not in m:
+        return m
+    return {
+        "package": out,
+        "domain": m["domain"],
+        "anchor_fingerprint": m["anchor"]["sha256"],
+        "dev_perplexity": (m.get("dev") or {}).get("perplexity"),
+        "training_tokens": m["training"]["tokens"],
+        "manifest_sha256": m["manifest_sha256"],
+    }
+
+
+def _package(args: argparse.Namespace) -> None:
+    """`package`: one expert of a checkpoint as a package."""
+    from launcher.modular.owners.package import package_expert
+
+    m = package_expert(
+        args.checkpoint,
+        args.domain,
+        args.out,
+        anchor=args.anchor,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        tags=_tags(args.tag),
+        dev_blocks=args.dev_blocks,
+        router_blocks=args.router_blocks,
+        overwrite=args.overwrite,
+    )
+    print(json.dumps(_summary(m, args.out)))
+
+
+def _merge(args: argparse.Namespace) -> None:
+    """`merge`: the anchor and the packages as one DEMix checkpoint."""
+    from launcher.modular.owners.merge import merge
+
+    print(json.dumps(merge(args.anchor, args.packages, args.out, overwrite=args.overwrite)))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """`verify`: the opt-out proof; 0 when it holds, 1 (with the failed checks) when it does not."""
+    from launcher.modular.owners.verify import verify_opt_out
+
+    audit = verify_opt_out(args.merged, _split(args.without), args.packages, args.anchor, args.out)
+    c = audit["checks"]
+    print(
+        f"verify: {args.merged} without {', '.join(audit['removed'])}: "
+        f"{'equal' if c['equal_to_merge_without'] else 'NOT equal'} to the merge without them "
+        f"({c['tensors_compared']} tensors, bit for bit); shared parameters "
+        f"{'are' if c['shared_equal_anchor'] else 'are NOT'} the anchor's ({audit['anchor']['fingerprint'][:16]}); "
+        f"router vectors {'equal' if c['router_vectors_equal'] else 'differ'}"
+        + (f"; audit: {args.out}" if args.out else "")
+    )
+    for d in c["tensors_differing"]:
+        print(f"  {d}")
+    return 0 if audit["passed"] else 1
 
 
 def _add(args: argparse.Namespace) -> None:
@@ -288,8 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _report_adapt(args)
             else:
                 _report_remove(args)
+        elif args.cmd == "verify":
+            return _verify(args)
         else:
-            {"add": _add, "dapt": _dapt, "remove": _remove}[args.cmd](args)
+            commands = {"add": _add, "dapt": _dapt, "remove": _remove, "train-owner": _train_owner}
+            {**commands, "package": _package, "merge": _merge}[args.cmd](args)
     except (CheckpointError, ConfigError, RuntimeError) as e:
         return usage_error(e)
     return 0

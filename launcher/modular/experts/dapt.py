@@ -76,8 +76,10 @@ def run_dapt(
     lr_scale: float = 0.1,
     extra_sets: Sequence[str] = (),
     dry_run: bool = False,
+    launch_args: Sequence[str] = (),
 ) -> Path:
-    """Launch a DAPT run (`python -m launcher.launch`, N local ranks); returns `<run_dir>/model`."""
+    """Launch a DAPT run (`python -m launcher.launch`: `nproc` local ranks, or the hosts that `launch_args` name,
+    e.g. `--hostfile H`, which replaces `--nproc`); returns `<run_dir>/model`."""
     c = load_consolidated(ckpt)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,8 @@ def run_dapt(
     base.write_text(yaml.safe_dump(to_dict(c.cfg), sort_keys=False))
     sets = dapt_overrides(c, arch, str(Path(ckpt).resolve()), domain, steps, data, tokenizer, lr, lr_scale)
     sets += [f"logging.out_dir={run_dir}", *extra_sets]
-    argv = ["--config", str(base), "--nproc", str(nproc), "--run-dir", str(run_dir), "--resume", "never"] + [
+    ranks = [] if "--hostfile" in launch_args else ["--nproc", str(nproc)]
+    argv = ["--config", str(base), *ranks, *launch_args, "--run-dir", str(run_dir), "--resume", "never"] + [
         a for s in sets for a in ("--set", s)
     ]
     print(f"[experts] {arch}-DAPT: python -m launcher.launch {shlex.join(argv)}", file=sys.stderr, flush=True)
