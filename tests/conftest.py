@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ _WORDS = {
 }
 
 
-def write_corpus(root: Path, docs_per_domain: int = 60, seed: int = 0) -> Path:
-    """Per-domain JSONL files like the demo corpus builder writes, plus its manifest."""
+def write_corpus(
+    root: Path, docs_per_domain: int = 60, seed: int = 0, domains: Sequence[str] | None = None
+) -> Path:
+    """Per-domain JSONL files like the demo corpus builder writes, plus its manifest (`domains`: a subset, e.g. one
+    data owner's)."""
     rng = random.Random(seed)
     corpus = root / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
@@ -25,10 +29,12 @@ def write_corpus(root: Path, docs_per_domain: int = 60, seed: int = 0) -> Path:
         "format": "test",
         "corpus_dir": str(corpus),
         "domains": {},
-        "train_domains": list(_WORDS),
+        "train_domains": list(domains or _WORDS),
         "novel_domains": [],
     }
     for d, words in _WORDS.items():
+        if domains is not None and d not in domains:
+            continue
         with open(corpus / f"{d}.jsonl", "w") as f:
             for i in range(docs_per_domain):
                 sents = [
@@ -41,12 +47,12 @@ def write_corpus(root: Path, docs_per_domain: int = 60, seed: int = 0) -> Path:
     return corpus
 
 
-def build_tiny_tokens(root: Path) -> Path:
+def build_tiny_tokens(root: Path, domains: Sequence[str] | None = None) -> Path:
     """The tiny corpus written and prepared (GPT-2 BPE, indexed) under `root`; returns the tokens root for data.path.
     The `tiny_tokens` fixture, and the golden curves' recorder outside pytest (tests/golden/record.py)."""
     from data.prepare import prepare_corpus
 
-    corpus = write_corpus(root)
+    corpus = write_corpus(root, domains=domains)
     prepare_corpus(
         corpus,
         root / "tokens",

@@ -253,6 +253,10 @@ def _owner_parsers(sub: Any, data_args: Any) -> None:
     g.add_argument("packages", nargs="+")
     g.add_argument("--out", required=True)
     g.add_argument("--overwrite", action="store_true")
+    g.add_argument(
+        "--anchor-data", help="a DEMix anchor's own data: router vectors for its experts (router mode)"
+    )
+    g.add_argument("--anchor-tokenizer", help="tokenizer directory of --anchor-data (default: the anchor's)")
     v = sub.add_parser("verify", help="prove an opt-out: MERGED without D equals a merge without D's package")
     v.add_argument("merged")
     v.add_argument("--without", required=True, help="comma-separated domains to opt out")
@@ -332,7 +336,15 @@ def _merge(args: argparse.Namespace) -> None:
     """`merge`: the anchor and the packages as one DEMix checkpoint."""
     from launcher.modular.owners.merge import merge
 
-    print(json.dumps(merge(args.anchor, args.packages, args.out, overwrite=args.overwrite)))
+    rec = merge(
+        args.anchor,
+        args.packages,
+        args.out,
+        overwrite=args.overwrite,
+        anchor_data=args.anchor_data,
+        anchor_tokenizer=args.anchor_tokenizer,
+    )
+    print(json.dumps(rec))
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -36,7 +36,13 @@ from launcher.config import RunConfig
 from launcher.ffn_kinds import ffn_kind
 from launcher.modular.lineage import inherited_meta
 from launcher.modular.owners.fingerprint import anchor_fingerprint, first_difference, is_shared_key
-from launcher.modular.owners.package import Package, model_shape, read_package, tokenizer_record
+from launcher.modular.owners.package import (
+    ROUTER_BLOCKS,
+    Package,
+    model_shape,
+    read_package,
+    tokenizer_record,
+)
 from launcher.typed import from_dict
 from model.gpt import expert_of_key
 
@@ -127,12 +133,36 @@ def merged_config(cfg: RunConfig, domains: Sequence[str]) -> RunConfig:
     )
 
 
+def anchor_router_vectors(
+    a: Consolidated, data: str | Path, tokenizer: str | None = None, max_blocks: int = ROUTER_BLOCKS
+) -> dict[str, dict[str, Any]]:
+    """Router vectors of a DEMix anchor's own experts, each on its domain's training blocks of the anchor's data
+    (`data`/`tokenizer`): the public side's counterpart of what each owner computes on its data (router.py)."""
+    from launcher.checkpoint_data import data_source
+    from launcher.modular.owners.router import router_vector
+
+    own = anchor_experts(a.meta, a.cfg)
+    if not own:
+        raise CheckpointError(
+            "--anchor-data: the anchor has no experts of its own to compute router vectors for"
+        )
+    data, tokenizer = data_source(a, str(data), tokenizer)
+    model = a.build_model(
+        expert_ids=[0]
+    ).eval()  # the features use shared parameters only: any expert will do
+    return {d: router_vector(model, data, tokenizer, d, split="train", max_blocks=max_blocks) for d in own}
+
+
 def merged_state(
-    anchor: str | Path | Consolidated, packages: Sequence[Package], anchor_path: str | Path | None = None
+    anchor: str | Path | Consolidated,
+    packages: Sequence[Package],
+    anchor_path: str | Path | None = None,
+    anchor_router: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Consolidated, dict[str, Any]]:
     """The merged checkpoint in memory and its merge record (checks of `check_packages` and
     `check_anchor_fingerprints` included). `anchor` may be a loaded checkpoint (e.g. the anchor without some of its
-    experts, for the opt-out proof); `anchor_path` names it in the record."""
+    experts, for the opt-out proof); `anchor_path` names it in the record. `anchor_router`: router vectors of the
+    anchor's own experts (`anchor_router_vectors`), without which a DEMix anchor's merge has none."""
     if isinstance(anchor, Consolidated):
         a, where = anchor, anchor_path or "the anchor"
         bad = anchor_problems(a.cfg)
@@ -178,26 +208,45 @@ def merged_state(
         ],
     }
     meta = {**inherited_meta(a.meta, drop=_ANCHOR_ONLY), "merge": record}
-    routers = [p.manifest.get("router") for p in packages]
-    if packages and all(routers):
+    routers = {d: r for d, r in (anchor_router or {}).items() if d in own}
+    routers.update({p.domain: p.manifest.get("router") for p in packages})
+    if all(routers.get(d) for d in domains):
         from launcher.modular.owners.router import router_vectors_meta
 
-        meta["router_vectors"] = router_vectors_meta({p.domain: p.manifest["router"] for p in packages})
+        meta["router_vectors"] = router_vectors_meta({d: routers[d] for d in domains})
     cfg = merged_config(a.cfg, domains)
     return Consolidated(cfg=cfg, domains=domains, state_dict=state, step=a.step, meta=meta), record
 
 
 def merge(
-    anchor: str | Path, packages: Sequence[str | Path], out: str | Path, *, overwrite: bool = False
+    anchor: str | Path,
+    packages: Sequence[str | Path],
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    anchor_data: str | Path | None = None,
+    anchor_tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """`experts merge`: check everything, then write the merged DEMix checkpoint to `out` (staged: a failure leaves
-    nothing). Returns what was merged (domains in expert-id order, the anchor's fingerprint, the output)."""
+    nothing). Returns what was merged (domains in expert-id order, the anchor's fingerprint, the output).
+    `anchor_data` (a DEMix anchor's own data): compute its experts' router vectors there, so that every expert of the
+    merged model has one."""
     if not packages:
         raise CheckpointError("merge needs at least one package")
     check_checkpoint_out(out, [anchor], overwrite)
-    read_anchor_meta(anchor)
+    meta, cfg = read_anchor_meta(anchor)
+    if anchor_data is not None:
+        from launcher.checkpoint_data import check_checkpoint_data
+
+        if not anchor_experts(meta, cfg):
+            raise CheckpointError(f"--anchor-data: {anchor} has no experts of its own (a Dense anchor)")
+        check_checkpoint_data(anchor, anchor_data, anchor_tokenizer)
     pkgs = [read_package(p) for p in packages]
-    c, record = merged_state(anchor, pkgs)
+    a = load_consolidated(anchor)
+    router = None if anchor_data is None else anchor_router_vectors(a, anchor_data, anchor_tokenizer)
+    c, record = merged_state(a, pkgs, anchor_path=anchor, anchor_router=router)
+    if router is not None:
+        record["anchor_router"] = {"data": str(Path(anchor_data).resolve()), "tokenizer": anchor_tokenizer}
     record["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     c.meta["merge"] = record
     save_consolidated(out, c.state_dict, c.cfg, c.domains, c.step, extra=inherited_meta(c.meta))

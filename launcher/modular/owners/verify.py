@@ -98,7 +98,15 @@ def verify_opt_out(
     from_anchor = [d for d in without if d in record["anchor"].get("experts", [])]
     if from_anchor:
         a = remove_experts_state(a, from_anchor)
-    reference, _ = merged_state(a, kept_pkgs, anchor_path=anchor)
+    # the anchor's own experts' router vectors (merge --anchor-data) come from the anchor's data, not a package
+    recorded = (meta.get("router_vectors") or {}).get("vectors", {})
+    tokens = (meta.get("router_vectors") or {}).get("tokens", {})
+    anchor_router = (
+        {d: {"vector": recorded[d], "tokens": tokens.get(d)} for d in a.domains if d in recorded}
+        if record.get("anchor_router")
+        else None
+    )
+    reference, _ = merged_state(a, kept_pkgs, anchor_path=anchor, anchor_router=anchor_router)
     opted = load_without(merged, without)
     diffs = tensor_differences(opted.state_dict, reference.state_dict)
     routers_have = (opted.meta.get("router_vectors") or {}).get("vectors", {})
