@@ -21,7 +21,7 @@ help:
 	@echo "make test   - run the test suite (unit, multi-rank gloo, parity): everything but the tests marked long"
 	@echo "make test-long - the long end-to-end runs of the real cluster programs (launchers, SLURM, sshd+pdsh, signals"
 	@echo "              and faults on launched jobs, the simulated GPU node); CI runs it after make test"
-	@echo "make lint   - ruff: formatting check and lint (CI runs it before the tests); make format rewrites"
+	@echo "make lint   - ruff + mypy: formatting check, lint, types (CI runs it before the tests); make format rewrites"
 	@echo "make gpu-wheels - gpu-wheels/: only what a stock GPU image lacks (<= 10 MiB; PY=3.12, NODE=freeze.txt); on the"
 	@echo "              node: bash scripts/gpu_checks.sh --out DIR (its own Python, no venv, no network): docs/gpu.md"
 	@echo "make wheels - wheelhouse/ for a full offline venv (PY=3.12); there: make venv OFFLINE=1 SYSTEM_TORCH=1"
@@ -98,6 +98,7 @@ test-long: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff format --check . || { echo "make lint: files above need formatting: run 'make format'" >&2; exit 1; }
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format .

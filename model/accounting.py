@@ -529,12 +529,13 @@ def accounting_row(
     }
 
 
-def paper_row(setting: PaperSetting, cfg: ModelConfig) -> dict[str, float | int | str]:
+def paper_row(setting: PaperSetting, cfg: ModelConfig) -> dict[str, float | int | str | None]:
     """Our row for one (size, arch) of Tables 2/9 beside the paper's figures; `cfg` is the size's preset
-    with the arch's FFN kind and expert count already set."""
+    with the arch's FFN kind and expert count already set. `paper_mfu` is None for a device without a known peak."""
     arch = cfg.ffn.kind
-    row: dict[str, float | int | str] = {"size": setting.size}
-    row.update(accounting_row(cfg, setting.gpus, PAPER_MICRO_BATCH, PAPER_GRAD_ACCUM))
+    ours = accounting_row(cfg, setting.gpus, PAPER_MICRO_BATCH, PAPER_GRAD_ACCUM)
+    row: dict[str, float | int | str | None] = {"size": setting.size}
+    row.update(ours)
     paper_params = dict(setting.total_params)[arch]
     paper_tflops = dict(setting.tflops_per_update)[arch]
     paper_tpg = dict(setting.tflops_per_gpu)[arch]
@@ -543,12 +544,14 @@ def paper_row(setting: PaperSetting, cfg: ModelConfig) -> dict[str, float | int 
         paper_tflops_per_update=paper_tflops,
         paper_tflops_per_gpu=paper_tpg,
         paper_mfu=mfu(paper_tpg, PAPER_DEVICE, PAPER_PRECISION),
-        params_rel_err=(row["total_params"] - paper_params) / paper_params,
-        tflops_rel_err=(row["tflops_per_update"] - paper_tflops) / paper_tflops,
+        params_rel_err=(float(ours["total_params"]) - paper_params) / paper_params,
+        tflops_rel_err=(float(ours["tflops_per_update"]) - paper_tflops) / paper_tflops,
     )
     return row
 
 
-def paper_rows(configs: Sequence[tuple[PaperSetting, ModelConfig]]) -> list[dict[str, float | int | str]]:
+def paper_rows(
+    configs: Sequence[tuple[PaperSetting, ModelConfig]],
+) -> list[dict[str, float | int | str | None]]:
     """Rows for every (setting, configured model) pair, in order."""
     return [paper_row(setting, cfg) for setting, cfg in configs]

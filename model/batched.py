@@ -53,8 +53,8 @@ from collections.abc import Sequence
 import torch
 
 from model.demix import DemixFFN
-from model.gpt import TiedLMHead
-from model.mlp import autocast_dtype
+from model.gpt import GPT, Block, TiedLMHead
+from model.mlp import MLP, autocast_dtype
 
 DEFAULT_LOGIT_BUDGET = 1 << 19  # logits per LM-head block on CPU: 2 MiB of float32 (one L2 cache)
 DEFAULT_LOGIT_BUDGET_CUDA = 1 << 26  # on accelerators a block is a kernel launch: 256 MiB of float32
@@ -64,7 +64,7 @@ DEFAULT_FANOUT_TOKENS = 8192  # expert-tokens (E*B*T) fanned out at once: bounds
 MIN_FAST_TARGET_LOGIT = -50.0
 
 
-def demix_expert_ids(model: torch.nn.Module) -> list[int]:
+def demix_expert_ids(model: GPT) -> list[int]:
     """Global expert ids held by every DEMix layer of `model` ([] when it has none)."""
     ids = [list(b.ffn.expert_ids) for b in model.blocks if isinstance(b.ffn, DemixFFN)]
     if not ids:
@@ -77,10 +77,12 @@ def demix_expert_ids(model: torch.nn.Module) -> list[int]:
 def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[int]) -> torch.Tensor:
     """Group e of `x_END` through expert `expert_ids[e]` of one DEMix layer, E N D. `x_END` may be a stride-0
     expansion of one N x D input (the first expert layer): nothing is copied for it."""
+    first = ffn.experts[str(expert_ids[0])]
+    assert isinstance(first, MLP)  # a DEMix expert
     out_END = torch.empty(
         x_END.shape[0],
         x_END.shape[1],
-        ffn.experts[str(expert_ids[0])].fc2.out_features,
+        first.fc2.out_features,
         dtype=x_END.dtype,
         device=x_END.device,
     )
@@ -90,7 +92,7 @@ def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[
 
 
 def expert_hidden_states(
-    model: torch.nn.Module,
+    model: GPT,
     tokens_BT: torch.Tensor,
     expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
@@ -114,6 +116,7 @@ def expert_hidden_states(
     x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))
     fanned = False
     for block in model.blocks:
+        assert isinstance(block, Block)
         x = x + block.attn(block.ln1(x))
         h = block.ln2(x)
         if isinstance(block.ffn, DemixFFN):
@@ -136,7 +139,7 @@ def _default_budget(device: torch.device) -> int:
 
 
 def target_log_probs(
-    model: torch.nn.Module,
+    model: GPT,
     h_ND: torch.Tensor,
     targets_N: torch.Tensor,
     logit_budget: int | None = None,
@@ -168,7 +171,7 @@ def target_log_probs(
         r = h_RD.shape[0]
         for k, v in enumerate(range(0, V, C)):
             w_CD = W_VD[v : v + C]
-            if f32:
+            if buf is not None:  # f32
                 l_RC = torch.mm(h_RD, w_CD.t(), out=buf[: r * w_CD.shape[0]].view(r, w_CD.shape[0]))
             else:
                 l_RC = torch.mm(h_RD, w_CD.t()).float()
@@ -183,7 +186,7 @@ def target_log_probs(
     return out_N
 
 
-def _log_partition_rows(head: torch.nn.Module, h_ND: torch.Tensor, budget: int) -> torch.Tensor:
+def _log_partition_rows(head: TiedLMHead, h_ND: torch.Tensor, budget: int) -> torch.Tensor:
     """logsumexp over the vocabulary of each row's logits, shifted by the row max (torch.logsumexp), whole rows
     of logits at a time within `budget`."""
     rows = max(1, budget // head.embedding[0].weight.shape[0])
@@ -204,7 +207,7 @@ def _target_log_probs_rows(head, h_ND, targets_N, budget: int, vocab: int) -> to
 
 
 def expert_log_likelihoods(
-    model: torch.nn.Module,
+    model: GPT,
     tokens_BT: torch.Tensor,
     targets_BT: torch.Tensor,
     expert_ids: Sequence[int] | None = None,
@@ -240,7 +243,7 @@ def expert_log_likelihoods(
 
 @torch.no_grad()
 def sequential_log_likelihoods(
-    model: torch.nn.Module,
+    model: GPT,
     tokens_BT: torch.Tensor,
     targets_BT: torch.Tensor,
     expert_ids: Sequence[int] | None = None,
@@ -260,7 +263,7 @@ def sequential_log_likelihoods(
 
 @torch.no_grad()
 def next_token_log_probs(
-    model: torch.nn.Module,
+    model: GPT,
     tokens_BT: torch.Tensor,
     expert_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:

@@ -91,6 +91,14 @@ def ema_centres(
 class CSEFFN(nn.Module):
     """A CSE expert layer: E MLP copies, sequence routing by normalised distance to cluster centres."""
 
+    # buffers (register_buffer in __init__), declared for the type checker
+    num_active: torch.Tensor
+    centres_EP: torch.Tensor
+    radii_E: torch.Tensor
+    projection_DP: torch.Tensor
+    pending_sum_EP: torch.Tensor
+    pending_count_E: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, num_slots: int | None = None) -> None:
         super().__init__()
         c = cfg.ffn.cse

@@ -44,7 +44,8 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # output laid out as [H, 3, K]
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.proj.is_residual_projection = True
+        # scaled init (GPT.reset_parameters). A plain flag: torch types Module.__setattr__ for tensors and modules only
+        self.proj.is_residual_projection = True  # type: ignore[assignment]
         self.dropout_p = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
@@ -143,6 +144,10 @@ class GPT(nn.Module):
     """The decoder. `expert_ids` are the global expert ids this instance holds in its expert layers
     (default: all of them). `num_experts` is the resolved number of experts (domains for DEMix)."""
 
+    # swapped from outside for their vocab-parallel versions (parallel/tensor_parallel.py)
+    lm_head: nn.Module
+    loss_fn: nn.Module
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -195,8 +200,9 @@ class GPT(nn.Module):
                     (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
                 )
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=device) * std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                bias = getattr(module, "bias", None)  # nn.Embedding has none, a Linear may have None
+                if bias is not None:
+                    bias.zero_()
             elif isinstance(module, nn.LayerNorm) and not module.weight.is_meta:
                 module.reset_parameters()
 

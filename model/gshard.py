@@ -78,8 +78,8 @@ def expert_capacity(
 ) -> int:
     """C = max(ceil(S / E * K * capacity_factor), min_capacity), in float32 arithmetic as DeepSpeed's `_capacity`,
     then rounded up to a multiple of `multiple_of` (1 leaves DeepSpeed's value unchanged)."""
-    c = torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor * top_k)).to(torch.int64)
-    c = max(int(c), min_capacity)
+    c_t = torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor * top_k)).to(torch.int64)
+    c = max(int(c_t), min_capacity)
     return -(-c // multiple_of) * multiple_of
 
 

@@ -27,7 +27,9 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ffn)
         self.fc2 = nn.Linear(d_ffn, d_model)
-        self.fc2.is_residual_projection = True  # scaled init (GPT-2), see GPT._init_weights
+        # scaled init (GPT-2), see GPT.reset_parameters. A plain flag: torch types Module.__setattr__ for tensors and
+        # modules only
+        self.fc2.is_residual_projection = True  # type: ignore[assignment]
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

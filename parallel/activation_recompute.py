@@ -3,11 +3,15 @@ its forward in backward."""
 
 from __future__ import annotations
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
+
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:
+    from model.gpt import GPT
 
-def apply_activation_recompute(model: nn.Module) -> nn.Module:
+
+def apply_activation_recompute(model: GPT) -> GPT:
     """Recompute every block's activations in backward (Narayanan et al.'s full recomputation).
 
     The block's forward is replaced in place, so parameter names and state dicts are unchanged.

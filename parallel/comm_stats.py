@@ -135,7 +135,7 @@ class CommStats:
             c[2] += time.perf_counter() - t0
             return out
 
-        wrapper.__wrapped_comm_stats__ = True
+        wrapper.__wrapped_comm_stats__ = True  # type: ignore[attr-defined]  # a marker on the wrapper function
         return wrapper
 
     def take(self, per: int = 1) -> dict[str, float]:

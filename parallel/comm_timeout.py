@@ -126,7 +126,7 @@ def failed_collective(exc: BaseException) -> str | None:
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
-        if isinstance(
+        if owner is not None and isinstance(
             getattr(type(owner), "collective", None), property
         ):  # waiting on an asynchronous collective
             try:

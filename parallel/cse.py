@@ -277,14 +277,18 @@ def _flat_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str) -> torch.
     return None
 
 
-def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str | None) -> torch.Tensor:
-    """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective)."""
+def _full_state(p: torch.Tensor, opt: torch.optim.Optimizer | None, key: str | None) -> torch.Tensor:
+    """The whole fp32 value (master weight when key is None) of a ZeRO-partitioned parameter (collective).
+    Optimizer state (a key) needs the torch optimizer that holds it."""
     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-    frag = (
-        (ds_private.hp_mapping(p).hp_fragment if ds_private.hp_mapping(p) is not None else None)
-        if key is None
-        else _flat_state(p, opt, key)
-    )
+    if key is None:
+        frag = ds_private.hp_mapping(p).hp_fragment if ds_private.hp_mapping(p) is not None else None
+    elif opt is None:
+        raise ValueError(
+            f"optimizer state {key!r} of a ZeRO-partitioned parameter: no torch optimizer holds it"
+        )
+    else:
+        frag = _flat_state(p, opt, key)
     if frag is not None:
         a = ds_private.hp_mapping(p).lp_fragment_address
         buf.narrow(0, a.start, a.numel).copy_(frag.flatten())

@@ -173,7 +173,7 @@ def is_expert_param(p: torch.Tensor) -> bool:
 def expert_replicas(p: torch.Tensor) -> int:
     """How many data-parallel ranks hold (and after reduction agree on) this expert parameter's gradient:
     the size of its expert-data-parallel group (DEMix registers its domain groups there too)."""
-    return ds_private.expert_group_size(p.group_name)
+    return ds_private.expert_group_size(p.group_name)  # type: ignore[attr-defined]  # DeepSpeed's MoE attribute
 
 
 class ExpertGradScale:
@@ -236,8 +236,9 @@ def tag_expert_parameters(model: GPT, groups: ProcessGroups, scaling: str) -> Ex
     scale = ExpertGradScale(len(groups.dp_ranks), len(groups.expert_ranks), scaling)
     for expert, params in model.expert_parameters().items():
         for p in params:
-            p.allreduce = False
-            p.group_name = groups.expert_group_name
+            # DeepSpeed's MoE parameter attributes (what its engine and ZeRO read to reduce over the expert group)
+            p.allreduce = False  # type: ignore[attr-defined]
+            p.group_name = groups.expert_group_name  # type: ignore[attr-defined]
             if scaling == "domain_mean":
                 # Runs on the local gradient before DeepSpeed reduces it (all ZeRO stages).
                 p.register_hook(scale.hook(expert))
@@ -369,7 +370,10 @@ class OverlappedGradReduce:
         from torch._utils import _flatten_dense_tensors
 
         e = self.engine
-        grads = [p.grad.data for p in b.params]
+        grads = []
+        for p in b.params:
+            assert p.grad is not None  # accumulated (or zero-filled) before its bucket is issued
+            grads.append(p.grad.data)
         # A bucket of one gradient (a parameter larger than a bucket, e.g. the embedding) is reduced in place, as
         # ZeRO 1/2 reduce their oversized gradients: no copy. Otherwise the flat copy counts against the cap.
         alone = len(grads) == 1 and grads[0].is_contiguous() and e.communication_data_type == grads[0].dtype

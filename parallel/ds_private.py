@@ -135,7 +135,7 @@ def hp_mapping(p: torch.Tensor) -> Any:
 
 def param_dp_group(p: torch.Tensor) -> Any:
     """The group ZeRO partitions `p` over."""
-    return p._dp_group
+    return p._dp_group  # type: ignore[attr-defined]  # set by ZeRO on the parameters it partitions
 
 
 def mark_hp_states_linked(optimizer: Any) -> None:

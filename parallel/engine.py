@@ -167,6 +167,7 @@ def build_engine(
     if groups.topo.tensor_parallel > 1:
         from parallel.tensor_parallel import apply_tensor_parallel
 
+        assert groups.tp_group is not None  # ProcessGroups.create makes it whenever tensor_parallel > 1
         apply_tensor_parallel(model, groups.tp_group)
     expert_scale = prepare(model) if prepare is not None else None
     optimizer = torch.optim.AdamW(

@@ -108,7 +108,8 @@ class DeepSpeedMPU:
     def get_model_parallel_world_size(self) -> int:
         return len(self.g.tp_ranks)
 
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
+    # None (a one-rank world's groups as data): torch's default group
+    def get_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.g.tp_group
 
     def get_data_parallel_rank(self) -> int:
@@ -117,7 +118,7 @@ class DeepSpeedMPU:
     def get_data_parallel_world_size(self) -> int:
         return len(self.g.dp_ranks)
 
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self.g.dp_group
 
     # DeepSpeed also asks under the tensor-parallel names.

@@ -48,7 +48,7 @@ gradient norm and ours (parallel/engine.global_grad_norm) count them on every TP
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ from model.gshard import GShardFFN, expert_capacity, route_tokens, routing_stats
 from model.mlp import MLP, FFNOutput
 from parallel import ds_private
 from parallel.ds_expert_groups import deepspeed_moe_groups
+
+if TYPE_CHECKING:
+    from model.gpt import GPT
 
 
 def resolve_num_experts(model: ModelConfig, world_size: int) -> int:
@@ -149,9 +152,7 @@ class _RoutingGate(nn.Module):
     tensor parallelism (C must be a multiple of tp). The same `wg` weight, the routing of model/gshard.py,
     returned in DeepSpeed's sparse-route format."""
 
-    def __init__(
-        self, ds_gate: nn.Module, policy: str, capacity_multiple: int = 1, tp_group: Any = None
-    ) -> None:
+    def __init__(self, ds_gate: Any, policy: str, capacity_multiple: int = 1, tp_group: Any = None) -> None:
         super().__init__()
         self.wg, self.k, self.policy = ds_gate.wg, ds_gate.k, policy
         self.capacity_factor, self.eval_capacity_factor = (
@@ -305,11 +306,11 @@ def _gloo_accepts_flat_token_gather() -> None:
             output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
         return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
 
-    all_gather_into_tensor.gloo_flat_view = True  # type: ignore[attr-defined]
+    all_gather_into_tensor.gloo_flat_view = True  # type: ignore[attr-defined]  # a marker on the function
     cdb.all_gather_into_tensor = all_gather_into_tensor
 
 
-def apply_gshard(model: nn.Module, cfg: ModelConfig, groups: Any) -> list[int]:
+def apply_gshard(model: GPT, cfg: ModelConfig, groups: Any) -> list[int]:
     """Replace every plain GShard layer of `model` (a GPT) by a DistributedGShardFFN, in place, before the
     DeepSpeed engine and its optimizer are built. The plain layers must hold this rank's experts (a GPT built
     with all experts, or with `expert_ids=gshard_layout(...).local_experts`); the distributed model then

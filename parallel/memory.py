@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,6 +60,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model.config import ModelConfig
 from model.ffn import ffn_traits
 from parallel.peak_memory import PlannedRouting, count_peak, measure_peak, routing_share
+
+if TYPE_CHECKING:
+    from model.gpt import GPT
 
 GIB = 1024**3
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce_bucket_size and allgather_bucket_size defaults
@@ -217,7 +221,7 @@ def trace_peaks(
     return out
 
 
-def training_model_on_meta(m: ModelConfig, expert_ids: Sequence[int] | None) -> torch.nn.Module:
+def training_model_on_meta(m: ModelConfig, expert_ids: Sequence[int] | None) -> GPT:
     """This rank's GPT with the layers training runs (`with_training_layers`), on the meta device: no
     initialisation work (built under FakeTensorMode, its random init was a third of a gpt3-xl trace's time)."""
     import warnings
@@ -229,7 +233,7 @@ def training_model_on_meta(m: ModelConfig, expert_ids: Sequence[int] | None) -> 
         return with_training_layers(GPT(m, expert_ids=expert_ids, init_seed=0), m)
 
 
-def with_training_layers(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
+def with_training_layers(model: GPT, m: ModelConfig) -> GPT:
     """`model` (a GPT holding every expert it has) with the layers training runs, in place: a GShard model's plain
     top-k layers become DeepSpeed's MoE layer, as `parallel.gshard.apply_gshard` does, at expert-parallel size 1
     (tracing needs every expert on the rank). That layer, not the plain one, holds training's activations
@@ -459,16 +463,23 @@ def memory_rows(
     for zero in (0, 1, 2):
         states = model_state_bytes(p, precision, zero, grad_reduce_dtype)
         buffers = buffer_bytes(precision, zero, p, grad_reduce, bucket_override, grad_reduce_dtype)
-        row = {"zero_stage": zero, **states, "model_states": sum(states.values()), "buffers": buffers}
+        model_states = sum(states.values())
+        row: dict[str, float | bool | None] = {
+            "zero_stage": zero,
+            **states,
+            "model_states": model_states,
+            "buffers": buffers,
+        }
         for mode, recompute in (("no_recompute", False), ("recompute", True)):
             act = (
                 activations(zero, recompute)
                 if activations is not None
                 else activation_bytes(m, micro_batch, tensor_parallel, recompute, precision)
             )
+            total = model_states + buffers + act
             row[f"activations_{mode}"] = act
-            row[f"total_{mode}"] = row["model_states"] + row["buffers"] + act
-            row[f"fits_{mode}"] = None if gpu_bytes is None else row[f"total_{mode}"] <= gpu_bytes
+            row[f"total_{mode}"] = total
+            row[f"fits_{mode}"] = None if gpu_bytes is None else total <= gpu_bytes
         rows.append(row)
     # DeepSpeed's estimator is for 16-bit mixed precision
     if state_bytes_per_param(precision, 2) == (

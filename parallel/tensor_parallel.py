@@ -17,6 +17,7 @@ RNG and dropout, copying and saving a TP model): docs/tensor_parallel.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 from torch.distributed import ProcessGroup
 
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, Block
 from model.gshard import GShardFFN
 from model.mlp import MLP
 
@@ -114,8 +115,8 @@ class _ReturnsTensor:
         input, weight, kwargs = _cpu_autocast_operands(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        out, _ = super().forward(input_)
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        out, _ = super().forward(input_)  # type: ignore[misc]  # a mixin: megatron's linear, next in the MRO
         return out
 
 
@@ -270,7 +271,10 @@ def _row_parallel(linear: nn.Linear, group: ProcessGroup) -> RowParallelLinear:
     return _finish(linear, new)
 
 
-def _finish(old: nn.Module, new: nn.Module) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _finish(old: nn.Module, new: _M) -> _M:
     """Carry module-level markers (e.g. is_residual_projection) and the device over."""
     for key in ("is_residual_projection",):
         if hasattr(old, key):
@@ -305,6 +309,7 @@ def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup) -> GPT:
             "this model already carries tensor-parallel attributes: apply_tensor_parallel twice?"
         )
     for block in model.blocks:
+        assert isinstance(block, Block)
         block.attn.qkv = _column_parallel(block.attn.qkv, tp_group)
         block.attn.proj = _row_parallel(block.attn.proj, tp_group)
     # GShard experts stay whole: DeepSpeed's MoE layer splits their *tokens* over the TP group (parallel/gshard.py).
@@ -343,7 +348,7 @@ def _gather(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(group.size())]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=param.partition_dim)  # type: ignore[attr-defined]  # set by megatron-core
 
 
 def _gather_named(

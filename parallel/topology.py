@@ -319,6 +319,8 @@ def build_topology(
         raise TopologyError(problems)
     tp, dp = tensor_parallel, world_size // tensor_parallel
     layout = RANKS_PER_DOMAIN if dp >= num_domains else DOMAINS_PER_RANK
+    domain_dp_ranks: list[Group]
+    dp_domains: list[Group]
     if layout == RANKS_PER_DOMAIN:
         counts = list(allocation) if allocation is not None else [dp // num_domains] * num_domains
         domain_dp_ranks = _blocks(counts)
@@ -353,7 +355,7 @@ def model_sharding_problems(
     n_heads: int, d_ffn: int, tensor_parallel: int, prefix: str = "model"
 ) -> list[str]:
     """Tensor parallelism splits whole attention heads and the FFN width: both must divide by tp."""
-    out = []
+    out: list[str] = []
     if tensor_parallel < 1:
         return out
     if n_heads % tensor_parallel:

@@ -257,4 +257,4 @@ def tensor_parallel_shard(
     """This TP rank's slice of a plain-model tensor (megatron-core's contiguous chunks along partition_dim)."""
     if tp_size == 1 or not getattr(p, "tensor_model_parallel", False):
         return full
-    return full.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+    return full.chunk(tp_size, dim=p.partition_dim)[tp_rank]  # type: ignore[attr-defined]  # set by megatron-core
