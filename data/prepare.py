@@ -2,7 +2,8 @@
 
     python -m data.prepare --corpus artifacts/demo/corpus --out artifacts/demo/tokens [--tokenizer gpt2]
         [--workers N (default: every core)] [--seed 1234] [--valid-fraction 0.05] [--test-fraction 0.05]
-        [--domains a,b] [--novel d1 d2] [--anonymise [--anonymise-off code]] [--sp-vocab-size 8192]
+        [--domains a,b] [--novel d1 d2] [--anonymise [--anonymise-off code]]
+        [--sp-vocab-size 8192 | --sp-model ANCHOR_TOKENS/sentencepiece/tokenizer.model]
         [--on-error skip|fail]
         [--num-shards N --shard-index I | --merge] [--chunk-mb 64] [--force]
 
@@ -19,7 +20,10 @@ the I-th (one process, node or SLURM array task per shard, on a file system they
 without `--num-shards`) then writes the final files: each split's parts concatenated in chunk order
 (data/indexed.py), byte for byte what one process writes. Splits are document level and deterministic
 (data/chunks.py: exact per-domain permutation for a domain file up to one chunk, a seeded hash of the document id
-for larger ones). Sentencepiece is trained first, on a bounded sample (`sentencepiece_sample`).
+for larger ones). Sentencepiece is trained first, on a bounded sample (`sentencepiece_sample`) of the training
+domains, unless `--sp-model` gives an existing model (e.g. an anchor's, so that a data owner's tokens have the
+anchor's token ids): that one is copied and used as it is, and the manifest's tokenizer (and its fingerprint) is
+that of the data it came from.
 
 Output layout (DataConfig.path = <out>; DataConfig.tokenizer picks the sub-directory):
 
@@ -28,15 +32,16 @@ Output layout (DataConfig.path = <out>; DataConfig.tokenizer picks the sub-direc
                                                  one document per corpus document, [bos] + tokens
     <out>/<tokenizer>/<domain>/token_counts.npy  int64 (3, vocabulary): occurrences of each token id per split
                                                  (train, valid, test) in the .bin files: the unigram baseline's fit
-    <out>/sentencepiece/tokenizer.model          the trained sentencepiece model (tokenizer="sentencepiece")
+    <out>/sentencepiece/tokenizer.model          the trained (or --sp-model's) sentencepiece model
 
 Token dtype: uint16 when the vocabulary (domain tokens included) is below 65,536, else int32.
 
-The manifest ties the token files to their tokenizer (name, vocab size, bos id, sha256 of its vocabulary files),
-the corpus (sha256 of manifest.json and of every JSONL file), the split seed, fractions and chunk size, the
-anonymisation policy and counts, the problems, and per domain and split the documents, tokens (bos included),
-bytes and sha256 of each .bin. Re-running with the same settings on corpus files of the same size and
-modification time (`plan_key`) finds the files of the recorded sizes and skips all work (`force=True` redoes it).
+The manifest ties the token files to their tokenizer (name, vocab size, bos id, sha256 of its vocabulary files;
+with --sp-model, `tokenizer_from` names the file it was copied from), the corpus (sha256 of manifest.json and of
+every JSONL file), the split seed, fractions and chunk size, the anonymisation policy and counts, the problems, and
+per domain and split the documents, tokens (bos included), bytes and sha256 of each .bin. Re-running with the same
+settings (an --sp-model by its sha256) on corpus files of the same size and modification time (`plan_key`) finds
+the files of the recorded sizes and skips all work (`force=True` redoes it).
 """
 
 from __future__ import annotations
@@ -80,10 +85,12 @@ from data.prepare_parts import (
     _tokenizer,
 )
 from data.prepare_plan import FORMAT, _make_plan, _Plan, _up_to_date
-from data.tokenizer import SP_MODEL_FILE, TokenizerSpec
+from data.tokenizer import SP_MODEL_FILE, TokenizerSpec, sentencepiece_model_file
 
 # less input than this is prepared in this process: starting workers would cost more
 PROCESS_MIN_BYTES = 8 << 20
+# the sentencepiece vocabulary trained unless --sp-vocab-size says otherwise (--sp-model: the model's)
+SP_VOCAB_SIZE = 8192
 
 __all__ = ["prepare_corpus", "split_documents", "split_texts", "PrepareResult", "main"]
 
@@ -201,7 +208,7 @@ def prepare_corpus(
     valid_fraction: float = 0.05,
     test_fraction: float = 0.05,
     anonymise: AnonymisePolicy = False,
-    sp_vocab_size: int = 8192,
+    sp_vocab_size: int | None = None,
     on_error: str = "skip",
     domains: Sequence[str] | None = None,
     force: bool = False,
@@ -212,12 +219,15 @@ def prepare_corpus(
     shard_index: int = 0,
     merge: bool = False,
     novel: Sequence[str] | None = None,
+    sp_model: str | Path | None = None,
 ) -> PrepareResult:
     """Anonymise, split and tokenise `<corpus_dir>/<domain>.jsonl` into `<out_dir>/<tokenizer>/`; see the module
     docstring for the layout, the manifest, sharding (`num_shards`, `shard_index`, `merge`) and resuming.
     `workers`: processes (default: every core this process may use). Returns the manifest and whether the work
     was skipped. `anonymise`: off (default), on for every domain (True), or per domain ({"code": False}: on for
-    the others). `novel`: the held-out domains (else the corpus manifest's `split_role`s)."""
+    the others). `novel`: the held-out domains (else the corpus manifest's `split_role`s). Sentencepiece: a model
+    of `sp_vocab_size` (default 8192) trained on the training domains, or the existing model `sp_model` (a model
+    file, a prepared tokenizer directory or a tokens root; not with `sp_vocab_size`)."""
     workers = available_cores() if workers is None else workers
     _check_arguments(
         on_error=on_error,
@@ -231,7 +241,11 @@ def prepare_corpus(
         valid_fraction=valid_fraction,
         test_fraction=test_fraction,
         tokenizer=tokenizer,
+        sp_model=sp_model,
     )
+    model = sentencepiece_model_file(sp_model, "--sp-model") if sp_model is not None else None
+    if tokenizer == "sentencepiece" and model is None and sp_vocab_size is None:
+        sp_vocab_size = SP_VOCAB_SIZE
     plan = _make_plan(
         Path(corpus_dir),
         domains=domains,
@@ -244,11 +258,15 @@ def prepare_corpus(
         sp_vocab_size=sp_vocab_size,
         on_error=on_error,
         chunk_bytes=chunk_bytes,
+        sp_model=model,
     )
     out_dir = Path(out_dir)
     tok_dir = out_dir / tokenizer
     check_output_dir(
-        tok_dir, (FORMAT,), ["manifest.json", SP_MODEL_FILE, *plan.files], inputs=list(plan.files.values())
+        tok_dir,
+        (FORMAT,),
+        ["manifest.json", SP_MODEL_FILE, *plan.files],
+        inputs=[*plan.files.values(), *([model] if model is not None else [])],
     )
     say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
     say(_policy_line(plan.policy))
@@ -296,6 +314,8 @@ def _run_plan(
             plan.seed,
             workers,
             say,
+            plan.sp_model,
+            plan.sp_model_sha,
         )
         dtype = _token_dtype(tok, len(plan.files))
         job = ChunkJob(
@@ -328,7 +348,7 @@ def _check_arguments(
     on_error: str,
     seed: int,
     workers: int,
-    sp_vocab_size: int,
+    sp_vocab_size: int | None,
     chunk_bytes: int,
     num_shards: int,
     shard_index: int,
@@ -336,13 +356,14 @@ def _check_arguments(
     valid_fraction: float,
     test_fraction: float,
     tokenizer: str,
+    sp_model: str | Path | None,
 ) -> None:
     """`prepare_corpus`'s arguments of the same names, checked before any work (ValueError naming the value)."""
     check_on_error(on_error)
     for name, value, rng in (
         ("seed", seed, random_seed),
         ("workers", workers, positive_int),
-        ("sp_vocab_size", sp_vocab_size, positive_int),
+        *([("sp_vocab_size", sp_vocab_size, positive_int)] if sp_vocab_size is not None else []),
         ("chunk_bytes", chunk_bytes, positive_int),
         ("num_shards", num_shards, positive_int),
         ("shard_index", shard_index, nonneg_int),
@@ -358,6 +379,12 @@ def _check_arguments(
         )
     if tokenizer not in ("gpt2", "sentencepiece"):
         raise ValueError(f"tokenizer={tokenizer!r}: choose gpt2 or sentencepiece")
+    if sp_model is not None and tokenizer != "sentencepiece":
+        raise ValueError(
+            f"--sp-model goes with --tokenizer sentencepiece (the {tokenizer} vocabulary is fixed already)"
+        )
+    if sp_model is not None and sp_vocab_size is not None:
+        raise ValueError("--sp-vocab-size goes without --sp-model: the given model fixes the vocabulary")
 
 
 def _parts_plan(plan: _Plan, chunks: Sequence[Chunk]) -> dict:
@@ -456,7 +483,20 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DOMAIN",
         help="held-out domains: prepared and evaluated as novel, never trained on (nor the tokenizer)",
     )
-    p.add_argument("--sp-vocab-size", type=positive_int, default=8192)
+    p.add_argument(
+        "--sp-vocab-size",
+        type=positive_int,
+        default=None,
+        help=f"the sentencepiece vocabulary to train (default {SP_VOCAB_SIZE})",
+    )
+    p.add_argument(
+        "--sp-model",
+        default=None,
+        metavar="FILE",
+        help="with --tokenizer sentencepiece: encode with this existing model instead of training one, e.g. "
+        "an anchor's ANCHOR_TOKENS/sentencepiece/tokenizer.model (or that folder, or ANCHOR_TOKENS), so the "
+        "tokens share its token ids and tokenizer fingerprint",
+    )
     p.add_argument("--on-error", default="skip", choices=("skip", "fail"))
     p.add_argument(
         "--chunk-mb",
@@ -502,6 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_index=a.shard_index,
             merge=a.merge,
             novel=a.novel,
+            sp_model=a.sp_model,
         )
     except (CorpusError, ValueError, FileNotFoundError) as e:
         return usage_error(e)

@@ -173,6 +173,8 @@ def _manifest(
             **tok.describe(),
             **({"model_file": SP_MODEL_FILE} if tok.name == "sentencepiece" else {}),
         },
+        # --sp-model: the existing model encoded with (its copy is the model_file; no sample of this corpus)
+        **({"tokenizer_from": str(plan.sp_model.resolve())} if plan.sp_model is not None else {}),
         "dtype": np.dtype(dtype).name,
         "bos_in_bin": True,
         "domains": list(plan.files),

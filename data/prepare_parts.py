@@ -1,10 +1,11 @@
 """The parts folder of a `data.prepare` run, `<out>/<tokenizer>.parts/`: the plan it holds work for, a record and
 part files per finished chunk (so a killed run resumes after them), and the run's sentencepiece model, trained
-once per plan into it."""
+once per plan into it (or the given one, copied into it)."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import shutil
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from data import atomic
-from data.atomic import write_json_atomic
+from data.atomic import write_bytes_atomic, write_json_atomic
 from data.chunks import Chunk, sentencepiece_sample
 from data.tokenizer import SP_MODEL_FILE, Tokenizer, TokenizerSpec, load_tokenizer, train_sentencepiece
 
@@ -96,14 +97,22 @@ def _tokenizer(
     seed: int,
     workers: int,
     say,
+    sp_model: Path | None = None,
+    sp_model_sha: str | None = None,
 ) -> Tokenizer:
-    """GPT-2, or the run's sentencepiece model: trained once per plan on `sentencepiece_sample` of the training
-    domains (novel domains are held out of the tokenizer too) and kept in the parts folder for every shard."""
+    """GPT-2, or the run's sentencepiece model, kept in the parts folder for every shard: `sp_model` (an existing
+    model, e.g. an anchor's, of sha256 `sp_model_sha` when planned) copied there, else one trained once per plan on
+    `sentencepiece_sample` of the training domains (novel domains are held out of the tokenizer too)."""
     if name == "gpt2":
         return load_tokenizer("gpt2")
     model = parts / SP_MODEL_FILE
     with _locked(parts / "tokenizer.lock"):
-        if not model.is_file():
+        if not model.is_file() and sp_model is not None:
+            data = sp_model.read_bytes()
+            if hashlib.sha256(data).hexdigest() != sp_model_sha:
+                raise ValueError(f"--sp-model {sp_model} changed since this run started: run it again")
+            write_bytes_atomic(model, data)
+        elif not model.is_file():
             import sentencepiece as spm
 
             train = [d for d in roles if roles[d] != "novel"] or list(roles)
@@ -117,7 +126,12 @@ def _tokenizer(
     from data import tokenizer as tokenizer_module
 
     tokenizer_module._CACHE.pop(TokenizerSpec("sentencepiece", str(model)), None)  # a model of this plan
-    return load_tokenizer("sentencepiece", model)
+    tok = load_tokenizer("sentencepiece", model)
+    if sp_model is not None:
+        say(
+            f"sentencepiece: the given model {sp_model} (vocabulary {tok.vocab_size}), not trained on this corpus"
+        )
+    return tok
 
 
 def _token_dtype(tok: Tokenizer, num_domains: int) -> type:

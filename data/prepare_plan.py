@@ -23,7 +23,9 @@ FORMAT = "demix-tokens/1"
 class _Plan:
     """What a run prepares, from what and how (`prepare_corpus`'s arguments of the same names, the corpus files
     checked, the domains' roles and anonymisation policy); `key` fingerprints it: the settings, the split, the
-    roles, the corpus files' sizes and times, the corpus manifest and the corpus folder."""
+    roles, the corpus files' sizes and times, the corpus manifest and the corpus folder. `sp_model`: an existing
+    sentencepiece model to encode with instead of training one (its sha256 is a setting: another model, another
+    plan); `sp_vocab_size` is then None."""
 
     corpus_dir: Path
     files: dict[str, Path]
@@ -34,14 +36,16 @@ class _Plan:
     seed: int
     valid_fraction: float
     test_fraction: float
-    sp_vocab_size: int
+    sp_vocab_size: int | None
     on_error: str
     chunk_bytes: int
+    sp_model: Path | None = None
+    sp_model_sha: str | None = None
     key: str = ""
 
     @property
     def settings(self) -> dict:
-        return {
+        out = {
             "tokenizer": self.tokenizer,
             "seed": self.seed,
             "valid_fraction": self.valid_fraction,
@@ -50,6 +54,11 @@ class _Plan:
             "sp_vocab_size": self.sp_vocab_size if self.tokenizer == "sentencepiece" else None,
             "on_error": self.on_error,
         }
+        if (
+            self.sp_model_sha is not None
+        ):  # only then: the plan keys of trained-tokenizer runs stay as they were
+            out["sp_model_sha256"] = self.sp_model_sha
+        return out
 
     @property
     def split(self) -> dict:
@@ -70,11 +79,13 @@ def _make_plan(
     seed: int,
     valid_fraction: float,
     test_fraction: float,
-    sp_vocab_size: int,
+    sp_vocab_size: int | None,
     on_error: str,
     chunk_bytes: int,
+    sp_model: Path | None = None,
 ) -> _Plan:
-    """Check the corpus (its files, roles and the `novel` domains) before any work, and fingerprint the plan."""
+    """Check the corpus (its files, roles and the `novel` domains) before any work, and fingerprint the plan
+    (`sp_model`, a checked sentencepiece model file, by its sha256)."""
     files = _corpus_files(corpus_dir, domains)
     policy = resolve_policy(anonymise, files)
     corpus_manifest = corpus_dir / "manifest.json"
@@ -98,6 +109,8 @@ def _make_plan(
         sp_vocab_size,
         on_error,
         chunk_bytes,
+        sp_model=sp_model,
+        sp_model_sha=sha256_file(sp_model) if sp_model is not None else None,
     )
     stat = {f"{d}.jsonl": [p.stat().st_size, p.stat().st_mtime_ns] for d, p in files.items()}
     key = _fingerprint(

@@ -322,6 +322,38 @@ def train_sentencepiece(
     return SentencePieceTokenizer(out_file)
 
 
+def sentencepiece_model_file(path: str | Path, what: str = "sentencepiece model") -> Path:
+    """The existing sentencepiece model `path` names, checked before any work: the model file itself, or as
+    shorthand a prepared tokenizer directory (`<tokens>/sentencepiece/`, holding tokenizer.model) or a tokens root
+    (holding sentencepiece/tokenizer.model). FileNotFoundError when there is none, ValueError when the file is not
+    a sentencepiece model or has no bos/eos piece (every document of the token files begins with bos); each names
+    `what` (e.g. the command-line option) and the path, on one line."""
+    p = Path(path)
+    if p.is_dir():
+        found = [c for c in (p / SP_MODEL_FILE, p / "sentencepiece" / SP_MODEL_FILE) if c.is_file()]
+        if not found:
+            raise FileNotFoundError(
+                f"{what} {path}: a directory without {SP_MODEL_FILE} or sentencepiece/{SP_MODEL_FILE} (give "
+                "the model file, e.g. ANCHOR_TOKENS/sentencepiece/tokenizer.model)"
+            )
+        p = found[0]
+    elif not p.is_file():
+        raise FileNotFoundError(f"{what} {path}: no such file")
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(p))
+    except (RuntimeError, OSError) as e:
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{what} {p}: not a sentencepiece model ({detail})") from None
+    if sp.bos_id() < 0 or sp.eos_id() < 0:
+        raise ValueError(
+            f"{what} {p}: the model has no bos or eos piece (bos id {sp.bos_id()}, eos id {sp.eos_id()}); "
+            "every document of the token files begins with bos: use a model data.prepare trained"
+        )
+    return p
+
+
 _CACHE: dict[TokenizerSpec, Tokenizer] = {}
 
 
