@@ -7,7 +7,6 @@ checkpoint is what the other tools take (`experts remove`, a joint run's `train.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +29,18 @@ def workflow(tiny_tokens, tmp_path_factory):
     for d in OWNERS:
         data = build_tiny_tokens(root / f"data-{d}", domains=[d])  # the owner's corpus: its domain only
         out = root / f"pkg-{d}"
-        argv = ["train-owner", str(anchor), "--domain", d, "--data", str(data), "--steps", "3", "--out", str(out)]
+        argv = [
+            "train-owner",
+            str(anchor),
+            "--domain",
+            d,
+            "--data",
+            str(data),
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ]
         argv += ["--nproc", "2", "--set", "train.micro_batch=2", "--dev-blocks", "2", "--router-blocks", "2"]
         assert experts_main([*argv, "--tag", f"contact={d}@example.org"]) == 0
         pkgs.append(out)
@@ -47,7 +57,9 @@ def test_owners_trained_apart_and_merged(workflow):
     for j, path in enumerate(pkgs):
         p = read_package(path)
         m = p.manifest
-        assert m["training"]["config"]["data"]["path"] == str(root / f"data-{OWNERS[j]}" / "tokens")  # its own data
+        assert m["training"]["config"]["data"]["path"] == str(
+            root / f"data-{OWNERS[j]}" / "tokens"
+        )  # its own data
         assert m["training"]["config"]["train"]["trainable"] == "experts"
         assert m["training"]["steps"] == 3 and m["training"]["tokens"] > 0
         assert m["tags"] == {"contact": f"{OWNERS[j]}@example.org"}
