@@ -17,6 +17,9 @@ activations. Instead of E passes (or E model copies), the batch fans out E ways 
   on CPU this is as fast as a grouped torch.baddbmm over stacked weights, which would cost a copy of every
   evaluated expert per call or a second resident copy of the expert weights if cached).
 
+`shared_trunk_features` is that one shared input of the first expert layer (its `ln2` output, B T D): the
+representation the router vectors route on (model/mixture.py, router eqs. R1-R4); it reads shared weights only.
+
 `expert_log_likelihoods` fans out at most DEFAULT_FANOUT_TOKENS expert-tokens (E*B*T) at once, taking the
 experts in groups beyond that, so the activations held at once stay ~fanout x D whatever E and B are (a group
 repeats only the shared layers).
@@ -91,6 +94,37 @@ def grouped_expert_ffn(ffn: DemixFFN, x_END: torch.Tensor, expert_ids: Sequence[
     return out_END
 
 
+def _shared_trunk(model: GPT, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The layers every routing shares: embeddings, then each block up to the first expert layer's FFN input.
+    Returns (residual x, h = ln2(x) of the first DEMix block, its index); for a model without DEMix layers
+    (x after every block, None, number of blocks)."""
+    T = tokens_BT.shape[1]
+    if T > model.cfg.seq_len:
+        raise ValueError(f"sequence of {T} tokens exceeds the model's context of {model.cfg.seq_len}")
+    pos_T = torch.arange(T, device=tokens_BT.device)
+    x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))
+    for i, block in enumerate(model.blocks):
+        assert isinstance(block, Block)
+        x = x + block.attn(block.ln1(x))
+        h = block.ln2(x)
+        if isinstance(block.ffn, DemixFFN):
+            return x, h, i
+        x = x + block.ffn(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device)).hidden
+    return x, None, len(model.blocks)
+
+
+def shared_trunk_features(model: GPT, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """f(x)_t, B T D: the input of the first DEMix layer's FFN (`block.ln2(x)` of the first block whose ffn is a
+    DemixFFN, after the embeddings, the dense blocks before it and its attention) - the one shared input that
+    `expert_hidden_states` fans out to every expert. It reads only shared weights, so every model holding the
+    same shared weights gives the same features whichever experts it holds (router vectors, model/mixture.py
+    "router eqs. R1-R4"). ValueError for a model without a DEMix layer."""
+    h = _shared_trunk(model, tokens_BT)[1] if demix_expert_ids(model) else None
+    if h is None:
+        raise ValueError("this model has no DEMix layer: there is no expert layer input to route on")
+    return h
+
+
 def expert_hidden_states(
     model: GPT,
     tokens_BT: torch.Tensor,
@@ -109,29 +143,24 @@ def expert_hidden_states(
         if missing or not experts:
             raise ValueError(f"expert ids {experts}: need a non-empty subset of the held experts {held}")
     E, (B, T) = max(1, len(experts)), tokens_BT.shape
-    if T > model.cfg.seq_len:
-        raise ValueError(f"sequence of {T} tokens exceeds the model's context of {model.cfg.seq_len}")
-    pos_T = torch.arange(T, device=tokens_BT.device)
-    # B T D until the first expert layer, then E*B T D
-    x = model.drop(model.wte(tokens_BT) + model.wpe(pos_T))
-    fanned = False
-    for block in model.blocks:
+    # B T D until the first expert layer (`_shared_trunk`), then E*B T D
+    x, h, first = _shared_trunk(model, tokens_BT)
+    if h is None:  # no expert layer: E = 1
+        return model.ln_f(x).unsqueeze(0)
+    # one shared input for every expert, one shared residual broadcast over E
+    first_ffn = model.blocks[first].ffn
+    assert isinstance(first_ffn, DemixFFN)
+    y_EBTD = grouped_expert_ffn(first_ffn, h.reshape(1, B * T, -1).expand(E, -1, -1), experts)
+    x = (x + y_EBTD.view(E, B, T, -1)).view(E * B, T, -1)
+    for block in list(model.blocks)[first + 1 :]:
         assert isinstance(block, Block)
         x = x + block.attn(block.ln1(x))
         h = block.ln2(x)
         if isinstance(block.ffn, DemixFFN):
-            if not fanned:  # one shared input for every expert, one shared residual broadcast over E
-                y_EBTD = grouped_expert_ffn(block.ffn, h.reshape(1, B * T, -1).expand(E, -1, -1), experts)
-                x = (x + y_EBTD.view(E, B, T, -1)).view(E * B, T, -1)
-                fanned = True
-            else:
-                x = x + grouped_expert_ffn(block.ffn, h.reshape(E, B * T, -1), experts).view(E * B, T, -1)
+            x = x + grouped_expert_ffn(block.ffn, h.reshape(E, B * T, -1), experts).view(E * B, T, -1)
         else:
             x = x + block.ffn(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device)).hidden
-    h = model.ln_f(x)
-    if not fanned:  # no expert layer: E = 1
-        return h.unsqueeze(0)
-    return h.view(E, B, T, -1)
+    return model.ln_f(x).view(E, B, T, -1)
 
 
 def _default_budget(device: torch.device) -> int:

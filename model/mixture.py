@@ -46,6 +46,31 @@ Baselines (§5.3): naive = one expert's likelihood (the known domain's expert in
 best single expert on that test set, an oracle choice); average = fixed uniform weights 1/E at every token,
 log p = logsumexp_j ll[j] - log E (no posterior).
 
+Router vectors (data-free mixing): a merged model whose experts were trained separately by data owners from
+one frozen anchor (FlexOlmo, Shi et al. 2025, which builds each expert's router embedding from its owner's own
+data) has no joint data to estimate a cached prior on, and the posterior starts uniform on every block. Each
+owner ships instead a router vector r_j = the mean of f over its own training tokens, where f[b, t] (D) is the
+input of the first expert layer's FFN at input position t (model/batched.py `shared_trunk_features`: the
+embeddings and the layers before it only, shared weights every owner holds bit for bit, so an owner computes
+locally the features the merged model computes at inference). Input position t is the last token of the
+context of the target ll[., b, t], so averaging positions s <= t uses the whole context of that target and
+nothing after it (causal):
+
+    router eq. R1   q[b, t] = sum_{s <= t} mask_s f[b, s] / sum_{s <= t} mask_s       (prefix-level mean)
+    router eq. R2   m = (1/E) sum_j r_j,   c_j[b, t] = cos(q[b, t] - m, r_j - m)       (centred cosine)
+    router eq. R3   log w_j[b, t] = log_softmax_j ( c_j[b, t] / τ )                    (τ = temperature, 0.1)
+    mixture "router":  eq. 6 with g_j = w_j[b, t].
+
+m is taken over the E experts present (an opted-out expert's vector takes no part). Centring removes what all
+domains share (the anchor's common direction, most of f): adding one vector to every r_j and every f changes
+nothing, nor does scaling them all by a positive factor. A cosine with a zero vector is 0 (one expert: w = 1);
+before the first counted token of a block (mask 0 so far) the weights are uniform. With E = 2, r_1 - m = -(r_2 - m),
+so the router is a sign test of q - m along r_1 - r_2, sharpened by τ.
+
+    router eq. R4   log p(D = j | x_<t) = log w_j[b, t] + log p(x_<t | D = j) - logsumexp_j' [ same for j' ]
+    mixture "router_posterior":  eq. 6 with g_j = R4, i.e. eqs. 7-8 with the router weights as a per-token prior
+    (`log_posterior` takes a prior of shape E B T; its evidence per `posterior`, prefix or previous_token).
+
 Sparse top-k: keep the k experts with the highest posterior and renormalise. Restricting the posterior to a set
 S and renormalising equals computing it with the prior restricted to S, so with experts chosen by the cached
 prior (a posterior estimated on development data) only k experts need to run at all: cost k/E of the experts'
@@ -74,6 +99,7 @@ EWM_ALPHA = 0.3  # weight of the newest block in the reference implementation's 
 POSTERIORS: tuple[str, ...] = ("prefix", "previous_token")
 CACHED_ESTIMATORS: tuple[str, ...] = ("mean", "ewm", "updating")
 CACHED_PRIOR_FORMAT = "demix-cached-prior/1"
+ROUTER_TEMPERATURE = 0.1  # τ of router eq. R3
 
 
 def _mask(ll_EBT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
@@ -150,11 +176,18 @@ def log_posterior(
     posterior: str = "prefix",
 ) -> torch.Tensor:
     """log p(D = j | evidence before t) at every position, E B T: eqs. 7-8 over the whole prefix, or the previous
-    token only (`posterior`, module docstring); `log_prior` is E or E B (one per block)."""
-    E, B, _ = ll_EBT.shape
-    joint_EBT = (
-        evidence_log_likelihood(ll_EBT, mask_BT, posterior) + _log_prior_EB(log_prior, E, B)[..., None]
-    )
+    token only (`posterior`, module docstring); `log_prior` is E, E B (one per block) or E B T (one per token:
+    the router weights, router eq. R4)."""
+    E, B, T = ll_EBT.shape
+    if log_prior.dim() == 3:  # one prior per token (router eq. R4)
+        if tuple(log_prior.shape) != (E, B, T):
+            raise ValueError(
+                f"per-token prior of shape {tuple(log_prior.shape)} for log-likelihoods {E, B, T}"
+            )
+        prior_EBT = log_prior.to(torch.float64)
+    else:
+        prior_EBT = _log_prior_EB(log_prior, E, B)[..., None]
+    joint_EBT = evidence_log_likelihood(ll_EBT, mask_BT, posterior) + prior_EBT
     return torch.log_softmax(joint_EBT, dim=0)
 
 
@@ -169,8 +202,44 @@ def posterior_mixture_log_probs(
     mask_BT: torch.Tensor | None = None,
     posterior: str = "prefix",
 ) -> torch.Tensor:
-    """Eq. 6 with g_j = the posterior (eqs. 7-8, or previous-token) under `log_prior` (E or E B), B T."""
+    """Eq. 6 with g_j = the posterior (eqs. 7-8, or previous-token) under `log_prior` (E, E B or E B T), B T."""
     return mixture_log_probs(ll_EBT, log_posterior(ll_EBT, log_prior, mask_BT, posterior))
+
+
+def router_log_weights(
+    features_BTD: torch.Tensor,
+    vectors_ED: torch.Tensor,
+    temperature: float = ROUTER_TEMPERATURE,
+    mask_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log w_j[b, t] (router eqs. R1-R3), E B T in float64: the softmax over experts of the centred cosine between
+    the prefix mean of the features (positions s <= t with mask_s = 1) and each expert's router vector, over
+    temperature τ; the centre is the mean of `vectors_ED`, the experts present. Uniform before the first counted
+    position of a block; 0 (w = 1) for one expert."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature τ={temperature!r}: must be a finite number > 0")
+    if features_BTD.dim() != 3 or vectors_ED.dim() != 2 or features_BTD.shape[2] != vectors_ED.shape[1]:
+        raise ValueError(
+            f"features {tuple(features_BTD.shape)} (B T D) and router vectors {tuple(vectors_ED.shape)} (E D): "
+            "need the same D"
+        )
+    if vectors_ED.shape[0] == 0:
+        raise ValueError("router weights need at least one expert's vector")
+    f_BTD = features_BTD.to(torch.float64)
+    r_ED = vectors_ED.to(device=f_BTD.device, dtype=torch.float64)
+    if mask_BT is None:
+        m_BT = torch.ones(f_BTD.shape[:2], dtype=torch.float64, device=f_BTD.device)
+    else:
+        m_BT = mask_BT.to(device=f_BTD.device, dtype=torch.float64)
+    n_BT = torch.cumsum(m_BT, dim=1)
+    q_BTD = torch.cumsum(f_BTD * m_BT[..., None], dim=1) / n_BT.clamp(min=1.0)[..., None]  # R1
+    centre_D = r_ED.mean(dim=0)  # R2
+    a_BTD, b_ED = q_BTD - centre_D, r_ED - centre_D
+    dot_EBT = torch.einsum("btd,ed->ebt", a_BTD, b_ED)
+    norm_EBT = b_ED.norm(dim=1)[:, None, None] * a_BTD.norm(dim=2)[None]
+    ok_EBT = (norm_EBT > 0) & (n_BT > 0)[None]
+    cos_EBT = torch.where(ok_EBT, dot_EBT / torch.where(ok_EBT, norm_EBT, 1.0), 0.0)
+    return torch.log_softmax(cos_EBT / temperature, dim=0)  # R3
 
 
 def average_log_probs(ll_EBT: torch.Tensor) -> torch.Tensor:

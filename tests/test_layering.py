@@ -14,7 +14,8 @@ No project folder imports tests/: the test harness is the tests' own.
 
 Inside launcher/, lowest first (`LAUNCHER_ORDER`):
 
-    launcher/checkpoint_data.py, launcher/expert_surgery.py   the data a checkpoint reads, expert surgery
+    launcher/checkpoint_data.py, launcher/expert_surgery.py,  the data a checkpoint reads, expert surgery, the
+    launcher/router_vectors.py                                 router vectors its meta.json may hold
     launcher/evaluation/   measures checkpoints: perplexity tables, the lm-eval harness, generation, figures
     launcher/modular/      edits checkpoints (add/remove experts, BTX, merges, the HF export) and reports on them
                            with the evaluation (DEMix Tables 6, 7, 13), so it sits above launcher/evaluation/
@@ -234,7 +235,7 @@ def test_the_ffn_kind_check_sees_a_branch() -> None:
 # launcher/harness/ (lm-evaluation-harness) scores checkpoints as evaluation/ does and Hugging Face exports of
 # modular/, so it sits above both.
 LAUNCHER_ORDER: tuple[tuple[str, ...], ...] = (
-    ("launcher.checkpoint_data", "launcher.expert_surgery"),
+    ("launcher.checkpoint_data", "launcher.expert_surgery", "launcher.router_vectors"),
     ("launcher.evaluation",),
     ("launcher.modular",),
     ("launcher.harness",),

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from launcher.config import load_run_config
-from model.batched import expert_log_likelihoods, sequential_log_likelihoods, target_log_probs
+from model.batched import (
+    expert_log_likelihoods,
+    sequential_log_likelihoods,
+    shared_trunk_features,
+    target_log_probs,
+)
 from model.gpt import GPT
 from model.mlp import DenseFFN
 
@@ -161,3 +166,42 @@ def test_experts_fan_out_in_groups(fanout):
         expert_log_likelihoods(model, x[:, :-1], x[:, 1:], [], fanout_tokens=fanout)
     with pytest.raises(ValueError, match="non-empty subset"):
         expert_log_likelihoods(model, x[:, :-1], x[:, 1:], [0, 7], fanout_tokens=fanout)
+
+
+@pytest.mark.parametrize("dense_first", [False, True])
+def test_shared_trunk_features_are_the_first_expert_layers_ffn_input(dense_first):
+    """f(x) is what the first DEMix block's ln2 gives in GPT.forward (a forward hook on the real model), whatever
+    expert it routes to; with a dense block first, the input of the second block's FFN."""
+    cfg = _cfg(experts=3)
+    model = GPT(cfg.model, init_seed=6).eval()
+    if dense_first:
+        model.blocks[0].ffn = DenseFFN(cfg.model)
+    first = 1 if dense_first else 0
+    seen = []
+    model.blocks[first].ln2.register_forward_hook(lambda mod, inp, out: seen.append(out.detach().clone()))
+    x = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        f_BTD = shared_trunk_features(model, x)
+        for j in (0, 2):
+            model(x, torch.full((2,), j))
+    assert f_BTD.shape == (2, 32, cfg.model.d_model) and len(seen) == 3
+    # seen[0]: shared_trunk_features's own call of ln2; seen[1:], GPT.forward routed to experts 0 and 2
+    assert all(torch.equal(s, f_BTD) for s in seen)
+
+
+def test_shared_trunk_features_ignore_the_experts_held():
+    """Two models with the same shared weights and different expert subsets (an owner's model, the merged one)
+    compute the same features, bit for bit; a model with no DEMix layer has none."""
+    cfg = _cfg(experts=3)
+    full = GPT(cfg.model, init_seed=8).eval()
+    other = GPT(cfg.model, expert_ids=[1], init_seed=99).eval()
+    shared = {k: v for k, v in full.state_dict().items() if ".experts." not in k}
+    other.load_state_dict({**other.state_dict(), **shared})
+    assert not torch.equal(  # the experts really differ
+        other.blocks[0].ffn.experts["1"].fc1.weight, full.blocks[0].ffn.experts["0"].fc1.weight
+    )
+    x = torch.randint(0, 1000, (3, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(shared_trunk_features(full, x), shared_trunk_features(other, x))
+    with pytest.raises(ValueError, match="no DEMix layer"):
+        shared_trunk_features(GPT(_cfg("dense").model, init_seed=1), x)

@@ -211,7 +211,7 @@ def merged_state(
     routers = {d: r for d, r in (anchor_router or {}).items() if d in own}
     routers.update({p.domain: p.manifest.get("router") for p in packages})
     if all(routers.get(d) for d in domains):
-        from launcher.modular.owners.router import router_vectors_meta
+        from launcher.router_vectors import router_vectors_meta
 
         meta["router_vectors"] = router_vectors_meta({d: routers[d] for d in domains})
     cfg = merged_config(a.cfg, domains)
