@@ -62,8 +62,14 @@ class FFNKind:
 
     name = "dense"
     has_experts = False  # parameters that belong to one expert (train.trainable=experts is possible)
-    domain_experts = False  # one expert per training domain, trained on that domain alone (DEMix)
     sharded_experts = False  # consolidated checkpoints keep each expert in a shard of its own
+
+    @property
+    def domain_experts(self) -> bool:
+        """One expert per training domain, trained on that domain alone (DEMix): the model's `domain_routed`
+        trait (model/config.py FFN_KINDS), read, not declared again."""
+        traits = FFN_KINDS.get(self.name)
+        return bool(traits and traits.domain_routed)
 
     def resolve_num_experts(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> int:
         """`model.ffn.num_experts` with 0 (= derive) filled in from the domains or the layout."""
@@ -184,7 +190,7 @@ class Demix(FFNKind):
     reduce its expert's gradients among themselves."""
 
     name = "demix"
-    has_experts = domain_experts = sharded_experts = True
+    has_experts = sharded_experts = True
 
     def resolve_num_experts(self, cfg: RunConfig, domain_names: Sequence[str], world_size: int) -> int:
         return cfg.model.ffn.num_experts or len(domain_names)

@@ -226,7 +226,7 @@ def test_the_models_traits_agree_with_the_strategies() -> None:
     assert set(FFN_TRAITS) == set(FFN_KINDS) == set(KINDS)
     for name, strategy in KINDS.items():
         traits = ffn_traits(name)
-        assert traits.domain_routed == strategy.domain_experts, name
+        assert traits.domain_routed == strategy.domain_experts, name  # derived: the strategy reads the trait
         assert traits.deepspeed_moe == (name == "gshard"), name
     with pytest.raises(KeyError, match="no traits; known"):
         ffn_traits("mixtral")
