@@ -33,6 +33,8 @@ class EvalContext:
     cached_estimator: str
     unigram: bool
     domain_token: bool
+    router_vectors: torch.Tensor | None = None  # E x D, expert j = experts[j] (model/mixture.py router eqs.)
+    router_temperature: float | None = None  # τ, with a router mode only
 
     @property
     def passes_per_block(self) -> int:

@@ -1,8 +1,9 @@
 """Per-domain test perplexity of a consolidated checkpoint, with inference-time expert mixing (DEMix §4-5).
 
     python -m launcher.evaluation.evaluate CKPT_DIR [--data DIR] [--tokenizer NAME] [--split test]
-        [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk] [--topk 2] [--out DIR]
-        [--device auto|cpu|cuda] [--precision auto|fp32|bf16|fp16] [--no-prior-cache] [--quiet]
+        [--max-blocks N] [--modes naive,average,uniform,updating,cached,topk,router,router_posterior] [--topk 2]
+        [--router-temperature 0.1] [--out DIR] [--device auto|cpu|cuda] [--precision auto|fp32|bf16|fp16]
+        [--no-prior-cache] [--quiet]
     torchrun --nproc-per-node 2 -m launcher.evaluation.evaluate CKPT_DIR ...     # blocks sharded over ranks
 
 Data: --data/--tokenizer default to the data.path and data.tokenizer the checkpoint's run config recorded
@@ -35,6 +36,16 @@ come from one batched pass (model/batched.py), the mixtures from model/mixture.p
   token only (the reference implementation) instead of the whole prefix (eqs. 7-8, default). Both choices are
   recorded in eval.json (`posterior`, `cached_estimator`) and in each cached prior file.
 * topk     - the posterior mixture restricted to the k experts with the highest cached prior (k of E experts run).
+* router   - data-free mixing with the experts' router vectors (meta.json "router_vectors", launcher/router_vectors.py;
+  model/mixture.py router eqs. R1-R3): at each token, the softmax over experts of the cosine, centred on the mean
+  of the present experts' vectors, between the mean first-expert-layer input of the block so far and each
+  expert's vector, over `--router-temperature` τ (0.1). No dev data, no uniform start.
+* router_posterior - the posterior mixture (eqs. 6-8, `--posterior`) with the router weights as the prior at
+  each token (router eq. R4).
+
+By default (no --modes) every mode runs, the router modes only when the checkpoint has a router vector for every
+expert evaluated (a note says why not otherwise); a router mode asked for with --modes without them is refused,
+naming the experts without a vector, before any tensor is read.
 
 Dense / GShard / CSE checkpoints get one number per domain (mode `ppl`). +Domain-Token checkpoints
 (`data.mixture = domain_token`) read blocks as the sampler does ([t_d] + x[:T-1] -> x[:T], the domain token is
@@ -42,7 +53,9 @@ never a target); training domains use their own token, novel domains the best to
 
 Perplexity is exp(mean NLL over the scored tokens of a domain); averages over domains are plain means of the
 per-domain perplexities, as in the paper's Tables 3 and 5. With several ranks, rank r scores blocks r, r+W, ...;
-the E x N x T log-likelihoods are summed over ranks (all_reduce) so every mode sees the whole stream in order.
+the E x N x T log-likelihoods are summed over ranks (all_reduce) so every mode sees the whole stream in order; so
+are the router weights, which each rank computes from the features of its own blocks (a block's weights read
+that block only).
 
 Outputs under --out: eval.json (schema: `EVAL_SCHEMA` in launcher/evaluation/results.py), eval.md (Tables 3/4/5),
 cached_priors/<domain>.json, posteriors.png (Figure 4) and specialisation.png (Figure 2).
@@ -58,10 +71,10 @@ from typing import Any
 
 import torch
 
-from data.argtypes import positive_int, unit_left_open
+from data.argtypes import positive_float, positive_int, unit_left_open
 from data.catalog import read_token_manifest
 from data.cli import check_output_dir, cli_main, exit_process
-from launcher.checkpoint import Consolidated, load_consolidated, read_meta
+from launcher.checkpoint import CheckpointError, Consolidated, load_consolidated, read_meta
 from launcher.checkpoint_data import checkpoint_data, load_blocks
 from launcher.evaluation.device import (
     EVAL_DEVICES,
@@ -75,8 +88,10 @@ from launcher.evaluation.device import (
 from launcher.evaluation.model_evaluation import evaluate_model
 from launcher.evaluation.prior_cache import PRIOR_CACHE_DIR, PriorCache
 from launcher.evaluation.report import EVAL_FILES, markdown_report
-from launcher.evaluation.results import DEMIX_MODES, EVAL_FORMAT, EvalOptions, EvalResult
+from launcher.evaluation.results import DEMIX_MODES, EVAL_FORMAT, ROUTER_MODES, EvalOptions, EvalResult
 from launcher.expert_surgery import load_without
+from launcher.ffn_kinds import ffn_kind
+from launcher.router_vectors import router_entry, router_matrix
 from model import mixture as mx
 from model.accounting import normalise_precision
 
@@ -89,11 +104,17 @@ def check_eval_request(
     domains: Sequence[str] | None,
     seq_len: int | None,
     allow_missing: bool = False,
+    modes: Sequence[str] | None = None,
+    exclude_experts: Sequence[str] = (),
 ) -> None:
     """Refuse (ValueError), before a tensor is read, an evaluation whose tables would be nonsense: blocks longer than
     the model's context, a domain that is not in the data, a domain with no block in `split` (unless
-    `allow_missing`: it is skipped with a note, its row left out), and a table with no rows at all."""
+    `allow_missing`: it is skipped with a note, its row left out), a table with no rows at all, and a router mode
+    in `modes` for a DEMix checkpoint without a router vector for every expert not in `exclude_experts`."""
     meta = read_meta(checkpoint)
+    if ffn_kind(meta["config"]["model"]["ffn"]["kind"]).domain_experts:
+        kept = [d for d in meta["domains"] if d not in set(exclude_experts)]
+        _router_vectors(meta, kept, int(meta["config"]["model"]["d_model"]), modes, progress=False)
     context = int(meta["config"]["model"]["seq_len"])
     if seq_len is not None and seq_len > context:
         raise ValueError(
@@ -134,9 +155,9 @@ def evaluate_checkpoint(
 ) -> EvalResult:
     """Load a consolidated checkpoint (all experts, one process) and run `evaluate_model` on it, with `options`
     or the `EvalOptions` fields given as keywords (tokenizer, split, dev_split, max_blocks, modes, domains,
-    batch_size, cached_blocks, decay, topk, posterior, cached_estimator, seq_len, out_dir, progress, unigram) and
-    `cached_priors`. The result's `extra` holds "checkpoint", "step" and "excluded_experts" (`to_dict()`: the dict
-    of `EVAL_SCHEMA`).
+    batch_size, cached_blocks, decay, topk, posterior, cached_estimator, router_temperature, seq_len, out_dir,
+    progress, unigram) and `cached_priors`. The result's `extra` holds "checkpoint", "step" and
+    "excluded_experts" (`to_dict()`: the dict of `EVAL_SCHEMA`).
 
     `device` (auto|cpu|cuda or a torch.device, `resolve_eval_device`) and `precision` (auto|fp32|bf16|fp16,
     `resolve_eval_precision` against the checkpoint's train.precision): on a CPU machine the defaults are the CPU
@@ -144,7 +165,12 @@ def evaluate_checkpoint(
 
     `exclude_experts` (opt-out): the model is built without those DEMix experts, their weights never read; every
     mode mixes the remaining experts only and an excluded expert's domain is evaluated as a novel domain - the
-    same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`).
+    same numbers, bit for bit, as evaluating a checkpoint saved without them (`experts remove`). The router modes
+    read the remaining experts' router vectors only, and centre on their mean.
+
+    Router vectors: from the checkpoint's meta.json "router_vectors" (launcher/router_vectors.py). A router mode
+    in `modes` without a vector for every remaining expert: CheckpointError naming them, before any block pass;
+    by default (`modes` None) the router modes run exactly when the vectors are all there.
 
     `prior_cache`: True keeps the cached priors in CKPT_DIR/eval_prior_cache (launcher/evaluation/prior_cache.py,
     keyed by the checkpoint's recorded shard sums, the data and the prior's settings) and reuses them; a path, that
@@ -169,6 +195,9 @@ def evaluate_checkpoint(
         "vocab_size": c.meta.get("vocab_size"),
         "excluded_experts": list(exclude_experts),
     }
+    router = None
+    if ffn_kind(c.cfg).domain_experts:
+        router = _router_vectors(c.meta, c.domains, c.cfg.model.d_model, options.modes, options.progress)
     prec = resolve_eval_precision(precision, c.cfg.train.precision, dev)
     if precision == "auto" and prec != normalise_precision(c.cfg.train.precision):
         say(options.progress, f"[eval] trained in {c.cfg.train.precision}, evaluated in {prec} on {dev}")
@@ -181,7 +210,30 @@ def evaluate_checkpoint(
         extra=extra,
         cached_priors=cached_priors,
         prior_cache=prior_cache or None,
+        router_vectors=router,
     )
+
+
+def _router_vectors(
+    meta: dict[str, Any], domains: Sequence[str], d_model: int, modes: Sequence[str] | None, progress: bool
+) -> torch.Tensor | None:
+    """The router vectors (E x D) of the experts `domains` for an evaluation of `modes`: with a router mode asked
+    for, `router_matrix` (its CheckpointError names what is missing); by default (`modes` None) the same, or None
+    - with a note when the checkpoint has router vectors that cannot be used; None when no router mode runs."""
+    asked = modes is not None and any(m in ROUTER_MODES for m in modes)
+    if modes is not None and not asked:
+        return None
+    if not asked and router_entry(meta) is None:
+        return None
+    try:
+        return router_matrix(meta, domains, d_model)
+    except CheckpointError as err:
+        if asked:
+            raise CheckpointError(
+                f"--modes {','.join(m for m in modes if m in ROUTER_MODES)}: {err}"
+            ) from None
+        say(progress, f"[eval] no router modes: {err}")
+        return None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -206,7 +258,10 @@ def _data_arguments(ap: argparse.ArgumentParser) -> None:
 def _mode_arguments(ap: argparse.ArgumentParser) -> None:
     """Modes, domains and the priors (DEMix §5.1)."""
     ap.add_argument(
-        "--modes", default=",".join(DEMIX_MODES), help="comma-separated subset of " + ",".join(DEMIX_MODES)
+        "--modes",
+        default=None,
+        help="comma-separated subset of " + ",".join(DEMIX_MODES) + " (default: all; the router modes when "
+        "the checkpoint has router vectors for every expert)",
     )
     ap.add_argument("--domains", help="comma-separated domains (default: all in the data manifest)")
     ap.add_argument("--cached-blocks", type=positive_int, default=mx.CACHED_PRIOR_BLOCKS)
@@ -217,6 +272,12 @@ def _mode_arguments(ap: argparse.ArgumentParser) -> None:
         help="λ of the updating prior (eq. 9), in (0, 1]",
     )
     ap.add_argument("--topk", type=positive_int, default=2)
+    ap.add_argument(
+        "--router-temperature",
+        type=positive_float,
+        default=mx.ROUTER_TEMPERATURE,
+        help="τ of the router modes: softmax over experts of the centred cosines / τ (router eq. R3)",
+    )
     ap.add_argument(
         "--posterior",
         choices=mx.POSTERIORS,
@@ -287,12 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m launcher.evaluation.evaluate CKPT_DIR ...`: check the request, evaluate, print the tables."""
     ap = parser()
     args = ap.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in DEMIX_MODES]
+    modes = None if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes or () if m not in DEMIX_MODES]
     if bad:
         ap.error(f"unknown modes {bad}; choose from {', '.join(DEMIX_MODES)}")
     resolve_eval_device(args.device)  # e.g. --device cuda without CUDA: refused before anything is read
     data, tokenizer = checkpoint_data(args.checkpoint, args.data, args.tokenizer)  # before loading any tensor
+    exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     check_eval_request(
         args.checkpoint,
         data,
@@ -301,8 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.domains.split(",") if args.domains else None,
         args.seq_len,
         args.allow_missing,
+        modes,
+        exclude,
     )
-    exclude = [e.strip() for e in args.exclude_experts.split(",") if e.strip()]
     default_out = Path(args.checkpoint) / ("eval-without-" + "-".join(exclude) if exclude else "eval")
     # a user's eval.md is not replaced
     check_output_dir(
@@ -336,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _options(args: argparse.Namespace, modes: list[str], tokenizer: str, out_dir: str) -> EvalOptions:
+def _options(args: argparse.Namespace, modes: list[str] | None, tokenizer: str, out_dir: str) -> EvalOptions:
     return EvalOptions(
         tokenizer=tokenizer,
         split=args.split,
@@ -350,6 +413,7 @@ def _options(args: argparse.Namespace, modes: list[str], tokenizer: str, out_dir
         topk=args.topk,
         posterior=args.posterior,
         cached_estimator=args.cached_estimator,
+        router_temperature=args.router_temperature,
         seq_len=args.seq_len,
         out_dir=out_dir,
         progress=not args.quiet,

@@ -26,11 +26,19 @@ from launcher.evaluation.prior_cache import PriorCache
 from launcher.evaluation.prior_stage import prior_plan, save_priors, score_priors
 from launcher.evaluation.progress import Progress, plan_line
 from launcher.evaluation.report import _fmt, summary_tables, write_outputs
-from launcher.evaluation.results import DEMIX_MODES, DomainResult, EvalOptions, EvalResult, PriorCacheUse
+from launcher.evaluation.results import (
+    DEMIX_MODES,
+    ROUTER_MODES,
+    DomainResult,
+    EvalOptions,
+    EvalResult,
+    PriorCacheUse,
+)
 from launcher.evaluation.scoring import (
     _demix_domain,
     _domain_token_entry,
     stream_log_likelihoods,
+    stream_scores,
     time_block_pass,
 )
 from launcher.evaluation.stats import block_sums
@@ -50,13 +58,16 @@ def evaluate_model(
     extra: dict[str, Any] | None = None,
     cached_priors: dict[str, mx.CachedPrior] | None = None,
     prior_cache: PriorCache | None = None,
+    router_vectors: torch.Tensor | None = None,
 ) -> EvalResult:
     """Evaluate an in-memory model (all experts held) on every domain of the prepared data, on the model's device in
     `options.precision` (fp32, or bf16/fp16 autocast over fp32 weights: `forward_precision`). `cached_priors` maps a
     domain to a prior to use instead of estimating one on `dev_split`; `prior_cache` (launcher/evaluation/
     prior_cache.py) keeps the estimated ones for the next evaluation of the same checkpoint, data and settings.
-    `extra` is recorded with the settings (`EvalResult.extra`). With `options.progress`, a plan line (work,
-    estimated time, the prior's cost) and then block counts with an ETA go to stderr
+    `extra` is recorded with the settings (`EvalResult.extra`). `router_vectors` (E x D, row j for
+    `train_domains[j]`, launcher/router_vectors.py `router_matrix`) enable the router modes: by default (`modes`
+    None) they run where given; asked for without them, ValueError before any work. With `options.progress`, a
+    plan line (work, estimated time, the prior's cost) and then block counts with an ETA go to stderr
     (launcher/evaluation/progress.py). `EvalResult.to_dict()` is the dict of `EVAL_SCHEMA`."""
     o = options
     if o.posterior not in mx.POSTERIORS or o.cached_estimator not in mx.CACHED_ESTIMATORS:
@@ -66,7 +77,7 @@ def evaluate_model(
         )
     t0 = time.perf_counter()
     tell = functools.partial(say, o.progress)
-    e = _context(model, cfg, train_domains, data_root, o, extra or {})
+    e = _context(model, cfg, train_domains, data_root, o, extra or {}, router_vectors)
     result = _empty_result(e, cfg, o, extra or {})
     plan = _blocks_plan(e, o.domains, tell)
     priors, to_score, prior_note, key = {}, {}, "", None
@@ -105,9 +116,11 @@ def _context(
     data_root: str | Path,
     o: EvalOptions,
     extra: dict[str, Any],
+    router_vectors: torch.Tensor | None = None,
 ) -> EvalContext:
     """The evaluation's shared state, after checking the block length against the model's context, the data's
-    tokenizer against the checkpoint's (`data_manifest`) and the domain names against the experts."""
+    tokenizer against the checkpoint's (`data_manifest`), the domain names against the experts and the modes
+    against the router vectors (`_demix_modes`)."""
     tokenizer, seq_len = o.tokenizer or cfg.data.tokenizer, o.seq_len or cfg.model.seq_len
     if seq_len > cfg.model.seq_len:
         raise ValueError(f"seq_len={seq_len} is beyond the model's context ({cfg.model.seq_len} tokens)")
@@ -119,6 +132,8 @@ def _context(
     experts = list(train_domains) if is_demix else []
     if is_demix and len(experts) != len(demix_expert_ids(model)):
         raise ValueError(f"{len(experts)} domain names for {len(demix_expert_ids(model))} experts")
+    modes = _demix_modes(o.modes, experts, router_vectors, cfg.model.d_model) if is_demix else ["ppl"]
+    routed = any(m in ROUTER_MODES for m in modes)
     return EvalContext(
         model.eval(),
         data_root,
@@ -126,7 +141,7 @@ def _context(
         manifest,
         list(train_domains),
         experts,
-        [m for m in o.modes if m in DEMIX_MODES] if is_demix else ["ppl"],
+        modes,
         o.split,
         o.dev_split,
         seq_len,
@@ -140,7 +155,31 @@ def _context(
         o.cached_estimator,
         o.unigram,
         cfg.data.mixture == "domain_token",
+        router_vectors if routed else None,
+        o.router_temperature if routed else None,
     )
+
+
+def _demix_modes(
+    asked: Sequence[str] | None, experts: list[str], router_vectors: torch.Tensor | None, d_model: int
+) -> list[str]:
+    """The DEMix modes to run: `asked` (unknown names dropped, as always), or by default every mode, the router
+    ones only with `router_vectors`. ValueError (before any block pass) for a router mode asked for without them,
+    or vectors of another shape than experts x d_model."""
+    if router_vectors is not None and tuple(router_vectors.shape) != (len(experts), d_model):
+        raise ValueError(
+            f"router vectors of shape {tuple(router_vectors.shape)} for {len(experts)} experts of d_model {d_model}"
+        )
+    if asked is None:
+        return [m for m in DEMIX_MODES if m not in ROUTER_MODES or router_vectors is not None]
+    modes = [m for m in asked if m in DEMIX_MODES]
+    routed = [m for m in modes if m in ROUTER_MODES]
+    if routed and router_vectors is None:
+        raise ValueError(
+            f"modes {routed} need router vectors for the experts {experts}, and none were given (a checkpoint "
+            "records them in meta.json 'router_vectors', launcher/router_vectors.py)"
+        )
+    return modes
 
 
 def _empty_result(e: EvalContext, cfg: Any, o: EvalOptions, extra: dict[str, Any]) -> EvalResult:
@@ -162,6 +201,7 @@ def _empty_result(e: EvalContext, cfg: Any, o: EvalOptions, extra: dict[str, Any
         cached_estimator=o.cached_estimator,
         device=str(e.device),
         precision=e.precision,
+        router_temperature=e.router_temperature,
         extra=dict(extra),
     )
 
@@ -235,14 +275,36 @@ def _evaluate_domain(
     if e.unigram:
         r.unigram = _unigram(e, dom, targets, mask, tell)
     if e.experts:
-        ll = stream_log_likelihoods(e.model, tokens, targets, None, e.batch_size, e.precision, prog.at)
+        # the router weights of the same blocks come from the same batches (features of the same pass)
+        ll, log_w = stream_scores(
+            e.model,
+            tokens,
+            targets,
+            None,
+            e.batch_size,
+            e.precision,
+            prog.at,
+            e.router_vectors,
+            e.router_temperature or mx.ROUTER_TEMPERATURE,
+            mask,
+        )
         if prior and prior.get("variants"):
             r.cached_prior_variants = prior["variants"]
         mixed = _demix_domain(
-            ll, mask, own, e.experts, e.modes, prior["prior"] if prior else None, e.topk, e.decay, e.posterior
+            ll,
+            mask,
+            own,
+            e.experts,
+            e.modes,
+            prior["prior"] if prior else None,
+            e.topk,
+            e.decay,
+            e.posterior,
+            log_w,
         )
         r.expert_ppl, r.naive_expert, r.ppl = mixed["expert_ppl"], mixed["naive_expert"], mixed["ppl"]
         r.posterior, r.topk, r.cached_prior = mixed["posterior"], mixed.get("topk"), mixed.get("cached_prior")
+        r.router = mixed.get("router")
         r.block_nll, r.block_tokens = mixed.get("block_nll"), mixed.get("block_tokens")
     elif e.domain_token:
         base = int(e.manifest["tokenizer"]["vocab_size"])

@@ -113,6 +113,12 @@ def _header(results: dict[str, Any]) -> list[str]:
             f"{results['dev_split']} blocks; updating prior λ = {results['decay']}",
             "",
         ]
+    if results.get("router_temperature") is not None:
+        lines += [
+            f"router: the experts' router vectors, centred cosine to the prefix mean, τ = "
+            f"{results['router_temperature']} (no dev data)",
+            "",
+        ]
     return lines
 
 

@@ -10,7 +10,19 @@ from typing import Any
 
 from model import mixture as mx
 
-DEMIX_MODES: tuple[str, ...] = ("naive", "average", "uniform", "updating", "cached", "topk")
+DEMIX_MODES: tuple[str, ...] = (
+    "naive",
+    "average",
+    "uniform",
+    "updating",
+    "cached",
+    "topk",
+    "router",
+    "router_posterior",
+)
+# the modes that mix with the checkpoint's router vectors (model/mixture.py router eqs. R1-R4): by default only where
+# it has one for every expert present; asked for explicitly without them, refused before any block pass
+ROUTER_MODES: tuple[str, ...] = ("router", "router_posterior")
 EVAL_FORMAT = "demix-eval/1"
 EVAL_SCHEMA = """What `EvalResult.to_dict()` gives (and eval.json holds):
 
@@ -18,6 +30,7 @@ EVAL_SCHEMA = """What `EvalResult.to_dict()` gives (and eval.json holds):
          DEMix), "train_domains": [...], "split": str, "dev_split": str, "seq_len": T, "max_blocks": N|None,
          "modes": [...], "decay": λ, "cached_blocks": n, "topk": k, "posterior": "prefix"|"previous_token",
          "cached_estimator": "mean"|"ewm"|"updating", "device": "cpu"|"cuda:i", "precision": "fp32"|"bf16"|"fp16",
+         with a router mode: "router_temperature": τ,
          "seconds": s, **extra (evaluate_checkpoint: "checkpoint": path|None, "step": int),
          "domains": {name: {"role": "train"|"novel", "blocks": int, "tokens": int, "ppl": {mode: float},
                             DEMix/domain-token only: "expert_ppl": {expert: float}, "naive_expert": name,
@@ -26,7 +39,9 @@ EVAL_SCHEMA = """What `EvalResult.to_dict()` gives (and eval.json holds):
                                         "cached_prior": {"probs": {expert: p}, "blocks": n, "estimator",
                                                          "posterior"},
                                         "cached_prior_variants": {"<estimator>/<posterior>": {expert: p}},
-                                        "topk": {"k", "experts", "experts_evaluated", "of"}}},
+                                        "topk": {"k", "experts", "experts_evaluated", "of"},
+                                        with a router mode: "router": {"mean_weight": {expert: w averaged over
+                                                                       the scored tokens}}}},
          every domain also: "block_nll": {mode: [NLL sum per block, nats]}, "block_tokens": [scored tokens per block],
          and with `unigram`: "unigram": {"ppl", "k", "train_tokens", "block_nll"} (launcher/evaluation/unigram.py: the
          domain's own add-k unigram on the same test targets),
@@ -44,13 +59,14 @@ class EvalOptions:
     config's; `split`; `domains`, default every domain of the manifest; at most `max_blocks` blocks of `seq_len`,
     default the model's context), which `modes`, the priors (`cached_blocks` of `dev_split`, `decay` λ of eq. 9,
     `topk`, `posterior`, `cached_estimator`), the batched pass (`batch_size` blocks, `precision`), the report
-    (`out_dir`, `unigram` baselines) and `progress` lines on stderr."""
+    (`out_dir`, `unigram` baselines) and `progress` lines on stderr. `modes` None: every DEMix mode, the router
+    modes (`ROUTER_MODES`, τ = `router_temperature`) only where the model has router vectors for all its experts."""
 
     tokenizer: str | None = None
     split: str = "test"
     dev_split: str = "valid"
     max_blocks: int | None = None
-    modes: Sequence[str] = DEMIX_MODES
+    modes: Sequence[str] | None = None
     domains: Sequence[str] | None = None
     batch_size: int = 4
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS
@@ -63,6 +79,7 @@ class EvalOptions:
     cached_estimator: str = "mean"
     unigram: bool = True
     precision: str = "fp32"
+    router_temperature: float = mx.ROUTER_TEMPERATURE
 
 
 @dataclass
@@ -84,6 +101,7 @@ class DomainResult:
     posterior: dict[str, dict[str, float]] | None = None
     topk: dict[str, Any] | None = None
     cached_prior: dict[str, Any] | None = None
+    router: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as eval.json holds it (the keys in the order the three kinds of entry always had)."""
@@ -108,6 +126,8 @@ class DomainResult:
                 out["topk"] = self.topk
             if self.cached_prior is not None:
                 out["cached_prior"] = self.cached_prior
+            if self.router is not None:
+                out["router"] = self.router
         elif self.expert_ppl is not None:  # +Domain-Token
             out.update(
                 expert_ppl=self.expert_ppl,
@@ -153,6 +173,7 @@ class EvalResult:
     cached_estimator: str
     device: str
     precision: str
+    router_temperature: float | None = None  # with a router mode only
     extra: dict[str, Any] = field(default_factory=dict)
     domains: dict[str, DomainResult] = field(default_factory=dict)
     prior_cache: PriorCacheUse | None = None
@@ -181,6 +202,7 @@ class EvalResult:
             "cached_estimator": self.cached_estimator,
             "device": self.device,
             "precision": self.precision,
+            **({} if self.router_temperature is None else {"router_temperature": self.router_temperature}),
             **self.extra,
             "domains": {d: r.to_dict() for d, r in self.domains.items()},
         }

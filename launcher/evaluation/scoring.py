@@ -1,7 +1,8 @@
 """Scoring blocks and mixing experts: every expert's token log-likelihoods of a stream of blocks in one batched
-pass (`stream_log_likelihoods`, sharded over ranks), a domain's cached prior from its development blocks, and
-every mode's perplexity of one domain from the same log-likelihoods (`_demix_domain`; model/mixture.py's maths,
-DEMix eqs. 6-9). +Domain-Token models: the domain token plays the expert's part."""
+pass (`stream_log_likelihoods`, sharded over ranks; `stream_scores` also gives the router weights of the same
+blocks), a domain's cached prior from its development blocks, and every mode's perplexity of one domain from the
+same log-likelihoods (`_demix_domain`; model/mixture.py's maths, DEMix eqs. 6-9, router eqs. R1-R4). +Domain-Token
+models: the domain token plays the expert's part."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import torch
 
 from launcher.checkpoint_data import block_inputs
 from launcher.evaluation.device import rank_and_world
-from launcher.evaluation.results import DEMIX_MODES
+from launcher.evaluation.results import DEMIX_MODES, ROUTER_MODES
 from launcher.evaluation.stats import block_sums
 from model import mixture as mx
-from model.batched import demix_expert_ids, expert_log_likelihoods
+from model.batched import demix_expert_ids, expert_log_likelihoods, shared_trunk_features
 from parallel.precision import forward_precision
 
 
@@ -34,18 +35,49 @@ def stream_log_likelihoods(
     """ll E x N x T (fp32, on the host) over a stream of N blocks, scored on the model's device in `precision`
     (`forward_precision`); blocks are sharded over ranks and summed back (all_reduce). `on_blocks(k)` after each
     batch: about k of the N blocks are done over all ranks (progress)."""
+    return stream_scores(model, tokens_NT, targets_NT, expert_ids, batch_size, precision, on_blocks)[0]
+
+
+@torch.no_grad()
+def stream_scores(
+    model: torch.nn.Module,
+    tokens_NT: torch.Tensor,
+    targets_NT: torch.Tensor,
+    expert_ids: Sequence[int] | None = None,
+    batch_size: int = 4,
+    precision: str = "fp32",
+    on_blocks: Callable[[int], None] | None = None,
+    router_vectors_ED: torch.Tensor | None = None,
+    router_temperature: float = mx.ROUTER_TEMPERATURE,
+    mask_NT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(ll, log_w): `stream_log_likelihoods`'s ll, and with `router_vectors_ED` (one row per expert scored, in
+    order) the router log-weights E x N x T (float64, on the host; router eqs. R1-R3 over each block's own
+    features, `shared_trunk_features` of the same batch in the same precision, positions counted per `mask_NT`).
+    Each rank computes the weights of its own blocks, which need nothing from any other block, and they are
+    summed back over ranks like ll: every rank holds the whole stream's weights. log_w is None without vectors."""
     rank, world = rank_and_world()
     N, T = tokens_NT.shape
+    if router_vectors_ED is not None:
+        scored = len(expert_ids) if expert_ids is not None else len(demix_expert_ids(model))
+        if router_vectors_ED.shape[0] != scored:
+            raise ValueError(f"{router_vectors_ED.shape[0]} router vectors for {scored} experts")
     mine = list(range(rank, N, world))
     device = next(
         model.parameters()
     ).device  # the blocks are scored and summed over ranks there (NCCL: no CPU)
-    parts = {}
+    parts, weights = {}, {}
     for s in range(0, len(mine), batch_size):
         idx = mine[s : s + batch_size]
         with forward_precision(model, precision, device.type):
-            parts[tuple(idx)] = expert_log_likelihoods(
-                model, tokens_NT[idx].to(device), targets_NT[idx].to(device), expert_ids
+            tokens = tokens_NT[idx].to(device)
+            parts[tuple(idx)] = expert_log_likelihoods(model, tokens, targets_NT[idx].to(device), expert_ids)
+            if router_vectors_ED is not None:
+                features_BTD = shared_trunk_features(model, tokens)
+        if router_vectors_ED is not None:  # the maths in float64, outside autocast
+            mask = None if mask_NT is None else mask_NT[idx].to(device)
+            weights[tuple(idx)] = mx.router_log_weights(
+                features_BTD, router_vectors_ED, router_temperature, mask
             )
         if on_blocks is not None:
             on_blocks(min(N, (s + len(idx)) * world))
@@ -53,9 +85,16 @@ def stream_log_likelihoods(
     full = torch.zeros(E, N, T, dtype=torch.float32, device=device)
     for idx, ll in parts.items():
         full[:, list(idx)] = ll.float()
+    log_w = None
+    if router_vectors_ED is not None:
+        log_w = torch.zeros(E, N, T, dtype=torch.float64, device=device)
+        for idx, w in weights.items():
+            log_w[:, list(idx)] = w
     if world > 1:
         torch.distributed.all_reduce(full)
-    return full.cpu()
+        if log_w is not None:  # each block's weights live on one rank, zeros elsewhere
+            torch.distributed.all_reduce(log_w)
+    return full.cpu(), None if log_w is None else log_w.cpu()
 
 
 def time_block_pass(model: torch.nn.Module, blocks_NT1: np.ndarray, precision: str) -> tuple[float, int]:
@@ -151,9 +190,19 @@ def _domain_token_entry(
 
 
 def _demix_domain(
-    ll_EBT, mask_BT, own, experts, modes, cached_prior, topk, decay, posterior: str = "prefix"
+    ll_EBT,
+    mask_BT,
+    own,
+    experts,
+    modes,
+    cached_prior,
+    topk,
+    decay,
+    posterior: str = "prefix",
+    router_log_weights_EBT: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """Every mode's perplexity and the posterior statistics of one test domain."""
+    """Every mode's perplexity and the posterior statistics of one test domain. The router modes mix with
+    `router_log_weights_EBT` (`stream_scores`); without them they are skipped, as cached/topk without a prior."""
     E = ll_EBT.shape[0]
     uniform = mx.uniform_log_prior(E)
     exp_ppl = mx.expert_perplexities(ll_EBT, mask_BT)
@@ -192,10 +241,22 @@ def _demix_domain(
                     "experts_evaluated": top.experts_evaluated,
                     "of": E,
                 }
+        elif mode in ROUTER_MODES:
+            if router_log_weights_EBT is None:
+                continue
+            if mode == "router":  # eq. 6 with g = w (router eq. R3)
+                lp = mx.mixture_log_probs(ll_EBT, router_log_weights_EBT)
+            else:  # eqs. 6-8 with w as the prior at each token (router eq. R4)
+                lp = mx.posterior_mixture_log_probs(ll_EBT, router_log_weights_EBT, mask_BT, posterior)
         else:
             raise ValueError(f"mode {mode!r}: choose from {', '.join(DEMIX_MODES)}")
         res["ppl"][mode] = mx.perplexity(lp, mask_BT)
         res.setdefault("block_nll", {})[mode], res["block_tokens"] = block_sums(lp, mask_BT)
+    if router_log_weights_EBT is not None and any(m in res["ppl"] for m in ROUTER_MODES):
+        m_BT = torch.ones(ll_EBT.shape[1:]) if mask_BT is None else mask_BT
+        m_BT = m_BT.to(torch.float64)
+        w_E = (router_log_weights_EBT.exp() * m_BT).sum(dim=(1, 2)) / m_BT.sum().clamp(min=1.0)
+        res["router"] = {"mean_weight": dict(zip(experts, w_E.tolist()))}
     if cached_prior is not None:
         res["cached_prior"] = {
             "probs": dict(zip(cached_prior.domains, cached_prior.probs)),

@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.checkpoint import Consolidated, load_consolidated
 from launcher.checkpoint_data import check_checkpoint_data, load_blocks, load_export_tokenizer
-from launcher.evaluation.results import DEMIX_MODES
+from launcher.evaluation.results import DEMIX_MODES, ROUTER_MODES
 from launcher.evaluation.scoring import _cached_prior, _demix_domain, stream_log_likelihoods
 from launcher.expert_surgery import load_without
 from launcher.harness.windows import document_windows, pack_windows
@@ -23,7 +23,7 @@ def evaluate_documents(
     data_root: str | Path,
     texts: Mapping[str, Sequence[str]],
     *,
-    modes: Sequence[str] = DEMIX_MODES,
+    modes: Sequence[str] = tuple(m for m in DEMIX_MODES if m not in ROUTER_MODES),
     posterior: str = "prefix",
     cached_estimator: str = "mean",
     cached_blocks: int = mx.CACHED_PRIOR_BLOCKS,

@@ -104,8 +104,12 @@ def test_batched_dense_is_one_expert():
 
 def test_evaluate_checkpoint_writes_the_tables_and_both_figures(data_root, demix_ckpt, tmp_path):
     from launcher.evaluation.evaluate import evaluate_checkpoint
-    from launcher.evaluation.results import DEMIX_MODES
+    from launcher.evaluation.results import DEMIX_MODES as ALL_MODES
+    from launcher.evaluation.results import ROUTER_MODES
 
+    DEMIX_MODES = [
+        m for m in ALL_MODES if m not in ROUTER_MODES
+    ]  # no router vectors: no router mode by default
     out = tmp_path / "eval"
     res = evaluate_checkpoint(
         demix_ckpt, data_root, max_blocks=4, cached_blocks=3, out_dir=out, progress=False
