@@ -70,7 +70,19 @@ def remove_experts_state(c: Consolidated, names: Sequence[str]) -> Consolidated:
         elif int(m.group(2)) in new_id:
             state[f"{m.group(1)}{new_id[int(m.group(2))]}{m.group(3)}"] = value
     removed = list(c.meta.get("removed_experts", [])) + [d for d in c.domains if d in set(names)]
-    return _with_experts(c, state, [c.domains[j] for j in keep], removed_experts=removed)
+    kept = [c.domains[j] for j in keep]
+    meta: dict[str, Any] = {"removed_experts": removed}
+    router = c.meta.get("router_vectors")
+    if isinstance(router, dict):  # the removed experts' router vectors go with them
+        meta["router_vectors"] = {
+            **router,
+            **{
+                k: {d: v for d, v in router[k].items() if d in kept}
+                for k in ("vectors", "tokens")
+                if k in router
+            },
+        }
+    return _with_experts(c, state, kept, **meta)
 
 
 def load_without(ckpt: CkptLike, exclude: Sequence[str]) -> Consolidated:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.checkpoint import CheckpointError, load_consolidated
+from launcher.checkpoint import CheckpointError, load_consolidated, read_meta
 from launcher.checkpoint_data import block_inputs, load_blocks
 from launcher.evaluation.evaluate import evaluate_checkpoint
 from launcher.evaluation.evaluate import main as evaluate_main
@@ -143,8 +143,9 @@ def test_opt_out_in_router_modes_equals_a_checkpoint_saved_without_the_expert(ro
     """Evaluating the merged checkpoint with --exclude-experts sailing gives, bit for bit, what a checkpoint saved
     without sailing (and without its vector) gives: the centre is over the present experts only."""
     kw = dict(SETTINGS, modes=["naive", "router", "router_posterior"])
-    remove_experts(routed, ["sailing"], tmp_path / "without")  # `experts remove`: the meta is inherited
-    without = _without_vector(tmp_path / "without", "sailing", tmp_path / "without-vector")
+    remove_experts(routed, ["sailing"], tmp_path / "without")  # `experts remove` drops its router vector too
+    without = tmp_path / "without"
+    assert set(read_meta(without)["router_vectors"]["vectors"]) == {"cooking", "finance"}
     a = evaluate_checkpoint(routed, tiny_tokens, exclude_experts=["sailing"], **kw).to_dict()
     b = evaluate_checkpoint(without, tiny_tokens, **kw).to_dict()
     assert a["experts"] == b["experts"] == ["cooking", "finance"]
