@@ -61,9 +61,18 @@ def owner_data(domain: str, out: Path) -> Path:
     tok = root / TOKENIZER
     tok.mkdir(parents=True, exist_ok=True)
     manifest = json.loads((src / "manifest.json").read_text())
-    for key, value in list(manifest.items()):
-        if isinstance(value, dict) and domain in value and key != "tokenizer":
-            manifest[key] = {domain: value[domain]}
+    names = set(manifest["domains"])
+
+    def only(v: Any) -> Any:  # every per-domain list or dict of the manifest, cut to `domain`
+        if isinstance(v, dict):
+            return (
+                {domain: v[domain]} if set(v) <= names and domain in v else {k: only(x) for k, x in v.items()}
+            )
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v) and set(v) <= names:
+            return [x for x in v if x == domain]
+        return v
+
+    manifest = {k: v if k == "tokenizer" else only(v) for k, v in manifest.items()}
     (tok / "manifest.json").write_text(json.dumps(manifest))
     for name in (domain, manifest["tokenizer"]["model_file"]):
         if not (tok / name).exists():
