@@ -245,3 +245,21 @@ def test_opt_out_proof_fails_on_a_tampered_merge(owners, tmp_path):
     )
     audit = verify_opt_out(tmp_path / "tampered2", ["sailing"])
     assert not audit["passed"] and not audit["checks"]["shared_equal_anchor"]
+
+
+@pytest.mark.long  # the export's logit check over a 50k vocabulary: kept out of make test's time
+def test_merged_checkpoint_feeds_btx_and_hf_export(owners, tmp_path):
+    """The merge is a DEMix checkpoint like any other: BTX upcycles it, the Hugging Face export writes one owner's
+    expert (the remaining tools: tests/e2e/test_owners_workflow.py)."""
+    pytest.importorskip(
+        "transformers", reason="the Hugging Face export needs transformers (the harness extra)"
+    )
+    from launcher.modular.btx import upcycle
+    from launcher.modular.hf_export.folder import export
+
+    _, anchor, pkgs = owners
+    merge(anchor, [pkgs[d] for d in OWNERS], tmp_path / "merged")
+    upcycle(tmp_path / "merged", tmp_path / "btx", router_init="zero")
+    assert load_consolidated(tmp_path / "btx").cfg.model.ffn.kind == "gshard"
+    rec = export(tmp_path / "merged", tmp_path / "hf", domain="sailing")
+    assert (tmp_path / "hf" / "config.json").is_file() and rec["domain"] == "sailing"
