@@ -79,6 +79,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
             "tokens": x[:, :-1],
             "targets": x[:, 1:],
             "domain_ids": torch.full((2,), info.domains[0]),
+            "expert_ids": torch.full((2,), info.domains[0]),  # one expert per domain, in the domains' order
             "loss_mask": torch.ones(2, 128),
         }
         dist.barrier()

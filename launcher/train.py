@@ -32,7 +32,7 @@ from data.argtypes import host
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic
 from data.cli import exit_process
-from launcher.batches import build_rank_sampler, step_expert_tokens, to_model_batch
+from launcher.batches import build_rank_sampler, expert_ids_of, step_expert_tokens, to_model_batch
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
@@ -531,7 +531,7 @@ def train_step(
     for i, mb in enumerate(micro):
         out = engine(
             mb["tokens"],
-            mb.get("expert_ids", mb["domain_ids"]),
+            expert_ids_of(mb),
             targets_BT=mb["targets"],
             loss_mask_BT=mb["loss_mask"],
             return_logits=False,

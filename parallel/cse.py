@@ -479,8 +479,8 @@ class CSEController:
         try:
             while got < n_local:
                 b = batch_fn(i)
-                ids = b.get("expert_ids", b.get("domain_ids"))
-                self.model(b["tokens"], ids, return_logits=False)
+                # A CSE layer routes by its clusters, never by the batch's ids: none are passed.
+                self.model(b["tokens"], return_logits=False)
                 dev = b["tokens"].device
                 domains.append(
                     b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1, device=dev)).to(dev)

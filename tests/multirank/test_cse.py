@@ -51,6 +51,7 @@ def _batch(rank: int, i: int) -> dict[str, torch.Tensor]:
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": dom,
+        "expert_ids": dom,
         "loss_mask": torch.ones(MB, SEQ),
     }
 

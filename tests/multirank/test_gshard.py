@@ -68,6 +68,7 @@ def _batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": torch.zeros(MB, dtype=torch.long),
+        "expert_ids": torch.zeros(MB, dtype=torch.long),
         "loss_mask": torch.ones(MB, SEQ),
     }
 
