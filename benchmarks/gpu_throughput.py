@@ -864,12 +864,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     record = Path(a.record) if a.record else (None if a.tiny else DEFAULT_RECORD)
     if a.tiny and record is not None and record.resolve() == DEFAULT_RECORD.resolve():
-        print(
-            f"error: --tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another "
-            "--record path",
-            file=sys.stderr,
+        return usage_error(
+            f"--tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another --record path"
         )
-        return 2
     try:
         cells = [(size, parse_arm(name, a.gshard_experts)) for size, name in select_cells(a)]
     except ValueError as e:
@@ -885,13 +882,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         or a.grad_accum < 1
         or (a.deadline_s or 0) < 0
     ):
-        print(
-            f"error: unknown sizes {unknown} (presets: {', '.join(model_presets())})"
+        return usage_error(
+            f"unknown sizes {unknown} (presets: {', '.join(model_presets())})"
             if unknown
-            else "error: need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1, --deadline-s >= 0",
-            file=sys.stderr,
+            else "need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1, --deadline-s >= 0"
         )
-        return 2
     t0 = time.perf_counter()
     command = "python -m benchmarks.gpu_throughput " + shlex.join(
         sys.argv[1:] if argv is None else list(argv)

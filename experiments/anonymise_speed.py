@@ -35,7 +35,7 @@ from pathlib import Path
 from types import ModuleType
 
 from data.argtypes import positive_float, positive_int, random_seed
-from data.cli import EXIT_USAGE, ModuleImportError, import_module_file
+from data.cli import ModuleImportError, import_module_file, usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -81,8 +81,7 @@ def load_module(path: str, option: str = "--baseline") -> ModuleType:
     try:
         return import_module_file(path, option, "_anonymise_speed_baseline")
     except ModuleImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        raise SystemExit(usage_error(e)) from None
 
 
 def baseline_from_git(rev: str) -> str:

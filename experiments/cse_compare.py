@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from data.argtypes import positive_int, random_seed
+from data.cli import usage_error
 
 ARMS = ("dense", "cse", "demix-clustered", "demix-true")
 DEMO_RUN = {"dense": "dense", "demix-true": "demix"}
@@ -307,8 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms, columns = {}, {}
     for arm in [a for a in args.arms.split(",") if a]:
         if arm not in ARMS:
-            print(f"error: unknown arm {arm!r}; choose from {', '.join(ARMS)}", file=sys.stderr)
-            return 2
+            return usage_error(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
         st = train_arm(arm, args)
         if st["status"] != "failed":
             try:

@@ -31,7 +31,7 @@ import torch
 from data.argtypes import host
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic
-from data.cli import exit_process
+from data.cli import exit_process, usage_error
 from launcher.batches import build_rank_sampler, expert_ids_of, step_expert_tokens, to_model_batch
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
@@ -695,14 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             watch = install_preempt_watch(cfg.train.preempt_grace_s, 0 if rank0 else 1, run_dir)
             plan = make_plan(cfg, world, check_local_device=True)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return usage_error(e)
         prepare_op_cache()
         try:
             final = train(plan, run_dir, args.resume)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return usage_error(e)
         except Preempted as e:
             if rank0:
                 print(watch.saved_line(e), file=sys.stderr, flush=True)
