@@ -33,6 +33,7 @@ from typing import Any
 
 from data.argtypes import positive_int, random_seed
 from data.cli import usage_error
+from launcher.tables import markdown_table
 
 ARMS = ("dense", "cse", "demix-clustered", "demix-true")
 DEMO_RUN = {"dense": "dense", "demix-true": "demix"}
@@ -251,11 +252,11 @@ def markdown(report: dict) -> str:
         "",
         "Test perplexity on the true training domains (lower is better). Only DEMix-true saw the labels.",
         "",
-        "| domain | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        *markdown_table(
+            ["domain", *names],
+            [[d, *(f"{cols[n].get(d, float('nan')):.1f}" for n in names)] for d in doms + ["average"]],
+        ),
     ]
-    for d in doms + ["average"]:
-        lines.append(f"| {d} | " + " | ".join(f"{cols[n].get(d, float('nan')):.1f}" for n in names) + " |")
     a = report["agreement"]
     lines += [
         "",
