@@ -303,14 +303,6 @@ def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str | None, val
         frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
 
 
-def partitioned_state(p: torch.Tensor, optimizer: Any, key: str | None = None) -> torch.Tensor | None:
-    """Full fp32 master weight (key None) or optimizer state of a parameter of a ZeRO 1/2 / bf16 optimizer
-    (collective over its data-parallel group); None for parameters such an optimizer does not partition."""
-    if not ds_private.has_hp_mapping(p):
-        return None
-    return _full_state(p, _torch_optimizer(optimizer), key).view_as(p)
-
-
 @dataclass
 class _Master:
     """Where a model parameter's fp32 master lives: `numel` elements from `start` of `key`, the tensor the torch
