@@ -112,6 +112,7 @@ import torch
 
 from data.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
 from data.cli import usage_error
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -728,22 +729,50 @@ def markdown(result: dict[str, Any]) -> str:
         f"{'' if memory is not None else ' (unknown: every phase is tried)'}; deadline "
         f"{'none' if s.get('deadline_s') is None else str(s['deadline_s']) + ' s'}.",
         "",
-        "| size | arm | params held | tokens/update | framework tok/s | TFLOP/s/GPU | MFU | HFU | peak GiB | "
-        "planned GiB | bare tok/s | bare TFLOP/s | bare MFU | bare peak GiB | bare planned GiB | framework / bare |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    table = []
     for r in rows:
         f, b = r["framework"], r["bare"]
         planned = r.get("predicted_gib", {})
-        ratio = "n/a" if r["ratio"] is None else f"**{r['ratio']:.3f}**"
-        lines.append(
-            f"| {r['size']} | {r['arm']} | {_fmt(r.get('params'), ',')} | {_fmt(r.get('tokens_per_update'), ',')} | "
-            f"{_cell(f, 'tokens_per_s', ',.0f')} | {_cell(f, 'tflops_per_gpu', '.3g')} | {_cell(f, 'mfu', '.1%')} | "
-            f"{_cell(f, 'hfu', '.1%')} | {_cell(f, 'peak_mem_gib', '.1f')} | "
-            f"{_gib_or_dash(planned.get('framework'))} | "
-            f"{_cell(b, 'tokens_per_s', ',.0f')} | {_cell(b, 'tflops_per_gpu', '.3g')} | {_cell(b, 'mfu', '.1%')} | "
-            f"{_cell(b, 'peak_mem_gib', '.1f')} | {_gib_or_dash(planned.get('bare'))} | {ratio} |"
+        table.append(
+            [
+                r["size"],
+                r["arm"],
+                _fmt(r.get("params"), ","),
+                _fmt(r.get("tokens_per_update"), ","),
+                _cell(f, "tokens_per_s", ",.0f"),
+                _cell(f, "tflops_per_gpu", ".3g"),
+                _cell(f, "mfu", ".1%"),
+                _cell(f, "hfu", ".1%"),
+                _cell(f, "peak_mem_gib", ".1f"),
+                _gib_or_dash(planned.get("framework")),
+                _cell(b, "tokens_per_s", ",.0f"),
+                _cell(b, "tflops_per_gpu", ".3g"),
+                _cell(b, "mfu", ".1%"),
+                _cell(b, "peak_mem_gib", ".1f"),
+                _gib_or_dash(planned.get("bare")),
+                "n/a" if r["ratio"] is None else f"**{r['ratio']:.3f}**",
+            ]
         )
+    header = [
+        "size",
+        "arm",
+        "params held",
+        "tokens/update",
+        "framework tok/s",
+        "TFLOP/s/GPU",
+        "MFU",
+        "HFU",
+        "peak GiB",
+        "planned GiB",
+        "bare tok/s",
+        "bare TFLOP/s",
+        "bare MFU",
+        "bare peak GiB",
+        "bare planned GiB",
+        "framework / bare",
+    ]
+    lines += markdown_table(header, table)
     notes = [
         f"- {r['size']} {r['arm']} {p}: {r[p].get('reason') or r[p]['status'] + ' (' + r[p].get('error', '') + ')'}"
         for r in rows
@@ -864,12 +893,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     record = Path(a.record) if a.record else (None if a.tiny else DEFAULT_RECORD)
     if a.tiny and record is not None and record.resolve() == DEFAULT_RECORD.resolve():
-        print(
-            f"error: --tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another "
-            "--record path",
-            file=sys.stderr,
+        return usage_error(
+            f"--tiny never writes the GPU results file {DEFAULT_RECORD.relative_to(ROOT)}; give another --record path"
         )
-        return 2
     try:
         cells = [(size, parse_arm(name, a.gshard_experts)) for size, name in select_cells(a)]
     except ValueError as e:
@@ -885,13 +911,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         or a.grad_accum < 1
         or (a.deadline_s or 0) < 0
     ):
-        print(
-            f"error: unknown sizes {unknown} (presets: {', '.join(model_presets())})"
+        return usage_error(
+            f"unknown sizes {unknown} (presets: {', '.join(model_presets())})"
             if unknown
-            else "error: need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1, --deadline-s >= 0",
-            file=sys.stderr,
+            else "need --steps >= 1, --warmup >= 0, --micro-batch >= 1, --grad-accum >= 1, --deadline-s >= 0"
         )
-        return 2
     t0 = time.perf_counter()
     command = "python -m benchmarks.gpu_throughput " + shlex.join(
         sys.argv[1:] if argv is None else list(argv)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data.cli import usage_error
 from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -799,11 +800,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "results.json").is_file():
-        print(
-            f"error: {sweep_dir / 'results.json'} not found; run `python -m benchmarks.sweep CONFIG` first",
-            file=sys.stderr,
+        return usage_error(
+            f"{sweep_dir / 'results.json'} not found; run `python -m benchmarks.sweep CONFIG` first"
         )
-        return 2
     paths = render(
         sweep_dir,
         Path(args.out) if args.out else None,

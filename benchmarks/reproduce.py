@@ -57,6 +57,7 @@ import numpy as np
 from data.readers import read_yaml
 from launcher.checkpoint import write_json_atomic
 from launcher.evaluation.stats import bootstrap_mean_ppl, paired_ratio, seed_spread
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {  # name: (base run config, overrides)
@@ -593,24 +594,33 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['seconds']:.0f} s (stages finished by an earlier one are reused, not re-timed). "
         "Intervals: 95 % bootstrap over test blocks (paired where two models are compared).",
         "",
-        "| claim | paper | verdict | numbers | most likely reason if not |",
-        "|---|---|---|---|---|",
     ]
-    for c in report["claims"]:
-        nums = "<br>".join(f"{k}: {_fmt(v)}" for k, v in c["numbers"].items() if k != "matrix_pct")
-        lines.append(f"| {c['claim']} | {c['paper']} | **{c['verdict']}** | {nums} | {c['reason']} |")
-    lines += [
-        "",
-        "## In-domain and novel averages per arm",
-        "",
-        "| arm | in-domain ppl [95 %] | novel ppl [95 %] | unigram in / novel |",
-        "|---|---|---|---|",
-    ]
-    for name, r in report["arms"].items():
-        lines.append(
-            f"| {name} | {_fmt(r['in_domain'])} | {_fmt(r['novel'])} | "
-            f"{_fmt(r['unigram_in'])} / {_fmt(r['unigram_novel'])} |"
-        )
+    lines += markdown_table(
+        ["claim", "paper", "verdict", "numbers", "most likely reason if not"],
+        [
+            [
+                c["claim"],
+                c["paper"],
+                f"**{c['verdict']}**",
+                "<br>".join(f"{k}: {_fmt(v)}" for k, v in c["numbers"].items() if k != "matrix_pct"),
+                c["reason"],
+            ]
+            for c in report["claims"]
+        ],
+    )
+    lines += ["", "## In-domain and novel averages per arm", ""]
+    lines += markdown_table(
+        ["arm", "in-domain ppl [95 %]", "novel ppl [95 %]", "unigram in / novel"],
+        [
+            [
+                name,
+                _fmt(r["in_domain"]),
+                _fmt(r["novel"]),
+                f"{_fmt(r['unigram_in'])} / {_fmt(r['unigram_novel'])}",
+            ]
+            for name, r in report["arms"].items()
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 

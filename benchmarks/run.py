@@ -139,8 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except sweep.ConfigError as e:
         return usage_error(e)
     except DataError as e:
-        print(f"error: --data {args.data}: {e}", file=sys.stderr)
-        return 2
+        return usage_error(f"--data {args.data}: {e}")
     paths = bench_paths(cfg.name, args.record, args.sweep_dir, args.out)
     timings: dict[str, float] = {}
     t = time.perf_counter()

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -79,6 +80,7 @@ def _worker(rank: int, world: int, kind: str, domains: int, steps: int) -> dict:
             "tokens": x[:, :-1],
             "targets": x[:, 1:],
             "domain_ids": torch.full((2,), info.domains[0]),
+            "expert_ids": torch.full((2,), info.domains[0]),  # one expert per domain, in the domains' order
             "loss_mask": torch.ones(2, 128),
         }
         dist.barrier()
@@ -146,19 +148,35 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{out['command']}` on {os.cpu_count()} CPU cores (all ranks on one machine: times are gloo over "
         "shared memory, bytes are what a cluster would move).",
         "",
-        "| model | params on a rank | payload over all ranks (MB) | payload over domain groups (MB) "
-        "| ring bytes sent per rank (MB) | all-reduce s/step | step s |",
-        "|---|---|---|---|---|---|---|",
     ]
+    table = []
     for kind, r in rows.items():
         pay = r["payload_bytes_per_step_by_group_size"]
         world = pay.get(str(args.ranks), 0.0)
         domain = sum(v for k, v in pay.items() if k != str(args.ranks))
-        lines.append(
-            f"| {kind} | {r['params_on_rank']:,} | {world / 1e6:.2f} | {domain / 1e6:.2f} | "
-            f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f} | {r['allreduce_seconds_per_step']:.4f} | "
-            f"{r['step_seconds']:.3f} |"
+        table.append(
+            [
+                kind,
+                f"{r['params_on_rank']:,}",
+                f"{world / 1e6:.2f}",
+                f"{domain / 1e6:.2f}",
+                f"{r['ring_bytes_sent_per_rank_per_step'] / 1e6:.2f}",
+                f"{r['allreduce_seconds_per_step']:.4f}",
+                f"{r['step_seconds']:.3f}",
+            ]
         )
+    lines += markdown_table(
+        [
+            "model",
+            "params on a rank",
+            "payload over all ranks (MB)",
+            "payload over domain groups (MB)",
+            "ring bytes sent per rank (MB)",
+            "all-reduce s/step",
+            "step s",
+        ],
+        table,
+    )
     lines += [
         "",
         f"DEMix / Dense: ring bytes sent {ratio['ring_bytes_sent']:.3f}x, time in all-reduce "

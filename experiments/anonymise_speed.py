@@ -35,7 +35,8 @@ from pathlib import Path
 from types import ModuleType
 
 from data.argtypes import positive_float, positive_int, random_seed
-from data.cli import EXIT_USAGE, ModuleImportError, import_module_file
+from data.cli import ModuleImportError, import_module_file, usage_error
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -81,8 +82,7 @@ def load_module(path: str, option: str = "--baseline") -> ModuleType:
     try:
         return import_module_file(path, option, "_anonymise_speed_baseline")
     except ModuleImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        raise SystemExit(usage_error(e)) from None
 
 
 def baseline_from_git(rev: str) -> str:
@@ -192,17 +192,33 @@ def _markdown(
         f"Best of {a.rounds} rounds (each round runs every row once, in this order); wall time, and the CPU "
         "time of this process (`time.process_time`), which counts less of what other processes take:",
         "",
-        "| row | best wall s | MB/s | vs encoding | per round vs encoding | best CPU s | CPU MB/s | vs encoding "
-        "(CPU) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        *markdown_table(
+            [
+                "row",
+                "best wall s",
+                "MB/s",
+                "vs encoding",
+                "per round vs encoding",
+                "best CPU s",
+                "CPU MB/s",
+                "vs encoding (CPU)",
+            ],
+            [
+                [
+                    name,
+                    f"{best[name]:.3f}",
+                    f"{mb / best[name]:.2f}",
+                    f"{best[enc] / best[name]:.2f}x",
+                    ", ".join(f"{e / t:.2f}x" for e, t in zip(times[enc], times[name])),
+                    f"{best_cpu[name]:.3f}",
+                    f"{mb / best_cpu[name]:.2f}",
+                    f"{best_cpu[enc] / best_cpu[name]:.2f}x",
+                ]
+                for name in names
+            ],
+            align="lrrrlrrr",
+        ),
     ]
-    for name in names:
-        per_round = ", ".join(f"{e / t:.2f}x" for e, t in zip(times[enc], times[name]))
-        lines.append(
-            f"| {name} | {best[name]:.3f} | {mb / best[name]:.2f} | {best[enc] / best[name]:.2f}x | "
-            f"{per_round} | {best_cpu[name]:.3f} | {mb / best_cpu[name]:.2f} | "
-            f"{best_cpu[enc] / best_cpu[name]:.2f}x |"
-        )
     if "identical" in result:
         lines += [
             "",

@@ -67,6 +67,7 @@ from typing import Any
 
 from benchmarks.machine import uptime
 from data.argtypes import positive_int, random_seed
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "configs" / "btx" / "finetune.yaml"
@@ -335,19 +336,31 @@ def _header(rep: dict[str, Any], title: str) -> list[str]:
 
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The results table: one row per (arm, evaluation mode), `_row`'s fields."""
-    lines = [
-        "| arm | mode | in-domain avg ppl [95 %] | novel avg ppl [95 %] | extra tokens | total tokens "
-        "| in-domain, no capacity limit | novel, no capacity limit |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        tot = f"{r['total_tokens']:,}" if r["total_tokens"] else "-"
-        lines.append(
-            f"| {r['arm']} | {r['mode']} | {_fmt(r['in_domain'], r['in_domain_ci'])} | "
-            f"{_fmt(r['novel'], r['novel_ci'])} | {r['extra_tokens']:,} | {tot} | "
-            f"{_fmt(r.get('in_domain_nocap'))} | {_fmt(r.get('novel_nocap'))} |"
-        )
-    return lines
+    return markdown_table(
+        [
+            "arm",
+            "mode",
+            "in-domain avg ppl [95 %]",
+            "novel avg ppl [95 %]",
+            "extra tokens",
+            "total tokens",
+            "in-domain, no capacity limit",
+            "novel, no capacity limit",
+        ],
+        [
+            [
+                r["arm"],
+                r["mode"],
+                _fmt(r["in_domain"], r["in_domain_ci"]),
+                _fmt(r["novel"], r["novel_ci"]),
+                f"{r['extra_tokens']:,}",
+                f"{r['total_tokens']:,}" if r["total_tokens"] else "-",
+                _fmt(r.get("in_domain_nocap")),
+                _fmt(r.get("novel_nocap")),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _upcycle_lines(recs: dict[str, Any]) -> list[str]:

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from data.argtypes import positive_int, random_seed
+from data.cli import usage_error
+from launcher.tables import markdown_table
 
 ARMS = ("dense", "cse", "demix-clustered", "demix-true")
 DEMO_RUN = {"dense": "dense", "demix-true": "demix"}
@@ -250,11 +252,11 @@ def markdown(report: dict) -> str:
         "",
         "Test perplexity on the true training domains (lower is better). Only DEMix-true saw the labels.",
         "",
-        "| domain | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        *markdown_table(
+            ["domain", *names],
+            [[d, *(f"{cols[n].get(d, float('nan')):.1f}" for n in names)] for d in doms + ["average"]],
+        ),
     ]
-    for d in doms + ["average"]:
-        lines.append(f"| {d} | " + " | ".join(f"{cols[n].get(d, float('nan')):.1f}" for n in names) + " |")
     a = report["agreement"]
     lines += [
         "",
@@ -307,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms, columns = {}, {}
     for arm in [a for a in args.arms.split(",") if a]:
         if arm not in ARMS:
-            print(f"error: unknown arm {arm!r}; choose from {', '.join(ARMS)}", file=sys.stderr)
-            return 2
+            return usage_error(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
         st = train_arm(arm, args)
         if st["status"] != "failed":
             try:

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.machine import machine_info
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 
 def embeddings(
@@ -113,15 +114,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"domains (1/{len(domains)} = {1 / len(domains):.3f} is chance for balanced domains). Machine: "
         f"{m['cpu']}, 1-min load {m['loadavg_1m']}; {time.perf_counter() - t0:.0f} s.",
         "",
-        "| layer | rule | eps | clusters | sizes | noise | purity |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for l in layers:
-        for name, r in compare(emb[l], truth, a.min_clusters, a.max_clusters).items():
-            lines.append(
-                f"| {l} | {name} | {r['eps']:.3f} | {r['clusters']} | {'/'.join(map(str, r['sizes']))} | "
-                f"{r['noise']} | {r['purity']:.3f} |"
-            )
+    lines += markdown_table(
+        ["layer", "rule", "eps", "clusters", "sizes", "noise", "purity"],
+        [
+            [
+                l,
+                name,
+                f"{r['eps']:.3f}",
+                r["clusters"],
+                "/".join(map(str, r["sizes"])),
+                r["noise"],
+                f"{r['purity']:.3f}",
+            ]
+            for l in layers
+            for name, r in compare(emb[l], truth, a.min_clusters, a.max_clusters).items()
+        ],
+    )
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

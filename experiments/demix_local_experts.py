@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.machine import OtherLoad, machine_info, uptime
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 from model.demix import DemixFFN
 from model.mlp import FFNOutput, expert_output_like
 
@@ -174,10 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backward only for experts with no row. Median of "
         f"{args.repeats} alternated repeats (wall time per forward+backward+zero_grad), {args.experts} experts.",
         "",
-        "| case | before (ms) | after (ms) | before / after |",
-        "|---|---:|---:|---:|",
+        *markdown_table(
+            ["case", "before (ms)", "after (ms)", "before / after"],
+            [[n, f"{b * 1e3:.1f}", f"{a * 1e3:.1f}", f"{r:.2f}x"] for n, b, a, r, _ in rows],
+            align="lrrr",
+        ),
     ]
-    lines += [f"| {n} | {b * 1e3:.1f} | {a * 1e3:.1f} | {r:.2f}x |" for n, b, a, r, _ in rows]
     lines += [
         "",
         "Machine (shared with other engineers' jobs while this ran):",

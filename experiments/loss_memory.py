@@ -29,6 +29,7 @@ import torch
 from benchmarks.machine import machine_info
 from data.argtypes import positive_int
 from launcher.config import load_run_config
+from launcher.tables import markdown_table
 from model.gpt import LOSS_CHUNK_LOGITS
 from parallel.memory import trace_peak
 
@@ -91,19 +92,36 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
         f"Machine: {info['cpu']} ({info['cores']} cores), {info['platform']}, Python {info['python']}, "
         f"torch {info['torch']}, GPU {info['gpu']}.",
         "",
-        "| model | recompute | whole (GiB) | chunked (GiB) | saved (GiB) | ratio | tokens/chunk | "
-        "activations + temporaries, whole -> chunked (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    act = lambda m: m.get("ACT", 0) + m.get("TEMP", 0)  # noqa: E731
+    table = []
     for r in rows:
         w, c = r["whole"], r["chunked"]
-        act = lambda m: m.get("ACT", 0) + m.get("TEMP", 0)  # noqa: E731
-        lines.append(
-            f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | {w['total'] / GiB:.2f} "
-            f"| {c['total'] / GiB:.2f} "
-            f"| {(w['total'] - c['total']) / GiB:.2f} | {c['total'] / w['total']:.2f} | {c['rows']} "
-            f"| {act(w) / GiB:.2f} -> {act(c) / GiB:.2f} |"
+        table.append(
+            [
+                r["preset"],
+                "full" if r["recompute"] else "none",
+                f"{w['total'] / GiB:.2f}",
+                f"{c['total'] / GiB:.2f}",
+                f"{(w['total'] - c['total']) / GiB:.2f}",
+                f"{c['total'] / w['total']:.2f}",
+                c["rows"],
+                f"{act(w) / GiB:.2f} -> {act(c) / GiB:.2f}",
+            ]
         )
+    lines += markdown_table(
+        [
+            "model",
+            "recompute",
+            "whole (GiB)",
+            "chunked (GiB)",
+            "saved (GiB)",
+            "ratio",
+            "tokens/chunk",
+            "activations + temporaries, whole -> chunked (GiB)",
+        ],
+        table,
+    )
     kinds = sorted(
         {k for r in rows for m in (r["whole"], r["chunked"]) for k in m if k not in ("total", "rows")}
     )
@@ -111,14 +129,21 @@ def report(rows: list[dict[str, Any]], micro_batch: int, seq: int, argv: list[st
         "",
         "Peak by MemTracker kind (GiB, whole / chunked):",
         "",
-        "| model | recompute | " + " | ".join(kinds) + " |",
-        "|---|---|" + "---|" * len(kinds),
+        *markdown_table(
+            ["model", "recompute", *kinds],
+            [
+                [
+                    r["preset"],
+                    "full" if r["recompute"] else "none",
+                    *(
+                        f"{r['whole'].get(k, 0) / GiB:.2f} / {r['chunked'].get(k, 0) / GiB:.2f}"
+                        for k in kinds
+                    ),
+                ]
+                for r in rows
+            ],
+        ),
     ]
-    for r in rows:
-        cells = [f"{r['whole'].get(k, 0) / GiB:.2f} / {r['chunked'].get(k, 0) / GiB:.2f}" for k in kinds]
-        lines.append(
-            f"| {r['preset']} | {'full' if r['recompute'] else 'none'} | " + " | ".join(cells) + " |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 GIB = 1024**3
 MIB = 1024**2
@@ -346,22 +347,43 @@ def _header_lines(micro_batch: int, seq: int, argv: Sequence[str], tiny: bool, u
 
 def _comparison_table(rows: Sequence[dict[str, Any]], scale: float) -> list[str]:
     """Estimate vs MemTracker per layout, ZeRO stage and recompute mode, with the pass verdict."""
-    lines = [
-        "| layout | model | ZeRO | recompute | formula activ. | dry-run activ. | MemTracker activ. | activ. ratio | "
-        "estimate | MemTracker | ratio | pass | dry-run total | estimate s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ok = not check([r])
-        lines.append(
-            f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} "
-            f"| {_size(r['formula_act'], scale)} "
-            f"| {_size(r['est_act'], scale)} | {_size(r['mt_act'], scale)} | {r['est_act'] / r['mt_act']:.3f} "
-            f"| {_size(r['est_total'], scale)} "
-            f"| {_size(r['mt_total'], scale)} | {r['est_total'] / r['mt_total']:.3f} | {'yes' if ok else '**NO**'} "
-            f"| {_size(r['dry_run_total'], scale)} | {r['estimate_s']:.1f} |"
-        )
-    return lines
+    return markdown_table(
+        [
+            "layout",
+            "model",
+            "ZeRO",
+            "recompute",
+            "formula activ.",
+            "dry-run activ.",
+            "MemTracker activ.",
+            "activ. ratio",
+            "estimate",
+            "MemTracker",
+            "ratio",
+            "pass",
+            "dry-run total",
+            "estimate s",
+        ],
+        [
+            [
+                r["layout"],
+                r["preset"],
+                r["zero"],
+                "full" if r["recompute"] else "none",
+                _size(r["formula_act"], scale),
+                _size(r["est_act"], scale),
+                _size(r["mt_act"], scale),
+                f"{r['est_act'] / r['mt_act']:.3f}",
+                _size(r["est_total"], scale),
+                _size(r["mt_total"], scale),
+                f"{r['est_total'] / r['mt_total']:.3f}",
+                "yes" if not check([r]) else "**NO**",
+                _size(r["dry_run_total"], scale),
+                f"{r['estimate_s']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _states_table(
@@ -378,19 +400,36 @@ def _states_table(
         "Dry runs (wall and CPU seconds of the whole command; CPU that other processes used meanwhile, in cores) "
         "and model states at ZeRO 2, ours vs DeepSpeed's `estimate_zero2_model_states_mem_needs`:",
         "",
-        "| layout | model | command | wall s | CPU s | other load (cores) | ZeRO-2 states | DeepSpeed | diff |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    table = []
     for s in states:
         cmd = shlex.join(["python", "-m", "launcher.dryrun", *[a for a in s["argv"][:-2]]])
         ds = s["deepspeed"]
-        others = "?" if s["others_cores"] is None else f"{s['others_cores']:.1f}"
-        diff = "-" if ds is None else f"{(s['ours'] - ds) / ds:+.1%}"
-        lines.append(
-            f"| {s['layout']} | {s['preset']} | `{cmd}` | {s['wall_s']:.1f} | {s['cpu_s']:.1f} | {others} "
-            f"| {_size(s['ours'], scale)} | {'-' if ds is None else _size(ds, scale)} | {diff} |"
+        table.append(
+            [
+                s["layout"],
+                s["preset"],
+                f"`{cmd}`",
+                f"{s['wall_s']:.1f}",
+                f"{s['cpu_s']:.1f}",
+                "?" if s["others_cores"] is None else f"{s['others_cores']:.1f}",
+                _size(s["ours"], scale),
+                "-" if ds is None else _size(ds, scale),
+                "-" if ds is None else f"{(s['ours'] - ds) / ds:+.1%}",
+            ]
         )
-    return lines
+    header = [
+        "layout",
+        "model",
+        "command",
+        "wall s",
+        "CPU s",
+        "other load (cores)",
+        "ZeRO-2 states",
+        "DeepSpeed",
+        "diff",
+    ]
+    return lines + markdown_table(header, table)
 
 
 def _fresh_lines(fresh: Sequence[dict[str, Any]]) -> list[str]:
@@ -426,15 +465,20 @@ def _kinds_table(rows: Sequence[dict[str, Any]], unit: str, scale: float) -> lis
         "",
         f"MemTracker's peak by kind ({unit}):",
         "",
-        "| layout | model | ZeRO | recompute | " + " | ".join(kinds) + " |",
-        "|---|---|---|---|" + "---|" * len(kinds),
+        *markdown_table(
+            ["layout", "model", "ZeRO", "recompute", *kinds],
+            [
+                [
+                    r["layout"],
+                    r["preset"],
+                    r["zero"],
+                    "full" if r["recompute"] else "none",
+                    *(_size(r["mt_kinds"].get(k, 0), scale) for k in kinds),
+                ]
+                for r in rows
+            ],
+        ),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['layout']} | {r['preset']} | {r['zero']} | {'full' if r['recompute'] else 'none'} | "
-            + " | ".join(_size(r["mt_kinds"].get(k, 0), scale) for k in kinds)
-            + " |"
-        )
     bad = check(rows)
     lines += ["", f"Rows outside {TOLERANCE:.0%}: " + ("none." if not bad else "; ".join(bad))]
     return lines

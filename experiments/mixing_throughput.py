@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -425,18 +426,31 @@ def write(result: dict, out: Path) -> None:
         f"Target: the batched pass never slower than sequential at any E, and at least {TARGET_VS_FORWARD}x "
         "the E forward passes at the largest E.",
         "",
-        "| torch threads | batched vs forward at E = max | batched vs sequential, lowest over E | others' CPU, cores "
-        "(max) | met |",
-        "|---|---|---|---|---|",
     ]
+    targets = []
     for run in runs:
         last, low = run["rows"][-1], min(r["speedup_vs_sequential"] for r in run["rows"])
         oc = [r["others"]["others_cores"] for r in run["rows"] if r["others"]["others_cores"] is not None]
         met = last["speedup_vs_forward"] >= TARGET_VS_FORWARD and low >= NOISE
-        lines.append(
-            f"| {run['threads']} | {last['speedup_vs_forward']:.2f}x (E = {last['experts']}) | {low:.3f}x | "
-            f"{_cores(max(oc) if oc else None)} | {'yes' if met else 'no'} |"
+        targets.append(
+            [
+                run["threads"],
+                f"{last['speedup_vs_forward']:.2f}x (E = {last['experts']})",
+                f"{low:.3f}x",
+                _cores(max(oc) if oc else None),
+                "yes" if met else "no",
+            ]
         )
+    lines += markdown_table(
+        [
+            "torch threads",
+            "batched vs forward at E = max",
+            "batched vs sequential, lowest over E",
+            "others' CPU, cores (max)",
+            "met",
+        ],
+        targets,
+    )
     lines += [
         "",
         "At E = 1 the batched and sequential paths run the same computation, so their ratio there is timing "
@@ -451,21 +465,44 @@ def _wall_table(rows: list[dict]) -> list[str]:
     lines = [
         "### Wall-clock time",
         "",
-        "| experts E (= top-k k) | batched s | sequential s | forward s | speed-up vs sequential | speed-up vs forward "
-        "| batched text tok/s | batched expert-tok/s | sequential expert-tok/s | forward expert-tok/s | others' CPU, "
-        "cores | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['experts']} | {r['batched_s']:.4f} | {r['sequential_s']:.4f} | {r['forward_s']:.4f} | "
-            f"{r['speedup_vs_sequential']:.2f}x | {r['speedup_vs_forward']:.2f}x | "
-            f"{r['batched_text_tok_s']:,.0f} | "
-            f"{r['batched_expert_tok_s']:,.0f} | {r['sequential_expert_tok_s']:,.0f} | "
-            f"{r['forward_expert_tok_s']:,.0f} | {_cores(r['others']['others_cores'])} | "
-            f"{r['loadavg_1m_start']:.2f} -> {r['loadavg_1m_end']:.2f} |"
-        )
-    return lines
+    header = [
+        "experts E (= top-k k)",
+        "batched s",
+        "sequential s",
+        "forward s",
+        "speed-up vs sequential",
+        "speed-up vs forward",
+        "batched text tok/s",
+        "batched expert-tok/s",
+        "sequential expert-tok/s",
+        "forward expert-tok/s",
+        "others' CPU, cores",
+        "load 1m",
+    ]
+    return lines + markdown_table(
+        header,
+        [
+            [
+                r["experts"],
+                *(f"{r[k]:.4f}" for k in ("batched_s", "sequential_s", "forward_s")),
+                f"{r['speedup_vs_sequential']:.2f}x",
+                f"{r['speedup_vs_forward']:.2f}x",
+                *(
+                    f"{r[k]:,.0f}"
+                    for k in (
+                        "batched_text_tok_s",
+                        "batched_expert_tok_s",
+                        "sequential_expert_tok_s",
+                        "forward_expert_tok_s",
+                    )
+                ),
+                _cores(r["others"]["others_cores"]),
+                f"{r['loadavg_1m_start']:.2f} -> {r['loadavg_1m_end']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _cpu_table(rows: list[dict]) -> list[str]:
@@ -473,17 +510,27 @@ def _cpu_table(rows: list[dict]) -> list[str]:
         "",
         "### Process CPU time (less sensitive to other load)",
         "",
-        "| experts E | batched CPU s | sequential CPU s | forward CPU s | speed-up vs sequential | "
-        "speed-up vs forward |",
-        "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['experts']} | {r['batched_cpu_s']:.4f} | {r['sequential_cpu_s']:.4f} | "
-            f"{r['forward_cpu_s']:.4f} | {r['cpu_speedup_vs_sequential']:.2f}x | "
-            f"{r['cpu_speedup_vs_forward']:.2f}x |"
-        )
-    return lines
+    header = [
+        "experts E",
+        "batched CPU s",
+        "sequential CPU s",
+        "forward CPU s",
+        "speed-up vs sequential",
+        "speed-up vs forward",
+    ]
+    return lines + markdown_table(
+        header,
+        [
+            [
+                r["experts"],
+                *(f"{r[k]:.4f}" for k in ("batched_cpu_s", "sequential_cpu_s", "forward_cpu_s")),
+                f"{r['cpu_speedup_vs_sequential']:.2f}x",
+                f"{r['cpu_speedup_vs_forward']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _rate_table(rows: list[dict], gm: dict) -> list[str]:
@@ -504,18 +551,30 @@ def _rate_table(rows: list[dict], gm: dict) -> list[str]:
         "same for every path); fraction = achieved / reference. Best possible speed-up vs forward = "
         "reference / forward's achieved rate: the most any implementation of these FLOPs could gain.",
         "",
-        "| experts E | batched GFLOP/s | sequential GFLOP/s | forward GFLOP/s | batched / GEMM | "
-        "sequential / GEMM | forward / GEMM | best possible speed-up vs forward |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['experts']} | {r['batched_gflop_s']:.1f} | {r['sequential_gflop_s']:.1f} | "
-            f"{r['forward_gflop_s']:.1f} | {r['batched_gemm_fraction']:.0%} | "
-            f"{r['sequential_gemm_fraction']:.0%} | {r['forward_gemm_fraction']:.0%} | "
-            f"{r['ceiling_vs_forward']:.2f}x |"
-        )
-    return lines
+    header = [
+        "experts E",
+        "batched GFLOP/s",
+        "sequential GFLOP/s",
+        "forward GFLOP/s",
+        "batched / GEMM",
+        "sequential / GEMM",
+        "forward / GEMM",
+        "best possible speed-up vs forward",
+    ]
+    paths = ("batched", "sequential", "forward")
+    return lines + markdown_table(
+        header,
+        [
+            [
+                r["experts"],
+                *(f"{r[p + '_gflop_s']:.1f}" for p in paths),
+                *(f"{r[p + '_gemm_fraction']:.0%}" for p in paths),
+                f"{r['ceiling_vs_forward']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _mib(v: float | None) -> str:
@@ -531,18 +590,31 @@ def _memory_table(rows: list[dict]) -> list[str]:
         "see the module docstring; measured in the first thread count's sweep only), next to the size the "
         "E x B x T x V float32 logits would have if materialised. Max |diff| is against the forward path.",
         "",
-        "| experts E | batched peak MiB | sequential peak MiB | forward peak MiB | E·B·T·V logits MiB | "
-        "max abs diff batched | max abs diff sequential | mixture maths s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        pk = r.get("peak_extra_mib") or {}
-        lines.append(
-            f"| {r['experts']} | {_mib(pk.get('batched'))} | {_mib(pk.get('sequential'))} | "
-            f"{_mib(pk.get('forward'))} | {r['full_logits_mib']:,.1f} | {r['max_abs_diff_batched']:.1e} | "
-            f"{r['max_abs_diff_sequential']:.1e} | {r['mixture_maths_s']:.4f} |"
-        )
-    return lines
+    header = [
+        "experts E",
+        "batched peak MiB",
+        "sequential peak MiB",
+        "forward peak MiB",
+        "E·B·T·V logits MiB",
+        "max abs diff batched",
+        "max abs diff sequential",
+        "mixture maths s",
+    ]
+    return lines + markdown_table(
+        header,
+        [
+            [
+                r["experts"],
+                *(_mib((r.get("peak_extra_mib") or {}).get(p)) for p in ("batched", "sequential", "forward")),
+                f"{r['full_logits_mib']:,.1f}",
+                f"{r['max_abs_diff_batched']:.1e}",
+                f"{r['max_abs_diff_sequential']:.1e}",
+                f"{r['mixture_maths_s']:.4f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _notes(result: dict) -> list[str]:

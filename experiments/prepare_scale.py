@@ -50,6 +50,7 @@ import psutil
 from data.argtypes import nonneg_int, positive_int, random_seed
 from data.atomic import atomic_path, write_json_atomic
 from data.tokenizer import sha256_file
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -585,20 +586,49 @@ def extrapolate(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| size | configuration | rc | wall s | MB/s | MB/s per core | x loop | CPU s | main peak RSS MB | tree "
-        "peak RSS MB | largest process MB | processes | prepare s | others' cores | loadavg before -> after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "size",
+        "configuration",
+        "rc",
+        "wall s",
+        "MB/s",
+        "MB/s per core",
+        "x loop",
+        "CPU s",
+        "main peak RSS MB",
+        "tree peak RSS MB",
+        "largest process MB",
+        "processes",
+        "prepare s",
+        "others' cores",
+        "loadavg before -> after",
     ]
-    for r in rows:
-        la = f"{' '.join(r['loadavg_before'].split()[:3])} -> {' '.join(r['loadavg_after'].split()[:3])}"
-        lines.append(
-            f"| {r['size']} | {r['config']} | {r['rc']} | {r['wall_s']} | {r['mb_per_s']} | "
-            f"{r['mb_per_s_per_core']} | {r['ratio_to_loop']} | {r['cpu_s']} | {r['main_peak_rss_mb']} | "
-            f"{r['tree_peak_rss_mb']} | {r['largest_process_peak_rss_mb']} | {r['max_processes']} | "
-            f"{r.get('internal_total_seconds')} | {r['others']['others_cores']} | {la} |"
-        )
-    return lines
+    keys = (
+        "size",
+        "config",
+        "rc",
+        "wall_s",
+        "mb_per_s",
+        "mb_per_s_per_core",
+        "ratio_to_loop",
+        "cpu_s",
+        "main_peak_rss_mb",
+        "tree_peak_rss_mb",
+        "largest_process_peak_rss_mb",
+        "max_processes",
+    )
+    return markdown_table(
+        header,
+        [
+            [
+                *(r[k] for k in keys),
+                r.get("internal_total_seconds"),
+                r["others"]["others_cores"],
+                f"{' '.join(r['loadavg_before'].split()[:3])} -> {' '.join(r['loadavg_after'].split()[:3])}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -664,12 +694,13 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             "",
             f"Peak tree RSS from {g[0]['smallest']} to {g[0]['largest']}:",
             "",
-            "| configuration | RSS smallest MB | RSS largest MB | change |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {x['config']} | {x['rss_smallest_mb']} | {x['rss_largest_mb']} | {x['change_pct']:+}% |"
-            for x in g
+            *markdown_table(
+                ["configuration", "RSS smallest MB", "RSS largest MB", "change"],
+                [
+                    [x["config"], x["rss_smallest_mb"], x["rss_largest_mb"], f"{x['change_pct']:+}%"]
+                    for x in g
+                ],
+            ),
         ]
     lines += _extrapolation_lines(result["extrapolation_100gb"])
     for r in (r for r in rows if r["rc"] != 0):
@@ -690,15 +721,33 @@ def _extrapolation_lines(e: list[dict[str, Any]]) -> list[str]:
             "that assumes per-core throughput holds at 64 cores (not measured here). Goals on 2 cores: "
             "with anonymisation >= 1.5x the tiktoken loop, without >= 1.8x.",
             "",
-            "| tokenizer | anonymise | MB/s (2 workers) | hours on 2 cores | MB/s per core | hours on 64 cores "
-            "(extrapolated) | x loop | goal | met |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {x['tokenizer']} | {'on' if x['anonymise'] else 'off'} | {x['mb_per_s_2_workers']} | "
-            f"{x['hours_2_cores']} | {x['mb_per_s_per_core']} | {x['hours_64_cores']} | {x['ratio_to_loop']} | "
-            f">= {x['goal']}x | {'met' if x['goal_met'] else 'not met'} |"
-            for x in e
+            *markdown_table(
+                [
+                    "tokenizer",
+                    "anonymise",
+                    "MB/s (2 workers)",
+                    "hours on 2 cores",
+                    "MB/s per core",
+                    "hours on 64 cores (extrapolated)",
+                    "x loop",
+                    "goal",
+                    "met",
+                ],
+                [
+                    [
+                        x["tokenizer"],
+                        "on" if x["anonymise"] else "off",
+                        x["mb_per_s_2_workers"],
+                        x["hours_2_cores"],
+                        x["mb_per_s_per_core"],
+                        x["hours_64_cores"],
+                        x["ratio_to_loop"],
+                        f">= {x['goal']}x",
+                        "met" if x["goal_met"] else "not met",
+                    ]
+                    for x in e
+                ],
+            ),
         ]
         if any(x["cores_measured"] < 2 for x in e):
             lines += ["", "Note: fewer than 2 cores were usable, so the 2-worker runs did not have 2 cores."]

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.machine import machine_info
 from data.argtypes import positive_float
+from launcher.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "artifacts" / "demo" / "tokens"
@@ -202,13 +203,15 @@ def _cost_lines(
         "",
         "Tokens per byte of the demo's test text: " + ", ".join(f"{k} {v:.3f}" for k, v in tpb.items()) + ".",
         "",
-        "| shape | vocabulary | tokens/s | bytes of text/s | vs chosen |",
-        "|---|---|---|---|---|",
     ]
     base = rates[(SHAPES[0].name, "sentencepiece 8k")] / tpb["sentencepiece 8k"]
-    for (s, v), r in rates.items():
-        lines.append(f"| {s} | {v} | {r:,.0f} | {r / tpb[v]:,.0f} | {r / tpb[v] / base:.2f}x |")
-    return lines
+    return lines + markdown_table(
+        ["shape", "vocabulary", "tokens/s", "bytes of text/s", "vs chosen"],
+        [
+            [s, v, f"{r:,.0f}", f"{r / tpb[v]:,.0f}", f"{r / tpb[v] / base:.2f}x"]
+            for (s, v), r in rates.items()
+        ],
+    )
 
 
 def _learn(
@@ -239,16 +242,30 @@ def _learning_lines(
         "that counts is the training loss after the same seconds of training (T = the shortest run's step "
         "time; mean of the last 3 logged intervals before T).",
         "",
-        "| shape | steps | tokens | training s (steps) | final val loss (nats/token) | train loss at T "
-        "| nats/byte at T |",
-        "|---|---|---|---|---|---|---|",
+        *markdown_table(
+            [
+                "shape",
+                "steps",
+                "tokens",
+                "training s (steps)",
+                "final val loss (nats/token)",
+                "train loss at T",
+                "nats/byte at T",
+            ],
+            [
+                [
+                    s.name,
+                    results[s.name]["steps"],
+                    f"{results[s.name]['steps'] * 2 * TOKENS_PER_RANK:,}",
+                    f"{results[s.name]['train_s']:.0f}",
+                    f"{results[s.name]['val_loss']:.3f}",
+                    f"{at[s.name]:.3f}",
+                    f"{at[s.name] * tpb['sentencepiece 8k']:.3f}",
+                ]
+                for s in SHAPES
+            ],
+        ),
     ]
-    for s in SHAPES:
-        r = results[s.name]
-        lines.append(
-            f"| {s.name} | {r['steps']} | {r['steps'] * 2 * TOKENS_PER_RANK:,} | {r['train_s']:.0f} | "
-            f"{r['val_loss']:.3f} | {at[s.name]:.3f} | {at[s.name] * tpb['sentencepiece 8k']:.3f} |"
-        )
     lines += [
         "",
         f"T = {T:.0f} s."

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = (("dense", 0), ("dense", 1), ("demix", 1))
@@ -204,18 +205,31 @@ def markdown(results: dict[str, Any]) -> str:
                 "launcher/state.py's assignment. The largest single file bounds the balance "
                 "(max <= mean + largest file).",
                 "",
-                "| model | GPUs | params | state GiB | old: busiest rank GiB | balanced: busiest rank GiB | "
-                "mean GiB | largest file GiB |",
-                "|---|---|---|---|---|---|---|---|",
             ]
-            for r in entry["rows"]:
-                gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
-                model = r["preset"] + (f" DEMix {r['domains']} domains" if r["kind"] == "demix" else " dense")
-                lines.append(
-                    f"| {model} | {r['gpus']} | {r['params']:,} | {gib(r['total_bytes'])} | "
-                    f"{gib(r['old_max_bytes'])} | {gib(r['new_max_bytes'])} | {gib(r['mean_bytes'])} | "
-                    f"{gib(r['largest_file'])} |"
-                )
+            gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+            lines += markdown_table(
+                [
+                    "model",
+                    "GPUs",
+                    "params",
+                    "state GiB",
+                    "old: busiest rank GiB",
+                    "balanced: busiest rank GiB",
+                    "mean GiB",
+                    "largest file GiB",
+                ],
+                [
+                    [
+                        r["preset"]
+                        + (f" DEMix {r['domains']} domains" if r["kind"] == "demix" else " dense"),
+                        r["gpus"],
+                        f"{r['params']:,}",
+                        *(gib(r[k]) for k in ("total_bytes", "old_max_bytes", "new_max_bytes", "mean_bytes")),
+                        gib(r["largest_file"]),
+                    ]
+                    for r in entry["rows"]
+                ],
+            )
             lines.append("")
             continue
         lines += [
@@ -226,19 +240,32 @@ def markdown(results: dict[str, Any]) -> str:
             f"Code: {entry['code']}. Machine: {entry['machine']['cores']} cores, {entry['machine']['cpu']}; "
             f"`cat /proc/loadavg` before: `{entry['loadavg_before']}`, after: `{entry['loadavg_after']}`.",
             "",
-            "| ranks | layout | params | MiB written by rank | param files by rank | max / mean (param files) "
-            "| largest file (MiB) | save s (median; rounds) |",
-            "|---|---|---|---|---|---|---|---|",
         ]
-        for r in entry["rows"]:
-            mib = " / ".join(f"{b / 2**20:.1f}" for b in r["bytes_by_rank"])
-            files = " / ".join(str(n) for n in r["param_files_by_rank"])
-            rounds = ", ".join(f"{s:.2f}" for s in r["save_seconds"])
-            lines.append(
-                f"| {r['world']} | {r['kind']} ZeRO {r['zero']} | {r['params']:,} | {mib} | {files} | "
-                f"{r['max_over_mean']:.2f} | {r['largest_file'] / 2**20:.1f} | "
-                f"{r['save_seconds_median']:.2f} ({rounds}) |"
-            )
+        lines += markdown_table(
+            [
+                "ranks",
+                "layout",
+                "params",
+                "MiB written by rank",
+                "param files by rank",
+                "max / mean (param files)",
+                "largest file (MiB)",
+                "save s (median; rounds)",
+            ],
+            [
+                [
+                    r["world"],
+                    f"{r['kind']} ZeRO {r['zero']}",
+                    f"{r['params']:,}",
+                    " / ".join(f"{b / 2**20:.1f}" for b in r["bytes_by_rank"]),
+                    " / ".join(str(n) for n in r["param_files_by_rank"]),
+                    f"{r['max_over_mean']:.2f}",
+                    f"{r['largest_file'] / 2**20:.1f}",
+                    f"{r['save_seconds_median']:.2f} ({', '.join(f'{s:.2f}' for s in r['save_seconds'])})",
+                ]
+                for r in entry["rows"]
+            ],
+        )
         lines.append("")
     return "\n".join(lines)
 

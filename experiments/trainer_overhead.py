@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.machine import machine_info
 from data.argtypes import positive_int
+from launcher.tables import markdown_table
 
 HIGH_LOAD = 1.5
 
@@ -211,16 +212,30 @@ def markdown(results: list[dict[str, Any]], command: str, machine: dict[str, Any
         "",
         f"Machine: {json.dumps(machine)}",
         "",
-        "| kind | params | update = micro x accum x seq | trainer s/update (median) | bare s/update (median) "
-        "| trainer / bare | load before / after |",
-        "|---|---|---|---|---|---|---|",
+        *markdown_table(
+            [
+                "kind",
+                "params",
+                "update = micro x accum x seq",
+                "trainer s/update (median)",
+                "bare s/update (median)",
+                "trainer / bare",
+                "load before / after",
+            ],
+            [
+                [
+                    r["kind"],
+                    f"{r['params']:,}",
+                    f"{r['micro_batch']} x {r['grad_accum']} x {r['seq_len']}",
+                    f"{r['median_trainer_s']:.4f}",
+                    f"{r['median_bare_s']:.4f}",
+                    f"**{r['ratio_trainer_over_bare']:.3f}**",
+                    f"{r['load_before']:.2f} / {r['load_after']:.2f}",
+                ]
+                for r in results
+            ],
+        ),
     ]
-    for r in results:
-        lines.append(
-            f"| {r['kind']} | {r['params']:,} | {r['micro_batch']} x {r['grad_accum']} x {r['seq_len']} | "
-            f"{r['median_trainer_s']:.4f} | {r['median_bare_s']:.4f} | **{r['ratio_trainer_over_bare']:.3f}** | "
-            f"{r['load_before']:.2f} / {r['load_after']:.2f} |"
-        )
     lines += [
         "",
         "The trainer's step is `launcher.train.train_step` on the DeepSpeed engine (ZeRO 0, fp32): forward, "

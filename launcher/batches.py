@@ -76,13 +76,25 @@ def expert_token_counts(expert_ids_B: torch.Tensor, mask_BT: torch.Tensor) -> di
     return out
 
 
+def expert_ids_of(mb: dict[str, Any]) -> torch.Tensor:
+    """The ids a micro-batch is routed by. A batch without them is an error, not a cue to route by its
+    `domain_ids`: the two differ whenever the experts come in another order than the data's domains."""
+    try:
+        return mb["expert_ids"]
+    except KeyError:
+        raise KeyError(
+            "micro-batch has no 'expert_ids' (the ids the model routes by; launcher.batches.to_model_batch sets "
+            "them): a batch built by hand must set them too, its 'domain_ids' are not used in their place"
+        ) from None
+
+
 def step_expert_tokens(micro: list[dict[str, Any]]) -> tuple[dict[int, float], float]:
     """(scored tokens per expert id, all scored tokens) over a step's micro-batches on this rank."""
     per: dict[int, float] = {}
     for mb in micro:
         counts = mb.get("expert_tokens")
         if counts is None:  # a batch built by hand (tests): count from its tensors
-            counts = expert_token_counts(mb.get("expert_ids", mb["domain_ids"]).cpu(), mb["loss_mask"].cpu())
+            counts = expert_token_counts(expert_ids_of(mb).cpu(), mb["loss_mask"].cpu())
         for e, n in counts.items():
             per[e] = per.get(e, 0.0) + n
     return per, sum(per.values())

@@ -23,6 +23,7 @@ from typing import Any
 from data.argtypes import positive_int
 from launcher.checkpoint import write_json_atomic
 from launcher.metrics import read_metrics
+from launcher.tables import markdown_table
 
 ARCHS = ("dense", "demix", "gshard")
 DEMIX_MODES = ("naive", "average", "uniform", "updating", "cached")
@@ -151,11 +152,14 @@ def _f(v: float | None, spec: str = ".1f") -> str:
 
 def markdown(report: dict) -> str:
     cols = report["columns"]
-    head = (
-        "| domain | role | "
-        + " | ".join(c.replace(":ppl", "").replace("demix:", "DEMix ") for c in cols)
-        + " |"
-    )
+    rows = []
+    for role in ("train", "novel"):
+        rows += [
+            [d, r, *(_f(report["perplexity"][d][c]) for c in cols)]
+            for d, r in report["roles"].items()
+            if r == role
+        ]
+        rows.append(["**average**", role, *(f"**{_f(report['averages'][role][c])}**" for c in cols)])
     lines = [
         f"# Demo: Dense vs DEMix vs GShard ({report['steps']} steps, {report['ranks']} CPU ranks)",
         "",
@@ -172,33 +176,36 @@ def markdown(report: dict) -> str:
         "reproduce` does that: every architecture, two seeds of Dense and DEMix, 64 blocks per domain, each of "
         "the paper's claims with a verdict and an interval (benchmarks/results/reproduce/report.md).",
         "",
-        head,
-        "|" + "---|" * (len(cols) + 2),
-    ]
-    for role in ("train", "novel"):
-        for d, r in report["roles"].items():
-            if r == role:
-                lines.append(
-                    f"| {d} | {r} | " + " | ".join(_f(report["perplexity"][d][c]) for c in cols) + " |"
-                )
-        lines.append(
-            f"| **average** | {role} | "
-            + " | ".join(f"**{_f(report['averages'][role][c])}**" for c in cols)
-            + " |"
-        )
-    lines += [
+        *markdown_table(
+            ["domain", "role", *(c.replace(":ppl", "").replace("demix:", "DEMix ") for c in cols)], rows
+        ),
         "",
-        "| model | parameters (total) | active per token | tokens/s | TFLOP/s/GPU (no recompute) | "
-        "TFLOP/s/GPU (recompute, paper) | step time (s) | final train loss |",
-        "|---|---|---|---|---|---|---|---|",
+        *markdown_table(
+            [
+                "model",
+                "parameters (total)",
+                "active per token",
+                "tokens/s",
+                "TFLOP/s/GPU (no recompute)",
+                "TFLOP/s/GPU (recompute, paper)",
+                "step time (s)",
+                "final train loss",
+            ],
+            [
+                [
+                    a,
+                    f"{t['params_total']:,}",
+                    f"{t['params_active']:,}",
+                    _f(t["tokens_per_s"], ".0f"),
+                    _f(t["tflops_per_gpu_no_recompute"], ".4f"),
+                    _f(t["tflops_per_gpu_recompute"], ".4f"),
+                    _f(t["step_time_s"], ".2f"),
+                    _f(t["final_train_loss"], ".3f"),
+                ]
+                for a, t in report["throughput"].items()
+            ],
+        ),
     ]
-    for a, t in report["throughput"].items():
-        lines.append(
-            f"| {a} | {t['params_total']:,} | {t['params_active']:,} | {_f(t['tokens_per_s'], '.0f')} | "
-            f"{_f(t['tflops_per_gpu_no_recompute'], '.4f')} | "
-            f"{_f(t['tflops_per_gpu_recompute'], '.4f')} | {_f(t['step_time_s'], '.2f')} | "
-            f"{_f(t['final_train_loss'], '.3f')} |"
-        )
     lines += ["", "Commands:", ""] + [f"- {a}: `{c}`" for a, c in report["commands"].items()]
     lines += ["", f"Total demo time: {report['seconds']} s."]
     return "\n".join(lines) + "\n"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from data.argtypes import positive_float, positive_int
-from data.cli import cli_main, exit_process
+from data.cli import cli_main, exit_process, usage_error
 from data.readers import read_yaml
 from launcher.config import ConfigError, RunConfig, load_run_config, parse_overrides
 from launcher.ffn_kinds import ffn_kind
@@ -405,8 +404,7 @@ def main(argv: Sequence[str] | None = None, deepspeed_config: DeepSpeedConfigFn 
         ConfigError,
         ValueError,
     ) as e:  # ValueError: a model that cannot be built (e.g. an unregistered kind)
-        print(f"error: dry run failed: {e}", file=sys.stderr)
-        return 2
+        return usage_error(f"dry run failed: {e}")
     _print_data(data)
     _print_report(cfg, topo, ranks, time.perf_counter() - start)
     memory = memory_report(cfg, topo, ranks, args.device, args.gpu_memory_gb)

@@ -44,7 +44,7 @@ import yaml
 from data.argtypes import check_host, host, host_filter, nonneg_int, positive_int
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic, write_text_atomic
-from data.cli import cli_main, exit_process
+from data.cli import cli_main, exit_process, usage_error
 from data.readers import InputFileError, read_text
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
@@ -542,15 +542,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_dir, cmd, env = prepare_run(args)
     except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     print(f"run dir: {run_dir}\ncommand: {shlex.join(cmd)}", file=sys.stderr)
     if args.dry_run:
         return 0
     problem = ssh_check_problem(args)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return usage_error(problem)
     # what rank 0 names after a preemption (a batch script may set its own: `sbatch ...`)
     env.setdefault(
         RESUME_ENV,

@@ -31,8 +31,8 @@ import torch
 from data.argtypes import host
 from data.argtypes import port as tcp_port
 from data.atomic import write_json_atomic
-from data.cli import exit_process
-from launcher.batches import build_rank_sampler, step_expert_tokens, to_model_batch
+from data.cli import exit_process, usage_error
+from launcher.batches import build_rank_sampler, expert_ids_of, step_expert_tokens, to_model_batch
 from launcher.checkpoint import CheckpointError
 from launcher.config import ConfigError, RunConfig, load_run_config
 from launcher.distributed import LaunchEnvError, ensure_env, start_distributed, training_device
@@ -531,7 +531,7 @@ def train_step(
     for i, mb in enumerate(micro):
         out = engine(
             mb["tokens"],
-            mb.get("expert_ids", mb["domain_ids"]),
+            expert_ids_of(mb),
             targets_BT=mb["targets"],
             loss_mask_BT=mb["loss_mask"],
             return_logits=False,
@@ -695,14 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             watch = install_preempt_watch(cfg.train.preempt_grace_s, 0 if rank0 else 1, run_dir)
             plan = make_plan(cfg, world, check_local_device=True)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return usage_error(e)
         prepare_op_cache()
         try:
             final = train(plan, run_dir, args.resume)
         except (ConfigError, CheckpointError, LaunchEnvError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return usage_error(e)
         except Preempted as e:
             if rank0:
                 print(watch.saved_line(e), file=sys.stderr, flush=True)

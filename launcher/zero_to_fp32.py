@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -103,8 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the output rule: a file or a dangling symbolic link at --out is refused
     check_output_dir(args.out, (), ())
     if args.out.exists():
-        print(f"error: {args.out} exists; choose a new --out (nothing is overwritten)", file=sys.stderr)
-        return 2
+        return usage_error(f"{args.out} exists; choose a new --out (nothing is overwritten)")
     try:
         out = convert(args.state, args.out)
     except (CheckpointError, OSError, json.JSONDecodeError) as e:

@@ -307,14 +307,6 @@ def _set_state(p: torch.Tensor, opt: torch.optim.Optimizer, key: str | None, val
         frag.copy_(value.narrow(0, a.start, a.numel).view_as(frag))
 
 
-def partitioned_state(p: torch.Tensor, optimizer: Any, key: str | None = None) -> torch.Tensor | None:
-    """Full fp32 master weight (key None) or optimizer state of a parameter of a ZeRO 1/2 / bf16 optimizer
-    (collective over its data-parallel group); None for parameters such an optimizer does not partition."""
-    if not ds_private.has_hp_mapping(p):
-        return None
-    return _full_state(p, _torch_optimizer(optimizer), key).view_as(p)
-
-
 @dataclass
 class _Master:
     """Where a model parameter's fp32 master lives: `numel` elements from `start` of `key`, the tensor the torch
@@ -483,8 +475,8 @@ class CSEController:
         try:
             while got < n_local:
                 b = batch_fn(i)
-                ids = b.get("expert_ids", b.get("domain_ids"))
-                self.model(b["tokens"], ids, return_logits=False)
+                # A CSE layer routes by its clusters, never by the batch's ids: none are passed.
+                self.model(b["tokens"], return_logits=False)
                 dev = b["tokens"].device
                 domains.append(
                     b.get("domain_ids", torch.full((b["tokens"].shape[0],), -1, device=dev)).to(dev)

@@ -6,9 +6,9 @@ expert parameters are tagged (`tag_expert_parameters`: `allreduce=False`, `group
 expert-data-parallel group of that name is bound to this rank's domain group (`register_with_deepspeed`), a
 parameter-free marker switches DeepSpeed's expert paths on (ds_private.py `moe_marker`), expert gradients are
 rescaled to their domain's mean (`ExpertGradScale`), and ZeRO 0's reduction runs here (`OverlappedGradReduce`);
-at ZeRO 1/2 DeepSpeed's optimizer reduces by the same tags and groups. One training step (`SYNC_TABLE`, rendered by
-`sync_table`; tests/multirank/test_sync_table.py counts the collectives of a real step on 4 gloo ranks, 2 domains
-x 2 ranks, and checks the gradient rows):
+at ZeRO 1/2 DeepSpeed's optimizer reduces by the same tags and groups. One training step (`SYNC_TABLE`, which
+tests/parallel/test_demix_sync.py renders into this table; tests/multirank/test_sync_table.py counts the
+collectives of a real step on 4 gloo ranks, 2 domains x 2 ranks, and checks the gradient rows):
 
 | ZeRO | kinds  | gradients     | collective | group            | per step   | where                       | scale    |
 |------|--------|---------------|------------|------------------|------------|-----------------------------|----------|
@@ -132,37 +132,6 @@ SYNC_TABLE: tuple[SyncRow, ...] = (
         "1/N_dp",
     ),
 )
-
-
-def sync_rows(zero: int, kind: str) -> list[SyncRow]:
-    """The rows that hold for one run (ZeRO stage, FFN kind)."""
-    return [r for r in SYNC_TABLE if zero in r.zero and (r.kinds == _ALL or kind in r.kinds)]
-
-
-def sync_table() -> str:
-    """`SYNC_TABLE` as the module docstring prints it (a test keeps the two equal)."""
-    head = ("ZeRO", "kinds", "gradients", "collective", "group", "per step", "where", "scale")
-    cells = [head] + [
-        (
-            "all" if r.zero == (0, 1, 2) else ", ".join(map(str, r.zero)),
-            ", ".join(r.kinds),
-            r.gradients,
-            r.collective,
-            r.group,
-            r.per_step,
-            r.where,
-            r.scale,
-        )
-        for r in SYNC_TABLE
-    ]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-
-    def line(c: tuple[str, ...]) -> str:
-        return "| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |"
-
-    return "\n".join(
-        [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(c) for c in cells[1:]]
-    )
 
 
 def is_expert_param(p: torch.Tensor) -> bool:

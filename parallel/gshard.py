@@ -333,24 +333,6 @@ def apply_gshard(model: GPT, cfg: ModelConfig, groups: Any) -> list[int]:
     return list(layout.local_experts)
 
 
-@torch.no_grad()
-def gather_gshard_state_dict(model: nn.Module, groups: Any = None) -> dict[str, torch.Tensor]:
-    """The plain GPT's state dict with every expert (`blocks.<i>.ffn.gate.weight`,
-    `blocks.<i>.ffn.experts.<id>.fc1.weight`, ...) at full (TP=1) shapes: experts gathered over each layer's
-    expert-parallel group, tensor-parallel shards over the TP group. Collective: every rank calls it (after the
-    engine is built); every rank gets the full dict, so it is for tests and small models: the export writes
-    each rank's own experts instead (`gshard_export_parts`). `groups` (our ProcessGroups) is needed only when
-    tp > 1."""
-    sd: dict[str, torch.Tensor] = {}
-    moe_prefixes = []
-    for name, module in model.named_modules():
-        if isinstance(module, DistributedGShardFFN):
-            moe_prefixes.append(name + ".")
-            sd.update(_gather_layer(module, name + "."))
-    sd.update(_non_expert_state(model, moe_prefixes, groups))
-    return sd
-
-
 def _non_expert_state(model: nn.Module, moe_prefixes: list[str], groups: Any) -> dict[str, torch.Tensor]:
     """Everything outside the MoE layers, TP shards gathered (a collective over the TP group when tp > 1)."""
     rest = [
@@ -410,21 +392,4 @@ def gshard_state_names(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]
                     f"{name}.experts.{e}.{pname}",
                     tuple(lay.edp_ranks),
                 )
-    return out
-
-
-def _gather_layer(layer: DistributedGShardFFN, prefix: str) -> dict[str, torch.Tensor]:
-    inner, lay = layer.moe.deepspeed_moe, layer.layout
-    out = {prefix + "gate.weight": inner.gate.wg.weight.detach().clone()}
-    local = [dict(m.state_dict()) for m in inner.experts.deepspeed_experts]
-    for pname in local[0]:
-        mine = torch.stack([sdict[pname].detach() for sdict in local]).contiguous()  # n_local x ...
-        if lay.ep_size > 1:
-            parts = [torch.empty_like(mine) for _ in range(lay.ep_size)]
-            dist.all_gather(parts, mine, group=inner.ep_group)
-        else:
-            parts = [mine]
-        for pos, block in enumerate(parts):
-            for j in range(lay.experts_per_rank):
-                out[f"{prefix}experts.{pos * lay.experts_per_rank + j}.{pname}"] = block[j].clone()
     return out

@@ -329,18 +329,13 @@ def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Full (TP=1-shaped) tensors from shards, and back
+# Full (TP=1-shaped) tensors from shards
 # ----------------------------------------------------------------------------------------------------
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     """True for a parameter sharded over the TP group (False for replicated ones)."""
     return bool(getattr(param, "tensor_model_parallel", False))
-
-
-def replicated_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters every TP rank holds whole (their gradients must agree across the group)."""
-    return [n for n, p in model.named_parameters() if not is_tensor_parallel(p)]
 
 
 def _gather(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -374,25 +369,3 @@ def gather_full_state_dict(model: nn.Module, tp_group: ProcessGroup) -> dict[str
     A collective: every rank of the group must call it. Loads into a plain GPT with strict=True."""
     items = [(k, v) for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")]
     return gather_tensors(items, tp_group)
-
-
-def gather_full_grads(model: nn.Module, tp_group: ProcessGroup) -> dict[str, torch.Tensor | None]:
-    """Each parameter's gradient at full (TP=1) shape, by parameter name (None where there is none).
-    A collective: every rank of the group must call it."""
-    return _gather_named(list(model.named_parameters()), lambda p: p.grad, tp_group)
-
-
-def shard_full_state_dict(
-    model: nn.Module, full_state: dict[str, torch.Tensor], tp_group: ProcessGroup
-) -> dict[str, torch.Tensor]:
-    """This rank's shards of a consolidated (plain GPT) state dict, ready for `model.load_state_dict`
-    on a tensor-parallel `model`. No communication."""
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
-            continue
-        if name not in full_state:
-            raise KeyError(f"consolidated state dict has no {name!r}")
-        full = full_state[name]
-        out[name] = _shard(full, t.partition_dim, tp_group) if is_tensor_parallel(t) else full
-    return out

@@ -72,7 +72,8 @@ def tiny_tokens(tmp_path_factory) -> Path:
 
 
 def random_lm_batch(seed: int, micro_batch: int, seq_len: int, vocab: int) -> dict:
-    """A seeded random micro-batch in the trainer's layout (tokens, next-token targets, domain 0, full loss mask)."""
+    """A seeded random micro-batch in the trainer's layout (tokens, next-token targets, domain 0 routed to expert 0,
+    full loss mask)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -81,6 +82,7 @@ def random_lm_batch(seed: int, micro_batch: int, seq_len: int, vocab: int) -> di
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": torch.zeros(micro_batch, dtype=torch.long),
+        "expert_ids": torch.zeros(micro_batch, dtype=torch.long),
         "loss_mask": torch.ones(micro_batch, seq_len),
     }
 

@@ -90,23 +90,34 @@ def _gshard_table(cmp: list[dict], rc: str) -> list[str]:
         f"Main table: recompute {rc}. Right: recompute none, what the reference `demix/train.sh` runs (no "
         "`--checkpoint-activations`); each refitted on Dense only.",
         "",
-        f"| size | paper TFLOPs/GPU | before ({rc}) | after ({rc}) "
-        "| t_gshard s: dispatch/combine + gating + padding + roofline + fp32 master "
-        "| after step s / paper-implied step s | before (none) | after (none) | mem GiB, recompute (none) |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in cmp:
-        terms = " + ".join(f"{r['after_' + k]:.3f}" for k in GSHARD_TERM_KEYS)
-        lines.append(
-            f"| {r['size']} | {r['paper_tflops_per_gpu']:g} "
-            f"| {r['before_tflops_per_gpu']:.1f} ({_pct(r['before_rel_err'])}) "
-            f"| {r['after_tflops_per_gpu']:.1f} ({_pct(r['after_rel_err'])}) | {terms} "
-            f"| {r['after_step_s']:.2f} / {r['paper_step_s']:.2f} "
-            f"| {r['none_before_tflops_per_gpu']:.1f} ({_pct(r['none_before_rel_err'])}) "
-            f"| {r['none_after_tflops_per_gpu']:.1f} ({_pct(r['none_after_rel_err'])}) "
-            f"| {r['none_after_memory_gib']:.1f}, {r['none_after_recompute']} |"
-        )
-    return lines
+    header = [
+        "size",
+        "paper TFLOPs/GPU",
+        f"before ({rc})",
+        f"after ({rc})",
+        "t_gshard s: dispatch/combine + gating + padding + roofline + fp32 master",
+        "after step s / paper-implied step s",
+        "before (none)",
+        "after (none)",
+        "mem GiB, recompute (none)",
+    ]
+    tflops = lambda r, at: f"{r[at + '_tflops_per_gpu']:.1f} ({_pct(r[at + '_rel_err'])})"  # noqa: E731
+    rows = [
+        [
+            r["size"],
+            f"{r['paper_tflops_per_gpu']:g}",
+            tflops(r, "before"),
+            tflops(r, "after"),
+            " + ".join(f"{r['after_' + k]:.3f}" for k in GSHARD_TERM_KEYS),
+            f"{r['after_step_s']:.2f} / {r['paper_step_s']:.2f}",
+            tflops(r, "none_before"),
+            tflops(r, "none_after"),
+            f"{r['none_after_memory_gib']:.1f}, {r['none_after_recompute']}",
+        ]
+        for r in cmp
+    ]
+    return lines + markdown_table(header, rows)
 
 
 def _terms_note(cmp: list[dict]) -> str:
@@ -264,20 +275,36 @@ def write_paper_report(
         "Mean |error| per arch (gshard: before → after the t_gshard terms), then each GShard point's error "
         "before → after.",
         "",
-        "| cluster | e(h) form | overlap | recompute | dense | demix | gshard | GShard 125M / 350M / 760M / 1.3B |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     sizes = ("125M", "350M", "760M", "1.3B")
-    lines += [
-        f"| {s['cluster']} | {s['efficiency_form']} | {s['overlap']:.0%} | {s['recompute']} | "
-        + f"{100 * s['dense_mean_abs_err']:.1f}% | {100 * s['demix_mean_abs_err']:.1f}% | "
-        + f"{100 * s['gshard_mean_abs_err_before']:.1f}% → {100 * s['gshard_mean_abs_err']:.1f}% | "
-        + " / ".join(
-            f"{100 * s[f'{z}_gshard_err_before']:+.0f}% → {100 * s[f'{z}_gshard_err']:+.0f}%" for z in sizes
-        )
-        + " |"
-        for s in sens
-    ]
+    lines += markdown_table(
+        [
+            "cluster",
+            "e(h) form",
+            "overlap",
+            "recompute",
+            "dense",
+            "demix",
+            "gshard",
+            "GShard 125M / 350M / 760M / 1.3B",
+        ],
+        [
+            [
+                s["cluster"],
+                s["efficiency_form"],
+                f"{s['overlap']:.0%}",
+                s["recompute"],
+                f"{100 * s['dense_mean_abs_err']:.1f}%",
+                f"{100 * s['demix_mean_abs_err']:.1f}%",
+                f"{100 * s['gshard_mean_abs_err_before']:.1f}% → {100 * s['gshard_mean_abs_err']:.1f}%",
+                " / ".join(
+                    f"{100 * s[f'{z}_gshard_err_before']:+.0f}% → {100 * s[f'{z}_gshard_err']:+.0f}%"
+                    for z in sizes
+                ),
+            ]
+            for s in sens
+        ],
+    )
     md_path.write_text("\n".join(lines) + "\n\n" + REPORT_NOTES + "\n")
     return md_path, json_path
 

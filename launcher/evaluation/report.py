@@ -13,6 +13,7 @@ import numpy as np
 
 from data.atomic import staged_dir, write_json_atomic
 from launcher.evaluation.stats import bootstrap_mean_ppl, bootstrap_ppl
+from launcher.tables import markdown_table
 
 # What `write_outputs` writes into --out (figures by launcher/evaluation/figures.py).
 EVAL_FILES = ("eval.json", "eval.md", "posteriors.png", "specialisation.png")
@@ -73,8 +74,10 @@ def markdown_report(results: dict[str, Any]) -> str:
     for role, title in (("train", "Training domains (cf. Table 4)"), ("novel", "Novel domains")):
         lines += _domain_table(results, label, role, title)
     t = results["tables"]
-    lines += ["", "## Novel-domain average perplexity (cf. Table 5)", "", "| model | avg ppl |", "|---|---|"]
-    lines += [f"| {label(m)} | {_fmt(t['novel_average'][m])} |" for m in results["modes"]]
+    lines += ["", "## Novel-domain average perplexity (cf. Table 5)", ""]
+    lines += markdown_table(
+        ["model", "avg ppl"], [[label(m), _fmt(t["novel_average"][m])] for m in results["modes"]]
+    )
     return "\n".join(lines + _expert_notes(results["domains"])) + "\n"
 
 
@@ -125,19 +128,18 @@ def _header(results: dict[str, Any]) -> list[str]:
 def _in_domain_table(results: dict[str, Any], label: Callable[[str], str]) -> list[str]:
     """Table 3: the average over the training domains, with its 95 % interval."""
     t = results["tables"]
-    lines = [
-        "## In-domain average perplexity (cf. Table 3)",
-        "",
-        "| model | avg ppl | 95% interval (blocks) |",
-        "|---|---|---|",
-    ]
     ci = t.get("in_domain_average_ci", {})
-    return lines + [
-        f"| {label(m)} | {_fmt(t['in_domain_average'][m])} | "
-        + (f"{_fmt(ci[m][0])} – {_fmt(ci[m][1])}" if m in ci else "–")
-        + " |"
-        for m in results["modes"]
-    ]
+    return ["## In-domain average perplexity (cf. Table 3)", ""] + markdown_table(
+        ["model", "avg ppl", "95% interval (blocks)"],
+        [
+            [
+                label(m),
+                _fmt(t["in_domain_average"][m]),
+                f"{_fmt(ci[m][0])} – {_fmt(ci[m][1])}" if m in ci else "–",
+            ]
+            for m in results["modes"]
+        ],
+    )
 
 
 def _domain_table(results: dict[str, Any], label: Callable[[str], str], role: str, title: str) -> list[str]:
@@ -147,25 +149,20 @@ def _domain_table(results: dict[str, Any], label: Callable[[str], str], role: st
     names = [d for d, r in doms.items() if r["role"] == role]
     if not names:
         return []
-    lines = [
-        "",
-        f"## {title}",
-        "",
-        "| model | " + " | ".join(names) + " | avg |",
-        "|---" * (len(names) + 2) + "|",
+    avg = "in_domain_average" if role == "train" else "novel_average"
+    rows = [
+        [label(m), *(_fmt(doms[d]["ppl"].get(m)) for d in names), _fmt(t[avg][m])] for m in results["modes"]
     ]
-    for m in results["modes"]:
-        cells = [_fmt(doms[d]["ppl"].get(m)) for d in names]
-        avg = t["in_domain_average" if role == "train" else "novel_average"][m]
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
     if any("unigram" in doms[d] for d in names):
         uni = t.get("unigram_in_domain_average" if role == "train" else "unigram_novel_average")
-        lines.append(
-            "| unigram (own train split) | "
-            + " | ".join(_fmt(doms[d]["unigram"]["ppl"]) if "unigram" in doms[d] else "–" for d in names)
-            + f" | {_fmt(uni)} |"
+        rows.append(
+            [
+                "unigram (own train split)",
+                *(_fmt(doms[d]["unigram"]["ppl"]) if "unigram" in doms[d] else "–" for d in names),
+                _fmt(uni),
+            ]
         )
-    return lines
+    return ["", f"## {title}", ""] + markdown_table(["model", *names, "avg"], rows)
 
 
 def _expert_notes(doms: dict[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ from launcher.harness.lm_eval_runner import harness_metrics
 from launcher.harness.model_args import expert_names
 from launcher.harness.task_folder import read_task_documents, verify_tasks_dir
 from launcher.harness.tasks import PPL_PREFIX
+from launcher.tables import markdown_table
 
 # the demix model_args `evaluate_documents` must be told too, to compute the same thing
 SHARED_ARGS = ("posterior", "cached_estimator", "cached_blocks", "decay", "topk", "dev_split")
@@ -92,14 +93,22 @@ def _compare_rows(
 def print_check(res: dict[str, Any], out: Any = None) -> None:
     """The table of `check`'s rows, then the hf export's numbers when there are any."""
     out = out or sys.stdout
-    print("| domain | mode | tokens | harness token ppl | evaluate_documents ppl | rel. diff |", file=out)
-    print("|---|---|---|---|---|---|", file=out)
-    for r in res["rows"]:
-        print(
-            f"| {r['domain']} | {r['mode']} | {r['tokens']} | {r['harness']:.6f} | {r['evaluate_documents']:.6f} | "
-            f"{r['rel_diff']:.2e} |",
-            file=out,
-        )
+    table = markdown_table(
+        ["domain", "mode", "tokens", "harness token ppl", "evaluate_documents ppl", "rel. diff"],
+        [
+            [
+                r["domain"],
+                r["mode"],
+                r["tokens"],
+                f"{r['harness']:.6f}",
+                f"{r['evaluate_documents']:.6f}",
+                f"{r['rel_diff']:.2e}",
+            ]
+            for r in res["rows"]
+        ],
+    )
+    for line in table:
+        print(line, file=out)
     if "hf" in res:
         h = res["hf"]
         print(f"\nhf export of {h['domain']} (max |logit diff| vs ours {h['max_abs_logit_diff']}):", file=out)

@@ -8,6 +8,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from launcher.tables import markdown_table
+
 
 @dataclass(frozen=True)
 class Block:
@@ -32,8 +34,7 @@ def to_markdown(blocks: Sequence[Block]) -> str:
         elif b.header:
             out.append(
                 "\n".join(
-                    ["| " + " | ".join(cell(h) for h in b.header) + " |", "|---" * len(b.header) + "|"]
-                    + ["| " + " | ".join(cell(c) for c in row) + " |" for row in b.rows]
+                    markdown_table([cell(h) for h in b.header], [[cell(c) for c in row] for row in b.rows])
                 )
             )
         elif b.code is not None:

@@ -51,6 +51,7 @@ def _batch(rank: int, i: int) -> dict[str, torch.Tensor]:
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": dom,
+        "expert_ids": dom,
         "loss_mask": torch.ones(MB, SEQ),
     }
 
@@ -60,9 +61,10 @@ def _worker(rank: int, world: int, zeros: tuple):
     from launcher.train import train_step
     from model.cse import cse_layers
     from model.gpt import GPT
-    from parallel.cse import CSEController, partitioned_state
+    from parallel.cse import CSEController
     from parallel.groups import ProcessGroups
     from parallel.topology import build_topology
+    from tests.harness.full_state import partitioned_state
 
     topo = build_topology(world, 1, 1)
     out = {}

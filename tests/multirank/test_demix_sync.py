@@ -66,6 +66,7 @@ def _batch(dp_rank: int, step: int, micro: int, domains: tuple) -> dict[str, tor
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": doms,
+        "expert_ids": doms,  # one expert per domain, in the domains' order
         "loss_mask": torch.ones(MB, SEQ),
     }
 

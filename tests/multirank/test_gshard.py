@@ -68,6 +68,7 @@ def _batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "domain_ids": torch.zeros(MB, dtype=torch.long),
+        "expert_ids": torch.zeros(MB, dtype=torch.long),
         "loss_mask": torch.ones(MB, SEQ),
     }
 
@@ -88,8 +89,9 @@ def _run_layout(rank: int, world: int, experts: int, zero: int, policy: str, tp:
     from launcher.train import train_step
     from model.gpt import GPT
     from parallel.groups import ProcessGroups
-    from parallel.gshard import DistributedGShardFFN, gather_gshard_state_dict
+    from parallel.gshard import DistributedGShardFFN
     from parallel.topology import build_topology
+    from tests.harness.full_state import gather_gshard_state_dict
 
     cfg = _cfg(experts, zero, policy, tp)
     groups = ProcessGroups.create(build_topology(world, tp, 1))

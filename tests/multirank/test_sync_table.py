@@ -15,8 +15,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from parallel.demix_sync import SyncRow, sync_rows
+from parallel.demix_sync import SyncRow
 from tests.harness.multirank import run_ranks
+from tests.harness.sync_table import sync_rows
 from tests.multirank.test_demix_sync import GAS, _batch, _cfg
 
 RUNS = (("demix", (0, 1, 2)), ("dense", (0, 1)))

@@ -62,13 +62,8 @@ def _scenario(cfg: ModelConfig, expert_ids, domains, group, seed: int, perturb: 
     """One parity check on one TP group: forward, loss, every gradient, replicated grads, checkpoint round trip."""
     import torch.distributed as dist
 
-    from parallel.tensor_parallel import (
-        apply_tensor_parallel,
-        gather_full_grads,
-        gather_full_state_dict,
-        replicated_parameter_names,
-        shard_full_state_dict,
-    )
+    from parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
+    from tests.harness.full_state import gather_full_grads, replicated_parameter_names, shard_full_state_dict
 
     tp = group.size()
     torch.manual_seed(seed)
@@ -137,7 +132,8 @@ def _scenario(cfg: ModelConfig, expert_ids, domains, group, seed: int, perturb: 
 def _autocast_scenario(cfg: ModelConfig, group, seed: int) -> dict:
     """CPU bf16 autocast (DeepSpeed's torch_autocast on CPU): runs, fp32 master grads, close to TP=1 autocast.
     Also: a TP model deep-copies once the group is put in the memo (a ProcessGroup cannot be copied)."""
-    from parallel.tensor_parallel import apply_tensor_parallel, gather_full_grads
+    from parallel.tensor_parallel import apply_tensor_parallel
+    from tests.harness.full_state import gather_full_grads
 
     torch.manual_seed(seed)
     ref = GPT(cfg, tensor_parallel=group.size())
@@ -165,7 +161,8 @@ def _autocast_scenario(cfg: ModelConfig, group, seed: int) -> dict:
 def _chunked_loss_scenario(cfg: ModelConfig, group, seed: int) -> dict:
     """The chunked vocab-parallel loss (return_logits=False, 7 tokens per chunk: 128 rows do not divide) against
     the same TP model's unchunked loss and against TP=1, with a loss mask and ignored targets."""
-    from parallel.tensor_parallel import apply_tensor_parallel, gather_full_grads
+    from parallel.tensor_parallel import apply_tensor_parallel
+    from tests.harness.full_state import gather_full_grads
 
     torch.manual_seed(seed)
     ref = _randomised(GPT(cfg, tensor_parallel=group.size()), seed)

@@ -60,7 +60,7 @@ def _batch(i: int) -> dict[str, torch.Tensor]:
 def _fp32_state(p: nn.Parameter, optimizer: Any) -> dict[str, torch.Tensor]:
     """p's fp32 master weight and Adam moments, read straight from whichever wrapper holds them (independently of
     parallel/cse.py's own lookup, except for ZeRO's partitions)."""
-    from parallel.cse import partitioned_state
+    from tests.harness.full_state import partitioned_state
 
     if hasattr(p, "_hp_mapping"):  # ZeRO 1/2: flat fp32 partitions
         return {k: partitioned_state(p, optimizer, None if k == "master" else k).clone() for k in KEYS}

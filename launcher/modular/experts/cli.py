@@ -74,8 +74,7 @@ def run_demo(args: argparse.Namespace) -> int:
         str(p) for p in (demix, dense) if not (p / "meta.json").is_file() or not (p / "model.pt").is_file()
     ]
     if missing:
-        print(f"error: missing demo checkpoints {missing}: run `make demo` first", file=sys.stderr)
-        return 2
+        return usage_error(f"missing demo checkpoints {missing}: run `make demo` first")
     t0 = time.perf_counter()
     _, added = add_expert(demix, args.domain, out / "demix-added", dev_blocks=args.dev_blocks)
     print(

@@ -10,6 +10,7 @@ from data.atomic import staged_dir
 from data.cli import check_output_dir
 from launcher.checkpoint import write_json_atomic
 from launcher.modular.experts.tables import pct_change
+from launcher.tables import markdown_table
 
 
 def adaptation_markdown(r: dict[str, Any]) -> str:
@@ -19,10 +20,13 @@ def adaptation_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"### Adding experts (Table 6 shape): average perplexity, cached-prior mixture; new: {new}",
         "",
-        f"| domains | {dm['experts_before']} experts | {dm['experts_after']} experts (DEMix-DAPT) |",
-        "|---|---|---|",
-        f"| training | {dm['train_before']:.2f} | {dm['train_after']:.2f} |",
-        f"| novel (added) | {dm['novel_before']:.2f} | {dm['novel_after']:.2f} |",
+        *markdown_table(
+            ["domains", f"{dm['experts_before']} experts", f"{dm['experts_after']} experts (DEMix-DAPT)"],
+            [
+                ["training", f"{dm['train_before']:.2f}", f"{dm['train_after']:.2f}"],
+                ["novel (added)", f"{dm['novel_before']:.2f}", f"{dm['novel_after']:.2f}"],
+            ],
+        ),
         "",
         "### Forgetting (Table 13 shape): change in average perplexity after DAPT",
         "",
@@ -33,22 +37,40 @@ def adaptation_markdown(r: dict[str, Any]) -> str:
         "",
         "### Per domain: perplexity before -> after",
         "",
-        "| domain | role | Dense | Dense-DAPT | DEMix (mix) | DEMix-DAPT (mix) | own expert before | "
-        "own expert after |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     rows = r["per_domain"]
+    table = []
     for d in r["train_domains"] + r["new_domains"]:
         role = "new" if d in r["new_domains"] else "train"
         own = (
-            f"{rows['demix_before_own_expert'][d]:.2f} | {rows['demix_after_own_expert'][d]:.2f}"
+            [f"{rows['demix_before_own_expert'][d]:.2f}", f"{rows['demix_after_own_expert'][d]:.2f}"]
             if role == "train"
-            else "- | -"
+            else ["-", "-"]
         )
-        lines.append(
-            f"| {d} | {role} | {rows['dense_before'][d]:.2f} | {rows['dense_after'][d]:.2f} | "
-            f"{rows['demix_before'][d]:.2f} | {rows['demix_after'][d]:.2f} | {own} |"
+        table.append(
+            [
+                d,
+                role,
+                *(
+                    f"{rows[k][d]:.2f}"
+                    for k in ("dense_before", "dense_after", "demix_before", "demix_after")
+                ),
+                *own,
+            ]
         )
+    lines += markdown_table(
+        [
+            "domain",
+            "role",
+            "Dense",
+            "Dense-DAPT",
+            "DEMix (mix)",
+            "DEMix-DAPT (mix)",
+            "own expert before",
+            "own expert after",
+        ],
+        table,
+    )
     lines += [
         "",
         f"Own-expert perplexity on training domains changed by at most {r['own_expert_max_abs_change']:.2e} "
@@ -59,33 +81,35 @@ def adaptation_markdown(r: dict[str, Any]) -> str:
 
 
 def removal_markdown(r: dict[str, Any]) -> str:
+    rows = [
+        [d, f"{row['plus_expert']:.2f}", f"{row['minus_expert']:.2f}", f"{row['change_pct']:+.1f}%"]
+        for d, row in r["per_domain"].items()
+    ]
+    a = r["average"]
+    if a:
+        rows.append(
+            [
+                "**average**",
+                f"{a['plus_expert']:.2f}",
+                f"{a['minus_expert']:.2f}",
+                f"{pct_change(a['minus_expert'], a['plus_expert']):+.1f}%",
+            ]
+        )
     lines = [
         "### Removing experts (Table 7 shape): cached-prior mixture perplexity",
         "",
-        "| domain | +Expert | -Expert | change |",
-        "|---|---|---|---|",
+        *markdown_table(["domain", "+Expert", "-Expert", "change"], rows),
     ]
-    for d, row in r["per_domain"].items():
-        lines.append(
-            f"| {d} | {row['plus_expert']:.2f} | {row['minus_expert']:.2f} | {row['change_pct']:+.1f}% |"
-        )
-    a = r["average"]
-    if a:
-        lines.append(
-            f"| **average** | {a['plus_expert']:.2f} | {a['minus_expert']:.2f} | "
-            f"{pct_change(a['minus_expert'], a['plus_expert']):+.1f}% |"
-        )
     if r.get("matrix"):
         doms = r["evaluated_domains"]
         lines += [
             "",
             "### Removing each expert: perplexity change on every domain (rows: expert removed)",
             "",
-            "| removed \\ domain | " + " | ".join(doms) + " |",
-            "|---" * (len(doms) + 1) + "|",
-        ]
-        lines += [
-            f"| -{e} | " + " | ".join(f"{r['matrix'][e][d]:+.1f}%" for d in doms) + " |" for e in r["experts"]
+            *markdown_table(
+                ["removed \\ domain", *doms],
+                [[f"-{e}", *(f"{r['matrix'][e][d]:+.1f}%" for d in doms)] for e in r["experts"]],
+            ),
         ]
         own, other = r.get("own_change_mean"), r.get("other_change_mean")
         lines += [

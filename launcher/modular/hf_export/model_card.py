@@ -10,6 +10,7 @@ from typing import Any
 
 from data.readers import read_json_object
 from launcher.checkpoint import CheckpointError, Consolidated, read_meta
+from launcher.tables import markdown_table
 
 
 def eval_json_candidates(checkpoint: str | Path, exclude: Sequence[str] = ()) -> list[Path]:
@@ -74,18 +75,14 @@ def eval_table(eval_json: Path | None, domain: str | None, looked: Sequence[Path
             "domain's own expert, `cached` = the expert mixture with the cached prior, DEMix §5; unigram = the "
             f"domain's own unigram model; from `{eval_json}`):",
             "",
-            "| domain | role | " + " | ".join(modes) + " | unigram |",
-            "|---|---|" + "---|" * (len(modes) + 1),
         ]
+        rows = []
         for d, r in sorted(res["domains"].items()):
             mark = " (this export)" if d == domain else ""
-            vals = " | ".join(f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes)
+            vals = [f"{r['ppl'][m]:.2f}" if m in r.get("ppl", {}) else "–" for m in modes]
             uni = r.get("unigram", {}).get("ppl")
-            lines.append(
-                f"| {d}{mark} | {r['role']} | {vals} | {uni:.2f} |"
-                if uni
-                else f"| {d}{mark} | {r['role']} | {vals} | – |"
-            )
+            rows.append([f"{d}{mark}", r["role"], *vals, f"{uni:.2f}" if uni else "–"])
+        lines += markdown_table(["domain", "role", *modes, "unigram"], rows)
     except (LookupError, TypeError, AttributeError, ValueError) as e:
         raise CheckpointError(
             f"{eval_json} (the source's evaluation): an entry of the wrong shape "
