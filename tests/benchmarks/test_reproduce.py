@@ -28,6 +28,7 @@ def test_budget_files_load_and_bad_keys_are_named(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every arm launched, then resumed: make test-long
 def test_smoke_budget_end_to_end_and_resumed(tmp_path: Path, tiny_tokens: Path, capsys):
     budget = {
         "steps": 4,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from data.blocks import SPLITS, open_indexed
 
@@ -56,6 +57,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.long  # a whole pipeline through the launcher: make test-long
 def test_own_corpus_ingest_prepare_launch_evaluate_report(tmp_path):
     work = tmp_path / "work"  # every command runs here: relative defaults cannot reach the repository's demo
     work.mkdir()

@@ -211,6 +211,7 @@ def test_dapt_overrides_follow_the_paper(demix_ckpt, dense_ckpt, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two launched DAPT runs: make test-long
 def test_demix_dapt_trains_only_the_new_expert_and_dense_dapt_forgets(
     demix_ckpt, dense_ckpt, tiny_tokens, tmp_path
 ):
