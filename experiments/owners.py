@@ -162,7 +162,8 @@ def markdown(rep: dict[str, Any]) -> str:
     lines = [
         "# Experts from owners who share no data (demo corpus)",
         "",
-        f"Command: `{rep['command']}`; machine load before: {rep['load_before']}; {rep['seconds']:.0f} s in all.",
+        f"Command: `{rep['command']}`; machine load before this (last) invocation: {rep['load_before']}. Stages "
+        "finished by an earlier invocation of the same settings are reused.",
         "",
         f"Anchor: DEMix on {', '.join(ANCHOR_DOMAINS)}, {a['anchor_steps']} steps on {a['nproc']} ranks. Owners "
         f"({', '.join(OWNER_DOMAINS)}): each `experts train-owner` from the anchor, {a['owner_steps']} steps on "
@@ -171,15 +172,17 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{a['max_blocks']} blocks per domain; mean perplexity of each group of domains, 95 % bootstrap interval "
         "over blocks.",
         "",
-        table,
+        *table,
         "",
         "Per domain:",
         "",
-        per,
+        *per,
         "",
         "Opt-out: " + rep["opt_out"],
         "",
-        rep.get("reading", ""),
+        "Modes: naive (the domain's own expert; a novel domain's best single expert), average, uniform/updating/cached "
+        "(the DEMix posterior with that prior), topk (k = 2 by the cached prior), router (router vectors, τ = "
+        f"{rep['router_temperature']}), router_posterior (the posterior with the router weights as its prior).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -221,7 +224,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "joint": evaluate(joint, out / "eval-joint", mb),
         "dense-dapt": evaluate(dapt, out / "eval-dense-dapt", mb),
     }
-    demix_modes = ["naive", "uniform", "updating", "cached", "router", "router_posterior"]
+    demix_modes = ["naive", "average", "uniform", "updating", "cached", "topk", "router", "router_posterior"]
     rows = []
     for name, res in evals.items():
         rows += arm_rows(name, res, ["ppl"] if res["kind"] == "dense" else demix_modes)
@@ -246,6 +249,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "load_before": load,
         "rows": rows,
         "opt_out": opt_line,
+        "router_temperature": evals["merged"].get("router_temperature"),
         "audit": a,
         "seconds": time.perf_counter() - t0,
     }
