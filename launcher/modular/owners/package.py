@@ -37,18 +37,17 @@ from launcher.checkpoint import (
     read_meta,
     save_hashed,
 )
+from launcher.expert_surgery import EXPERT_KEY
 from launcher.ffn_kinds import ffn_kind
 from launcher.modular.owners.fingerprint import anchor_fingerprint, first_difference
 from launcher.typed import to_dict
 from model.config import SHAPE_FIELDS
-from model.gpt import expert_of_key
 
 PACKAGE_FORMAT = "demix-expert-package/1"
 MANIFEST = "manifest.json"
 EXPERT_FILE = "expert.pt"
 DEV_BLOCKS = 32  # held-out blocks of the owner's data for its dev perplexity
 ROUTER_BLOCKS = 64  # training blocks of the owner's data averaged into its router vector
-_EXPERT_TENSOR = re.compile(r"^(blocks\.\d+\.ffn\.)experts\.\d+\.(.+)$")
 _PACKAGED_TENSOR = re.compile(r"^(blocks\.\d+\.ffn\.)expert\.(.+)$")
 
 
@@ -85,9 +84,9 @@ def packaged_tensors(state: Mapping[str, torch.Tensor], expert_id: int) -> dict[
     """Expert `expert_id`'s tensors of a DEMix state dict, re-keyed `blocks.<l>.ffn.expert.<name>`."""
     out = {}
     for k, v in state.items():
-        m = _EXPERT_TENSOR.match(k)
-        if m is not None and expert_of_key(k) == expert_id:
-            out[f"{m.group(1)}expert.{m.group(2)}"] = v
+        m = EXPERT_KEY.match(k)  # blocks.<l>.ffn.experts.<id>.<name>
+        if m is not None and int(m.group(2)) == expert_id:
+            out[f"{m.group(1).removesuffix('experts.')}expert{m.group(3)}"] = v
     return out
 
 
